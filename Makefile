@@ -1,0 +1,26 @@
+# Two commands: `make run` serves on 127.0.0.1:8000, `make test` passes the tests.
+# Both build .venv from the pinned requirements first; nothing else is needed but python3.11 and make.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: run test bench loadtest lint clean
+
+$(VENV)/.run-stamp: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+$(VENV)/.dev-stamp: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $(VENV)/.run-stamp $@
+
+run: $(VENV)/.run-stamp
+	$(PY) -m service
+
+test: $(VENV)/.dev-stamp
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
