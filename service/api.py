@@ -39,7 +39,7 @@ def load(schema_cls):
 
 def cost(job) -> dict:
     model = current_app.extensions["attention.cost"]
-    return {"flops": job.flops, "score_elements": job.score_elements, "predicted_ms": round(model.predict(job.flops, job.score_elements), 3)}
+    return {"flops": job.flops, "score_elements": job.score_elements, "predicted_ms": round(model.predict_job(job), 3)}
 
 
 def respond(job, out, weights):

@@ -1,22 +1,219 @@
 """The cost model behind cost.predicted_ms and deadline admission:
 
-    ms ~ a * gflops + b * mega_score_elements + c
+    ms ~ a * GFLOP + b * M_score_elements + c        (one (a, b, c) per compute dtype)
 
-a is the matmul rate, b the per-score softmax/mask pass, c the fixed overhead. Defaults were
-measured on a 2-core machine; calibrate() refits them at start-up."""
+a is the matmul rate, b the per-score softmax and mask pass, c the fixed overhead. calibrate()
+fits them at start-up on a few shapes run through the numeric core (bounded to a second or two);
+observe() refines them from every computed request by a small weighted least squares.
+
+The fit minimises relative error, sum(((x·θ - ms) / ms)^2), since what matters is the ratio of
+prediction to measurement from 0.2 ms to seconds alike; old observations fade (forget), and a
+ridge towards the calibrated coefficients keeps the fit well posed when traffic is all one shape
+(then GFLOP and score elements are proportional and cannot be told apart). Coefficients are kept
+non-negative. Each worker process has its own model.
+
+It also measures the fastest this machine parses a request body (a b64 body, in memory): a
+deadline shorter than that is refused before the body is even read.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+import math
+import statistics
+import threading
+import time
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from . import attention as core
+from . import codec
+
+DTYPES = ("float32", "float64")
 
 
-@dataclass
+@dataclass(frozen=True)
+class Work:
+    """What the model needs to know of a job."""
+
+    flops: int
+    score_elements: int
+    dtype: str
+    T: int  # query positions (n for /mha)
+
+    def features(self) -> np.ndarray:
+        return np.array([self.flops / 1e9, self.score_elements / 1e6, 1.0])
+
+
+def work_of(job) -> Work:
+    """The Work of a validated AttentionJob or MhaJob (any job with flops, score_elements and
+    float arrays, the first of them (..., T, d))."""
+    arrays = [a for a in (getattr(job, f.name) for f in fields(job)) if isinstance(a, np.ndarray) and a.dtype.kind == "f"]
+    dtype = np.result_type(*arrays).name if arrays else "float32"
+    return Work(int(job.flops), int(job.score_elements), dtype if dtype in DTYPES else "float32", int(arrays[0].shape[-2]) if arrays else 0)
+
+
+class _Fit:
+    """Weighted least squares on (GFLOP, M score elements, 1) -> ms with forgetting, a ridge
+    towards prior (relative to its size), and θ >= 0."""
+
+    FLOOR = np.array([0.1, 0.1, 0.01])  # smallest scale of a, b, c for the relative ridge
+
+    def __init__(self, prior, forget: float, ridge: float):
+        self.forget, self.ridge = forget, ridge
+        self.A = np.zeros((3, 3))
+        self.r = np.zeros(3)
+        self.n = 0
+        self.anchor(np.asarray(prior, dtype=float))
+
+    def anchor(self, prior: np.ndarray) -> None:
+        self.prior = prior
+        scale = np.maximum(np.abs(prior), self.FLOOR)
+        self.R = np.diag(self.ridge / scale**2)
+        self.theta = self._solve()
+
+    def add(self, x: np.ndarray, ms: float) -> None:
+        w = 1.0 / ms**2
+        self.A = self.forget * self.A + w * np.outer(x, x)
+        self.r = self.forget * self.r + w * x * ms
+        self.n += 1
+        self.theta = self._solve()
+
+    def _solve(self) -> np.ndarray:
+        A, r = self.A + self.R, self.r + self.R @ self.prior
+        best, best_loss = np.zeros(3), 0.0
+        for free in itertools.product((True, False), repeat=3):  # the best θ >= 0: try every face
+            idx = np.flatnonzero(free)
+            if idx.size == 0:
+                continue
+            theta = np.zeros(3)
+            theta[idx] = np.linalg.solve(A[np.ix_(idx, idx)], r[idx])
+            if (theta < 0).any():
+                continue
+            loss = theta @ A @ theta - 2 * theta @ r
+            if loss < best_loss:
+                best, best_loss = theta, loss
+            if free == (True, True, True):
+                break  # the unconstrained optimum is feasible, so it is the best
+        return best
+
+
 class CostModel:
-    a: float = 0.05   # ms per GFLOP
-    b: float = 4.0    # ms per million score elements
-    c: float = 0.05   # ms
+    """Predicts compute milliseconds per dtype; thread-safe (gthread workers share one)."""
 
-    def predict(self, flops: int, score_elements: int) -> float:
-        return self.a * flops / 1e9 + self.b * score_elements / 1e6 + self.c
+    def __init__(self, a: float = 10.0, b: float = 6.0, c: float = 0.1, *, forget: float = 0.99, ridge: float = 1e-3,
+                 parse_ms_per_mb: float = 1.0):
+        # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
+        self._lock = threading.Lock()
+        self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in (("float32", 1.0), ("float64", 2.0))}
+        self.parse_ms_per_mb = parse_ms_per_mb  # a lower bound: the fastest a body can be parsed
+        self.calibrated = False
+        self.calibration_s = 0.0
+
+    @property
+    def a(self) -> float:
+        return float(self._fits["float32"].theta[0])
+
+    @property
+    def b(self) -> float:
+        return float(self._fits["float32"].theta[1])
+
+    @property
+    def c(self) -> float:
+        return float(self._fits["float32"].theta[2])
+
+    def predict(self, flops: int, score_elements: int, dtype: str = "float32") -> float:
+        return self.predict_work(Work(flops, score_elements, dtype, 0))
+
+    def predict_work(self, work: Work) -> float:
+        theta = self._fits.get(work.dtype, self._fits["float32"]).theta
+        return float(theta @ work.features())
+
+    def predict_job(self, job) -> float:
+        return self.predict_work(work_of(job))
+
+    def parse_floor_ms(self, body_bytes: int) -> float:
+        """The least time parsing and decoding a body of this many bytes can take (a b64 body in
+        memory, the fastest kind): what a deadline must at least allow before compute starts."""
+        return self.parse_ms_per_mb * body_bytes / 1e6
+
+    def observe(self, work: Work, ms: float) -> None:
+        """Refine the fit with one measured compute time."""
+        if not (ms > 0 and math.isfinite(ms)) or work.dtype not in self._fits:
+            return
+        with self._lock:
+            self._fits[work.dtype].add(work.features(), ms)
+
+    def calibrate(self, budget_s: float = 1.5, seed: int = 0) -> None:
+        """Time the numeric core on a few shapes (T 64..2048, narrow and wide heads, the GPT block)
+        and fit to them; stops early when the budget is spent. The fit then anchors the ridge."""
+        rng = np.random.default_rng(seed)
+        start = time.perf_counter()
+        body = codec.dumps({"q": codec.encode(rng.standard_normal((8, 256, 256)).astype(np.float32), "b64")})  # 2.8 MB
+        parse = min(_timed(lambda: codec.decode(codec.loads(body)["q"])) for _ in range(3))
+        self.parse_ms_per_mb = parse / (len(body) / 1e6)
+        for dtype, shape, kind in CALIBRATION:
+            if time.perf_counter() - start > budget_s:
+                break
+            work, run = _probe(rng, dtype, shape, kind)
+            run()  # first touch: page faults, lazy initialisation
+            self.observe(work, median_ms(run))
+        with self._lock:
+            for fit in self._fits.values():
+                fit.anchor(fit.theta)
+            self.calibrated = True
+            self.calibration_s = time.perf_counter() - start
 
     def coefficients(self) -> dict:
-        return {"formula": "ms = a*GFLOP + b*M_score_elements + c", "a": self.a, "b": self.b, "c": self.c}
+        fits = {name: dict(zip("abc", (round(float(t), 6) for t in fit.theta)), observations=fit.n) for name, fit in self._fits.items()}
+        return {
+            "formula": "ms = a*GFLOP + b*M_score_elements + c",
+            **{k: fits["float32"][k] for k in "abc"},
+            "by_dtype": fits,
+            "parse_ms_per_MB": round(self.parse_ms_per_mb, 4),
+            "calibrated": self.calibrated,
+            "calibration_s": round(self.calibration_s, 3),
+        }
+
+
+# (dtype, shape, kind): attention shapes are (B, H, T, d); mha is (n, d, heads).
+CALIBRATION = [
+    ("float32", (1, 8, 64, 64), "attention"),
+    ("float32", (1, 8, 256, 64), "attention"),
+    ("float32", (1, 8, 512, 16), "attention"),
+    ("float32", (1, 8, 512, 128), "attention"),
+    ("float32", (256, 512, 8), "mha"),
+    ("float32", (1, 8, 1024, 64), "attention"),
+    ("float32", (1, 2, 2048, 64), "attention"),
+    ("float64", (1, 8, 128, 64), "attention"),
+    ("float64", (1, 8, 512, 64), "attention"),
+    ("float64", (1, 2, 1024, 64), "attention"),
+]
+
+
+def _probe(rng, dtype: str, shape: tuple, kind: str):
+    if kind == "mha":
+        n, d, h = shape
+        x, wq, wk, wv, wo = (rng.standard_normal(s).astype(dtype) for s in ((n, d), (d, d), (d, d), (d, d), (d, d)))
+        score_elements = h * n * n
+        work = Work(8 * n * d * d + 4 * score_elements * (d // h), score_elements, dtype, n)
+        return work, lambda: core.mha(x, wq, wk, wv, wo, h)
+    B, H, T, d = shape
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
+    score_elements = B * H * T * T
+    return Work(4 * score_elements * d, score_elements, dtype, T), lambda: core.attention(q, k, v)
+
+
+def median_ms(run, min_runs: int = 3, min_ms: float = 30.0, max_runs: int = 25) -> float:
+    """Median time of run(), over at least min_runs calls and min_ms of calls: on a shared machine
+    a quick call is often preempted, and one preemption must not become the measurement."""
+    times: list[float] = []
+    while len(times) < max_runs and (len(times) < min_runs or sum(times) < min_ms):
+        times.append(_timed(run))
+    return statistics.median(times)
+
+
+def _timed(run) -> float:
+    t0 = time.perf_counter()
+    run()
+    return (time.perf_counter() - t0) * 1000
