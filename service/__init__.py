@@ -5,7 +5,7 @@ from flask import Flask
 
 from schemas import AttentionRequest, MhaRequest
 
-from . import api, errors, http, ops
+from . import api, errors, http, metrics, ops
 from .config import Settings
 from .costmodel import CostModel
 
@@ -19,6 +19,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["attention.cost"] = CostModel()
     app.extensions["attention.state"] = {"ready": True}
     http.install(app)
+    metrics.install(app)
     errors.register(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)

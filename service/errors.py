@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from flask import Flask, Response, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from .attention import ScoreOverflow
@@ -62,6 +62,7 @@ def _from_http(exc: HTTPException) -> ApiError:
 
 
 def respond_error(err: ApiError) -> Response:
+    g.error_code = err.code  # counted by metrics as a rejection
     resp = Response(codec.dumps(err.body()), status=err.status, mimetype="application/json")
     resp.headers.update(err.headers)
     return resp

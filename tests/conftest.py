@@ -60,7 +60,8 @@ def free_port() -> int:
 def start_server(env: dict | None = None, timeout: float = 60.0):
     """Start `python -m service` on a free loopback port; returns (process, base_url) once ready."""
     port = free_port()
-    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
+    inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}  # each server its own
+    full_env = {**inherited, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
     log = tempfile.NamedTemporaryFile(prefix="attention-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=full_env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -96,3 +97,19 @@ def live_server():
     proc, url = start_server()
     yield url
     stop_server(proc)
+
+
+def worker_pids(proc: subprocess.Popen) -> set[int]:
+    """The gunicorn arbiter's children: its workers (Linux /proc)."""
+    return {int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()}
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1):
+    """Poll predicate() until it returns a true value (returned), or fail after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not true within {timeout} s: {predicate.__doc__ or predicate}")

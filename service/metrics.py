@@ -1,0 +1,98 @@
+"""Prometheus metrics: what is counted, and GET /metrics.
+
+Under gunicorn every worker is a process, so prometheus_client runs in multiprocess mode: each
+worker writes its values to files in PROMETHEUS_MULTIPROC_DIR and /metrics merges them all.
+That variable must be set before prometheus_client is first imported (deploy/gunicorn.conf.py
+sets it when unset; this module creates the directory if it is missing); without it (tests, a
+single process) the ordinary in-process registry is used.
+
+Label values are bounded: endpoint is the route's rule ("unmatched" for 404/405), T is bucketed
+to a power of two, code is one of the contract's error codes.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+from flask import Blueprint, Flask, Response, g, request
+
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # named but perhaps not made (an emptyDir at /tmp)
+    os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+
+from prometheus_client import (  # noqa: E402  (after the directory exists)
+    CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values)
+
+MULTIPROCESS = getattr(values.ValueClass, "_multiprocess", False)
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
+
+REQUESTS = Counter("attention_http_requests_total", "HTTP requests answered, by endpoint, method and status.", ["endpoint", "method", "status"])
+LATENCY = Histogram("attention_http_request_duration_seconds", "Time in the app from request to response, by endpoint, method and status.", ["endpoint", "method", "status"], buckets=LATENCY_BUCKETS)
+PHASES = Histogram("attention_phase_duration_seconds", "Time per request phase (queue, decode, validate, compute, encode), by endpoint.", ["endpoint", "phase"], buckets=LATENCY_BUCKETS)
+COMPUTE = Histogram("attention_compute_duration_seconds", "Compute time by endpoint and sequence length T rounded up to a power of two (at least 64).", ["endpoint", "t_bucket"], buckets=LATENCY_BUCKETS)
+PREDICTION = Histogram("attention_cost_prediction_ratio", "Measured compute time over the cost model's prediction, per computed request.", ["endpoint"], buckets=RATIO_BUCKETS)
+REJECTIONS = Counter("attention_rejections_total", "Requests answered with an error body, by endpoint and error code (the contract's codes).", ["endpoint", "code"])
+IN_FLIGHT = Gauge("attention_requests_in_flight", "Requests being handled now, summed over live workers.", multiprocess_mode="livesum")
+IN_FLIGHT_MAX = Gauge("attention_requests_in_flight_worker_max", "Requests being handled now by the busiest live worker.", multiprocess_mode="livemax")
+QUEUED = Gauge("attention_admission_queued_requests", "Admitted compute requests waiting for a compute slot, summed over live workers.", multiprocess_mode="livesum")
+RUNNING = Gauge("attention_admission_running_requests", "Admitted compute requests holding a compute slot, summed over live workers.", multiprocess_mode="livesum")
+BYTES = Gauge("attention_admission_inflight_bytes", "Request and estimated working bytes held by admitted requests, summed over live workers.", multiprocess_mode="livesum")
+
+bp = Blueprint("metrics", __name__)
+
+
+@bp.get("/metrics")
+def metrics():
+    """Prometheus text exposition of every live and past worker's metrics."""
+    if MULTIPROCESS:
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    else:
+        registry = REGISTRY
+    return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+
+def t_bucket(T: int) -> str:
+    """T rounded up to a power of two, at least 64: a bounded label."""
+    return str(max(64, 1 << max(0, math.ceil(math.log2(max(T, 1))))))
+
+
+def _endpoint() -> str:
+    return request.url_rule.rule if request.url_rule is not None else "unmatched"
+
+
+def install(app: Flask) -> None:
+    """Count every request: register before the admission hooks so rejections are counted too."""
+    app.register_blueprint(bp)
+
+    @app.before_request
+    def _start():
+        g.metrics_t0 = time.perf_counter()
+        IN_FLIGHT.inc()
+        IN_FLIGHT_MAX.inc()
+
+    @app.after_request
+    def _observe(resp: Response):
+        if "metrics_t0" not in g:
+            return resp
+        endpoint, status = _endpoint(), str(resp.status_code)
+        REQUESTS.labels(endpoint, request.method, status).inc()
+        LATENCY.labels(endpoint, request.method, status).observe(time.perf_counter() - g.metrics_t0)
+        for name, ms in g.get("phases", {}).items():
+            PHASES.labels(endpoint, name).observe(ms / 1000)
+        if "error_code" in g:  # an error answer (not, say, /readyz's 503)
+            REJECTIONS.labels(endpoint, g.error_code).inc()
+        job, compute_ms = g.get("job"), g.get("phases", {}).get("compute")
+        if resp.status_code == 200 and job is not None and compute_ms is not None:
+            COMPUTE.labels(endpoint, t_bucket(g.job_T)).observe(compute_ms / 1000)
+            if g.get("predicted_ms"):
+                PREDICTION.labels(endpoint).observe(compute_ms / g.predicted_ms)
+        return resp
+
+    @app.teardown_request
+    def _finish(exc):
+        if g.pop("metrics_t0", None) is not None:
+            IN_FLIGHT.dec()
+            IN_FLIGHT_MAX.dec()

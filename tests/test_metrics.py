@@ -1,0 +1,120 @@
+"""GET /metrics: names and units, what each request adds, and (on the real server) that every
+gunicorn worker's counts reach one scrape."""
+from __future__ import annotations
+
+import glob
+import os
+import threading
+
+import pytest
+import requests
+from prometheus_client import REGISTRY
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.metrics import t_bucket
+
+from .conftest import start_server, stop_server, wait_until, worker_pids
+from .test_api import WORKED, b64
+
+
+def families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def value(name: str, **labels) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_metrics_follow_prometheus_conventions(client):
+    client.post("/attention", json=WORKED)
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.mimetype == "text/plain"
+    ours = {name: f for name, f in families(r.get_data(as_text=True)).items() if name.startswith("attention_")}
+    assert {"attention_http_requests", "attention_http_request_duration_seconds", "attention_phase_duration_seconds",
+            "attention_rejections", "attention_requests_in_flight"} <= set(ours)
+    for name, family in ours.items():
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples), name
+        if family.type == "histogram" and "duration" in name:
+            assert name.endswith("_seconds"), name
+
+
+def test_a_request_is_counted_with_its_phases(client, rng):
+    labels = {"endpoint": "/attention", "method": "POST", "status": "200"}
+    before = {
+        "requests": value("attention_http_requests_total", **labels),
+        "latency": value("attention_http_request_duration_seconds_count", **labels),
+        **{p: value("attention_phase_duration_seconds_count", endpoint="/attention", phase=p) for p in ("decode", "validate", "compute", "encode")},
+    }
+    q = rng.standard_normal((2, 40, 8))
+    assert client.post("/attention", json={"q": b64(q), "k": b64(q), "v": b64(q)}).status_code == 200
+    after = {
+        "requests": value("attention_http_requests_total", **labels),
+        "latency": value("attention_http_request_duration_seconds_count", **labels),
+        **{p: value("attention_phase_duration_seconds_count", endpoint="/attention", phase=p) for p in ("decode", "validate", "compute", "encode")},
+    }
+    assert {k: after[k] - before[k] for k in before} == {k: 1.0 for k in before}
+    assert value("attention_requests_in_flight") == 0  # back to zero once answered
+
+
+@pytest.mark.parametrize("body, code", [(b"{oops", "bad_json"), (b'{"q": [[1]]}', "missing_field")], ids=["bad_json", "missing_field"])
+def test_errors_are_counted_as_rejections_by_code(client, body, code):
+    before = value("attention_rejections_total", endpoint="/attention", code=code)
+    r = client.post("/attention", data=body, content_type="application/json")
+    assert r.json["error"]["code"] == code
+    assert value("attention_rejections_total", endpoint="/attention", code=code) == before + 1
+
+
+def test_unknown_paths_share_one_label(client):
+    before = value("attention_http_requests_total", endpoint="unmatched", method="GET", status="404")
+    client.get("/no/such/path/123")
+    client.get("/another-one")
+    assert value("attention_http_requests_total", endpoint="unmatched", method="GET", status="404") == before + 2
+
+
+@pytest.mark.parametrize("T, bucket", [(1, "64"), (64, "64"), (65, "128"), (1024, "1024"), (1025, "2048"), (4096, "4096")])
+def test_t_bucket(T, bucket):
+    assert t_bucket(T) == bucket
+
+
+def per_worker_counts(directory: str, endpoint: str = "/attention") -> dict[int, float]:
+    """Requests counted by each worker, read from its own multiprocess file."""
+    counts = {}
+    for path in glob.glob(os.path.join(directory, "counter_*.db")):
+        pid = int(path.rsplit("_", 1)[1].split(".")[0])
+        counts[pid] = sum(s.value for m in MultiProcessCollector.merge([path]) for s in m.samples
+                          if s.name == "attention_http_requests_total" and s.labels["endpoint"] == endpoint)
+    return counts
+
+
+@pytest.mark.live
+def test_metrics_merge_every_worker(tmp_path):
+    """Two workers both serve; one scrape shows the sum of both, stale files are cleared at start."""
+    directory = tmp_path / "prom"
+    directory.mkdir()
+    (directory / "counter_999999.db").write_bytes(b"stale")  # a previous run's file: must go at start
+    proc, url = start_server({"PROMETHEUS_MULTIPROC_DIR": str(directory)})
+    try:
+        assert not (directory / "counter_999999.db").exists()
+        pids = worker_pids(proc)
+        assert len(pids) == 2
+
+        def both_workers_served():
+            """both workers have counted requests"""
+            threads = [threading.Thread(target=requests.post, args=(f"{url}/attention",), kwargs={"json": WORKED, "timeout": 10}) for _ in range(8)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            counts = per_worker_counts(str(directory))
+            return counts if all(counts.get(pid, 0) > 0 for pid in pids) else None
+
+        counts = wait_until(both_workers_served, timeout=30, interval=0)
+        scraped = families(requests.get(f"{url}/metrics", timeout=5).text)
+        total = sum(s.value for s in scraped["attention_http_requests"].samples
+                    if s.name == "attention_http_requests_total" and s.labels["endpoint"] == "/attention")
+        assert total == sum(counts[pid] for pid in pids) > 0
+        phases = [s for s in scraped["attention_phase_duration_seconds"].samples if s.name.endswith("_count") and s.labels["phase"] == "compute"]
+        assert sum(s.value for s in phases) == total
+        print(f"\nper-worker /attention counts {counts}, scraped total {total}")
+    finally:
+        stop_server(proc)
