@@ -21,13 +21,36 @@ _settings = Settings.from_env()
 bind = f"{_settings.host}:{_settings.port}"
 # Two cores: two worker processes, each computing on one core.
 workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
-worker_class = "sync"
 timeout = 60              # a worker silent this long is killed and replaced
 graceful_timeout = 30     # SIGTERM: in-flight requests get this long to finish
 keepalive = 5
 accesslog = "-"
 errorlog = "-"
 loglevel = "info"
+
+# --- worker model: chosen for admission control (ops) -----------------------------------------
+# Threaded workers, so that requests past a worker's bounds reach the app and are refused with 503
+# at once: a sync worker holds one request and the excess waits unseen in the listen backlog,
+# where nothing can count or shed it. Each worker admits ATTN_MAX_INFLIGHT computing +
+# ATTN_MAX_QUEUE waiting requests; the 16 other threads read and refuse the excess and answer
+# /healthz, /readyz and /metrics meanwhile (a connection waiting for a free thread is unseen too).
+# Measured here (2 workers on 2 cores shared with other work, load average 5-7), a burst of 48
+# concurrent T=1024 requests (B=1, H=8, d=64, b64, weights): `python -m tests.test_overload burst`,
+# with GUNICORN_CMD_ARGS="--worker-class sync --threads 1" for sync (threads > 1 turn sync into gthread):
+#   sync:                 48 x 200, the last after 16-17 s (21 s in an earlier run);
+#                         /healthz stalled 9.6-11.7 s behind them (one probe timed out at 10 s).
+#   gthread, threads 22:  7-8 x 200 + 40-41 x 503 overloaded with Retry-After, every answer within
+#                         3.1-3.2 s (a 503 takes 0.3-1.6 s: uploading 8.4 MB among 48 senders);
+#                         /healthz at most 0.5-0.8 s. With 10 threads, /healthz up to 1.1-1.5 s.
+# Closed-loop throughput is the same within this machine's noise (T=256, 2 clients: 42 req/s sync,
+# 50 gthread). Per-worker memory is bounded by ATTN_MAX_INFLIGHT_BYTES instead of by one request.
+worker_class = "gthread"
+threads = _settings.max_inflight + _settings.max_queue + 16
+# One BLAS thread per computing request: the cores are then shared by workers x max_inflight
+# single-threaded computations, never by OpenBLAS thread teams spinning against each other.
+# Measured here with OpenBLAS's default (a thread per core) while the cores were busy: attention
+# at T=128 took 290 ms instead of 1 ms, T=256 238 ms instead of 3-5 ms; the cost model was useless.
+_blas_threads = 1
 
 
 # --- server hooks -------------------------------------------------------------------------------
@@ -38,6 +61,13 @@ def on_starting(server):
     for name in os.listdir(directory):
         if name.endswith(".db"):
             os.remove(os.path.join(directory, name))
+
+
+def post_worker_init(worker):
+    """In each worker, before it serves: one BLAS thread per computing request (see above)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=_blas_threads, user_api="blas")
 
 
 def child_exit(server, worker):

@@ -5,7 +5,7 @@ from flask import Flask
 
 from schemas import AttentionRequest, MhaRequest
 
-from . import api, errors, http, metrics, ops
+from . import admission, api, errors, http, metrics, ops
 from .config import Settings
 from .costmodel import CostModel
 
@@ -19,7 +19,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["attention.cost"] = CostModel()
     app.extensions["attention.state"] = {"ready": True}
     http.install(app)
-    metrics.install(app)
+    metrics.install(app)  # before admission: its refusals are counted too
+    admission.install(app)
     errors.register(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)

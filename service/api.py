@@ -7,6 +7,7 @@ from schemas import AttentionRequest, MhaRequest
 
 from . import attention as core
 from . import codec
+from .admission import admit
 from .http import json_response, phase, phases_ms, read_json
 
 bp = Blueprint("api", __name__)
@@ -34,7 +35,9 @@ def load(schema_cls):
     """Read, decode and validate the body into a job: 4xx on anything malformed."""
     doc = read_json()
     with phase("validate"):
-        return current_app.extensions["attention.schemas"][schema_cls].load(doc)
+        job = current_app.extensions["attention.schemas"][schema_cls].load(doc)
+    admit(job)  # 504 if it cannot meet its deadline, 503 if it does not fit; waits for a compute slot
+    return job
 
 
 def cost(job) -> dict:

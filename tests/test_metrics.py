@@ -32,7 +32,7 @@ def test_metrics_follow_prometheus_conventions(client):
     assert r.status_code == 200 and r.mimetype == "text/plain"
     ours = {name: f for name, f in families(r.get_data(as_text=True)).items() if name.startswith("attention_")}
     assert {"attention_http_requests", "attention_http_request_duration_seconds", "attention_phase_duration_seconds",
-            "attention_rejections", "attention_requests_in_flight"} <= set(ours)
+            "attention_compute_duration_seconds", "attention_rejections", "attention_requests_in_flight"} <= set(ours)
     for name, family in ours.items():
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples), name
@@ -40,11 +40,12 @@ def test_metrics_follow_prometheus_conventions(client):
             assert name.endswith("_seconds"), name
 
 
-def test_a_request_is_counted_with_its_phases(client, rng):
+def test_a_request_is_counted_with_its_phases_and_T_bucket(client, rng):
     labels = {"endpoint": "/attention", "method": "POST", "status": "200"}
     before = {
         "requests": value("attention_http_requests_total", **labels),
         "latency": value("attention_http_request_duration_seconds_count", **labels),
+        "by_T": value("attention_compute_duration_seconds_count", endpoint="/attention", t_bucket="64"),
         **{p: value("attention_phase_duration_seconds_count", endpoint="/attention", phase=p) for p in ("decode", "validate", "compute", "encode")},
     }
     q = rng.standard_normal((2, 40, 8))
@@ -52,6 +53,7 @@ def test_a_request_is_counted_with_its_phases(client, rng):
     after = {
         "requests": value("attention_http_requests_total", **labels),
         "latency": value("attention_http_request_duration_seconds_count", **labels),
+        "by_T": value("attention_compute_duration_seconds_count", endpoint="/attention", t_bucket="64"),
         **{p: value("attention_phase_duration_seconds_count", endpoint="/attention", phase=p) for p in ("decode", "validate", "compute", "encode")},
     }
     assert {k: after[k] - before[k] for k in before} == {k: 1.0 for k in before}
@@ -114,7 +116,8 @@ def test_metrics_merge_every_worker(tmp_path):
                     if s.name == "attention_http_requests_total" and s.labels["endpoint"] == "/attention")
         assert total == sum(counts[pid] for pid in pids) > 0
         phases = [s for s in scraped["attention_phase_duration_seconds"].samples if s.name.endswith("_count") and s.labels["phase"] == "compute"]
-        assert sum(s.value for s in phases) == total
+        by_T = [s for s in scraped["attention_compute_duration_seconds"].samples if s.name.endswith("_count")]
+        assert sum(s.value for s in phases) == sum(s.value for s in by_T) == total
         print(f"\nper-worker /attention counts {counts}, scraped total {total}")
     finally:
         stop_server(proc)

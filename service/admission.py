@@ -1,0 +1,233 @@
+"""Admission control for the compute endpoints: API keys, deadlines and overload.
+
+Before the body is read (a before_request hook, so a refusal costs no parsing):
+  401 unauthorized  when ATTN_API_KEYS is set and no key matches (constant-time comparison);
+  422 bad_option    when X-Deadline-Ms is not a positive number of milliseconds;
+  504 deadline      when even parsing a body of its Content-Length would outlast the deadline;
+  503 overloaded    when this worker already holds max_inflight + max_queue compute requests, or
+                    the request's Content-Length would take its bytes past max_inflight_bytes.
+
+After validation, before compute (admit(job), called by the routes):
+  504 deadline      when the cost model's prediction exceeds what is left of X-Deadline-Ms;
+  503 overloaded    when the job's estimated working memory would pass max_inflight_bytes;
+then the job waits for one of max_inflight compute slots, in a queue bounded by max_queue (and
+by its deadline). The slot is held until the response is built. Every 503 carries Retry-After.
+
+All counts are per worker process: the bounds multiply by the number of workers.
+"""
+from __future__ import annotations
+
+import hmac
+import math
+import re
+import threading
+import time
+
+from flask import Flask, Response, current_app, g, request
+
+from . import metrics
+from .costmodel import work_of
+from .errors import ApiError
+from .http import phase
+
+COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
+MAX_WAIT_S = 30.0  # longest a job waits for a compute slot without a deadline: then 503
+DRAIN_S = 5.0      # longest spent reading and discarding the body of a refused request
+
+
+class Gate:
+    """One worker's admission state: admitted requests, their bytes, and the compute slots."""
+
+    def __init__(self, max_inflight: int, max_queue: int, max_bytes: int):
+        self.max_inflight, self.max_queue, self.max_bytes = max_inflight, max_queue, max_bytes
+        self._lock = threading.Lock()
+        self._slots = threading.Semaphore(max_inflight)
+        self.admitted = 0        # requests past the gate, until their response is built
+        self.bytes = 0           # their Content-Length plus estimated working bytes
+        self.pending_ms = 0.0    # predicted compute of the admitted jobs that have been validated
+
+    def enter(self, nbytes: int) -> "Ticket":
+        """Admit one more request of nbytes, or 503 now. A lone request is always admitted."""
+        with self._lock:
+            if self.admitted >= self.max_inflight + self.max_queue:
+                raise self._overloaded(f"this worker already holds {self.admitted} compute requests (ATTN_MAX_INFLIGHT={self.max_inflight} + ATTN_MAX_QUEUE={self.max_queue})")
+            if self.bytes and self.bytes + nbytes > self.max_bytes:
+                raise self._overloaded(f"a body of {nbytes} bytes would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)")
+            self.admitted += 1
+            self._add_bytes(nbytes)
+        return Ticket(self, nbytes)
+
+    def _add_bytes(self, n: int) -> None:
+        self.bytes += n
+        metrics.BYTES.inc(n)
+
+    def _overloaded(self, why: str) -> ApiError:
+        wait_s = self.pending_ms / 1000 / self.max_inflight
+        retry = max(1, math.ceil(wait_s))
+        return ApiError(503, "overloaded", f"The server is at capacity: {why}. Retry after {retry} s.", headers={"Retry-After": str(retry)})
+
+
+class Ticket:
+    """One admitted request's hold on its gate; release() gives everything back, once."""
+
+    def __init__(self, gate: Gate, nbytes: int):
+        self.gate, self.bytes, self.predicted_ms = gate, nbytes, 0.0
+        self.running = False
+
+    def reserve(self, nbytes: int, predicted_ms: float) -> None:
+        """Add the job's working bytes (503 if they do not fit beside the others) and prediction."""
+        gate = self.gate
+        with gate._lock:
+            others = gate.bytes - self.bytes
+            if others and gate.bytes + nbytes > gate.max_bytes:
+                raise gate._overloaded(f"this job needs about {nbytes} working bytes and this worker holds {gate.bytes} of {gate.max_bytes} (ATTN_MAX_INFLIGHT_BYTES)")
+            gate._add_bytes(nbytes)
+            self.bytes += nbytes
+            gate.pending_ms += predicted_ms
+            self.predicted_ms = predicted_ms
+
+    def take_slot(self) -> bool:
+        """A compute slot if one is free now."""
+        return self._got(self.gate._slots.acquire(blocking=False))
+
+    def wait_for_slot(self, timeout_s: float) -> bool:
+        """Wait in the queue for a compute slot, at most timeout_s."""
+        metrics.QUEUED.inc()
+        try:
+            got = self.gate._slots.acquire(timeout=max(timeout_s, 0.0))
+        finally:
+            metrics.QUEUED.dec()
+        return self._got(got)
+
+    def _got(self, got: bool) -> bool:
+        if got:
+            self.running = True
+            metrics.RUNNING.inc()
+        return got
+
+    def release(self) -> None:
+        gate = self.gate
+        if self.running:
+            self.running = False
+            metrics.RUNNING.dec()
+            gate._slots.release()
+        with gate._lock:
+            gate.admitted -= 1
+            gate._add_bytes(-self.bytes)
+            gate.pending_ms -= self.predicted_ms
+        self.bytes = self.predicted_ms = 0
+
+
+def admit(job) -> None:
+    """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
+    not fit in memory beside the others (503), then wait for a compute slot."""
+    work = work_of(job)
+    predicted = current_app.extensions["attention.cost"].predict_work(work)
+    g.job, g.job_T, g.work, g.predicted_ms = job, work.T, work, predicted
+    deadline = g.get("deadline_ms")
+    if deadline is not None:
+        left = deadline - elapsed_ms()
+        if predicted > left:
+            raise _deadline(f"the predicted compute time is {predicted:.1f} ms but {max(left, 0):.1f} ms of X-Deadline-Ms={deadline:g} remain")
+    ticket = g.get("admission")
+    if ticket is None:
+        return
+    ticket.reserve(working_bytes(job, work), predicted)
+    if ticket.take_slot():
+        return
+    with phase("queue"):  # only a request that waited has a queue phase
+        timeout = MAX_WAIT_S if deadline is None else (deadline - elapsed_ms() - predicted) / 1000
+        if not ticket.wait_for_slot(timeout):
+            if deadline is not None:
+                raise _deadline(f"waiting for a compute slot left less than the predicted {predicted:.1f} ms of X-Deadline-Ms={deadline:g}")
+            raise ticket.gate._overloaded(f"no compute slot came free within {MAX_WAIT_S:g} s")
+
+
+def working_bytes(job, work) -> int:
+    """Estimated peak bytes of computing and answering a job: the scores buffer and a boolean mask
+    per score, plus, when the weights are returned, their encoded text (base64 is 4/3 of the raw
+    bytes, held twice: the string and the JSON body; decimal text about 24 bytes a number)."""
+    itemsize = 8 if work.dtype == "float64" else 4
+    total = work.score_elements * (itemsize + 1)
+    if getattr(job, "return_weights", True):
+        per = itemsize * 8 / 3 if getattr(job, "encoding", "b64") == "b64" else 24
+        total += int(work.score_elements * per)
+    return total
+
+
+def elapsed_ms() -> float:
+    return (time.perf_counter() - g.t0) * 1000
+
+
+def _deadline(why: str) -> ApiError:
+    return ApiError(504, "deadline", f"Refused before computing: {why}; allow more time or send a smaller request.")
+
+
+def _check_key(keys: tuple[str, ...]) -> None:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given_b = given.strip().encode()
+    ok = False
+    for key in keys:  # compare with every key: the time taken does not tell which one came close
+        ok |= hmac.compare_digest(given_b, key.encode())
+    if scheme.lower() != "bearer" or not given_b or not ok:
+        raise ApiError(401, "unauthorized", "This endpoint needs an API key: send the header Authorization: Bearer <key>.",
+                       headers={"WWW-Authenticate": 'Bearer realm="attention"' + (', error="invalid_token"' if given_b else "")})
+
+
+def _parse_deadline() -> float | None:
+    raw = request.headers.get("X-Deadline-Ms")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ApiError(422, "bad_option", f"X-Deadline-Ms must be a positive number of milliseconds, not {raw[:40]!r}.", "X-Deadline-Ms")
+    return value
+
+
+def _drain() -> None:
+    """Read and discard a refused request's body, so the client sees our answer rather than a
+    connection reset while it is still sending (bounded by Content-Length and time)."""
+    stream, stop = request.stream, time.monotonic() + DRAIN_S
+    while time.monotonic() < stop and stream.read(1 << 20):
+        pass
+
+
+def install(app: Flask) -> None:
+    settings = app.extensions["attention.settings"]
+    app.extensions["attention.gate"] = Gate(settings.max_inflight, settings.max_queue, settings.max_inflight_bytes)
+
+    @app.before_request
+    def _gate():
+        if request.method != "POST" or not COMPUTE_PATH.fullmatch(request.path):
+            return
+        try:
+            if settings.api_keys:
+                _check_key(settings.api_keys)
+            g.deadline_ms = _parse_deadline()
+            nbytes = request.content_length
+            if g.deadline_ms is not None and nbytes:
+                floor = app.extensions["attention.cost"].parse_floor_ms(nbytes)
+                if floor > g.deadline_ms - elapsed_ms():
+                    raise _deadline(f"parsing a body of {nbytes} bytes takes at least {floor:.1f} ms, more than X-Deadline-Ms={g.deadline_ms:g}")
+            if nbytes is None or nbytes > settings.max_body_bytes:
+                nbytes = settings.max_body_bytes  # chunked, or about to be refused with 413
+            g.admission = app.extensions["attention.gate"].enter(nbytes)
+        except ApiError:
+            _drain()
+            raise
+
+    @app.after_request
+    def _learn(resp: Response):
+        compute_ms = g.get("phases", {}).get("compute")
+        if resp.status_code == 200 and compute_ms is not None and "work" in g:
+            current_app.extensions["attention.cost"].observe(g.work, compute_ms)
+        return resp
+
+    @app.teardown_request
+    def _release(exc):
+        ticket = g.pop("admission", None)
+        if ticket is not None:
+            ticket.release()

@@ -1,0 +1,144 @@
+"""Admission control: deadlines (X-Deadline-Ms against the cost model's prediction) and the
+overload gate's bounds on requests and bytes. API keys: test_auth.py; a real burst: test_overload.py."""
+from __future__ import annotations
+
+import base64
+import json
+import statistics
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import requests
+
+from service import admission, create_app
+from service.costmodel import CostModel
+from service.errors import ApiError
+
+from .conftest import SMALL
+from .test_api import WORKED, b64
+
+
+def post(client, body=WORKED, **headers):
+    return client.post("/attention", json=body, headers=headers)
+
+
+# --- deadlines ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("raw", ["abc", "", "0", "-5", "nan", "inf", "1e999", "10ms"])
+def test_malformed_deadline_is_bad_option(client, raw):
+    r = post(client, **{"X-Deadline-Ms": raw})
+    assert r.status_code == 422
+    assert r.json["error"]["code"] == "bad_option" and r.json["error"]["field"] == "X-Deadline-Ms"
+    assert "X-Deadline-Ms" in r.json["error"]["message"]
+
+
+@pytest.mark.parametrize("raw", ["5000", "2500.5", " 60000 "])
+def test_a_generous_deadline_is_served(client, raw):
+    assert post(client, **{"X-Deadline-Ms": raw}).status_code == 200
+
+
+def test_a_deadline_shorter_than_the_prediction_is_504_before_compute(app, client, rng):
+    app.extensions["attention.cost"] = CostModel(a=0, b=1000, c=0)  # 1 ms per thousand scores: 64x64 is 4 ms
+    q = rng.standard_normal((64, 16))
+    body = {"q": b64(q), "k": b64(q), "v": b64(q)}
+    r = post(client, body, **{"X-Deadline-Ms": "3"})
+    assert r.status_code == 504 and r.json["error"]["code"] == "deadline"
+    assert "predicted" in r.json["error"]["message"]
+    assert "compute" not in r.headers["Server-Timing"]  # refused before computing
+    assert post(client, body, **{"X-Deadline-Ms": "1000"}).status_code == 200
+
+
+def test_waiting_for_a_slot_counts_against_the_deadline(app, client):
+    gate = app.extensions["attention.gate"]
+    for _ in range(gate.max_inflight):
+        gate._slots.acquire()  # every compute slot busy
+    try:
+        t0 = time.perf_counter()
+        r = post(client, **{"X-Deadline-Ms": "150"})
+        waited = time.perf_counter() - t0
+        assert r.status_code == 504 and r.json["error"]["code"] == "deadline"
+        assert 0.1 < waited < 1.0
+        assert "queue" in r.headers["Server-Timing"]
+    finally:
+        for _ in range(gate.max_inflight):
+            gate._slots.release()
+    assert gate.admitted == 0 and gate.bytes == 0  # everything given back
+    assert post(client).status_code == 200
+
+
+@pytest.mark.live
+def test_deadline_1ms_for_T2048_is_refused_fast(live_server, rng):
+    q = rng.standard_normal((1, 8, 2048, 64)).astype(np.float32)
+    enc = {"shape": list(q.shape), "dtype": "float32", "b64": base64.b64encode(q.tobytes()).decode()}
+    body = json.dumps({"q": enc, "k": enc, "v": enc}).encode()
+    headers = {"Content-Type": "application/json", "X-Deadline-Ms": "1"}
+    with requests.Session() as s:
+        s.get(f"{live_server}/healthz", timeout=5)  # connection open: time the request, not the handshake
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            r = s.post(f"{live_server}/attention", data=body, headers=headers, timeout=30)
+            times.append((time.perf_counter() - t0) * 1000)
+            assert r.status_code == 504 and r.json()["error"]["code"] == "deadline"
+            assert "compute" not in r.headers["Server-Timing"]
+    print(f"\nX-Deadline-Ms: 1, T=2048 ({len(body) / 1e6:.1f} MB body): 504 in {', '.join(f'{t:.0f}' for t in times)} ms")
+    assert statistics.median(times) < 100
+
+
+# --- overload ----------------------------------------------------------------------------------
+
+def test_past_the_request_bound_is_503_with_retry_after(app, client):
+    gate = app.extensions["attention.gate"]
+    held = [gate.enter(0) for _ in range(gate.max_inflight + gate.max_queue)]
+    try:
+        r = post(client)
+        assert r.status_code == 503 and r.json["error"]["code"] == "overloaded"
+        assert int(r.headers["Retry-After"]) >= 1
+        assert client.get("/healthz").status_code == 200  # only the compute endpoints are gated
+    finally:
+        for ticket in held:
+            ticket.release()
+    assert post(client).status_code == 200
+
+
+def test_bytes_in_flight_are_bounded_before_the_body_is_read(rng):
+    app = create_app(replace(SMALL, max_inflight_bytes=50_000))
+    client = app.test_client()
+    gate = app.extensions["attention.gate"]
+    held = gate.enter(40_000)
+    try:
+        q = rng.standard_normal((64, 16))
+        r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)})  # ~17 kB of body
+        assert r.status_code == 503 and "ATTN_MAX_INFLIGHT_BYTES" in r.json["error"]["message"]
+        assert "decode" not in r.headers["Server-Timing"]  # refused on Content-Length alone
+        assert post(client).status_code == 200  # a small one still fits
+    finally:
+        held.release()
+    assert gate.bytes == 0
+
+
+def test_a_lone_request_is_always_admitted():
+    gate = admission.Gate(max_inflight=1, max_queue=0, max_bytes=10)
+    ticket = gate.enter(1_000)
+    with pytest.raises(ApiError) as err:
+        gate.enter(1)
+    assert err.value.status == 503 and err.value.headers["Retry-After"]
+    ticket.release()
+    gate.enter(1_000).release()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def test_working_bytes_are_reserved_after_validation(rng):
+    app = create_app(replace(SMALL, max_inflight_bytes=60_000))
+    client = app.test_client()
+    gate = app.extensions["attention.gate"]
+    held = gate.enter(10_000)
+    try:
+        q = rng.standard_normal((4, 64, 8))  # a 33 kB body fits; its 16k scores need ~80 kB more
+        r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q), "return_weights": False})
+        assert r.status_code == 503 and "working bytes" in r.json["error"]["message"]
+    finally:
+        held.release()
+    assert (gate.admitted, gate.bytes) == (0, 0)
