@@ -104,6 +104,14 @@ def worker_pids(proc: subprocess.Popen) -> set[int]:
     return {int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()}
 
 
+def wait_for_workers(proc: subprocess.Popen, n: int = 2, gone: int | None = None) -> set[int]:
+    """Wait until the arbiter has n workers (and none is the pid gone); their pids."""
+    def workers():
+        pids = worker_pids(proc)
+        return pids if len(pids) == n and gone not in pids else None
+    return wait_until(workers, timeout=30)
+
+
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1):
     """Poll predicate() until it returns a true value (returned), or fail after timeout seconds."""
     deadline = time.monotonic() + timeout

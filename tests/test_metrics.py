@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import t_bucket
 
-from .conftest import start_server, stop_server, wait_until, worker_pids
+from .conftest import start_server, stop_server, wait_for_workers, wait_until
 from .test_api import WORKED, b64
 
 
@@ -99,8 +99,7 @@ def test_metrics_merge_every_worker(tmp_path):
     proc, url = start_server({"PROMETHEUS_MULTIPROC_DIR": str(directory)})
     try:
         assert not (directory / "counter_999999.db").exists()
-        pids = worker_pids(proc)
-        assert len(pids) == 2
+        pids = wait_for_workers(proc)  # both forked (the first may answer before the second exists)
 
         def both_workers_served():
             """both workers have counted requests"""

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import requests
 
-from .conftest import start_server, stop_server, wait_until, worker_pids
+from .conftest import start_server, stop_server, wait_for_workers, wait_until
 
 
 def body_for(T: int, weights: bool = True, seed: int = 0) -> bytes:
@@ -101,7 +101,7 @@ def test_a_burst_of_48_T1024_gets_only_200s_and_503s():
     proc, url = start_server({"WEB_CONCURRENCY": "2"})
     try:
         wait_until(lambda: all_ready(url), timeout=30)
-        result = burst(url, body_for(1024), 48, worker_pids(proc))
+        result = burst(url, body_for(1024), 48, wait_for_workers(proc))
         print("\n" + summary(result))
         assert set(result["statuses"]) <= {200, 503}, result["statuses"]
         assert result["statuses"].get(200, 0) >= 2 and result["statuses"].get(503, 0) >= 1
@@ -153,7 +153,7 @@ if __name__ == "__main__":
     proc, url = start_server(args)
     try:
         wait_until(lambda: all_ready(url), timeout=30)
-        pids = worker_pids(proc)
+        pids = wait_for_workers(proc, int(args.get("WEB_CONCURRENCY", 2)))
         if mode == "burst":
             n, T = int(opts.get("N", 48)), int(opts.get("T", 1024))
             print(json.dumps({"env": args, "N": n, "T": T}), summary(burst(url, body_for(T), n, pids)))
