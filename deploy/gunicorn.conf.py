@@ -1,10 +1,15 @@
 """gunicorn configuration for the attention service (read by `python -m service`).
 
 Where it listens comes from the service's Settings (HOST, PORT): configuration lives in one place.
-The server hooks at the end give every worker its share of the metrics."""
+The server hooks at the end give every worker its share of the metrics, a warm-up before it is
+ready, and a graceful drain on SIGTERM."""
 import os
 import shutil
+import signal
+import sys
 import tempfile
+import threading
+import traceback
 
 # prometheus_client chooses multiprocess mode when it is first imported, which happens as soon
 # as the service is (the next import): the directory must be named before that. Unset: a fresh
@@ -64,10 +69,35 @@ def on_starting(server):
 
 
 def post_worker_init(worker):
-    """In each worker, before it serves: one BLAS thread per computing request (see above)."""
+    """In each worker, before it serves: BLAS threads, the warm-up in the background (/readyz says
+    503 until it is done, /healthz answers meanwhile), and readiness 503 from SIGTERM on."""
     from threadpoolctl import threadpool_limits
 
+    from service import ops
+
     threadpool_limits(limits=_blas_threads, user_api="blas")
+    app = worker.wsgi
+    ops.start_warm_up(app)
+    stop = signal.getsignal(signal.SIGTERM)
+
+    def drain(signum, frame):
+        ops.drain(app)
+        stop(signum, frame)  # the worker stops accepting; requests in flight finish
+
+    signal.signal(signal.SIGTERM, drain)
+    signal.siginterrupt(signal.SIGTERM, False)
+
+
+def worker_int(worker):
+    """SIGINT or SIGQUIT: the worker quits without draining."""
+    worker.log.info("worker %s interrupted; quitting without draining", worker.pid)
+
+
+def worker_abort(worker):
+    """SIGABRT: the arbiter's timeout fired. Log where every thread was, to find what hung."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    stacks = [f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)) for ident, frame in sys._current_frames().items()]
+    worker.log.error("worker %s timed out after %s s; its threads:\n%s", worker.pid, timeout, "\n".join(stacks))
 
 
 def child_exit(server, worker):

@@ -17,7 +17,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["attention.settings"] = settings
     app.extensions["attention.schemas"] = {cls: cls(settings) for cls in (AttentionRequest, MhaRequest)}
     app.extensions["attention.cost"] = CostModel()
-    app.extensions["attention.state"] = {"ready": True}
+    app.extensions["attention.state"] = {"ready": not settings.warmup, "draining": False}  # ops.warm_up() readies it
     http.install(app)
     metrics.install(app)  # before admission: its refusals are counted too
     admission.install(app)

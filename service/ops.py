@@ -1,12 +1,19 @@
-"""Operations endpoints: liveness, readiness, the limits in force."""
+"""Operations endpoints (liveness, readiness, the limits in force) and the worker's lifecycle:
+warm-up before it is ready, draining after SIGTERM. /metrics lives in metrics.py."""
 from __future__ import annotations
 
-from flask import Blueprint, current_app
+import logging
+import threading
+
+from flask import Blueprint, Flask, current_app
 
 from .config import VERSION
 from .http import json_response
 
 bp = Blueprint("ops", __name__)
+log = logging.getLogger("service")
+
+WARMUP_BUDGET_S = 1.5  # the cost model's calibration stops after this much time
 
 
 @bp.get("/healthz")
@@ -17,9 +24,10 @@ def healthz():
 
 @bp.get("/readyz")
 def readyz():
-    """200 when this worker can serve, 503 while starting or draining."""
-    ready = current_app.extensions["attention.state"]["ready"]
-    return json_response({"status": "ready" if ready else "starting"}, status=200 if ready else 503)
+    """200 when this worker can serve, 503 while starting (warm-up) or draining (SIGTERM)."""
+    state = current_app.extensions["attention.state"]
+    status = "draining" if state.get("draining") else "ready" if state["ready"] else "starting"
+    return json_response({"status": status}, status=200 if status == "ready" else 503)
 
 
 @bp.get("/limits")
@@ -31,3 +39,28 @@ def limits():
         "cost_model": current_app.extensions["attention.cost"].coefficients(),
         "version": VERSION,
     })
+
+
+def warm_up(app: Flask) -> None:
+    """Calibrate the cost model on this machine, then report ready. Never raises: a failed
+    calibration leaves the default coefficients, which still serve."""
+    try:
+        app.extensions["attention.cost"].calibrate(WARMUP_BUDGET_S)
+    except Exception:
+        log.exception("cost model calibration failed; serving with the default coefficients")
+    app.extensions["attention.state"]["ready"] = True
+
+
+def start_warm_up(app: Flask) -> threading.Thread | None:
+    """Warm up in the background, so /healthz answers (and /readyz says 503) meanwhile. None if
+    the settings ask for no warm-up (the app is ready at once)."""
+    if app.extensions["attention.state"]["ready"]:
+        return None
+    thread = threading.Thread(target=warm_up, args=(app,), name="warm-up", daemon=True)
+    thread.start()
+    return thread
+
+
+def drain(app: Flask) -> None:
+    """From now on /readyz says 503; requests in flight finish (the server stops accepting)."""
+    app.extensions["attention.state"]["draining"] = True
