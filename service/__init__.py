@@ -6,6 +6,7 @@ from flask import Flask
 from schemas import AttentionRequest, MhaRequest
 
 from . import api, errors, http, ops
+from . import kserve
 from .config import Settings
 from .costmodel import CostModel
 
@@ -22,4 +23,5 @@ def create_app(settings: Settings | None = None) -> Flask:
     errors.register(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)
+    app.register_blueprint(kserve.bp)
     return app
