@@ -6,7 +6,7 @@ from flask import Flask
 from schemas import AttentionRequest, MhaRequest
 
 from . import api, errors, http, ops
-from . import kserve
+from . import kserve, openapi
 from .config import Settings
 from .costmodel import CostModel
 
@@ -24,4 +24,5 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(kserve.bp)
+    app.register_blueprint(openapi.bp)
     return app
