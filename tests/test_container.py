@@ -174,6 +174,16 @@ def test_serves_the_worked_example(container):
     _check_worked_example(container["base"])
 
 
+def _assert_clean_start(logs: str) -> None:
+    bad = [ln for ln in logs.splitlines() if "[ERROR]" in ln or "[CRITICAL]" in ln or "Traceback" in ln]
+    assert not bad, "errors in the container's log:\n" + "\n".join(bad)
+
+
+def test_starts_without_errors(container):
+    """Run as an unprivileged user with no writable home: nothing may try to write where it can't."""
+    _assert_clean_start(container["logs"]())
+
+
 def test_healthcheck_passes(engine, container):
     name = container["name"]
     if engine.is_podman:
@@ -258,6 +268,7 @@ def test_kube_play_one_replica(engine, image, tmp_path):
         for path in probes:
             _wait_for(base + path, 90, logs)
         _check_worked_example(base)
+        _assert_clean_start(logs())
         # What the manifest asks for is what runs: its user, its read-only root, its writable /tmp,
         # and the preStop hook's command.
         assert engine("exec", cname, "id", "-u").stdout.strip() == "10001"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import json
 import re
+import runpy
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,6 @@ KUBERNETES_VERSIONS = ["1.30.0", "1.37.0"]
 # Read by libraries rather than by service/config.py.
 LIBRARY_ENV = {
     "PROMETHEUS_MULTIPROC_DIR": "prometheus_client's multiprocess mode",
-    "WEB_CONCURRENCY": "gunicorn's default worker count",
 }
 
 
@@ -70,9 +70,6 @@ def exposed_port() -> int:
     (port,) = instructions("EXPOSE")
     return int(port.split("/")[0])
 
-
-def string_literals(path: Path) -> set[str]:
-    return {n.value for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
 
 @pytest.fixture(scope="module")
@@ -257,14 +254,40 @@ def test_grace_period_covers_prestop_and_gunicorn_drain(docs):
     assert spec["terminationGracePeriodSeconds"] >= int(command[1]) + graceful
 
 
-def test_env_names_are_ones_the_service_reads(docs):
-    """A misspelt name in a manifest is silently ignored: hold every name to the code."""
-    read = string_literals(ROOT / "service" / "config.py") | string_literals(ROOT / "deploy" / "gunicorn.conf.py")
-    compose_env = set(yaml.safe_load(COMPOSE.read_text())["services"]["attention"]["environment"])
-    for name in set(env_of(container(docs))) | compose_env:
-        assert name in read or name in LIBRARY_ENV, f"{name} is read by neither service/config.py nor gunicorn.conf.py"
+def _configuration() -> tuple:
+    """What the environment configures: the service's Settings and gunicorn's settings."""
+    from service.config import Settings
+
+    gunicorn = runpy.run_path(str(ROOT / "deploy" / "gunicorn.conf.py"))
+    return Settings.from_env(), {k: v for k, v in gunicorn.items() if not k.startswith("_") and isinstance(v, (str, int, float, bool))}
+
+
+def test_env_names_are_ones_the_service_reads(docs, monkeypatch):
+    """A misspelt name in a manifest is silently ignored: each one must change the configuration."""
+    compose_env = yaml.safe_load(COMPOSE.read_text())["services"]["attention"]["environment"]
+    names = set(env_of(container(docs))) | set(compose_env)
     for name in ("ATTN_MAX_T", "ATTN_MAX_S", "ATTN_MAX_SCORE_ELEMENTS", "ATTN_MAX_BODY_BYTES", "WEB_CONCURRENCY"):
-        assert name in env_of(container(docs)), name
+        assert name in names, name
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    unset = _configuration()
+    for name in sorted(names - LIBRARY_ENV.keys()):
+        with monkeypatch.context() as m:
+            m.setenv(name, "12345")
+            assert _configuration() != unset, f"{name} changes neither service.config.Settings nor gunicorn.conf.py"
+
+
+def test_manifest_settings_are_accepted(docs, monkeypatch):
+    """The values in the manifest parse, and are what /limits reports."""
+    from service.config import Settings
+
+    env = env_of(container(docs))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    limits = Settings.from_env().limits()
+    assert limits["max_t"] == int(env["ATTN_MAX_T"]) and limits["max_s"] == int(env["ATTN_MAX_S"])
+    assert limits["max_score_elements"] == int(env["ATTN_MAX_SCORE_ELEMENTS"])
+    assert limits["max_body_bytes"] == int(env["ATTN_MAX_BODY_BYTES"])
 
 
 # --- compose ----------------------------------------------------------------------------------
