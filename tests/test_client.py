@@ -16,7 +16,7 @@ from client import AttentionClient, AttentionError
 from client import _split
 from service import attention as core
 
-from conftest import ROOT, free_port, start_server, stop_server
+from tests.conftest import ROOT, free_port, start_server, stop_server
 
 # Limits 4x (and more) below the requests of the splitting tests.
 SMALL_LIMITS = {"ATTN_MAX_T": "32", "ATTN_MAX_S": "128", "ATTN_MAX_SCORE_ELEMENTS": "4096", "ATTN_MAX_WEIGHTS_ELEMENTS": "4096",
@@ -42,6 +42,7 @@ def small_api(small_server):
         yield client
 
 
+@pytest.mark.live
 def test_seed_worked_example(api):
     q = k = np.array([[1, 0], [0, 1], [1, 1]], dtype=np.float32)
     v = np.array([[1, 0], [0, 10], [5, 5]], dtype=np.float32)
@@ -54,6 +55,7 @@ def test_seed_worked_example(api):
     np.testing.assert_allclose(out[1], [1 / (1 + e), 10 * e / (1 + e)], atol=1e-5)
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("encoding", ["b64", "flat", "nested"])
 def test_random_batched_case(live_server, rng, encoding):
     q, k, v = (rng.standard_normal((2, 4, 128, 32), dtype=np.float32) for _ in range(3))
@@ -65,6 +67,7 @@ def test_random_batched_case(live_server, rng, encoding):
     np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-5)
 
 
+@pytest.mark.live
 def test_float64_and_no_weights(api, rng):
     q, k, v = rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 6, 4)), rng.standard_normal((3, 6, 2))
     out, weights = api.attention(q, k, v, key_lengths=np.array([6, 3, 0]), scale=0.3, return_weights=False, dtype="float64")
@@ -73,6 +76,7 @@ def test_float64_and_no_weights(api, rng):
     assert np.all(out[2] == 0)  # no allowed key: zeros
 
 
+@pytest.mark.live
 def test_mha(api, rng):
     x = rng.standard_normal((2, 10, 8), dtype=np.float32)
     ws = [(rng.standard_normal((8, 8)) / 3).astype(np.float32) for _ in range(4)]
@@ -82,6 +86,7 @@ def test_mha(api, rng):
     np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-5)
 
 
+@pytest.mark.live
 def test_limits_and_ready(api, live_server):
     assert api.ready()
     assert api.limits()["max_t"] > 0
@@ -89,6 +94,7 @@ def test_limits_and_ready(api, live_server):
         assert not dead.ready()
 
 
+@pytest.mark.live
 def test_refusal_is_attention_error_with_code(api, rng):
     q = rng.standard_normal((3, 4), dtype=np.float32)
     with pytest.raises(AttentionError) as info:
@@ -122,6 +128,7 @@ SPLIT_CASES = {
 }
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
 def test_over_limit_request_is_split_exactly(small_api, small_server, rng, case):
     shape, S, options = SPLIT_CASES[case]
@@ -155,6 +162,7 @@ def test_over_limit_request_is_split_exactly(small_api, small_server, rng, case)
     assert len(threads) >= 4 and len(set(threads)) > 1  # split, and sent concurrently
 
 
+@pytest.mark.live
 def test_mha_batch_is_split(small_api, rng):
     x = rng.standard_normal((8, 32, 16), dtype=np.float32)  # 8 * 4 heads * 32 * 32 = 8x the score limit
     ws = [(rng.standard_normal((16, 16)) / 4).astype(np.float32) for _ in range(4)]
@@ -166,6 +174,7 @@ def test_mha_batch_is_split(small_api, rng):
     assert len(threads) == 8
 
 
+@pytest.mark.live
 def test_unsplittable_request_gets_the_servers_refusal(small_api, rng):
     q = rng.standard_normal((4, 8), dtype=np.float32)
     k = rng.standard_normal((200, 8), dtype=np.float32)  # S over ATTN_MAX_S: keys cannot be split exactly
@@ -175,6 +184,7 @@ def test_unsplittable_request_gets_the_servers_refusal(small_api, rng):
     assert "ATTN_MAX_S" in info.value.message
 
 
+@pytest.mark.live
 def test_without_splitting_the_server_refuses(small_server, rng):
     q = rng.standard_normal((64, 8), dtype=np.float32)
     with AttentionClient(small_server, split=False) as client, pytest.raises(AttentionError) as info:
@@ -287,6 +297,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.live
 def test_cli_attention(live_server, tmp_path, rng):
     q, k, v = rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 6, 3))
     mask = rng.random((6, 6)) > 0.2
@@ -302,6 +313,7 @@ def test_cli_attention(live_server, tmp_path, rng):
     np.testing.assert_allclose(saved["weights"], want_w, rtol=0, atol=1e-5)
 
 
+@pytest.mark.live
 def test_cli_reports_refusals(live_server, tmp_path):
     np.save(tmp_path / "q.npy", np.ones((3, 4)))
     np.save(tmp_path / "k.npy", np.ones((3, 5)))
@@ -311,11 +323,13 @@ def test_cli_reports_refusals(live_server, tmp_path):
     assert not (tmp_path / "r.npz").exists()
 
 
+@pytest.mark.live
 def test_cli_unreadable_file_is_a_usage_error(live_server, tmp_path):
     proc = run_cli("--url", live_server, "attention", *(str(tmp_path / "missing.npy"),) * 3, "-o", str(tmp_path / "r.npz"))
     assert proc.returncode == 2 and "cannot read" in proc.stderr
 
 
+@pytest.mark.live
 def test_cli_limits_and_ready(live_server):
     proc = run_cli("--url", live_server, "limits")
     assert proc.returncode == 0 and json.loads(proc.stdout)["max_t"] > 0

@@ -51,6 +51,7 @@ def triton_inputs(arrays: dict[str, np.ndarray], binary: bool) -> list:
     return inputs
 
 
+@pytest.mark.live
 def test_health_and_metadata(triton_client):
     assert triton_client.is_server_live()
     assert triton_client.is_server_ready()
@@ -70,6 +71,7 @@ def test_health_and_metadata(triton_client):
     assert [t["name"] for t in triton_client.get_model_metadata("mha")["inputs"]] == ["x", "wq", "wk", "wv", "wo"]
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_infer_batched_causal_equals_native(triton_client, live_server, rng, binary):
     q = rng.standard_normal((2, 3, 16, 8), dtype=np.float32)
@@ -89,6 +91,7 @@ def test_infer_batched_causal_equals_native(triton_client, live_server, rng, bin
     assert np.all(np.triu(result.as_numpy("weights"), k=1) == 0)  # causal: nothing above the diagonal
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
 def test_infer_bool_mask_equals_native(triton_client, live_server, rng, binary):
     q = rng.standard_normal((4, 6, 8), dtype=np.float32)
@@ -105,6 +108,7 @@ def test_infer_bool_mask_equals_native(triton_client, live_server, rng, binary):
     assert np.all(result.as_numpy("out")[:, 2] == 0)
 
 
+@pytest.mark.live
 def test_infer_default_outputs_are_binary_and_options_apply(triton_client, rng):
     """No outputs requested: the client asks binary_data_output; parameters carry the options."""
     q = rng.standard_normal((5, 4))
@@ -121,6 +125,7 @@ def test_infer_default_outputs_are_binary_and_options_apply(triton_client, rng):
     np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-12)
 
 
+@pytest.mark.live
 def test_infer_only_out_skips_the_weights(triton_client, rng):
     q = rng.standard_normal((3, 4), dtype=np.float32)
     result = triton_client.infer("attention", triton_inputs({"q": q, "k": q, "v": q}, binary=True),
@@ -129,6 +134,7 @@ def test_infer_only_out_skips_the_weights(triton_client, rng):
     assert result.as_numpy("weights") is None
 
 
+@pytest.mark.live
 def test_mha_equals_native(triton_client, live_server, rng):
     x = rng.standard_normal((2, 12, 16), dtype=np.float32)
     ws = {n: (rng.standard_normal((16, 16)) / 4).astype(np.float32) for n in ("wq", "wk", "wv", "wo")}
@@ -139,6 +145,7 @@ def test_mha_equals_native(triton_client, live_server, rng):
     assert result.as_numpy("weights").shape == (2, 4, 12, 12)
 
 
+@pytest.mark.live
 def test_client_sees_refusals_as_exceptions(triton_client, rng):
     q = rng.standard_normal((3, 4), dtype=np.float32)
     k = rng.standard_normal((3, 5), dtype=np.float32)
@@ -148,6 +155,7 @@ def test_client_sees_refusals_as_exceptions(triton_client, rng):
     assert info.value.message() == "input k has d=5 but q has d=4."
 
 
+@pytest.mark.live
 def test_infer_sets_server_timing(live_server):
     body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [2, 2], "data": [1, 0, 0, 1]} for n in ("q", "k", "v")]}
     resp = requests.post(f"{live_server}/v2/models/attention/infer", data=json.dumps(body), timeout=30)
