@@ -246,6 +246,11 @@ def test_binary_and_json_inputs_mix(client):
     assert resp.get_json()["outputs"][0]["data"] == infer(client, SEED).get_json()["outputs"][0]["data"]
 
 
+def test_versioned_paths(client):
+    assert client.post("/v2/models/attention/versions/1/infer", data=json.dumps(SEED)).status_code == 200
+    assert client.get("/v2/models/mha/versions/1").get_json()["name"] == "mha"
+
+
 def test_get_on_infer_is_405_in_the_protocol_shape(client):
     resp = client.get("/v2/models/attention/infer")
     assert resp.status_code == 405 and isinstance(resp.get_json()["error"], str)
@@ -289,6 +294,7 @@ REFUSALS = [
     ("bool-bytes-not-0-1", binary_request({"q": np.zeros((3, 2), np.float32), "k": np.zeros((3, 2), np.float32), "v": np.zeros((3, 2), np.float32),
                                            "mask": np.full((3, 3), 7, np.uint8)}, {"q": "FP32", "k": "FP32", "v": "FP32", "mask": "BOOL"}), 422, "input mask has bool bytes other than 0 and 1"),
     ("gzip", (json.dumps(SEED).encode(), {"Content-Encoding": "gzip"}), 415, "Content-Encoding 'gzip' is not accepted"),
+    ("body-too-large", framed(SEED, bytes(200_000)), 413, "larger than the limit of 200000 bytes (ATTN_MAX_BODY_BYTES)"),
 ]
 
 
