@@ -27,39 +27,60 @@ bp = Blueprint("openapi", __name__)
 
 DOCS_ASSETS = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "swagger-ui-standalone-preset.js", "favicon-16x16.png", "favicon-32x32.png"})
 
-TENSOR_REF = {"$ref": "#/components/schemas/Tensor"}
 _SHAPE = {"type": "array", "items": {"type": "integer", "minimum": 1}, "description": "the tensor's shape; every axis at least 1"}
-_NUMBER_OR_BOOL = {"oneOf": [{"type": "number"}, {"type": "boolean"}]}
-TENSOR = {
-    "description": "A tensor in one of three encodings: a nested array (row-major, rectangular); "
-    "{shape, data[, dtype]} with data flat and row-major; or {shape, dtype, b64} with the base64 of the raw "
-    "little-endian row-major bytes. Responses use the request's encoding unless response_encoding says otherwise.",
-    "oneOf": [
-        {"title": "nested", "type": "array", "minItems": 1, "items": {"oneOf": [{"type": "number"}, {"type": "boolean"}, {"type": "array"}]}},
-        {
-            "title": "flat",
-            "type": "object",
-            "required": ["shape", "data"],
-            "additionalProperties": False,
-            "properties": {
-                "shape": _SHAPE,
-                "data": {"type": "array", "items": _NUMBER_OR_BOOL, "description": "prod(shape) values, row-major"},
-                "dtype": {"type": "string", "enum": ["float32", "float64", "bool", "int32", "int64"]},
-            },
-        },
-        {
-            "title": "b64",
-            "type": "object",
-            "required": ["shape", "dtype", "b64"],
-            "additionalProperties": False,
-            "properties": {
-                "shape": _SHAPE,
-                "dtype": {"type": "string", "enum": ["float32", "float64", "bool", "int32", "int64"]},
-                "b64": {"type": "string", "format": "byte", "description": "prod(shape) * itemsize bytes, base64"},
-            },
-        },
-    ],
+_ALL_DTYPES = ["float32", "float64", "bool", "int32", "int64"]
+MAX_NESTING = 6  # the highest rank any tensor field takes
+# Per Tensor kind: its component's name, what it holds, the element types it accepts (one type per
+# tensor: a mask mixing booleans with numbers is refused), the dtypes it accepts (b64 and flat),
+# and whether a bare scalar is a tensor (rank 0, as key_lengths may be).
+_KINDS = {
+    "float": ("Tensor", "numbers", [{"type": "number"}], ["float32", "float64", "int32", "int64"], False),
+    "mask": ("MaskTensor", "booleans, or the numbers 0 and 1", [{"type": "boolean"}, {"type": "number", "enum": [0, 1]}], _ALL_DTYPES, False),
+    "int": ("IntTensor", "integers", [{"type": "integer"}], ["int32", "int64"], True),
 }
+
+
+def _nested(element: dict, rank: int) -> dict:
+    """A rank-`rank` nested array of element (rectangularity is beyond JSON Schema)."""
+    return element if rank == 0 else {"type": "array", "minItems": 1, "items": _nested(element, rank - 1)}
+
+
+def _one_of(options: list[dict]) -> dict:
+    return options[0] if len(options) == 1 else {"oneOf": options}
+
+
+def _tensor_schema(kind: str) -> dict:
+    """A tensor in each of its three encodings, holding the values a Tensor field of this kind accepts."""
+    _, what, elements, dtypes, scalar = _KINDS[kind]
+    nested = {"title": "nested", **_one_of([_nested(e, rank) for e in elements for rank in range(1, MAX_NESTING + 1)])}
+    flat = {
+        "title": "flat",
+        "type": "object",
+        "required": ["shape", "data"],
+        "additionalProperties": False,
+        "properties": {
+            "shape": _SHAPE,
+            "data": {**_one_of([_nested(e, 1) for e in elements]), "description": "prod(shape) values, row-major"},
+            "dtype": {"type": "string", "enum": [*dtypes, None], "nullable": True, "description": "how to read data; null or absent: as JSON gives"},
+        },
+    }
+    b64 = {
+        "title": "b64",
+        "type": "object",
+        "required": ["shape", "dtype", "b64"],
+        "additionalProperties": False,
+        "properties": {
+            "shape": _SHAPE,
+            "dtype": {"type": "string", "enum": dtypes},
+            "b64": {"type": "string", "format": "byte", "description": "prod(shape) * itemsize bytes, base64"},
+        },
+    }
+    return {
+        "description": f"A tensor of {what} in one of three encodings: a nested array (row-major, rectangular); "
+        "{shape, data[, dtype]} with data flat and row-major; or {shape, dtype, b64} with the base64 of the raw "
+        "little-endian row-major bytes. Responses use the request's encoding unless response_encoding says otherwise.",
+        "oneOf": [*([{"title": "scalar", **_one_of(elements)}] if scalar else []), nested, flat, b64],
+    }
 
 
 # --- the response bodies, as marshmallow schemas (documentation only: responses are built by the views) ---
@@ -93,12 +114,12 @@ class Status(Schema):
 
 
 def _tensor_property(self, field, ret, **kwargs) -> dict:
-    """MarshmallowPlugin attribute function: a Tensor field is a reference to the Tensor schema.
+    """MarshmallowPlugin attribute function: a Tensor field is a reference to its kind's schema.
     OpenAPI 3.0 ignores siblings of $ref, so the reference sits in allOf beside the description."""
     if not isinstance(field, Tensor):
         return {}
     ret.pop("type", None)
-    return {"allOf": [TENSOR_REF]}
+    return {"allOf": [{"$ref": f"#/components/schemas/{_KINDS[field.kind][0]}"}]}
 
 
 def _nullable_enum(self, field, ret, **kwargs) -> dict:
@@ -133,7 +154,8 @@ def build(app: Flask) -> dict:
     plugin.converter.add_attribute_function(_tensor_property)
     plugin.converter.add_attribute_function(_nullable_enum)
     plugin.converter.add_attribute_function(_exclusive_minimum)
-    spec.components.schema("Tensor", TENSOR)
+    for kind, (name, *_) in _KINDS.items():
+        spec.components.schema(name, _tensor_schema(kind))
     spec.components.schema("Error", schema=Error)
     spec.components.schema("ComputeResponse", schema=ComputeResponse)
     spec.components.schema("AttentionRequest", schema=AttentionRequest(settings))

@@ -72,8 +72,26 @@ def test_options_are_typed_as_the_schema_checks_them(doc):
     assert props["dtype"]["enum"] == ["float32", "float64", None]
     assert props["scale"]["minimum"] == 0 and props["scale"]["exclusiveMinimum"] is True
     assert props["q"]["allOf"] == [{"$ref": "#/components/schemas/Tensor"}]
-    tensor = doc["components"]["schemas"]["Tensor"]
-    assert [t["title"] for t in tensor["oneOf"]] == ["nested", "flat", "b64"]
+    assert props["mask"]["allOf"] == [{"$ref": "#/components/schemas/MaskTensor"}]
+    assert props["key_lengths"]["allOf"] == [{"$ref": "#/components/schemas/IntTensor"}]
+    schemas = doc["components"]["schemas"]
+    assert [t["title"] for t in schemas["Tensor"]["oneOf"]] == ["nested", "flat", "b64"]
+    assert [t["title"] for t in schemas["IntTensor"]["oneOf"]] == ["scalar", "nested", "flat", "b64"]  # key_lengths may be rank 0
+    assert "bool" not in schemas["Tensor"]["oneOf"][2]["properties"]["dtype"]["enum"]
+
+
+@pytest.mark.parametrize(("field", "value", "valid"), [
+    ("q", [[1.5, 2]], True), ("q", [[True, 2]], False), ("q", {"shape": [1], "dtype": "bool", "b64": "AQ=="}, False),
+    ("mask", [[True, False, True]], True), ("mask", [[0, 1, 1]], True), ("mask", [[True, 0, 1]], False), ("mask", [[2]], False),
+    ("key_lengths", 3, True), ("key_lengths", [2.5], False), ("key_lengths", {"shape": [1], "dtype": "float32", "b64": "AAAAAA=="}, False),
+], ids=["q-floats", "q-bool", "q-b64-bool", "mask-bools", "mask-01", "mask-mixed", "mask-2", "lengths-scalar", "lengths-fraction", "lengths-b64-float"])
+def test_tensor_schemas_agree_with_the_server(client, doc, field, value, valid):
+    """What the document calls valid for a tensor field is what the server accepts from it."""
+    name = {"q": "Tensor", "mask": "MaskTensor", "key_lengths": "IntTensor"}[field]
+    assert jsonschema.Draft4Validator(json_schema(doc, name)).is_valid(value) == valid
+    body = {"q": [[1.5, 2]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1], [2], [3]], field: value}
+    resp = client.post("/attention", json=body)
+    assert (resp.status_code == 200) == valid, resp.get_json()
 
 
 @pytest.mark.parametrize("path", ["/attention", "/mha"])
