@@ -172,7 +172,7 @@ def _decode_flat(value: dict) -> np.ndarray:
 def _decode_b64(value: dict) -> np.ndarray:
     _no_extra_keys(value, {"shape", "dtype", "b64"})
     shape = _shape(value)
-    if "dtype" not in value:
+    if value.get("dtype") is None:  # absent or null: the bytes cannot be read without it
         raise TensorError("bad_type", "needs \"dtype\" with \"b64\": float32, float64 or bool")
     dtype = _dtype(value, None)
     text = value["b64"]

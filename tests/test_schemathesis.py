@@ -1,33 +1,32 @@
-"""Property fuzzing of the contract: schemathesis reads /openapi.json from the live server,
-generates requests for every operation (schema-conforming ones, and for request bodies also
-schema-violating ones) and checks every response: no 5xx, a documented status, content type,
-headers and body schema, and (negative data) that invalid requests are refused with a 4xx.
+"""Property fuzzing of the contract: schemathesis reads /openapi.json from the live server and
+runs its examples, coverage and fuzzing phases on every operation, checking every response: no
+5xx, a documented status, content type, headers and body schema, invalid requests refused with
+a 4xx, undocumented methods refused.
 
-Bounded: at most MAX_EXAMPLES generated cases per operation and mode, each test under a time
-limit; derandomized in CI by the hypothesis profile conftest loads (CI=1), random on a laptop. The figures (cases per operation, statuses seen,
-failures) are printed at the end and written to out/schemathesis.json.
+Bounded: --max-examples 30 per operation and phase (the coverage phase adds its deterministic
+boundary cases), under a subprocess timeout. Reproducible in CI (CI=1: a fixed seed), a new seed
+on every laptop run. The run's figures (cases generated, failures) are printed and its JSON
+report written to out/schemathesis.json.
 
-schemathesis' own pytest loader (`schemathesis.pytest.from_fixture`) reads a private attribute
-pytest 9.2 no longer has (`request.node._nodeid`), so the cases come from its documented
-strategy API (`operation.as_strategy`) driven by hypothesis directly; the checks are its own."""
+The run is schemathesis' own CLI, `st run`: its pytest loader (`schemathesis.pytest.from_fixture`)
+reads a private attribute pytest 9.2 no longer has (`request.node._nodeid`), and the CLI is the
+one place all phases run with the documented defaults."""
 from __future__ import annotations
 
-import collections
 import json
-import time
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-import hypothesis
 import pytest
-import requests
 import schemathesis
-from hypothesis import HealthCheck
-from schemathesis import GenerationMode, checks
-
-pytestmark = pytest.mark.live
+from schemathesis import checks
 
 ROOT = Path(__file__).resolve().parent.parent
+REPORT = ROOT / "out" / "schemathesis.json"
 MAX_EXAMPLES = 30
+OPERATIONS = {("POST", "/attention"), ("POST", "/mha"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/limits")}
 RESPONSE_CHECKS = [
     checks.not_a_server_error,
     checks.status_code_conformance,
@@ -35,16 +34,6 @@ RESPONSE_CHECKS = [
     checks.response_headers_conformance,
     checks.response_schema_conformance,
 ]
-OPERATIONS = [
-    ("POST", "/attention", ("positive", "negative")),
-    ("POST", "/mha", ("positive", "negative")),
-    ("GET", "/healthz", ("positive",)),
-    ("GET", "/readyz", ("positive",)),
-    ("GET", "/limits", ("positive",)),
-]
-CASES = [(method, path, mode) for method, path, modes in OPERATIONS for mode in modes]
-
-FIGURES: dict = {"cases": collections.Counter(), "statuses": collections.Counter(), "failures": 0, "seconds": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -52,66 +41,60 @@ def api_schema(live_server):
     return schemathesis.openapi.from_url(f"{live_server}/openapi.json")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def figures():
-    yield FIGURES
-    report = {
-        "max_examples_per_operation_and_mode": MAX_EXAMPLES,
-        "cases_total": sum(FIGURES["cases"].values()),
-        "cases": dict(FIGURES["cases"]),
-        "statuses": {f"{key[0]} -> {key[1]}": n for key, n in sorted(FIGURES["statuses"].items())},
-        "failures": FIGURES["failures"],
-        "seconds": round(FIGURES["seconds"], 1),
-    }
-    out = ROOT / "out"
-    out.mkdir(exist_ok=True)
-    (out / "schemathesis.json").write_text(json.dumps(report, indent=2))
-    print("\nschemathesis:", json.dumps(report, indent=2))
-
-
-def test_every_served_operation_is_fuzzed(api_schema):
+@pytest.mark.live
+def test_every_served_operation_is_documented(api_schema):
     documented = {(op.method.upper(), op.path) for op in (result.ok() for result in api_schema.get_all_operations())}
-    assert documented == {(method, path) for method, path, _ in OPERATIONS}
+    assert documented == OPERATIONS
 
 
+@pytest.mark.live
+@pytest.mark.timeout(240)
+def test_schemathesis_run(live_server):
+    """Every phase, every default check but positive_data_acceptance: JSON Schema cannot say that
+    k's d equals q's or that a mask broadcasts, so most schema-valid bodies are rightly refused
+    with 422, and that check would measure only this."""
+    REPORT.parent.mkdir(exist_ok=True)
+    seed = ["--seed", "20261129"] if os.environ.get("CI") else []
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{live_server}/openapi.json",
+           "--max-examples", str(MAX_EXAMPLES), "--request-timeout", "30", "--workers", "2",
+           "--exclude-checks", "positive_data_acceptance", "--no-color",
+           "--report", "json", "--report-json-path", str(REPORT), *seed]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    report = json.loads(REPORT.read_text())
+    cases = report["test_cases"]
+    print(f"\nschemathesis {report['schemathesis_version']}: seed {report['seed']}, {cases['generated']} cases generated, "
+          f"{cases['with_failures']} with failures, {len(report['errors'])} errors, {report['running_time']:.1f} s")
+    assert proc.returncode == 0 and report["exit_code"] == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    assert report["complete"] and report["operations"]["tested"] == len(OPERATIONS)
+    assert cases["with_failures"] == 0 and not report["failures"] and not report["errors"]
+    assert all(report["phases"][p]["status"] == "success" for p in ("examples", "coverage", "fuzzing"))
+    assert cases["generated"] >= MAX_EXAMPLES * 2  # it really ran
+
+
+@pytest.mark.live
 @pytest.mark.parametrize("path", ["/attention", "/mha"])
 def test_documented_examples_pass_every_check(api_schema, path):
     """The examples in the document (what /docs pre-fills) are accepted and answered as documented."""
     operation = api_schema[path]["POST"]
     examples = operation.definition.raw["requestBody"]["content"]["application/json"]["examples"]
+    assert examples
     for example in examples.values():
         case = operation.Case(body=example["value"], media_type="application/json")
         response = case.call_and_validate(checks=RESPONSE_CHECKS + [checks.positive_data_acceptance], timeout=30)
         assert response.status_code == 200
-        FIGURES["cases"][f"POST {path} (documented examples)"] += 1
-        FIGURES["statuses"][(f"POST {path} (documented examples)", response.status_code)] += 1
 
 
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize(("method", "path", "mode"), CASES, ids=[f"{m} {p} {mode}" for m, p, mode in CASES])
-def test_contract(api_schema, live_server, method, path, mode):
-    operation = api_schema[path][method]
-    negative = mode == "negative"
-    response_checks = RESPONSE_CHECKS + ([checks.negative_data_rejection] if negative else [])
-    label = f"{method} {path} ({mode})"
-    session = requests.Session()
-    start = time.perf_counter()
+SEED = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]]}
+EYE = [[1, 0], [0, 1]]
+FOUND = [
+    # (id, path, body, status, code): requests schemathesis found mishandled, kept as regressions
+    ("b64-dtype-null-was-500", "/attention", {**SEED, "key_lengths": {"shape": [1], "dtype": None, "b64": "AwAAAAAAAAA="}}, 422, "bad_type"),
+    ("causal-0-was-accepted", "/mha", {"x": EYE, "wq": EYE, "wk": EYE, "wv": EYE, "wo": EYE, "heads": 1, "causal": 0}, 422, "bad_type"),
+    ("return-weights-1-was-accepted", "/attention", {**SEED, "return_weights": 1}, 422, "bad_type"),
+]
 
-    @hypothesis.given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
-    @hypothesis.settings(max_examples=MAX_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-                         phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
-    def run(case):
-        try:
-            response = case.call_and_validate(session=session, checks=response_checks, timeout=30)
-        except Exception:
-            FIGURES["failures"] += 1
-            raise
-        FIGURES["cases"][label] += 1
-        FIGURES["statuses"][(label, response.status_code)] += 1
 
-    try:
-        run()
-    finally:
-        FIGURES["seconds"] += time.perf_counter() - start
-        session.close()
-    assert FIGURES["cases"][label] > 0
+@pytest.mark.parametrize(("path", "body", "status", "code"), [f[1:] for f in FOUND], ids=[f[0] for f in FOUND])
+def test_found_by_schemathesis(client, path, body, status, code):
+    resp = client.post(path, json=body)
+    assert resp.status_code == status and resp.get_json()["error"]["code"] == code
