@@ -6,9 +6,9 @@ from flask import Flask
 from schemas import AttentionRequest, MhaRequest
 
 from . import api, errors, http, ops
-from . import kserve, openapi
 from .config import Settings
 from .costmodel import CostModel
+from . import kserve, openapi  # the other front doors: Open Inference Protocol, OpenAPI and docs
 
 
 def create_app(settings: Settings | None = None) -> Flask:
