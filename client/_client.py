@@ -129,12 +129,14 @@ class AttentionClient:
 
         q (..., T, d), k (..., S, d), v (..., S, dv); mask bool broadcasting to (..., T, S), True =
         attend; causal False | True (= "top_left") | "bottom_right"; key_lengths ints broadcasting
-        to (...). dtype "float32" | "float64" | None (the server's default). Returns out (..., T, dv)
-        and weights (..., T, S) (None unless return_weights)."""
+        to (...). dtype "float32" | "float64" | None: float64 if q, k or v is float64, else the
+        server's default. Returns out (..., T, dv) and weights (..., T, S) (None unless
+        return_weights)."""
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
         mask = None if mask is None else np.asarray(mask)
         key_lengths = None if key_lengths is None else np.asarray(key_lengths)
         causal = "top_left" if causal is True else causal
+        dtype = dtype or _float64_if_any(q, k, v)
         options = {"return_weights": return_weights, **({"scale": scale} if scale is not None else {}),
                    **({"dtype": dtype} if dtype is not None else {})}
 
@@ -189,9 +191,11 @@ class AttentionClient:
         """The GPT block's multi-head self-attention on the server.
 
         x (n, d) or (B, n, d), w* (d, d), d % heads == 0. Returns out like x and weights (h, n, n)
-        or (B, h, n, n) (None unless return_weights). A batch over the limits is split along B."""
+        or (B, h, n, n) (None unless return_weights). dtype as for attention. A batch over the
+        limits is split along B."""
         x = np.asarray(x)
         ws = {"wq": np.asarray(wq), "wk": np.asarray(wk), "wv": np.asarray(wv), "wo": np.asarray(wo)}
+        dtype = dtype or _float64_if_any(x, *ws.values())
         options = {"heads": heads, "causal": causal, "return_weights": return_weights, **({"dtype": dtype} if dtype is not None else {})}
 
         def send(x):
@@ -326,6 +330,11 @@ class AttentionClient:
 
 
 # --- helpers ---------------------------------------------------------------------------------------
+
+def _float64_if_any(*arrays: np.ndarray) -> str | None:
+    """numpy in, numpy out: float64 inputs are computed, and answered, in float64."""
+    return "float64" if any(a.dtype == np.float64 for a in arrays) else None
+
 
 def _wire_itemsize(a: np.ndarray) -> int:
     return 8 if a.dtype == np.float64 else 4

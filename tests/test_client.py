@@ -68,12 +68,14 @@ def test_random_batched_case(live_server, rng, encoding):
 
 
 @pytest.mark.live
-def test_float64_and_no_weights(api, rng):
+def test_float64_in_float64_out_and_no_weights(api, rng):
     q, k, v = rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 6, 4)), rng.standard_normal((3, 6, 2))
-    out, weights = api.attention(q, k, v, key_lengths=np.array([6, 3, 0]), scale=0.3, return_weights=False, dtype="float64")
+    out, weights = api.attention(q, k, v, key_lengths=np.array([6, 3, 0]), scale=0.3, return_weights=False)
     assert weights is None and out.dtype == np.float64
     np.testing.assert_allclose(out, core.attention(q, k, v, key_lengths=np.array([6, 3, 0]), scale=0.3)[0], rtol=0, atol=1e-12)
     assert np.all(out[2] == 0)  # no allowed key: zeros
+    out32, _ = api.attention(q, k, v, dtype="float32")
+    assert out32.dtype == np.float32
 
 
 @pytest.mark.live
@@ -308,9 +310,10 @@ def test_cli_attention(live_server, tmp_path, rng):
                    "--mask", str(tmp_path / "m.npy"), "--causal", "-o", str(result))
     assert proc.returncode == 0, proc.stderr
     saved = np.load(result)
-    want_out, want_w = core.attention(*(a.astype(np.float32) for a in (q, k, v)), mask, causal="top_left")
-    np.testing.assert_allclose(saved["out"], want_out, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(saved["weights"], want_w, rtol=0, atol=1e-5)
+    want_out, want_w = core.attention(q, k, v, mask, causal="top_left")  # float64 files: float64 compute
+    assert saved["out"].dtype == np.float64
+    np.testing.assert_allclose(saved["out"], want_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(saved["weights"], want_w, rtol=0, atol=1e-12)
 
 
 @pytest.mark.live
