@@ -1,0 +1,122 @@
+"""The sweep: for each concurrency, T from small to large, one cell each, with early stop.
+
+A concurrency's sweep stops early (the larger T are skipped, never run) when a cell
+- had its body refused (e.g. 413 too_long: a larger T would be refused too),
+- got no successful response at all, or
+- had a p50 past `early_stop_factor` x the SLO, so a sweep never runs for hours.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from loadtest.cell import CellResult, Load, run_cell, summarize
+from loadtest.payload import Workload, build_body
+from loadtest.transport import check_reachable, fetch_limits
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Everything a sweep needs; built by cli.py, kept whole in the report."""
+
+    base_url: str  # e.g. http://127.0.0.1:8000, no trailing slash
+    Ts: tuple[int, ...]
+    concurrencies: tuple[int, ...]
+    workload: Workload
+    load: Load  # its concurrency is replaced per cell
+    slo_ms: float | None = None
+    slo_percentile: str = "p99"
+    early_stop_factor: float = 4.0
+    max_error_rate: float = 0.01
+    fit_min_T: int = 512
+    command: str = ""
+
+
+@dataclass
+class Sweep:
+    """What a sweep found so far; filled cell by cell so an interrupted run still reports."""
+
+    config: SweepConfig
+    cells: list[CellResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    limits: dict[str, Any] | None = None
+    started: str = ""
+    finished: str = ""
+    loadavg_start: tuple[float, float, float] | None = None
+    loadavg_end: tuple[float, float, float] | None = None
+
+
+def _loadavg() -> tuple[float, float, float] | None:
+    try:
+        return os.getloadavg()
+    except OSError:
+        return None
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def stop_reason(cell: CellResult, config: SweepConfig) -> str | None:
+    """Why the sweep of this cell's concurrency must not go to a larger T, or None."""
+    if cell.refused:
+        return cell.note
+    if cell.ok == 0:
+        return "no successful response"
+    if config.slo_ms is not None and cell.p50_ms > config.early_stop_factor * config.slo_ms:
+        return (f"p50 {cell.p50_ms:.0f} ms is over {config.early_stop_factor:g} x "
+                f"the SLO of {config.slo_ms:g} ms")
+    return None
+
+
+def format_cell(cell: CellResult) -> str:
+    """One progress line for a finished cell."""
+    errors = " ".join(f"{k}:{v}" for k, v in cell.errors.items()) or "none"
+    compute = cell.phases_ms.get("compute")
+    server = f", server compute p50 {compute:.1f} ms" if compute is not None else ""
+    return (f"ok {cell.ok}/{cell.sent}, p50 {cell.p50_ms:.1f} ms, p99 {cell.p99_ms:.1f} ms, "
+            f"{cell.throughput_rps:.1f} req/s, errors {errors}{server}"
+            + (f" ({cell.note})" if cell.note else ""))
+
+
+def run_sweep(config: SweepConfig, into: Sweep, log: Callable[[str], None],
+              stop: threading.Event | None = None) -> Sweep:
+    """Run every cell of `config` into `into`; raises ConnectionFailure if the server is gone.
+
+    Bodies are built once per T, before any cell that uses them is timed.
+    """
+    check_reachable(config.base_url)
+    into.limits = fetch_limits(config.base_url)
+    into.started, into.loadavg_start = _now(), _loadavg()
+    bodies: dict[int, bytes] = {}
+    total = len(config.Ts) * len(config.concurrencies)
+    done = 0
+    try:
+        for concurrency in config.concurrencies:
+            load = replace(config.load, concurrency=concurrency)
+            for i, T in enumerate(config.Ts):
+                done += 1
+                if T not in bodies:
+                    bodies[T] = build_body(config.workload, T)
+                log(f"[{done}/{total}] T={T} concurrency={concurrency} "
+                    f"({len(bodies[T]) / 1e6:.2f} MB body) ...")
+                run = run_cell(config.base_url, bodies[T], load, stop)
+                cell = summarize(T, concurrency, len(bodies[T]), run)
+                into.cells.append(cell)
+                log(f"[{done}/{total}] T={T} concurrency={concurrency}: {format_cell(cell)}")
+                reason = stop_reason(cell, config)
+                if reason is not None and i + 1 < len(config.Ts):
+                    skipped = config.Ts[i + 1:]
+                    note = (f"concurrency {concurrency}: stopped after T={T} ({reason}); "
+                            f"skipped T={','.join(map(str, skipped))}")
+                    into.notes.append(note)
+                    log(note)
+                    done += len(skipped)
+                    break
+    finally:
+        into.finished, into.loadavg_end = _now(), _loadavg()
+    return into
