@@ -1,0 +1,213 @@
+"""The request bodies of POST /attention and POST /mha. Fields check themselves; the one
+@validates_schema per request checks the rules across fields (d, S, dv agree, the mask
+broadcasts, the limits hold), and @post_load casts to the compute dtype and builds the job."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from marshmallow import RAISE, Schema, ValidationError, post_load, validates_schema
+
+from service import codec
+from service.config import Settings
+from service.errors import ApiError, invalid
+
+from .fields import Bool, Choice, PositiveFloat, PositiveInt, Tensor
+
+DTYPES = ("float32", "float64")
+CAUSAL = (False, True, "top_left", "bottom_right")
+
+
+@dataclass(frozen=True)
+class AttentionJob:
+    """A validated /attention request: arrays in the compute dtype, options normalised."""
+
+    q: np.ndarray  # (..., T, d)
+    k: np.ndarray  # (..., S, d)
+    v: np.ndarray  # (..., S, dv)
+    mask: np.ndarray | None  # bool, broadcasts to (..., T, S)
+    causal: bool | str  # False, "top_left" or "bottom_right"
+    key_lengths: np.ndarray | None  # int64, broadcasts to (...)
+    scale: float | None
+    return_weights: bool
+    encoding: str
+
+    @property
+    def score_elements(self) -> int:
+        return math.prod(self.q.shape[:-1]) * self.k.shape[-2]  # B*T*S
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.score_elements * (self.q.shape[-1] + self.v.shape[-1])  # q kᵀ and weights v
+
+
+@dataclass(frozen=True)
+class MhaJob:
+    """A validated /mha request."""
+
+    x: np.ndarray  # (..., n, d)
+    wq: np.ndarray  # (d, d)
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    heads: int
+    causal: bool
+    return_weights: bool
+    encoding: str
+
+    @property
+    def score_elements(self) -> int:
+        return math.prod(self.x.shape[:-1]) * self.heads * self.x.shape[-2]  # B*h*n*n
+
+    @property
+    def flops(self) -> int:
+        n_rows, d = math.prod(self.x.shape[:-1]), self.x.shape[-1]
+        return 8 * n_rows * d * d + 4 * self.score_elements * (d // self.heads)  # 4 projections + attention
+
+
+class _Request(Schema):
+    """Options every compute request shares, the limits in force, and one error per request."""
+
+    class Meta:
+        unknown = RAISE
+
+    return_weights = Bool(load_default=True, metadata={"description": "return the attention weights"})
+    dtype = Choice(DTYPES, load_default=None, metadata={"description": "compute and output precision (default float32)"})
+    response_encoding = Choice(codec.ENCODINGS, load_default=None, metadata={"description": "encoding of the response tensors; default: as the input was encoded"})
+
+    def __init__(self, settings: Settings | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.settings = settings or Settings()
+
+    def handle_error(self, error: ValidationError, data, *, many: bool, **kwargs):
+        """Only marshmallow's own checks reach here (our fields raise ApiError): unknown fields."""
+        messages = error.messages if isinstance(error.messages, dict) else {"_schema": error.messages}
+        name = next(iter(messages))
+        if name not in self.fields:
+            known = ", ".join(sorted(self.fields))
+            raise invalid("unknown_field", f"{name!r} is not a field of this request; the fields are: {known}.", name)
+        raise invalid("bad_type", f"{name}: {messages[name]}", name)
+
+    def _dtype(self, data) -> np.dtype:
+        return np.dtype(data.get("dtype") or self.settings.default_dtype)
+
+    def _check_scores(self, score_elements: int, return_weights: bool, what: str) -> None:
+        s = self.settings
+        if score_elements > s.max_score_elements:
+            raise ApiError(413, "too_large", f"{what} is {score_elements} score elements, over the limit of {s.max_score_elements} (ATTN_MAX_SCORE_ELEMENTS); split the batch or shorten the sequence.")
+        if return_weights and score_elements > s.max_weights_elements:
+            raise ApiError(413, "too_large", f"{what} would return {score_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send \"return_weights\": false.", "return_weights")
+
+    def _check_length(self, field: str, axis: str, n: int, limit: int, env: str) -> None:
+        if n > limit:
+            raise ApiError(413, "too_long", f"{field} has {axis}={n}, over the maximum of {limit} ({env}); attention costs O(T*S).", field)
+
+    def _check_width(self, field: str, d: int) -> None:
+        if d > self.settings.max_d:
+            raise ApiError(413, "too_large", f"{field} has width {d}, over the maximum of {self.settings.max_d} (ATTN_MAX_D).", field)
+
+    def _cast(self, name: str, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        out = arr.astype(dtype, copy=False)
+        if not np.isfinite(out).all():
+            hint = '; send "dtype": "float64" or smaller values' if dtype == np.float32 else ""
+            raise invalid("non_finite", f"{name} has values that are not finite in {dtype.name}{hint}.", name)
+        return out
+
+    def _encoding(self, data, original, field: str) -> str:
+        return data.get("response_encoding") or codec.wire_encoding(original.get(field))
+
+
+class AttentionRequest(_Request):
+    q = Tensor(required=True, metadata={"description": "queries (..., T, d)"})
+    k = Tensor(required=True, metadata={"description": "keys (..., S, d): the same leading axes as q"})
+    v = Tensor(required=True, metadata={"description": "values (..., S, dv): the same leading axes and S as k"})
+    mask = Tensor(kind="mask", ranks=(1, 6), load_default=None, metadata={"description": "true = may attend; broadcasts to (..., T, S)"})
+    causal = Choice(CAUSAL, load_default=False, metadata={"description": 'true = "top_left" (s <= t); "bottom_right": s <= t + S - T'})
+    key_lengths = Tensor(kind="int", ranks=(0, 5), load_default=None, metadata={"description": "key s allowed iff s < key_lengths[...]; broadcasts to the leading axes"})
+    scale = PositiveFloat(load_default=None, metadata={"description": "multiplies the scores; default 1/sqrt(d)"})
+
+    @validates_schema
+    def _shapes(self, data, **kwargs):
+        q, k, v, s = data["q"], data["k"], data["v"], self.settings
+        if q.ndim > s.max_rank:
+            raise invalid("bad_rank", f"q has rank {q.ndim}, over the maximum of {s.max_rank} (ATTN_MAX_RANK).", "q")
+        lead, (T, d) = q.shape[:-2], q.shape[-2:]
+        if k.shape[:-2] != lead:
+            raise invalid("shape_mismatch", f"k has shape {list(k.shape)}; it needs q's leading axes {list(lead)} then (S, d).", "k")
+        S = k.shape[-2]
+        if k.shape[-1] != d:
+            raise invalid("shape_mismatch", f"k has d={k.shape[-1]} but q has d={d}.", "k")
+        if v.shape[:-1] != k.shape[:-1]:
+            raise invalid("shape_mismatch", f"v has shape {list(v.shape)}; it needs k's leading axes and S, {list(k.shape[:-1])}, then dv.", "v")
+        self._check_length("q", "T", T, s.max_t, "ATTN_MAX_T")
+        self._check_length("k", "S", S, s.max_s, "ATTN_MAX_S")
+        self._check_width("q", d)
+        self._check_width("v", v.shape[-1])
+        self._check_scores(math.prod(lead) * T * S, data["return_weights"], f"q {list(q.shape)} against k {list(k.shape)}")
+        mask = data["mask"]
+        if mask is not None and not _broadcasts(mask.shape, (*lead, T, S)):
+            raise invalid("mask_not_broadcastable", f"mask has shape {list(mask.shape)}, which does not broadcast to (..., T, S) = {list((*lead, T, S))}.", "mask")
+        lengths = data["key_lengths"]
+        if lengths is not None:
+            if not _broadcasts(lengths.shape, lead):
+                raise invalid("shape_mismatch", f"key_lengths has shape {list(lengths.shape)}, which does not broadcast to the leading axes {list(lead)}.", "key_lengths")
+            if lengths.min() < 0 or lengths.max() > S:
+                raise invalid("bad_option", f"key_lengths must lie in 0..S = 0..{S}; got {int(lengths.min())}..{int(lengths.max())}.", "key_lengths")
+        scale = data["scale"]
+        if scale is not None and not np.isfinite(self._dtype(data).type(scale)):
+            raise invalid("non_finite", f"scale={scale} is not finite in {self._dtype(data).name}.", "scale")
+
+    @post_load(pass_original=True)
+    def _job(self, data, original, **kwargs) -> AttentionJob:
+        dtype = self._dtype(data)
+        causal = data["causal"]
+        return AttentionJob(
+            q=self._cast("q", data["q"], dtype),
+            k=self._cast("k", data["k"], dtype),
+            v=self._cast("v", data["v"], dtype),
+            mask=data["mask"],
+            causal="top_left" if causal is True else causal,
+            key_lengths=data["key_lengths"],
+            scale=data["scale"],
+            return_weights=data["return_weights"],
+            encoding=self._encoding(data, original, "q"),
+        )
+
+
+class MhaRequest(_Request):
+    x = Tensor(ranks=(2, 3), required=True, metadata={"description": "input (n, d) or (B, n, d)"})
+    wq = Tensor(ranks=(2, 2), required=True, metadata={"description": "query projection (d, d)"})
+    wk = Tensor(ranks=(2, 2), required=True, metadata={"description": "key projection (d, d)"})
+    wv = Tensor(ranks=(2, 2), required=True, metadata={"description": "value projection (d, d)"})
+    wo = Tensor(ranks=(2, 2), required=True, metadata={"description": "output projection (d, d)"})
+    heads = PositiveInt(required=True, metadata={"description": "number of heads h; d % h == 0"})
+    causal = Bool(load_default=True, metadata={"description": "mask the future (the GPT block)"})
+
+    @validates_schema
+    def _shapes(self, data, **kwargs):
+        x, s = data["x"], self.settings
+        n, d = x.shape[-2:]
+        for name in ("wq", "wk", "wv", "wo"):
+            if data[name].shape != (d, d):
+                raise invalid("shape_mismatch", f"{name} has shape {list(data[name].shape)}; it must be (d, d) = {[d, d]} for x of width d={d}.", name)
+        heads = data["heads"]
+        if d % heads:
+            raise invalid("bad_option", f"heads={heads} does not divide the width d={d}.", "heads")
+        self._check_length("x", "n", n, s.max_t, "ATTN_MAX_T")
+        self._check_width("x", d)
+        self._check_scores(math.prod(x.shape[:-2]) * heads * n * n, data["return_weights"], f"x {list(x.shape)} with {heads} heads")
+
+    @post_load(pass_original=True)
+    def _job(self, data, original, **kwargs) -> MhaJob:
+        dtype = self._dtype(data)
+        arrays = {name: self._cast(name, data[name], dtype) for name in ("x", "wq", "wk", "wv", "wo")}
+        return MhaJob(**arrays, heads=data["heads"], causal=data["causal"], return_weights=data["return_weights"], encoding=self._encoding(data, original, "x"))
+
+
+def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """True if an array of shape broadcasts to exactly target (never growing it)."""
+    try:
+        return np.broadcast_shapes(shape, target) == tuple(target)
+    except ValueError:
+        return False

@@ -1,0 +1,77 @@
+"""Settings: every knob of the service, read once from the environment. The only reader of os.environ."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+VERSION = "1.0.0"
+
+
+def _env(name: str, default, cast):
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return cast(raw)
+    except ValueError:
+        raise SystemExit(f"configuration error: {name}={raw!r} is not a valid {cast.__name__}") from None
+
+
+def _bool(raw: str) -> bool:
+    if raw.lower() in {"1", "true", "yes", "on"}:
+        return True
+    if raw.lower() in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(raw)
+
+
+def _keys(raw: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in raw.split(",") if k.strip())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The limits and options in force. Defaults keep one request within about a second and a
+    gigabyte on a 2-core machine: attention is O(T*S) in time and memory, so T, S and the score
+    count B*T*S are bounded separately (and returned weights, which also cost wire bytes, tighter)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_t: int = 4096                      # query positions per request
+    max_s: int = 4096                      # key positions per request
+    max_score_elements: int = 2**27        # B*T*S computed (134M: 8 heads at T=S=4096)
+    max_weights_elements: int = 2**25      # B*T*S returned as weights (33.5M: 8 heads at T=S=2048, 134 MB f32)
+    max_body_bytes: int = 128 * 2**20      # request body, refused before it is parsed
+    max_rank: int = 6                      # rank of q, k, v
+    max_d: int = 4096                      # head dimension / model width
+    default_dtype: str = "float32"
+    api_keys: tuple[str, ...] = ()         # empty: no authentication
+    max_inflight: int = 2                  # computing requests per worker; the rest wait or get 503
+    max_queue: int = 4                     # requests allowed to wait per worker before 503
+    max_inflight_bytes: int = 512 * 2**20  # request bytes held per worker before 503
+    warmup: bool = True                    # calibrate the cost model at start-up
+
+    @classmethod
+    def from_env(cls) -> "Settings":
+        d = cls()
+        return cls(
+            host=_env("HOST", d.host, str),
+            port=_env("PORT", d.port, int),
+            max_t=_env("ATTN_MAX_T", d.max_t, int),
+            max_s=_env("ATTN_MAX_S", d.max_s, int),
+            max_score_elements=_env("ATTN_MAX_SCORE_ELEMENTS", d.max_score_elements, int),
+            max_weights_elements=_env("ATTN_MAX_WEIGHTS_ELEMENTS", d.max_weights_elements, int),
+            max_body_bytes=_env("ATTN_MAX_BODY_BYTES", d.max_body_bytes, int),
+            max_rank=_env("ATTN_MAX_RANK", d.max_rank, int),
+            max_d=_env("ATTN_MAX_D", d.max_d, int),
+            default_dtype=_env("ATTN_DEFAULT_DTYPE", d.default_dtype, str),
+            api_keys=_env("ATTN_API_KEYS", d.api_keys, _keys),
+            max_inflight=_env("ATTN_MAX_INFLIGHT", d.max_inflight, int),
+            max_queue=_env("ATTN_MAX_QUEUE", d.max_queue, int),
+            max_inflight_bytes=_env("ATTN_MAX_INFLIGHT_BYTES", d.max_inflight_bytes, int),
+            warmup=_env("ATTN_WARMUP", d.warmup, _bool),
+        )
+
+    def limits(self) -> dict:
+        """The public view of the limits (no secrets)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in {"api_keys", "host", "port", "warmup"}}

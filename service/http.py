@@ -1,0 +1,88 @@
+"""Request and response plumbing shared by every blueprint: reading a JSON body (media type,
+size and strictness checks), writing JSON, the per-phase clock behind Server-Timing and
+timing_ms, and the request id."""
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import contextmanager
+
+import orjson
+from flask import Flask, Response, g, request
+
+from . import codec
+from .errors import ApiError
+
+PHASES = ("decode", "validate", "compute", "encode")
+MAX_JSON_DEPTH = 12  # a rank-6 tensor inside a request object is 8 deep; KServe's envelope adds a few
+
+
+@contextmanager
+def phase(name: str):
+    """Time a block as one phase of this request (milliseconds, accumulated)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        g.phases[name] = g.phases.get(name, 0.0) + (time.perf_counter() - start) * 1000
+
+
+def phases_ms() -> dict[str, float]:
+    return {k: round(v, 3) for k, v in g.phases.items()}
+
+
+def check_media_type(require_json: bool = True) -> None:
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, "unsupported_media_type", f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed.")
+    if require_json and request.mimetype != "application/json":
+        got = request.mimetype or "none"
+        raise ApiError(415, "unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
+
+
+def read_body() -> bytes:
+    """The raw body; werkzeug refuses it with 413 past MAX_CONTENT_LENGTH before reading it all."""
+    return request.get_data(cache=False)
+
+
+def parse_json(body: bytes) -> dict:
+    """Strict JSON object, or 400 bad_json."""
+    try:
+        doc = codec.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, "bad_json", f"The body is not valid strict JSON ({exc}); NaN, Infinity and out-of-range numbers are not JSON.") from None
+    if not isinstance(doc, dict):
+        raise ApiError(400, "bad_json", f"The body must be a JSON object, not a {type(doc).__name__}.")
+    if codec.depth(doc, MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH:
+        raise ApiError(400, "bad_json", f"The body nests deeper than {MAX_JSON_DEPTH} levels, deeper than any tensor may.")
+    return doc
+
+
+def read_json() -> dict:
+    """The request's JSON object: 415, 413 or 400 if it is not one. Timed as the decode phase."""
+    check_media_type()
+    with phase("decode"):
+        return parse_json(read_body())
+
+
+def json_response(body, status: int = 200) -> Response:
+    return Response(codec.dumps(body), status=status, mimetype="application/json")
+
+
+def install(app: Flask) -> None:
+    """Per-request clock and request id, and the Server-Timing / X-Request-Id headers."""
+
+    @app.before_request
+    def _start():
+        g.t0 = time.perf_counter()
+        g.phases = {}
+        g.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+
+    @app.after_request
+    def _headers(resp: Response):
+        if "t0" in g:
+            total = (time.perf_counter() - g.t0) * 1000
+            parts = [f"{k};dur={v:.3f}" for k, v in g.phases.items()] + [f"total;dur={total:.3f}"]
+            resp.headers["Server-Timing"] = ", ".join(parts)
+            resp.headers["X-Request-Id"] = g.request_id
+        return resp

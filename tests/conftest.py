@@ -1,0 +1,91 @@
+"""Shared fixtures: an app with small limits, its test client, a seeded rng, and a live_server
+that runs the real gunicorn (python -m service) on a free loopback port."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from service import create_app
+from service.config import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SMALL = Settings(max_t=64, max_s=64, max_score_elements=20_000, max_weights_elements=10_000, max_body_bytes=200_000, max_d=64, warmup=False)
+
+
+@pytest.fixture
+def settings() -> Settings:
+    return SMALL
+
+
+@pytest.fixture
+def app(settings):
+    app = create_app(settings)
+    app.testing = True
+    return app
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(env: dict | None = None, timeout: float = 60.0):
+    """Start `python -m service` on a free loopback port; returns (process, base_url) once ready."""
+    port = free_port()
+    full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
+    log = tempfile.NamedTemporaryFile(prefix="attention-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=full_env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log.name  # read by tests that inspect the server's log
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {Path(log.name).read_text()[-2000:]}")
+        try:
+            if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.1)
+    stop_server(proc)
+    raise RuntimeError(f"server not ready within {timeout} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=35)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def live_server():
+    """Base URL of the real gunicorn server, shared by the session's end-to-end tests."""
+    proc, url = start_server()
+    yield url
+    stop_server(proc)
