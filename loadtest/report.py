@@ -128,16 +128,18 @@ def _load_line(sweep: Sweep) -> str:
 def _cells_table(cells: list[CellResult]) -> list[str]:
     lines = [
         "| T | conc. | ok/sent | 503 | 504 | other errors | p50 ms | p90 ms | p99 ms | max ms "
-        "| req/s | server decode | validate | compute | encode | total |",
-        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| req/s | server decode | validate | compute | encode | total | compute / p50 |",
+        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in sorted(cells, key=lambda c: (c.concurrency, c.T)):
         other = " ".join(f"{k}:{v}" for k, v in c.errors.items() if k not in ("503", "504"))
         ph = [_ms(c.phases_ms.get(n)) for n in PHASES]
+        share = c.phases_ms.get("compute", math.nan) / c.p50_ms if c.ok else math.nan
         lines.append(
             f"| {c.T} | {c.concurrency} | {c.ok}/{c.sent} | {c.errors.get('503', 0)} "
             f"| {c.errors.get('504', 0)} | {other or '–'} | {_ms(c.p50_ms)} | {_ms(c.p90_ms)} "
-            f"| {_ms(c.p99_ms)} | {_ms(c.max_ms)} | {c.throughput_rps:.1f} | " + " | ".join(ph) + " |"
+            f"| {_ms(c.p99_ms)} | {_ms(c.max_ms)} | {c.throughput_rps:.1f} | " + " | ".join(ph)
+            + f" | {f'{share:.0%}' if math.isfinite(share) else '–'} |"
         )
     return lines
 
@@ -196,7 +198,8 @@ def write_markdown(sweep: Sweep, fits: list[ConcurrencyFit], path: Path,
         f"- ran {sweep.started} to {sweep.finished}",
         "",
         "Latency is measured by the client, over successful (200) responses only; errors are "
-        "counted by status. Server columns are medians of the `Server-Timing` phases, ms.",
+        "counted by status. Server columns are medians of the `Server-Timing` phases, ms; "
+        "compute / p50 says how compute-dominated a cell is.",
         "",
         "## Cells",
         "",
@@ -221,6 +224,7 @@ def plot(sweep: Sweep, fits: list[ConcurrencyFit], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     cfg = sweep.config
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
@@ -249,6 +253,10 @@ def plot(sweep: Sweep, fits: list[ConcurrencyFit], path: Path) -> None:
                    label=f"SLO {cfg.slo_percentile} ≤ {cfg.slo_ms:g} ms")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    Ts = sorted({c.T for c in sweep.cells if c.ok > 0})
+    if Ts:
+        ax.set_xticks(Ts, [str(t) for t in Ts])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel("T (sequence length, S = T)")
     ax.set_ylabel("latency, ms (client-measured)")
     ax.set_title(f"POST /attention: {cfg.workload.describe()}", fontsize=8)
