@@ -108,7 +108,8 @@ class _Request(Schema):
             raise ApiError(413, "too_large", f"{field} has width {d}, over the maximum of {self.settings.max_d} (ATTN_MAX_D).", field)
 
     def _cast(self, name: str, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
-        out = arr.astype(dtype, copy=False)
+        with np.errstate(over="ignore"):  # overflow becomes inf, refused just below
+            out = arr.astype(dtype, copy=False)
         if not np.isfinite(out).all():
             hint = '; send "dtype": "float64" or smaller values' if dtype == np.float32 else ""
             raise invalid("non_finite", f"{name} has values that are not finite in {dtype.name}{hint}.", name)

@@ -14,10 +14,17 @@ import numpy as np
 import pytest
 import requests
 
+from hypothesis import settings as hypothesis_settings
+
 from service import create_app
 from service.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# Property tests explore freely on a developer's machine and replay a fixed set in CI.
+hypothesis_settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+hypothesis_settings.register_profile("dev", deadline=None)
+hypothesis_settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 SMALL = Settings(max_t=64, max_s=64, max_score_elements=20_000, max_weights_elements=10_000, max_body_bytes=200_000, max_d=64, warmup=False)
 
