@@ -20,11 +20,12 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import requests
 
-from loadtest.transport import PHASES, ConnectionFailure, Reply, check_reachable, new_session, post
+from loadtest.transport import PHASES, Reply, check_reachable, new_session, post
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ class CellResult:
     elapsed_s: float
     phases_ms: dict[str, float]  # Server-Timing medians over successful responses
     unsent: int = 0
-    refused: bool = False  # the warm-up request was refused; nothing was timed
+    rounds: int = 1
+    round_p50s_ms: list[float] = field(default_factory=list)  # one per round with a success
+    refused: bool = False  # a warm-up request was refused; that round timed nothing
     note: str = ""
 
     @property
@@ -95,6 +98,13 @@ class CellResult:
     @property
     def error_rate(self) -> float:
         return self.error_count / self.sent if self.sent else 1.0
+
+    @property
+    def round_spread(self) -> float:
+        """max / min of the rounds' p50s: 1.0 on a quiet machine; NaN with fewer than 2."""
+        if len(self.round_p50s_ms) < 2:
+            return math.nan
+        return max(self.round_p50s_ms) / min(self.round_p50s_ms)
 
     def percentile(self, name: str) -> float:
         """`"p50"` -> p50_ms, for the SLO metric chosen on the command line."""
@@ -207,14 +217,19 @@ def run_cell(base_url: str, body: bytes, load: Load,
     return CellRun(samples, elapsed, unsent=unsent, capped=schedule.capped)
 
 
-def summarize(T: int, concurrency: int, body_bytes: int, run: CellRun) -> CellResult:
-    """Percentiles over the successful (200) responses; every other outcome is an error.
+def summarize(T: int, concurrency: int, body_bytes: int,
+              runs: Sequence[CellRun]) -> CellResult:
+    """Pool the samples of one or more runs (rounds) of a cell into its summary.
 
-    Errors are counted by status ("503", "504", "413" ...) or by "timeout"/"connection".
+    Percentiles are over the successful (200) responses; every other outcome is an error,
+    counted by status ("503", "504", "413" ...) or by "timeout"/"connection". The p50 of
+    each round is kept apart too: their spread says how noisy the machine was.
     """
-    ok = [s for s in run.samples if s.status == 200]
+    samples = [s for run in runs for s in run.samples]
+    elapsed = sum(run.elapsed_s for run in runs)
+    ok = [s for s in samples if s.status == 200]
     errors = Counter(str(s.status) if s.status is not None else s.error or "unknown"
-                     for s in run.samples if s.status != 200)
+                     for s in samples if s.status != 200)
     lat_ms = np.array([s.latency_s * 1e3 for s in ok])
     if lat_ms.size:
         p50, p90, p99 = np.percentile(lat_ms, [50, 90, 99])
@@ -226,12 +241,16 @@ def summarize(T: int, concurrency: int, body_bytes: int, run: CellRun) -> CellRe
         values = [s.phases[name] for s in ok if name in s.phases]
         if values:
             phases[name] = float(np.median(values))
+    round_p50s = [float(np.median([s.latency_s * 1e3 for s in run.samples if s.status == 200]))
+                  for run in runs if any(s.status == 200 for s in run.samples)]
+    notes = [run.refused or run.capped for run in runs if run.refused or run.capped]
     return CellResult(
         T=T, concurrency=concurrency, body_bytes=body_bytes,
-        sent=len(run.samples), ok=len(ok), errors=dict(sorted(errors.items())),
+        sent=len(samples), ok=len(ok), errors=dict(sorted(errors.items())),
         p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99),
         max_ms=float(top), mean_ms=float(mean),
-        throughput_rps=len(ok) / run.elapsed_s if run.elapsed_s > 0 else 0.0,
-        elapsed_s=run.elapsed_s, phases_ms=phases, unsent=run.unsent,
-        refused=bool(run.refused), note=run.refused or run.capped,
+        throughput_rps=len(ok) / elapsed if elapsed > 0 else 0.0,
+        elapsed_s=elapsed, phases_ms=phases, unsent=sum(run.unsent for run in runs),
+        rounds=len(runs), round_p50s_ms=round_p50s,
+        refused=any(run.refused for run in runs), note="; ".join(dict.fromkeys(notes)),
     )

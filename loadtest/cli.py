@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds per cell (default 5 unless --requests)")
     amount.add_argument("--requests", type=_positive(int), metavar="N",
                         help="requests per cell")
+    p.add_argument("--rounds", type=_positive(int), default=1, metavar="N",
+                   help="run the whole sweep N times, one round after the other, pooling each "
+                        "cell's samples; the report shows each cell's p50 spread across rounds "
+                        "(default 1)")
     p.add_argument("--rate", type=_positive(float), metavar="RPS",
                    help="open loop: this many arrivals per second per cell, latency measured "
                         "from the scheduled send time; --concurrency caps requests in flight")
@@ -100,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--timeout", type=_positive(float), default=30.0,
                         help="seconds per request (default 30)")
     bounds.add_argument("--warmup", type=int, default=1,
-                        help="untimed requests before each cell (default 1)")
+                        help="untimed requests before each cell, at least 1: the first one also checks "
+                             "the server accepts the body (default 1)")
     p.add_argument("--out", type=Path, default=Path("loadtest-out"),
                    help="output directory (default %(default)s)")
     return p
@@ -121,7 +126,8 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConf
         base_url=base_url, Ts=args.T, concurrencies=args.concurrency, workload=workload,
         load=load, slo_ms=args.slo_ms, slo_percentile=args.slo_percentile,
         early_stop_factor=args.early_stop_factor, max_error_rate=args.max_error_rate,
-        fit_min_T=args.fit_min_T, command=shlex.join(["python", "-m", "loadtest", *argv]),
+        fit_min_T=args.fit_min_T, rounds=args.rounds,
+        command=shlex.join(["python", "-m", "loadtest", *argv]),
     )
 
 
@@ -132,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.url.startswith(("http://", "https://")):
         parser.error(f"--url must start with http:// or https://, got {args.url!r}")
+    if not 0 <= args.max_error_rate <= 1:
+        parser.error("--max-error-rate must be between 0 and 1")
     if args.duration is not None and args.duration > args.max_cell_seconds:
         parser.error("--duration must not exceed --max-cell-seconds")
     config = config_from_args(args, argv)

@@ -68,7 +68,8 @@ def analyze(sweep: Sweep) -> list[ConcurrencyFit]:
 CSV_FIELDS = (
     ["T", "concurrency", "mode", "rate", "batch", "heads", "d", "causal", "weights", "encoding",
      "body_bytes", "sent", "ok", "errors_503", "errors_504", "errors_other", "errors", "unsent",
-     "p50_ms", "p90_ms", "p99_ms", "max_ms", "mean_ms", "throughput_rps", "elapsed_s"]
+     "p50_ms", "p90_ms", "p99_ms", "max_ms", "mean_ms", "throughput_rps", "elapsed_s",
+     "rounds", "p50_by_round_ms"]
     + [f"server_{name}_ms" for name in PHASES]
     + ["note"]
 )
@@ -99,6 +100,7 @@ def write_csv(sweep: Sweep, path: Path) -> None:
                 "p50_ms": _num(c.p50_ms), "p90_ms": _num(c.p90_ms), "p99_ms": _num(c.p99_ms),
                 "max_ms": _num(c.max_ms), "mean_ms": _num(c.mean_ms),
                 "throughput_rps": _num(c.throughput_rps), "elapsed_s": _num(c.elapsed_s),
+                "rounds": c.rounds, "p50_by_round_ms": " ".join(_num(v) for v in c.round_p50s_ms),
                 **{f"server_{n}_ms": _num(c.phases_ms.get(n, math.nan)) for n in PHASES},
                 "note": c.note,
             })
@@ -120,16 +122,20 @@ def _load_line(sweep: Sweep) -> str:
               else f"{load.duration_s:g} s")
     loop = (f"open loop at {load.rate:g} req/s (latency from the scheduled send time)"
             if load.rate else "closed loop (each worker sends when its last reply is read)")
-    return (f"{loop}, {amount} per cell after {load.warmup} warm-up request(s); hard bounds "
+    rounds = (f" in each of {sweep.config.rounds} rounds (the sweep run {sweep.config.rounds} "
+              f"times over, samples pooled per cell)" if sweep.config.rounds > 1 else "")
+    return (f"{loop}, {amount} per cell{rounds} after {load.warmup} warm-up request(s); hard bounds "
             f"{load.max_requests} requests and {load.max_seconds:g} s per cell, "
             f"{load.timeout_s:g} s per request")
 
 
-def _cells_table(cells: list[CellResult]) -> list[str]:
+def _cells_table(cells: list[CellResult], rounds: int) -> list[str]:
     lines = [
         "| T | conc. | ok/sent | 503 | 504 | other errors | p50 ms | p90 ms | p99 ms | max ms "
-        "| req/s | server decode | validate | compute | encode | total | compute / p50 |",
-        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| req/s | server decode | validate | compute | encode | total | compute / p50 |"
+        + (" p50 by round, ms |" if rounds > 1 else ""),
+        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        + ("---|" if rounds > 1 else ""),
     ]
     for c in sorted(cells, key=lambda c: (c.concurrency, c.T)):
         other = " ".join(f"{k}:{v}" for k, v in c.errors.items() if k not in ("503", "504"))
@@ -140,6 +146,7 @@ def _cells_table(cells: list[CellResult]) -> list[str]:
             f"| {c.errors.get('504', 0)} | {other or '–'} | {_ms(c.p50_ms)} | {_ms(c.p90_ms)} "
             f"| {_ms(c.p99_ms)} | {_ms(c.max_ms)} | {c.throughput_rps:.1f} | " + " | ".join(ph)
             + f" | {f'{share:.0%}' if math.isfinite(share) else '–'} |"
+            + (f" {', '.join(_ms(v) for v in c.round_p50s_ms)} |" if rounds > 1 else "")
         )
     return lines
 
@@ -203,7 +210,7 @@ def write_markdown(sweep: Sweep, fits: list[ConcurrencyFit], path: Path,
         "",
         "## Cells",
         "",
-        *_cells_table(sweep.cells),
+        *_cells_table(sweep.cells, cfg.rounds),
         "",
         "## Latency against T",
         "",

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from loadtest.cell import CellResult, Load, run_cell, summarize
+from loadtest.cell import CellResult, CellRun, Load, run_cell, summarize
 from loadtest.payload import Workload, build_body
 from loadtest.transport import check_reachable, fetch_limits
 
@@ -33,6 +33,7 @@ class SweepConfig:
     early_stop_factor: float = 4.0
     max_error_rate: float = 0.01
     fit_min_T: int = 512
+    rounds: int = 1
     command: str = ""
 
 
@@ -87,36 +88,46 @@ def run_sweep(config: SweepConfig, into: Sweep, log: Callable[[str], None],
               stop: threading.Event | None = None) -> Sweep:
     """Run every cell of `config` into `into`; raises ConnectionFailure if the server is gone.
 
-    Bodies are built once per T, before any cell that uses them is timed.
+    With `rounds` > 1 the whole sweep runs that many times, one round after the other, and
+    each cell pools the samples of its rounds: slow drifts in the machine's load then fall
+    on every cell alike instead of on whichever cells ran while it lasted. Bodies are built
+    once per T, before any cell that uses them is timed.
     """
     check_reachable(config.base_url)
     into.limits = fetch_limits(config.base_url)
     into.started, into.loadavg_start = _now(), _loadavg()
     bodies: dict[int, bytes] = {}
-    total = len(config.Ts) * len(config.concurrencies)
+    runs: dict[tuple[int, int], list[CellRun]] = {}
+    stopped: dict[int, int] = {}  # concurrency -> the largest T still to run
+    total = config.rounds * len(config.Ts) * len(config.concurrencies)
     done = 0
     try:
-        for concurrency in config.concurrencies:
-            load = replace(config.load, concurrency=concurrency)
-            for i, T in enumerate(config.Ts):
-                done += 1
-                if T not in bodies:
-                    bodies[T] = build_body(config.workload, T)
-                log(f"[{done}/{total}] T={T} concurrency={concurrency} "
-                    f"({len(bodies[T]) / 1e6:.2f} MB body) ...")
-                run = run_cell(config.base_url, bodies[T], load, stop)
-                cell = summarize(T, concurrency, len(bodies[T]), run)
-                into.cells.append(cell)
-                log(f"[{done}/{total}] T={T} concurrency={concurrency}: {format_cell(cell)}")
-                reason = stop_reason(cell, config)
-                if reason is not None and i + 1 < len(config.Ts):
-                    skipped = config.Ts[i + 1:]
-                    note = (f"concurrency {concurrency}: stopped after T={T} ({reason}); "
-                            f"skipped T={','.join(map(str, skipped))}")
-                    into.notes.append(note)
-                    log(note)
-                    done += len(skipped)
-                    break
+        for rnd in range(1, config.rounds + 1):
+            for concurrency in config.concurrencies:
+                load = replace(config.load, concurrency=concurrency)
+                for T in config.Ts:
+                    done += 1
+                    if T > stopped.get(concurrency, T):
+                        continue
+                    tag = f"[{done}/{total}]" + (f" round {rnd}" if config.rounds > 1 else "")
+                    if T not in bodies:
+                        bodies[T] = build_body(config.workload, T)
+                    log(f"{tag} T={T} concurrency={concurrency} "
+                        f"({len(bodies[T]) / 1e6:.2f} MB body) ...")
+                    run = run_cell(config.base_url, bodies[T], load, stop)
+                    runs.setdefault((T, concurrency), []).append(run)
+                    this_round = summarize(T, concurrency, len(bodies[T]), [run])
+                    log(f"{tag} T={T} concurrency={concurrency}: {format_cell(this_round)}")
+                    into.cells = [summarize(t, c, len(bodies[t]), r) for (t, c), r in runs.items()]
+                    reason = stop_reason(this_round, config)
+                    if reason is not None and T < min(stopped.get(concurrency, T + 1), config.Ts[-1]):
+                        stopped[concurrency] = T  # the larger T of this concurrency are skipped
+                        skipped = ",".join(str(t) for t in config.Ts if t > T)
+                        note = (f"concurrency {concurrency}: stopped after T={T}"
+                                + (f" in round {rnd}" if config.rounds > 1 else "")
+                                + f" ({reason}); skipped T={skipped}")
+                        into.notes.append(note)
+                        log(note)
     finally:
         into.finished, into.loadavg_end = _now(), _loadavg()
     return into

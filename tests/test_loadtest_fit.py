@@ -100,7 +100,7 @@ def test_fit_solve_has_no_answer_below_the_overhead():
 def test_summarize_counts_errors_by_status_and_takes_percentiles_of_successes():
     ok = [Sample(ms / 1e3, 200, phases={"compute": ms / 2, "total": ms}) for ms in range(1, 101)]
     bad = [Sample(0.001, 503), Sample(0.001, 503), Sample(0.002, 504), Sample(30.0, None, "timeout")]
-    cell = summarize(256, 2, 1234, CellRun(ok + bad, elapsed_s=2.0))
+    cell = summarize(256, 2, 1234, [CellRun(ok + bad, elapsed_s=2.0)])
     assert (cell.sent, cell.ok) == (104, 100)
     assert cell.errors == {"503": 2, "504": 1, "timeout": 1}
     assert cell.p50_ms == pytest.approx(50.5)
@@ -110,6 +110,20 @@ def test_summarize_counts_errors_by_status_and_takes_percentiles_of_successes():
     assert cell.throughput_rps == pytest.approx(50.0)
     assert cell.phases_ms == {"compute": pytest.approx(25.25), "total": pytest.approx(50.5)}
     assert cell.error_rate == pytest.approx(4 / 104)
+
+
+def test_summarize_pools_rounds_and_keeps_their_p50s():
+    quiet = CellRun([Sample(ms / 1e3, 200) for ms in (10, 11, 12)], elapsed_s=1.0)
+    noisy = CellRun([Sample(ms / 1e3, 200) for ms in (20, 22, 24)] + [Sample(0.001, 503)],
+                    elapsed_s=1.0, capped="stopped at the bound of 4 requests")
+    cell = summarize(512, 1, 10, [quiet, noisy])
+    assert (cell.rounds, cell.sent, cell.ok, cell.errors) == (2, 7, 6, {"503": 1})
+    assert cell.p50_ms == pytest.approx(16.0)  # of all six successes
+    assert cell.round_p50s_ms == pytest.approx([11.0, 22.0])
+    assert cell.round_spread == pytest.approx(2.0)
+    assert cell.throughput_rps == pytest.approx(3.0)
+    assert cell.note == "stopped at the bound of 4 requests"
+    assert math.isnan(summarize(512, 1, 10, [quiet]).round_spread)
 
 
 def test_parse_Ts():

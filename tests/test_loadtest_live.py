@@ -117,9 +117,9 @@ def test_open_loop_counts_the_queue_a_closed_loop_hides(slow_server):
     # sees 40 ms; the open loop measures from the scheduled time, so the n-th request has
     # waited about 20*n ms more. This is coordinated omission, and the open loop shows it.
     body = b'{"q":[]}'
-    closed = summarize(1, 1, len(body), run_cell(slow_server, body, Load(1, requests=12)))
+    closed = summarize(1, 1, len(body), [run_cell(slow_server, body, Load(1, requests=12))])
     opened = summarize(1, 1, len(body),
-                       run_cell(slow_server, body, Load(1, requests=12, rate=50.0)))
+                       [run_cell(slow_server, body, Load(1, requests=12, rate=50.0))])
     assert closed.ok == opened.ok == 12
     assert 35 < closed.p50_ms < 120
     assert opened.p50_ms > closed.p50_ms + 60
@@ -145,17 +145,18 @@ def test_tiny_sweep_against_the_live_service(live_server, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest", "--url", live_server, "--T", "16,32",
-         "--concurrency", "1,2", "--requests", "6", "--causal", "--no-weights",
+         "--concurrency", "1,2", "--requests", "3", "--rounds", "2", "--causal", "--no-weights",
          "--encoding", "b64", "--slo-ms", "5000", "--fit-min-T", "16", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "[4/4] T=32 concurrency=2: ok 6/6" in proc.stderr  # progress on stderr
+    assert "[8/8] round 2 T=32 concurrency=2: ok 3/3" in proc.stderr  # progress on stderr
 
     rows = _read_csv(out / "results.csv")
     assert sorted((int(r["T"]), int(r["concurrency"])) for r in rows) == [
         (16, 1), (16, 2), (32, 1), (32, 2)]
     for r in rows:
-        assert (r["sent"], r["ok"], r["errors"]) == ("6", "6", "")
+        assert (r["sent"], r["ok"], r["errors"], r["rounds"]) == ("6", "6", "", "2")
+        assert len(r["p50_by_round_ms"].split()) == 2
         p50, p90, p99, top = (float(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms"))
         assert 0 < p50 <= p90 <= p99 <= top < 5000
         assert float(r["throughput_rps"]) > 0
@@ -178,14 +179,15 @@ def test_tiny_sweep_against_the_live_service(live_server, tmp_path):
 
 @pytest.mark.live
 def test_early_stop_skips_larger_T_once_past_the_slo(live_server, tmp_path, capsys):
-    # An SLO of 1 µs: the first cell's p50 is far past 4 x SLO, so T=32 and 64 are never run.
+    # An SLO of 1 µs: the first cell's p50 is far past 4 x SLO, so T=32 and 64 are never
+    # run, in the first round nor in the second.
     status = main(["--url", live_server, "--T", "16,32,64", "--concurrency", "1",
-                   "--requests", "3", "--encoding", "nested", "--slo-ms", "0.001",
-                   "--out", str(tmp_path)])
+                   "--requests", "3", "--rounds", "2", "--encoding", "nested",
+                   "--slo-ms", "0.001", "--out", str(tmp_path)])
     assert status == 0
     rows = _read_csv(tmp_path / "results.csv")
-    assert [(r["T"], r["ok"]) for r in rows] == [("16", "3")]  # nested bodies are served too
+    assert [(r["T"], r["ok"]) for r in rows] == [("16", "6")]  # nested bodies are served too
     report = (tmp_path / "report.md").read_text()
-    assert "stopped after T=16" in report and "skipped T=32,64" in report
+    assert report.count("stopped after T=16 in round 1") == 1 and "skipped T=32,64" in report
     assert "| 1 | none met |" in report
     assert "skipped T=32,64" in capsys.readouterr().err
