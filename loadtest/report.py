@@ -188,7 +188,7 @@ def _slo_table(fits: list[ConcurrencyFit], sweep: Sweep) -> list[str]:
 
 
 def write_markdown(sweep: Sweep, fits: list[ConcurrencyFit], path: Path,
-                   plot_name: str = "latency.png") -> None:
+                   plot_name: str | None = "latency.png") -> None:
     """The human report: setup, one row per cell, the fits, the SLO answer, notes, plot."""
     cfg = sweep.config
     version = (sweep.limits or {}).get("version", "unknown")
@@ -221,7 +221,8 @@ def write_markdown(sweep: Sweep, fits: list[ConcurrencyFit], path: Path,
         lines += ["## Largest T meeting the SLO", "", *_slo_table(fits, sweep), ""]
     if sweep.notes:
         lines += ["## Notes", "", *[f"- {n}" for n in sweep.notes], ""]
-    lines += [f"![latency percentiles against T]({plot_name})", ""]
+    if plot_name:
+        lines += [f"![latency percentiles against T]({plot_name})", ""]
     path.write_text("\n".join(lines))
 
 
@@ -275,11 +276,20 @@ def plot(sweep: Sweep, fits: list[ConcurrencyFit], path: Path) -> None:
 
 
 def write_all(sweep: Sweep, out_dir: Path) -> list[Path]:
-    """Write report.md, results.csv and latency.png into `out_dir` (created); return the paths."""
+    """Write report.md, results.csv and latency.png into `out_dir` (created); return the paths.
+
+    Without matplotlib (a dev requirement) the plot is left out and the report says so.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     fits = analyze(sweep)
-    paths = [out_dir / "results.csv", out_dir / "report.md", out_dir / "latency.png"]
-    write_csv(sweep, paths[0])
-    write_markdown(sweep, fits, paths[1], plot_name=paths[2].name)
-    plot(sweep, fits, paths[2])
-    return paths
+    csv_path, md_path = out_dir / "results.csv", out_dir / "report.md"
+    png_path: Path | None = out_dir / "latency.png"
+    write_csv(sweep, csv_path)
+    try:
+        plot(sweep, fits, png_path)
+    except ImportError:
+        sweep.notes.append("no latency.png: matplotlib is not installed "
+                           "(pip install -r requirements-dev.txt)")
+        png_path = None
+    write_markdown(sweep, fits, md_path, plot_name=png_path.name if png_path else None)
+    return [p for p in (csv_path, md_path, png_path) if p is not None]

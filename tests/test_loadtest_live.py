@@ -135,6 +135,17 @@ def test_hard_bounds_stop_a_cell(slow_server):
     assert "3 requests" in run.capped and len(run.samples) == 3
 
 
+def test_without_matplotlib_the_report_says_so(slow_server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    status = main(["--url", slow_server, "--T", "8", "--concurrency", "1", "--requests", "2",
+                   "--out", str(tmp_path)])
+    assert status == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.csv"]
+    report = (tmp_path / "report.md").read_text()
+    assert "no latency.png: matplotlib is not installed" in report and ".png)" not in report
+    assert "(results.csv, report.md)" in capsys.readouterr().err
+
+
 def _read_csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
