@@ -40,6 +40,7 @@ class Load:
     max_seconds: float = 60.0
     timeout_s: float = 30.0
     warmup: int = 1
+    api_key: str | None = None  # sent as Authorization: Bearer
 
     def __post_init__(self) -> None:
         if (self.requests is None) == (self.duration_s is None):
@@ -93,10 +94,12 @@ class CellResult:
 
     @property
     def error_count(self) -> int:
+        """Requests sent that got no 200."""
         return sum(self.errors.values())
 
     @property
     def error_rate(self) -> float:
+        """error_count / sent; 1.0 when nothing was sent."""
         return self.error_count / self.sent if self.sent else 1.0
 
     @property
@@ -161,14 +164,15 @@ def _warm_up(sessions: list[requests.Session], url: str, base_url: str, body: by
              load: Load) -> Reply | None:
     """Open each session's connection; send the real body `load.warmup` times on the first.
 
-    Returns the failing reply if the server refuses the body (the cell is then skipped),
-    and raises ConnectionFailure if the server cannot be reached at all.
+    Returns the reply if the server refuses the body with a 4xx (too long, unauthorized...:
+    every request of the cell would be), and raises ConnectionFailure if the server cannot
+    be reached at all. A 5xx or a timeout is load, not refusal: the cell goes on and counts it.
     """
     for _ in range(load.warmup):
         reply = post(sessions[0], url, body, load.timeout_s)
         if reply.error == "connection":
             check_reachable(base_url)  # raises if the server is gone, not just this request
-        if reply.status != 200:
+        if reply.status is not None and 400 <= reply.status < 500:
             return reply
     for session in sessions[1:]:
         try:
@@ -183,13 +187,12 @@ def run_cell(base_url: str, body: bytes, load: Load,
     """Send `body` to `{base_url}/attention` under `load`; raise ConnectionFailure if unreachable."""
     url = f"{base_url}/attention"
     stop = stop or threading.Event()
-    sessions = [new_session() for _ in range(load.concurrency)]
+    sessions = [new_session(load.api_key) for _ in range(load.concurrency)]
     try:
         refused = _warm_up(sessions, url, base_url, body, load)
         if refused is not None:
-            sample = Sample(refused.done_at - refused.sent_at, refused.status, refused.error)
-            reason = refused.detail or refused.error or f"status {refused.status}"
-            return CellRun([sample], 0.0, refused=f"warm-up failed: {reason}")
+            sample = Sample(refused.done_at - refused.sent_at, refused.status)
+            return CellRun([sample], 0.0, refused=f"refused: {refused.detail.rstrip('.')}")
         outs: list[list[Sample]] = [[] for _ in sessions]
         t0 = time.perf_counter()
         schedule = _Schedule(load, t0, stop)

@@ -7,6 +7,7 @@ traceback), 2 bad arguments, 130 interrupted (what was measured is still written
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -106,9 +107,24 @@ def build_parser() -> argparse.ArgumentParser:
     bounds.add_argument("--warmup", type=int, default=1,
                         help="untimed requests before each cell, at least 1: the first one also checks "
                              "the server accepts the body (default 1)")
+    p.add_argument("--api-key", default=os.environ.get("LOADTEST_API_KEY"), metavar="KEY",
+                   help="sent as Authorization: Bearer KEY (default $LOADTEST_API_KEY); "
+                        "never written to the report")
     p.add_argument("--out", type=Path, default=Path("loadtest-out"),
                    help="output directory (default %(default)s)")
     return p
+
+
+def _redact(argv: Sequence[str]) -> list[str]:
+    """The command line with the value of --api-key replaced, for the report."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--api-key":
+            arg = "***"
+        elif arg.startswith("--api-key="):
+            arg = "--api-key=***"
+        out.append(arg)
+    return out
 
 
 def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConfig:
@@ -118,7 +134,7 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConf
     load = Load(
         concurrency=1, requests=args.requests, duration_s=duration, rate=args.rate,
         max_requests=args.max_requests_per_cell, max_seconds=args.max_cell_seconds,
-        timeout_s=args.timeout, warmup=max(args.warmup, 1),
+        timeout_s=args.timeout, warmup=max(args.warmup, 1), api_key=args.api_key,
     )
     workload = Workload(batch=args.batch, heads=args.heads, d=args.d, causal=args.causal,
                         weights=args.weights, encoding=args.encoding, seed=args.seed)
@@ -127,7 +143,7 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConf
         load=load, slo_ms=args.slo_ms, slo_percentile=args.slo_percentile,
         early_stop_factor=args.early_stop_factor, max_error_rate=args.max_error_rate,
         fit_min_T=args.fit_min_T, rounds=args.rounds,
-        command=shlex.join(["python", "-m", "loadtest", *argv]),
+        command=shlex.join(["python", "-m", "loadtest", *_redact(argv)]),
     )
 
 

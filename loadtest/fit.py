@@ -20,6 +20,7 @@ class QuadraticFit:
     b: float
 
     def predict(self, T: np.ndarray | float) -> np.ndarray | float:
+        """Latency in ms at T."""
         return self.a + self.b * np.square(T)
 
     def solve(self, y: float) -> float | None:
@@ -38,6 +39,7 @@ class PowerFit:
     r2: float  # of the line on log-log axes
 
     def predict(self, T: np.ndarray | float) -> np.ndarray | float:
+        """Latency in ms at T."""
         return self.coef * np.power(T, self.exponent)
 
 

@@ -1,7 +1,7 @@
 """The sweep: for each concurrency, T from small to large, one cell each, with early stop.
 
 A concurrency's sweep stops early (the larger T are skipped, never run) when a cell
-- had its body refused (e.g. 413 too_long: a larger T would be refused too),
+- had its body refused with a 4xx (e.g. 413 too_long: a larger T would be refused too),
 - got no successful response at all, or
 - had a p50 past `early_stop_factor` x the SLO, so a sweep never runs for hours.
 """
@@ -77,6 +77,8 @@ def stop_reason(cell: CellResult, config: SweepConfig) -> str | None:
 def format_cell(cell: CellResult) -> str:
     """One progress line for a finished cell."""
     errors = " ".join(f"{k}:{v}" for k, v in cell.errors.items()) or "none"
+    if cell.ok == 0:
+        return f"ok 0/{cell.sent}, errors {errors}" + (f" ({cell.note})" if cell.note else "")
     compute = cell.phases_ms.get("compute")
     server = f", server compute p50 {compute:.1f} ms" if compute is not None else ""
     return (f"ok {cell.ok}/{cell.sent}, p50 {cell.p50_ms:.1f} ms, p99 {cell.p99_ms:.1f} ms, "

@@ -41,10 +41,12 @@ class Reply:
     detail: str = ""  # for a non-2xx status: the error code and message of the body
 
 
-def new_session() -> requests.Session:
+def new_session(api_key: str | None = None) -> requests.Session:
     """A session for one worker thread: keep-alive, JSON content type, no retries."""
     session = requests.Session()
     session.headers["Content-Type"] = "application/json"
+    if api_key:
+        session.headers["Authorization"] = f"Bearer {api_key}"
     return session
 
 

@@ -84,7 +84,10 @@ class _SlowHandler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self._reply(b'{"status":"ok"}')
 
+    seen_auth: list = []
+
     def do_POST(self):
+        self.seen_auth.append(self.headers.get("Authorization"))
         self.rfile.read(int(self.headers["Content-Length"]))
         time.sleep(self.delay_s)
         self._reply(b'{"out":[]}', timing=f"compute;dur={self.delay_s * 1e3:.1f}")
@@ -146,6 +149,16 @@ def test_without_matplotlib_the_report_says_so(slow_server, tmp_path, monkeypatc
     assert "(results.csv, report.md)" in capsys.readouterr().err
 
 
+def test_api_key_is_sent_and_never_written(slow_server, tmp_path):
+    _SlowHandler.seen_auth.clear()
+    assert main(["--url", slow_server, "--T", "8", "--concurrency", "1", "--requests", "2",
+                 "--api-key", "s3cret-key", "--out", str(tmp_path)]) == 0
+    assert _SlowHandler.seen_auth == ["Bearer s3cret-key"] * 3  # warm-up + 2 timed
+    for path in tmp_path.iterdir():
+        assert b"s3cret-key" not in path.read_bytes()
+    assert "--api-key '***'" in (tmp_path / "report.md").read_text()
+
+
 def _read_csv(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -202,3 +215,16 @@ def test_early_stop_skips_larger_T_once_past_the_slo(live_server, tmp_path, caps
     assert report.count("stopped after T=16 in round 1") == 1 and "skipped T=32,64" in report
     assert "| 1 | none met |" in report
     assert "skipped T=32,64" in capsys.readouterr().err
+
+
+@pytest.mark.live
+def test_a_refused_T_stops_that_concurrency(live_server, tmp_path):
+    # T=8192 is past the service's default limit of 4096: refused with 413 at warm-up,
+    # nothing is timed for it, and the larger T is not even built.
+    assert main(["--url", live_server, "--T", "16,8192,16384", "--concurrency", "1",
+                 "--requests", "2", "--no-weights", "--out", str(tmp_path)]) == 0
+    rows = {r["T"]: r for r in _read_csv(tmp_path / "results.csv")}
+    assert sorted(rows, key=int) == ["16", "8192"]
+    assert (rows["16"]["ok"], rows["8192"]["ok"], rows["8192"]["errors"]) == ("2", "0", "413:1")
+    assert rows["8192"]["note"].startswith("refused: 413 too_long")
+    assert "skipped T=16384" in (tmp_path / "report.md").read_text()
