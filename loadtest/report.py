@@ -269,7 +269,10 @@ def plot(sweep: Sweep, fits: list[ConcurrencyFit], path: Path) -> None:
     ax.set_ylabel("latency, ms (client-measured)")
     ax.set_title(f"POST /attention: {cfg.workload.describe()}", fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, ncol=2)
+    else:
+        ax.text(0.5, 0.5, "no successful responses", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
