@@ -17,3 +17,6 @@ keepalive = 5
 accesslog = "-"
 errorlog = "-"
 loglevel = "info"
+# gunicorn 27's control socket lives in $HOME/.gunicorn, which the container's user cannot write
+# (read-only root filesystem); the service does not use it.
+control_socket_disable = True

@@ -76,7 +76,8 @@ def install(app: Flask) -> None:
     def _start():
         g.t0 = time.perf_counter()
         g.phases = {}
-        g.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        sent = request.headers.get("X-Request-Id", "")
+        g.request_id = sent if 0 < len(sent) <= 128 else uuid.uuid4().hex
 
     @app.after_request
     def _headers(resp: Response):
