@@ -22,5 +22,9 @@ run: $(VENV)/.run-stamp
 test: $(VENV)/.dev-stamp
 	$(PY) -m pytest
 
+# The latency-limit sweep against a running server: make loadtest LOADTEST_ARGS="--url http://127.0.0.1:8000 --slo-ms 250"
+loadtest: $(VENV)/.dev-stamp
+	$(PY) -m loadtest $(LOADTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
