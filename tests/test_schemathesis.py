@@ -59,7 +59,7 @@ def test_schemathesis_run(live_server):
            "--max-examples", str(MAX_EXAMPLES), "--request-timeout", "30", "--workers", "2",
            "--exclude-checks", "positive_data_acceptance", "--no-color",
            "--report", "json", "--report-json-path", str(REPORT), *seed]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=220)
+    proc = subprocess.run(cmd, cwd=REPORT.parent, capture_output=True, text=True, timeout=220)  # its cache goes to out/ too
     report = json.loads(REPORT.read_text())
     cases = report["test_cases"]
     print(f"\nschemathesis {report['schemathesis_version']}: seed {report['seed']}, {cases['generated']} cases generated, "
