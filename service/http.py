@@ -66,7 +66,11 @@ def read_json() -> dict:
 
 
 def json_response(body, status: int = 200) -> Response:
-    return Response(codec.dumps(body), status=status, mimetype="application/json")
+    """The body is written once: b64 tensors are encoded chunk by chunk as they are sent."""
+    data, length = codec.dump_chunks(body)
+    resp = Response(data, status=status, mimetype="application/json")
+    resp.headers["Content-Length"] = str(length)  # streamed too: no chunked transfer encoding
+    return resp
 
 
 def install(app: Flask) -> None:
