@@ -3,7 +3,13 @@
 Where it listens comes from the service's Settings (HOST, PORT): configuration lives in one place."""
 import os
 
-from service.config import Settings
+# One BLAS thread per worker: two sync workers on two cores, each computing on its own core.
+# Set before the import below loads numpy (and OpenBLAS reads it); the workers inherit it.
+# Measured (bench/README.md): 2 workers x 1 thread; see the worker model below.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+from service.config import Settings  # noqa: E402  (after the BLAS threads are set)
 
 _settings = Settings.from_env()
 

@@ -82,7 +82,7 @@ class B64Text:
 
 # --- JSON documents -------------------------------------------------------------------------
 
-def loads(body: bytes):
+def loads(body: bytes | bytearray):
     """Strict JSON: NaN, Infinity and numbers past float64 are errors (orjson.JSONDecodeError).
 
     An object's tensors come back decoded (see the module docstring): a top-level array of at
@@ -151,7 +151,7 @@ def depth(obj, limit: int) -> int:
 
 def _fast_loads(body: bytes) -> dict | None:
     """The fast path of loads(), or None where it cannot vouch for the answer."""
-    if not isinstance(body, bytes) or body.startswith(b"\xef\xbb\xbf"):  # simdjson allows a BOM, JSON does not
+    if not isinstance(body, (bytes, bytearray)) or body.startswith(b"\xef\xbb\xbf"):  # simdjson allows a BOM, JSON does not
         return None
     skeleton, payloads = _cut_b64(body)
     parsed = simdjson.Parser().parse(skeleton)
@@ -193,7 +193,7 @@ def _items(obj: "simdjson.Object") -> list:
     return [(key, obj[key]) for key in keys]
 
 
-def _cut_b64(body: bytes) -> tuple[bytes, dict[str, Payload]]:
+def _cut_b64(body: bytes | bytearray) -> tuple[bytes | bytearray, dict[str, Payload]]:
     """Cut each "b64": "<base64>" payload out of body, decoded; the skeleton keeps a marker string
     in its place. A payload that is not clean base64 stays in the skeleton, for the slow path."""
     if b'"b64"' not in body:

@@ -160,6 +160,7 @@ BODIES = {
 def test_fast_path_equals_plain_path(doc):
     body = orjson.dumps(doc)
     same(decode_all(codec.loads(body)), plain(body))
+    same(decode_all(codec.loads(bytearray(body))), plain(body))  # http.read_body() gives a bytearray
 
 
 @pytest.mark.parametrize("body", [
