@@ -28,5 +28,9 @@ test: $(VENV)/.dev-stamp
 bench: $(VENV)/.dev-stamp
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench
 
+# The latency-limit sweep against a running server: make loadtest LOADTEST_ARGS="--url http://127.0.0.1:8000 --slo-ms 250"
+loadtest: $(VENV)/.dev-stamp
+	$(PY) -m loadtest $(LOADTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -18,7 +18,8 @@ bind = f"{_settings.host}:{_settings.port}"
 # 2 workers x 1 BLAS thread had the best throughput at concurrency 2 (2.5x to 7x that of 1 x 2
 # or 2 x 2) and the best latency at concurrency 1 but once (with weights, 2 x 2 answered alone in
 # 94 ms against 202 ms, then took 910 ms against 284 ms at concurrency 2): with two BLAS threads
-# per worker, a worker spin-waits for a core that the other worker, or anything else, holds. Sync workers: a request is CPU-bound from its first byte to its last, so threads or async
+# per worker, a worker spin-waits for a core that the other worker, or anything else, holds.
+# Sync workers: a request is CPU-bound from its first byte to its last, so threads or async
 # workers would only queue inside the process (admission control decides who waits).
 # Not preloaded: nothing measurable to gain (workers start in ~1 s) and each worker imports fresh.
 # Allocator left at glibc's defaults: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ of 1 GiB gave no
@@ -32,3 +33,6 @@ keepalive = 5
 accesslog = "-"
 errorlog = "-"
 loglevel = "info"
+# gunicorn 27's control socket lives in $HOME/.gunicorn, which the container's user cannot write
+# (read-only root filesystem); the service does not use it.
+control_socket_disable = True
