@@ -27,6 +27,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -207,7 +208,7 @@ class Bench:
                 if T <= T_TEXTBOOK_MAX and self.left() > 60:
                     self.compute[("textbook numpy", T)] = statistics.median(timed(lambda: textbook_attention(q, k, v), 5, 4))
                 if T in torch_times:
-                    self.compute[("torch SDPA", T)] = torch_times[T]
+                    self.compute[("torch SDPA", T)], self.compute[("this beside torch", T)] = torch_times[T]
 
     # one cell of the service sweep
     def run_cell(self, server: Server, client: Client, encoding: str, weights: bool, T: int, reps: int, cell_budget: float) -> None:
@@ -225,10 +226,17 @@ class Bench:
             self.check(data, encoding, weights, T)
         results = [(ms, headers)] if ms > 2000 else []  # a slow first request is as good a sample as any
         budget = min(cell_budget, max(5.0, self.left() - 60))
+        beside = []  # the same attention in this process, one run after each request: the load is the same
+        q, k, v = tensors(T)
         start = time.perf_counter()
         while len(results) < reps and (len(results) < 2 or time.perf_counter() - start < budget):
             ms, status, data, headers = client.post(body)
             results.append((ms, headers))
+            if server.name == "this":
+                with threadpool_limits(1):
+                    t0 = time.perf_counter()
+                    attention(q, k, v, causal=True, return_weights=weights)
+                    beside.append((time.perf_counter() - t0) * 1000)
         phases: dict[str, list[float]] = {}
         for _, hdr in results:
             for name, dur in server_timing(hdr.get("Server-Timing")).items():
@@ -238,6 +246,7 @@ class Bench:
             "n": len(results),
             "phases": {name: statistics.median(v) for name, v in phases.items()},
             "bytes": len(data),
+            "beside": statistics.median(beside) if beside else None,
             "request_bytes": len(body),
         }
         print(f"  {label}: {self.e2e[key]['ms']:.1f} ms (n={len(results)})", flush=True)
@@ -288,17 +297,25 @@ def torch_compute(sizes) -> tuple[dict, str]:
         import json, statistics, sys, time
         import torch, torch.nn.functional as F
         torch.set_num_threads(1)
-        res = {{}}
+        import importlib.util  # the core alone (numpy only): the service's other imports may be missing here
+        spec = importlib.util.spec_from_file_location("attention_core", {str(ROOT / "service" / "attention.py")!r})
+        core = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(core)
+        attention = core.attention  # numpy's OpenBLAS: one thread (OPENBLAS_NUM_THREADS)
+        res, ours = {{}}, {{}}
         for T in {list(sizes)}:
             g = torch.Generator().manual_seed(0)
             q, k, v = (torch.randn(1, {H}, T, {D}, generator=g) for _ in range(3))
+            qn, kn, vn = (t.numpy() for t in (q, k, v))
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            ts = []
-            for _ in range(7):
+            attention(qn, kn, vn, causal=True, return_weights=False)
+            ts, us = [], []
+            for _ in range(15):  # alternately, so that both see the same load
                 t0 = time.perf_counter(); F.scaled_dot_product_attention(q, k, v, is_causal=True); ts.append((time.perf_counter() - t0) * 1000)
-                if len(ts) >= 2 and sum(ts) > 3000: break
-            res[T] = statistics.median(ts)
-        print(json.dumps({{"version": torch.__version__, "ms": res}}))
+                t0 = time.perf_counter(); attention(qn, kn, vn, causal=True, return_weights=False); us.append((time.perf_counter() - t0) * 1000)
+                if len(ts) >= 3 and sum(ts) + sum(us) > 4000: break
+            res[T], ours[T] = statistics.median(ts), statistics.median(us)
+        print(json.dumps({{"version": torch.__version__, "ms": res, "ours": ours}}))
     """)
     candidates = [sys.executable]
     if os.environ.get("BENCH_TORCH_PYTHON"):
@@ -309,10 +326,12 @@ def torch_compute(sizes) -> tuple[dict, str]:
         probe = subprocess.run([python, "-c", "import torch"], capture_output=True)
         if probe.returncode != 0:
             continue
-        run = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=600)
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        run = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=600, env=env)
         if run.returncode == 0:
             doc = json.loads(run.stdout.strip().splitlines()[-1])
-            return {int(t): ms for t, ms in doc["ms"].items()}, f"torch {doc['version']} ({python})"
+            return ({int(t): (ms, doc["ours"][t]) for t, ms in doc["ms"].items()},
+                    f"torch {doc['version']} ({python}); torch and this core timed alternately in that interpreter")
     return {}, "torch not installed: no SDPA column (set BENCH_TORCH_PYTHON to an interpreter that has it)"
 
 
@@ -336,24 +355,26 @@ def report(b: Bench, torch_note: str, env_note: list[str]) -> str:
     lines += [f"- {n}" for n in env_note] + [f"- {torch_note}", ""]
     lines += ["B=1, H=8, d=64, causal, float32. Medians; n = requests measured per cell. End to end = first byte of the",
               "request sent to last byte of the response read, over loopback, concurrency 1. Phases are this service's",
-              "Server-Timing (ms); a b64 response is encoded while it is sent, so its encoding shows in end to end only.", ""]
+              "Server-Timing (ms); a b64 response is encoded while it is sent, so its encoding shows in end to end only.",
+              "In-process compute, beside: the same attention in the benchmark's process, timed right after each request", "of the cell (so under the same load); the goals' end to end / in-process ratios use it.", ""]
 
     # compute
     impls = ["textbook numpy", "this, weights", "this, no weights", "torch SDPA"]
     lines += ["## Compute in-process (ms, one BLAS thread as in a worker)", "",
-              "| T | " + " | ".join(impls) + " | textbook / this (weights) | textbook / this (no weights) | this (no weights) / torch |",
+              "| T | " + " | ".join(impls) + " | textbook / this (weights) | textbook / this (no weights) | this (no weights) / torch, timed alternately |",
               "|---:|" + "---:|" * (len(impls) + 3)]
     for T in b.args.sizes:
         c = {i: b.compute.get((i, T)) for i in impls}
         r1 = c["textbook numpy"] / c["this, weights"] if c["textbook numpy"] and c["this, weights"] else None
         r2 = c["textbook numpy"] / c["this, no weights"] if c["textbook numpy"] and c["this, no weights"] else None
-        r3 = c["this, no weights"] / c["torch SDPA"] if c["torch SDPA"] and c["this, no weights"] else None
+        beside = b.compute.get(("this beside torch", T))
+        r3 = beside / c["torch SDPA"] if c["torch SDPA"] and beside else None
         lines.append(f"| {T} | " + " | ".join(fmt(c[i], 2) for i in impls) + f" | {fmt(r1, 1)}x | {fmt(r2, 1)}x | {fmt(r3, 2)} |")
     lines.append("")
 
     # end to end
     lines += ["## End to end (ms)", "",
-              "| encoding | weights | T | textbook | this | textbook / this | decode | validate | compute | encode | total (server) | in-process compute | this / in-process | response bytes | n |",
+              "| encoding | weights | T | textbook | this | textbook / this | decode | validate | compute | encode | total (server) | in-process compute, beside | this / in-process | response bytes | n |",
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for encoding in ("b64", "nested"):
         for weights in (True, False):
@@ -362,7 +383,7 @@ def report(b: Bench, torch_note: str, env_note: list[str]) -> str:
                 base = b.e2e.get(("textbook", encoding, weights, T))
                 if not this and not base:
                     continue
-                comp = b.compute.get(("this, weights" if weights else "this, no weights", T))
+                comp = this["beside"] if this else None
                 ph = this["phases"] if this else {}
                 lines.append(
                     f"| {encoding} | {'yes' if weights else 'no'} | {T} | {fmt(base['ms']) if base else '–'} | {fmt(this['ms']) if this else '–'} | "
@@ -404,7 +425,8 @@ def goals(b: Bench):
         r = base / this if base and this else None
         rows.append((f"nested JSON, T={T} with weights: textbook / this", fmt(r) + "x" if r else "–", ">= 20x", r >= 20 if r else None))
     for w, goal in ((False, 1.5), (True, 3.0)):
-        this, comp = e2e("this", "b64", w, 1024), b.compute.get(("this, weights" if w else "this, no weights", 1024))
+        row = b.e2e.get(("this", "b64", w, 1024))
+        this, comp = (row["ms"], row["beside"]) if row else (None, None)
         r = this / comp if this and comp else None
         rows.append((f"b64, T=1024, {'with' if w else 'no'} weights: end to end / in-process compute", fmt(r, 2) if r else "–", f"<= {goal}", r <= goal if r else None))
     tb, this = b.compute.get(("textbook numpy", 1024)), b.compute.get(("this, weights", 1024))
@@ -413,8 +435,8 @@ def goals(b: Bench):
     tb_nw = b.compute.get(("this, no weights", 1024))
     if tb and tb_nw:
         rows.append(("compute, T=1024, textbook numpy / this without weights (for reference)", fmt(tb / tb_nw) + "x", "", True))
-    ratios = [b.compute[("this, no weights", T)] / b.compute[("torch SDPA", T)] for T in b.args.sizes
-              if T >= 256 and ("torch SDPA", T) in b.compute and ("this, no weights", T) in b.compute]
+    ratios = [b.compute[("this beside torch", T)] / b.compute[("torch SDPA", T)] for T in b.args.sizes
+              if T >= 256 and ("torch SDPA", T) in b.compute]
     worst = max(ratios) if ratios else None
     rows.append(("compute, no weights, causal, T=256..4096: this / torch SDPA (worst T)", fmt(worst, 2) if worst else "–", "<= 1.5", worst <= 1.5 if worst else None))
     for w, goal in ((True, 2048), (False, 4096)):
@@ -435,6 +457,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="requests per cell at most (default 7)")
     args = parser.parse_args()
     args.sizes = [T for T in T_ALL if T <= args.max_t]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers started here on the way out
 
     b = Bench(args)
     blas = [f"{i['internal_api']} {i.get('version')} {i.get('architecture')} ({i['num_threads']} threads by default)" for i in threadpool_info()]
