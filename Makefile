@@ -22,5 +22,15 @@ run: $(VENV)/.run-stamp
 test: $(VENV)/.dev-stamp
 	$(PY) -m pytest
 
+# Side by side with the textbook service, in one run (~10 min): bench/out/results.md. Not part of
+# `make test`. OPENBLAS_CORETYPE/L2_SIZE, if the machine sets them, are unset for this command only
+# (they slow a current numpy); the report names the BLAS kernel used (threadpoolctl).
+bench: $(VENV)/.dev-stamp
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench
+
+# The latency-limit sweep against a running server: make loadtest LOADTEST_ARGS="--url http://127.0.0.1:8000 --slo-ms 250"
+loadtest: $(VENV)/.dev-stamp
+	$(PY) -m loadtest $(LOADTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -11,6 +11,12 @@ import tempfile
 import threading
 import traceback
 
+# One BLAS thread per worker, so that workers x threads = 2 never oversubscribes the 2 cores.
+# Set before the import below loads numpy (OpenBLAS reads it then); the workers inherit it. An
+# OPENBLAS_NUM_THREADS already in the environment wins. Why: see the worker model below.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 # prometheus_client chooses multiprocess mode when it is first imported, which happens as soon
 # as the service is (the next import): the directory must be named before that. Unset: a fresh
 # private directory, removed on exit. Set (e.g. /tmp/prometheus under Kubernetes): service.metrics
@@ -19,12 +25,22 @@ _own_metrics_dir = None
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     _own_metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="attention-metrics-")
 
-from service.config import Settings  # noqa: E402  (after the metrics directory, see above)
+from service.config import Settings  # noqa: E402  (after the BLAS threads and the metrics directory)
 
 _settings = Settings.from_env()
 
 bind = f"{_settings.host}:{_settings.port}"
-# Two cores: two worker processes, each computing on one core.
+# Worker model, measured by `python -m bench.workers` (b64, T=1024, B=1 H=8 d=64; bench/README.md):
+# 2 workers x 1 BLAS thread had the best throughput at concurrency 2 (2.5x to 7x that of 1 x 2
+# or 2 x 2) and the best latency at concurrency 1 but once (with weights, 2 x 2 answered alone in
+# 94 ms against 202 ms, then took 910 ms against 284 ms at concurrency 2): with two BLAS threads
+# per worker, a worker spin-waits for a core that the other worker, or anything else, holds.
+# Sync workers: a request is CPU-bound from its first byte to its last, so threads or async
+# workers would only queue inside the process (admission control decides who waits).
+# Not preloaded: nothing measurable to gain (workers start in ~1 s) and each worker imports fresh.
+# Allocator left at glibc's defaults: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ of 1 GiB gave no
+# measurable gain (page faults on a fresh 32 MiB of weights cost ~4 ms of ~150) and kept up to
+# 200 MiB per idle worker after a T=2048 request.
 workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
 timeout = 60              # a worker silent this long is killed and replaced
 graceful_timeout = 30     # SIGTERM: in-flight requests get this long to finish
@@ -32,6 +48,9 @@ keepalive = 5
 accesslog = "-"
 errorlog = "-"
 loglevel = "info"
+# gunicorn 27's control socket lives in $HOME/.gunicorn, which the container's user cannot write
+# (read-only root filesystem); the service does not use it.
+control_socket_disable = True
 
 # --- worker model: chosen for admission control (ops) -----------------------------------------
 # Threaded workers, so that requests past a worker's bounds reach the app and are refused with 503
@@ -51,11 +70,6 @@ loglevel = "info"
 # 50 gthread). Per-worker memory is bounded by ATTN_MAX_INFLIGHT_BYTES instead of by one request.
 worker_class = "gthread"
 threads = _settings.max_inflight + _settings.max_queue + 16
-# One BLAS thread per computing request: the cores are then shared by workers x max_inflight
-# single-threaded computations, never by OpenBLAS thread teams spinning against each other.
-# Measured here with OpenBLAS's default (a thread per core) while the cores were busy: attention
-# at T=128 took 290 ms instead of 1 ms, T=256 238 ms instead of 3-5 ms; the cost model was useless.
-_blas_threads = 1
 
 
 # --- server hooks -------------------------------------------------------------------------------
@@ -69,13 +83,10 @@ def on_starting(server):
 
 
 def post_worker_init(worker):
-    """In each worker, before it serves: BLAS threads, the warm-up in the background (/readyz says
-    503 until it is done, /healthz answers meanwhile), and readiness 503 from SIGTERM on."""
-    from threadpoolctl import threadpool_limits
-
+    """In each worker, before it serves: the warm-up in the background (/readyz says 503 until it is
+    done, /healthz answers meanwhile), and readiness 503 from SIGTERM on."""
     from service import ops
 
-    threadpool_limits(limits=_blas_threads, user_api="blas")
     app = worker.wsgi
     ops.start_warm_up(app)
     stop = signal.getsignal(signal.SIGTERM)

@@ -52,6 +52,11 @@ class Bool(_Coded, fields.Boolean):
     def __init__(self, **kwargs):
         super().__init__(truthy={True}, falsy={False}, **kwargs)
 
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, bool):  # 1 in {True} and 0 in {False}: the sets alone let numbers through
+            raise invalid("bad_type", f"{self.name} must be true or false, not {_show(value)}.", self.name)
+        return value
+
 
 class Str(_Coded, fields.String):
     pass

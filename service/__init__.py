@@ -8,6 +8,7 @@ from schemas import AttentionRequest, MhaRequest
 from . import admission, api, errors, http, metrics, ops
 from .config import Settings
 from .costmodel import CostModel
+from . import kserve, openapi  # the other front doors: Open Inference Protocol, OpenAPI and docs
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -24,4 +25,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     errors.register(app)
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)
+    app.register_blueprint(kserve.bp)
+    app.register_blueprint(openapi.bp)
     return app

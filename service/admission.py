@@ -11,7 +11,7 @@ After validation, before compute (admit(job), called by the routes):
   504 deadline      when the cost model's prediction exceeds what is left of X-Deadline-Ms;
   503 overloaded    when the job's estimated working memory would pass max_inflight_bytes;
 then the job waits for one of max_inflight compute slots, in a queue bounded by max_queue (and
-by its deadline). The slot is held until the response is built. Every 503 carries Retry-After.
+by its deadline). The slot is held until the response has been sent. Every 503 carries Retry-After.
 
 All counts are per worker process: the bounds multiply by the number of workers.
 """
@@ -220,14 +220,17 @@ def install(app: Flask) -> None:
             raise
 
     @app.after_request
-    def _learn(resp: Response):
+    def _learn_and_hand_over(resp: Response):
         compute_ms = g.get("phases", {}).get("compute")
         if resp.status_code == 200 and compute_ms is not None and "work" in g:
             current_app.extensions["attention.cost"].observe(g.work, compute_ms)
+        ticket = g.pop("admission", None)
+        if ticket is not None:  # held until the body is sent: b64 responses are encoded as they stream
+            metrics.when_sent(resp, ticket.release)
         return resp
 
     @app.teardown_request
     def _release(exc):
-        ticket = g.pop("admission", None)
+        ticket = g.pop("admission", None)  # still here only if no response was made
         if ticket is not None:
             ticket.release()

@@ -49,9 +49,9 @@ def respond(job, out, weights):
     """The 200 body: tensors in the job's encoding, the cost and the phases so far."""
     timing = phases_ms()
     with phase("encode"):
-        body = {"out": codec.encode(out, job.encoding)}
+        body = {"out": codec.encode(out, job.encoding, lazy=True)}
         if weights is not None:
-            body["weights"] = codec.encode(weights, job.encoding)
+            body["weights"] = codec.encode(weights, job.encoding, lazy=True)
         body["cost"] = cost(job)
         body["timing_ms"] = timing
         return json_response(body)

@@ -40,9 +40,22 @@ def check_media_type(require_json: bool = True) -> None:
         raise ApiError(415, "unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
 
 
-def read_body() -> bytes:
-    """The raw body; werkzeug refuses it with 413 past MAX_CONTENT_LENGTH before reading it all."""
-    return request.get_data(cache=False)
+def read_body() -> bytes | bytearray:
+    """The raw body; werkzeug refuses it with 413 past MAX_CONTENT_LENGTH before reading it all.
+
+    With a Content-Length, read in 1 MiB steps into one buffer of that size: the body is in memory
+    once (get_data() holds it twice at the end, and gunicorn's read of it all at once, twice)."""
+    length = request.content_length
+    if not length:
+        return request.get_data(cache=False)
+    stream, body = request.stream, bytearray(length)
+    view, got = memoryview(body), 0
+    while got < length and (n := stream.readinto(view[got:got + 2**20])):
+        got += n
+    view.release()
+    if got < length:
+        del body[got:]  # the client sent less than it said: the JSON parser will say what is wrong
+    return body
 
 
 def parse_json(body: bytes) -> dict:
@@ -66,7 +79,11 @@ def read_json() -> dict:
 
 
 def json_response(body, status: int = 200) -> Response:
-    return Response(codec.dumps(body), status=status, mimetype="application/json")
+    """The body is written once: b64 tensors are encoded chunk by chunk as they are sent."""
+    data, length = codec.dump_chunks(body)
+    resp = Response(data, status=status, mimetype="application/json")
+    resp.headers["Content-Length"] = str(length)  # streamed too: no chunked transfer encoding
+    return resp
 
 
 def install(app: Flask) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
+from typing import Callable
 
 from flask import Blueprint, Flask, Response, g, request
 
@@ -29,7 +31,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
 REQUESTS = Counter("attention_http_requests_total", "HTTP requests answered, by endpoint, method and status.", ["endpoint", "method", "status"])
-LATENCY = Histogram("attention_http_request_duration_seconds", "Time in the app from request to response, by endpoint, method and status.", ["endpoint", "method", "status"], buckets=LATENCY_BUCKETS)
+LATENCY = Histogram("attention_http_request_duration_seconds", "Time from the request reaching the app to its response's last byte, by endpoint, method and status.", ["endpoint", "method", "status"], buckets=LATENCY_BUCKETS)
 PHASES = Histogram("attention_phase_duration_seconds", "Time per request phase (queue, decode, validate, compute, encode), by endpoint.", ["endpoint", "phase"], buckets=LATENCY_BUCKETS)
 COMPUTE = Histogram("attention_compute_duration_seconds", "Compute time by endpoint and sequence length T rounded up to a power of two (at least 64).", ["endpoint", "t_bucket"], buckets=LATENCY_BUCKETS)
 PREDICTION = Histogram("attention_cost_prediction_ratio", "Measured compute time over the cost model's prediction, per computed request.", ["endpoint"], buckets=RATIO_BUCKETS)
@@ -59,6 +61,30 @@ def t_bucket(T: int) -> str:
     return str(max(64, 1 << max(0, math.ceil(math.log2(max(T, 1))))))
 
 
+def when_sent(resp: Response, done: Callable[[], None]) -> None:
+    """Call done() once resp's body has been sent. A b64 response streams (its tensors are encoded
+    as they are sent), so its request ends with the last chunk, or when the server closes it (a
+    client gone); any other body is already built, so done() is called now."""
+    once = threading.Lock()
+
+    def finish():
+        if once.acquire(blocking=False):
+            done()
+
+    if not resp.is_streamed:
+        finish()
+        return
+
+    def chunks(body):
+        try:
+            yield from body
+        finally:
+            finish()
+
+    resp.response = chunks(resp.response)
+    resp.call_on_close(finish)
+
+
 def _endpoint() -> str:
     return request.url_rule.rule if request.url_rule is not None else "unmatched"
 
@@ -75,11 +101,19 @@ def install(app: Flask) -> None:
 
     @app.after_request
     def _observe(resp: Response):
-        if "metrics_t0" not in g:
+        t0 = g.pop("metrics_t0", None)
+        if t0 is None:
             return resp
         endpoint, status = _endpoint(), str(resp.status_code)
         REQUESTS.labels(endpoint, request.method, status).inc()
-        LATENCY.labels(endpoint, request.method, status).observe(time.perf_counter() - g.metrics_t0)
+        latency = LATENCY.labels(endpoint, request.method, status)
+
+        def sent():
+            latency.observe(time.perf_counter() - t0)
+            IN_FLIGHT.dec()
+            IN_FLIGHT_MAX.dec()
+
+        when_sent(resp, sent)
         for name, ms in g.get("phases", {}).items():
             PHASES.labels(endpoint, name).observe(ms / 1000)
         if "error_code" in g:  # an error answer (not, say, /readyz's 503)
@@ -93,6 +127,6 @@ def install(app: Flask) -> None:
 
     @app.teardown_request
     def _finish(exc):
-        if g.pop("metrics_t0", None) is not None:
+        if g.pop("metrics_t0", None) is not None:  # no response was made
             IN_FLIGHT.dec()
             IN_FLIGHT_MAX.dec()

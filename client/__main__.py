@@ -1,0 +1,94 @@
+"""`python -m client`: the attention service from the shell, for numpy users.
+
+    python -m client --url http://127.0.0.1:8000 attention q.npy k.npy v.npy [--mask m.npy] [--causal] -o result.npz
+    python -m client --url URL mha x.npy wq.npy wk.npy wv.npy wo.npy --heads 8 -o result.npz
+    python -m client --url URL limits
+    python -m client --url URL ready
+
+The result file holds `out` and, unless --no-weights, `weights`. Exit status: 0 on success, 1 when
+the service refuses (its status, code and message on stderr), 2 for bad arguments."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from ._client import AttentionClient, AttentionError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m client", description="Call the attention service with .npy files.")
+    p.add_argument("--url", default=os.environ.get("ATTN_URL", "http://127.0.0.1:8000"), help="service base URL (default $ATTN_URL or %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("ATTN_API_KEY"), help="bearer key (default $ATTN_API_KEY)")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
+    p.add_argument("--retries", type=int, default=3, help="retries on connection errors and 503")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("attention", help="scaled dot-product attention")
+    a.add_argument("q")
+    a.add_argument("k")
+    a.add_argument("v")
+    a.add_argument("--mask", help=".npy bool mask broadcasting to (..., T, S); true = attend")
+    a.add_argument("--key-lengths", help=".npy ints broadcasting to the leading axes")
+    a.add_argument("--causal", nargs="?", const="top_left", choices=["top_left", "bottom_right"], help="causal mask (default alignment top_left)")
+    a.add_argument("--scale", type=float)
+
+    m = sub.add_parser("mha", help="multi-head self-attention with projections")
+    for name in ("x", "wq", "wk", "wv", "wo"):
+        m.add_argument(name)
+    m.add_argument("--heads", type=int, required=True)
+    m.add_argument("--no-causal", dest="causal", action="store_false")
+
+    for cmd in (a, m):
+        cmd.add_argument("--dtype", choices=["float32", "float64"])
+        cmd.add_argument("--no-weights", dest="weights", action="store_false", help="do not compute or save the weights")
+        cmd.add_argument("-o", "--output", required=True, help="result .npz (out, weights)")
+
+    sub.add_parser("limits", help="print the limits in force")
+    sub.add_parser("ready", help="exit 0 if the service is ready, 1 if not")
+    return p
+
+
+def _load(path: str | None) -> np.ndarray | None:
+    if path is None:
+        return None
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        print(f"error: cannot read {path}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    with AttentionClient(args.url, timeout=args.timeout, retries=args.retries, api_key=args.api_key) as api:
+        try:
+            if args.command == "ready":
+                ok = api.ready()
+                print("ready" if ok else "not ready")
+                return 0 if ok else 1
+            if args.command == "limits":
+                print(json.dumps(api.limits(), indent=2))
+                return 0
+            if args.command == "attention":
+                out, weights = api.attention(
+                    _load(args.q), _load(args.k), _load(args.v), _load(args.mask),
+                    causal=args.causal or False,
+                    key_lengths=_load(args.key_lengths),
+                    scale=args.scale, return_weights=args.weights, dtype=args.dtype)
+            else:
+                out, weights = api.mha(*(_load(getattr(args, n)) for n in ("x", "wq", "wk", "wv", "wo")), args.heads,
+                                       causal=args.causal, return_weights=args.weights, dtype=args.dtype)
+        except AttentionError as err:
+            print(f"error: {err.status or '-'} {err.code}: {err.message}", file=sys.stderr)
+            return 1
+    np.savez(args.output, **({"out": out} if weights is None else {"out": out, "weights": weights}))
+    print(f"wrote {args.output}: out {list(out.shape)}" + ("" if weights is None else f", weights {list(weights.shape)}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

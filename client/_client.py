@@ -1,0 +1,399 @@
+"""AttentionClient: the service's endpoints as numpy functions, over one pooled requests.Session.
+
+Shape legend: ... leading axes (batch, heads), T queries, S keys, d width, dv value width."""
+from __future__ import annotations
+
+import base64
+import email.utils
+import json
+import math
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+
+import numpy as np
+import requests
+from requests.adapters import HTTPAdapter
+
+from . import _split
+from ._split import Block
+
+try:  # orjson writes numpy arrays and long strings much faster; the standard library also works
+    import orjson
+
+    def _dumps(obj) -> bytes:
+        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    _loads = orjson.loads
+except ImportError:  # pragma: no cover
+    def _dumps(obj) -> bytes:
+        return json.dumps(obj, default=lambda a: a.tolist()).encode()
+
+    _loads = json.loads
+
+ENCODINGS = ("b64", "flat", "nested")
+BODY_SLACK = 4096  # bytes of JSON around the tensors, kept free under max_body_bytes
+
+
+class AttentionError(Exception):
+    """Anything the service (or the way to it) refused. status is the HTTP status (None when no
+    answer came), code the service's error code (e.g. "shape_mismatch", "too_large",
+    "connection_error"), message its sentence, response the requests.Response if there was one."""
+
+    def __init__(self, status: int | None, code: str, message: str, response: requests.Response | None = None):
+        super().__init__(f"{status or 'no response'} {code}: {message}")
+        self.status, self.code, self.message, self.response = status, code, message, response
+
+
+class AttentionClient:
+    """numpy in, numpy out. Tensors travel as b64 by default (raw bytes: exact and compact).
+
+    Retries: connection failures and 503 are retried up to `retries` times, waiting Retry-After
+    when the server gives one (capped at max_retry_after), else an exponential backoff with jitter;
+    attention is idempotent, so a retry is safe. Requests over the server's /limits are split and
+    sent concurrently on up to `max_workers` connections (see _split)."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        timeout: float = 60.0,
+        retries: int = 3,
+        api_key: str | None = None,
+        encoding: str = "b64",
+        max_workers: int = 4,
+        backoff: float = 0.1,
+        max_retry_after: float = 30.0,
+        split: bool = True,
+    ):
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout, self.retries, self.encoding = timeout, retries, encoding
+        self.max_workers, self.backoff, self.max_retry_after, self.split = max_workers, backoff, max_retry_after, split
+        self.session = requests.Session()
+        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=max(1, max_workers))
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+        self.session.headers.update({"Accept": "application/json", "User-Agent": "attention-client/1"})
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self._limits: dict | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._sleep = time.sleep  # replaced in tests
+
+    # --- lifecycle ---
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.session.close()
+
+    def __enter__(self) -> "AttentionClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- endpoints ---
+
+    def ready(self) -> bool:
+        """True when the server answers /readyz with 200 (no retries)."""
+        try:
+            return self.session.get(self.base_url + "/readyz", timeout=self.timeout).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def limits(self, refresh: bool = False) -> dict:
+        """The server's /limits (cached; refresh=True fetches again)."""
+        if self._limits is None or refresh:
+            self._limits = self._call("GET", "/limits")
+        return self._limits
+
+    def attention(
+        self,
+        q: np.ndarray,
+        k: np.ndarray,
+        v: np.ndarray,
+        mask: np.ndarray | None = None,
+        causal: bool | str = False,
+        *,
+        key_lengths: np.ndarray | None = None,
+        scale: float | None = None,
+        return_weights: bool = True,
+        dtype: str | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """softmax(q kᵀ · scale, masked) v over any leading axes, on the server.
+
+        q (..., T, d), k (..., S, d), v (..., S, dv); mask bool broadcasting to (..., T, S), True =
+        attend; causal False | True (= "top_left") | "bottom_right"; key_lengths ints broadcasting
+        to (...). dtype "float32" | "float64" | None: float64 if q, k or v is float64, else the
+        server's default. Returns out (..., T, dv) and weights (..., T, S) (None unless
+        return_weights)."""
+        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        mask = None if mask is None else np.asarray(mask)
+        key_lengths = None if key_lengths is None else np.asarray(key_lengths)
+        causal = "top_left" if causal is True else causal
+        dtype = dtype or _float64_if_any(q, k, v)
+        options = {"return_weights": return_weights, **({"scale": scale} if scale is not None else {}),
+                   **({"dtype": dtype} if dtype is not None else {})}
+
+        def send(q, k, v, mask, key_lengths, causal):
+            body = {"q": q, "k": k, "v": v, **options}
+            if mask is not None:
+                body["mask"] = mask
+            if key_lengths is not None:
+                body["key_lengths"] = key_lengths
+            if causal:
+                body["causal"] = causal
+            return self._compute("/attention", body)
+
+        blocks = self._attention_plan(q, k, v, mask, key_lengths, causal, return_weights) if self.split else None
+        if blocks is None:
+            return send(q, k, v, mask, key_lengths, causal)
+
+        lead, (T, d), S, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
+        B = math.prod(lead)
+        q3, k3, v3 = q.reshape(B, T, d), k.reshape(B, S, d), v.reshape(B, S, dv)  # (B, T|S, d|dv)
+        m3 = None if mask is None else _flat_mask(mask, lead)  # (B or 1, T or 1, S or 1)
+        kl = None if key_lengths is None else np.broadcast_to(key_lengths, lead).reshape(B)  # (B,)
+
+        def run(block: Block):
+            b, t = slice(block.b0, block.b1), slice(block.t0, block.t1)
+            m = None if m3 is None else m3[b if m3.shape[0] > 1 else slice(None), t if m3.shape[1] > 1 else slice(None)]
+            flag = causal
+            if causal and (block.t0, block.t1) != (0, T):  # rows moved: send the causal rows explicitly
+                rows = _split.causal_rows(T, S, causal, block.t0, block.t1)  # (t, S)
+                m = rows if m is None else np.logical_and(m, rows)
+                flag = False
+            return send(q3[b, t], k3[b], v3[b], m, None if kl is None else kl[b], flag)
+
+        results = self._map(run, blocks)
+        out = _assemble([r[0] for r in results], blocks, (B, T, dv))
+        weights = _assemble([r[1] for r in results], blocks, (B, T, S)) if return_weights else None
+        return out.reshape(*lead, T, dv), (None if weights is None else weights.reshape(*lead, T, S))
+
+    def mha(
+        self,
+        x: np.ndarray,
+        wq: np.ndarray,
+        wk: np.ndarray,
+        wv: np.ndarray,
+        wo: np.ndarray,
+        heads: int,
+        *,
+        causal: bool = True,
+        return_weights: bool = True,
+        dtype: str | None = None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The GPT block's multi-head self-attention on the server.
+
+        x (n, d) or (B, n, d), w* (d, d), d % heads == 0. Returns out like x and weights (h, n, n)
+        or (B, h, n, n) (None unless return_weights). dtype as for attention. A batch over the
+        limits is split along B."""
+        x = np.asarray(x)
+        ws = {"wq": np.asarray(wq), "wk": np.asarray(wk), "wv": np.asarray(wv), "wo": np.asarray(wo)}
+        dtype = dtype or _float64_if_any(x, *ws.values())
+        options = {"heads": heads, "causal": causal, "return_weights": return_weights, **({"dtype": dtype} if dtype is not None else {})}
+
+        def send(x):
+            return self._compute("/mha", {"x": x, **ws, **options})
+
+        blocks, lim = None, self._known_limits() if self.split and x.ndim == 3 else None
+        if lim is not None and isinstance(heads, int) and heads > 0:
+            n, d = x.shape[-2:]
+            wbytes = sum(w.size for w in ws.values()) * _wire_itemsize(x)
+
+            def fits(b, _rows):
+                return self._fits(lim, rows=n, keys=n, scores=b * heads * n * n, return_weights=return_weights,
+                                  nbytes=b * n * d * _wire_itemsize(x) + wbytes)
+
+            blocks = _split.plan(x.shape[0], 1, fits)
+        if blocks is None or len(blocks) == 1:
+            return send(x)
+        results = self._map(lambda block: send(x[block.b0:block.b1]), blocks)
+        out = np.concatenate([r[0] for r in results])
+        weights = np.concatenate([r[1] for r in results]) if return_weights else None
+        return out, weights
+
+    # --- splitting ---
+
+    def _attention_plan(self, q, k, v, mask, key_lengths, causal, return_weights) -> list[Block] | None:
+        """Blocks when the request is over the limits and splits exactly; None to send it whole
+        (within the limits, or malformed or unsplittable: then the server says why)."""
+        lim = self._known_limits()
+        if lim is None or q.ndim < 2 or k.ndim != q.ndim or v.ndim != q.ndim:
+            return None
+        lead, (T, d), S, dv = q.shape[:-2], q.shape[-2:], k.shape[-2], v.shape[-1]
+        if k.shape[:-2] != lead or k.shape[-1] != d or v.shape[:-1] != k.shape[:-1]:
+            return None
+        if mask is not None and not _split.broadcasts(mask.shape, (*lead, T, S)):
+            return None
+        if key_lengths is not None and not _split.broadcasts(key_lengths.shape, lead):
+            return None
+        itemsize = _wire_itemsize(q)
+
+        def fits(b, t):
+            mask_bytes = 0 if mask is None else min(mask.size, b * t * S) * mask.itemsize
+            if causal and t < T:
+                mask_bytes = b * t * S  # the causal rows travel as an explicit mask
+            nbytes = (b * t * d + b * S * d + b * S * dv) * itemsize + mask_bytes + b * 8
+            return self._fits(lim, rows=t, keys=S, scores=b * t * S, return_weights=return_weights, nbytes=nbytes)
+
+        blocks = _split.plan(math.prod(lead), T, fits)
+        return None if blocks is None or len(blocks) == 1 else blocks
+
+    def _known_limits(self) -> dict | None:
+        """/limits, or None when the server does not say (then nothing is split)."""
+        try:
+            lim = self.limits()
+        except AttentionError:
+            return None
+        needed = ("max_t", "max_s", "max_score_elements", "max_weights_elements", "max_body_bytes")
+        return lim if all(isinstance(lim.get(key), int) for key in needed) else None
+
+    def _fits(self, lim: dict, *, rows: int, keys: int, scores: int, return_weights: bool, nbytes: int) -> bool:
+        """Would a request of this size pass the server's limits? nbytes: raw tensor bytes."""
+        wire = _split.b64_len(nbytes) if self.encoding == "b64" else nbytes * 6  # flat/nested: ~24 JSON chars per float32
+        return (rows <= lim["max_t"] and keys <= lim["max_s"] and scores <= lim["max_score_elements"]
+                and (not return_weights or scores <= lim["max_weights_elements"])
+                and wire + BODY_SLACK <= lim["max_body_bytes"])
+
+    def _map(self, fn, blocks: list[Block]) -> list:
+        """fn over the blocks, concurrently; the first failure is raised."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="attention-client")
+        futures = [self._pool.submit(fn, block) for block in blocks]
+        try:
+            return [f.result() for f in futures]
+        finally:
+            for f in futures:
+                f.cancel()
+
+    # --- the wire ---
+
+    def _compute(self, path: str, body: dict) -> tuple[np.ndarray, np.ndarray | None]:
+        wire = {key: _encode(_wire_array(key, value), self.encoding) if isinstance(value, np.ndarray) else value
+                for key, value in body.items()}
+        wire["response_encoding"] = self.encoding
+        doc = self._call("POST", path, _dumps(wire))
+        weights = doc.get("weights")
+        return _decode(doc["out"]), (None if weights is None else _decode(weights))
+
+    def _call(self, method: str, path: str, body: bytes | None = None) -> dict:
+        """One call with retries; the parsed JSON of a 200, else AttentionError."""
+        resp = self._send(method, path, body)
+        if resp.status_code != 200:
+            raise _error(resp)
+        try:
+            return _loads(resp.content)
+        except ValueError as exc:
+            raise AttentionError(resp.status_code, "bad_response", f"the server's answer is not JSON: {exc}", resp) from None
+
+    def _send(self, method: str, path: str, body: bytes | None) -> requests.Response:
+        headers = {"Content-Type": "application/json"} if body is not None else {}
+        for attempt in range(self.retries + 1):
+            last = attempt == self.retries
+            try:
+                resp = self.session.request(method, self.base_url + path, data=body, headers=headers, timeout=self.timeout)
+            except requests.ConnectionError as exc:  # refused, reset, DNS, connect timeout
+                if last:
+                    raise AttentionError(None, "connection_error", f"{method} {self.base_url}{path} failed after {attempt + 1} attempts: {exc}") from exc
+                self._sleep(self._backoff(attempt))
+                continue
+            except requests.Timeout as exc:
+                raise AttentionError(None, "timeout", f"{method} {self.base_url}{path} got no answer within {self.timeout} s.") from exc
+            if resp.status_code != 503 or last:
+                return resp
+            self._sleep(self._retry_after(resp, attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _backoff(self, attempt: int) -> float:
+        return self.backoff * 2**attempt * (0.5 + random.random() / 2)
+
+    def _retry_after(self, resp: requests.Response, attempt: int) -> float:
+        """Retry-After in seconds (a number or an HTTP date), capped; else the backoff."""
+        raw = resp.headers.get("Retry-After")
+        if raw is None:
+            return self._backoff(attempt)
+        try:
+            seconds = float(raw)
+        except ValueError:
+            try:
+                when = email.utils.parsedate_to_datetime(raw)
+            except (TypeError, ValueError):
+                return self._backoff(attempt)
+            seconds = (when - datetime.now(timezone.utc)).total_seconds()
+        return min(max(seconds, 0.0), self.max_retry_after)
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+def _float64_if_any(*arrays: np.ndarray) -> str | None:
+    """numpy in, numpy out: float64 inputs are computed, and answered, in float64."""
+    return "float64" if any(a.dtype == np.float64 for a in arrays) else None
+
+
+def _wire_itemsize(a: np.ndarray) -> int:
+    return 8 if a.dtype == np.float64 else 4
+
+
+def _wire_array(name: str, a: np.ndarray) -> np.ndarray:
+    """The array as it travels: float64 stays, other numbers go as float32 (what the server computes
+    in by default); a mask stays bool (or 0/1 numbers); key lengths go as int64."""
+    if name == "key_lengths":
+        return a.astype(np.int64, copy=False)
+    if name == "mask" and a.dtype.kind in "biu":
+        return a if a.dtype == np.bool_ else a.astype(np.int64)
+    return a if a.dtype == np.float64 else a.astype(np.float32, copy=False)
+
+
+def _encode(a: np.ndarray, encoding: str):
+    a = np.ascontiguousarray(a)
+    if encoding == "nested":
+        return a
+    if encoding == "flat":
+        return {"shape": list(a.shape), "dtype": a.dtype.name, "data": a.reshape(-1)}
+    little = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    return {"shape": list(a.shape), "dtype": a.dtype.name, "b64": base64.b64encode(little.tobytes()).decode("ascii")}
+
+
+def _decode(value) -> np.ndarray:
+    if isinstance(value, dict):
+        dtype = np.dtype(value["dtype"]).newbyteorder("<")
+        if "b64" in value:
+            arr = np.frombuffer(base64.b64decode(value["b64"]), dtype=dtype)
+        else:
+            arr = np.asarray(value["data"], dtype=dtype)
+        return arr.reshape(value["shape"]).astype(dtype.newbyteorder("="))  # a writable native-order copy
+    return np.asarray(value, dtype=np.float64)
+
+
+def _flat_mask(mask: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
+    """A mask broadcasting to (*lead, T, S) -> (B or 1, T or 1, S or 1), B the product of lead."""
+    m = mask.reshape((1,) * (len(lead) + 2 - mask.ndim) + mask.shape)  # (..., Tm, Sm), rank of q
+    if all(n == 1 for n in m.shape[:-2]):
+        return m.reshape(1, *m.shape[-2:])
+    return np.broadcast_to(m, (*lead, *m.shape[-2:])).reshape(-1, *m.shape[-2:])
+
+
+def _assemble(parts: list[np.ndarray], blocks: list[Block], shape: tuple[int, ...]) -> np.ndarray:
+    """Blocks' results -> one (B, T, ...) array."""
+    full = np.empty(shape, dtype=parts[0].dtype)
+    for part, block in zip(parts, blocks):
+        full[block.b0:block.b1, block.t0:block.t1] = part
+    return full
+
+
+def _error(resp: requests.Response) -> AttentionError:
+    """The service's {"error": {status, code, message}} (or anything else) -> AttentionError."""
+    try:
+        err = _loads(resp.content)["error"]
+        if isinstance(err, dict):
+            return AttentionError(resp.status_code, err.get("code", "http_error"), err.get("message", ""), resp)
+        return AttentionError(resp.status_code, "http_error", str(err), resp)
+    except (ValueError, KeyError, TypeError):
+        text = resp.text.strip().replace("\n", " ")[:200]
+        return AttentionError(resp.status_code, "http_error", text or resp.reason or "no body", resp)

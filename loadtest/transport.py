@@ -1,0 +1,132 @@
+"""HTTP to the service: one timed POST, its Server-Timing phases, and reachability checks.
+
+Every worker thread owns one pooled `requests.Session`; nothing here is shared between
+threads.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import requests
+
+# The phases API.md promises in Server-Timing, in the order the server runs them.
+PHASES = ("decode", "validate", "compute", "encode", "total")
+
+
+class ConnectionFailure(Exception):
+    """The service cannot be reached at all, so the sweep cannot go on."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(url, reason)
+        self.url = url
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"cannot connect to {self.url}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One request's outcome. `status` is None when no response came (`error` says why)."""
+
+    status: int | None
+    sent_at: float  # time.perf_counter() just before sending
+    done_at: float  # time.perf_counter() once the whole body was read
+    phases: dict[str, float] = field(default_factory=dict)  # Server-Timing, ms
+    error: str | None = None  # "timeout" or "connection" when status is None
+    detail: str = ""  # for a non-2xx status: the error code and message of the body
+
+
+def new_session(api_key: str | None = None) -> requests.Session:
+    """A session for one worker thread: keep-alive, JSON content type, no retries."""
+    session = requests.Session()
+    session.headers["Content-Type"] = "application/json"
+    if api_key:
+        session.headers["Authorization"] = f"Bearer {api_key}"
+    return session
+
+
+def parse_server_timing(header: str | None) -> dict[str, float]:
+    """`"decode;dur=0.4, compute;dur=1.2"` -> `{"decode": 0.4, "compute": 1.2}` (ms).
+
+    Entries without a numeric `dur` are skipped; a malformed header gives `{}`.
+    """
+    phases: dict[str, float] = {}
+    for entry in (header or "").split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if name and key.strip().lower() == "dur":
+                try:
+                    phases[name] = float(value.strip().strip('"'))
+                except ValueError:
+                    pass
+    return phases
+
+
+def post(session: requests.Session, url: str, body: bytes, timeout: float) -> Reply:
+    """POST `body` to `url` and read the whole response; never raises for HTTP or I/O."""
+    sent_at = time.perf_counter()
+    try:
+        response = session.post(url, data=body, timeout=timeout)
+    except requests.Timeout:
+        return Reply(None, sent_at, time.perf_counter(), error="timeout")
+    except requests.RequestException as exc:
+        return Reply(None, sent_at, time.perf_counter(), error="connection", detail=describe(exc))
+    done_at = time.perf_counter()
+    phases = parse_server_timing(response.headers.get("Server-Timing"))
+    detail = "" if response.ok else _error_detail(response)
+    return Reply(response.status_code, sent_at, done_at, phases, detail=detail)
+
+
+def check_reachable(base_url: str, timeout: float = 5.0) -> None:
+    """Raise ConnectionFailure unless something answers HTTP at `base_url` (any status)."""
+    try:
+        requests.get(f"{base_url}/healthz", timeout=timeout)
+    except requests.Timeout:
+        raise ConnectionFailure(base_url, f"no answer within {timeout:g} s") from None
+    except requests.RequestException as exc:
+        raise ConnectionFailure(base_url, describe(exc)) from None
+
+
+def fetch_limits(base_url: str, timeout: float = 5.0) -> dict[str, Any] | None:
+    """GET /limits for the report (version, cost model); None if it is not there."""
+    try:
+        response = requests.get(f"{base_url}/limits", timeout=timeout)
+        return orjson.loads(response.content) if response.ok else None
+    except (requests.RequestException, orjson.JSONDecodeError):
+        return None
+
+
+def describe(exc: BaseException) -> str:
+    """A short reason for a requests exception: the innermost OS error if there is one.
+
+    requests wraps urllib3 wraps the socket error; "Connection refused" is what a person
+    needs, not the three layers of reprs around it.
+    """
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack:
+        err = stack.pop()
+        if id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.strerror:
+            return err.strerror
+        for nxt in (getattr(err, "reason", None), err.__cause__, err.__context__, *err.args):
+            if isinstance(nxt, BaseException):
+                stack.append(nxt)
+    return type(exc).__name__
+
+
+def _error_detail(response: requests.Response) -> str:
+    """`"413 too_long: T=8192 is over the maximum 4096"` from an API.md error body."""
+    try:
+        error = orjson.loads(response.content)["error"]
+        return f"{response.status_code} {error['code']}: {error['message']}"
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return f"{response.status_code} {response.reason}"

@@ -1,0 +1,431 @@
+"""Blueprint for the Open Inference Protocol (KServe v2 REST, as Triton speaks it): /v2/...
+
+One computation, two front doors. An infer request is translated into the very dict that the
+native endpoint's schema loads -- each input becomes its tensor field, each request parameter its
+option -- so the same validation, limits, error codes, timing phases and numeric core apply; only
+the envelope differs:
+
+  JSON input    {"name": "q", "datatype": "FP32", "shape": [2, 3], "data": [flat or nested]}
+                  -> {"shape": [2, 3], "dtype": "float32", "data": [flat]}
+  binary input  {"name": "q", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}}
+                plus 24 raw little-endian bytes after the JSON header (Inference-Header-Content-Length)
+                  -> {"shape": [2, 3], "dtype": "float32", "b64": "..."}
+
+Outputs are `out` and `weights`, as JSON `data` (flat, row-major) or, per output
+(`parameters.binary_data`) or request-wide (`parameters.binary_data_output`), as raw bytes after
+the JSON header. Errors are {"error": "message"} (errors.py renders that shape under /v2), with the
+native status; messages say "input q ..." or "parameter causal ..." so the protocol's names appear.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pybase64
+from flask import Blueprint, Response, current_app, request
+
+from schemas import AttentionRequest, MhaRequest
+
+from . import attention as core
+from . import codec
+from .api import cost
+from .config import VERSION
+from .errors import ApiError, invalid
+from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
+
+bp = Blueprint("kserve", __name__, url_prefix="/v2")
+
+SERVER_NAME = "attention-service"
+MODEL_VERSION = "1"
+EXTENSIONS = ["binary_tensor_data"]
+
+DATATYPES = {"FP32": "float32", "FP64": "float64", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}
+OUTPUT_DATATYPES = {np.dtype("float32"): "FP32", np.dtype("float64"): "FP64"}
+FLOAT = ("FP32", "FP64")
+OUTPUTS = ("out", "weights")
+# Scheduling hints Triton's client may send (TRITON_RESERVED_REQUEST_PARAMS); this server has no
+# batcher or sequence scheduler to give them to, so they are accepted and have no effect.
+IGNORED_PARAMETERS = frozenset({"priority", "timeout"})
+REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+
+
+@dataclass(frozen=True)
+class Model:
+    """One served computation as the protocol describes it. inputs: name -> (accepted datatypes,
+    metadata shape with -1 for a variable axis, description); the first datatype is advertised."""
+
+    name: str
+    schema: type
+    inputs: dict[str, tuple[tuple[str, ...], list[int], str]]
+    optional: frozenset[str]
+    options: tuple[str, ...]  # the request parameters, named as the native JSON fields
+    outputs: dict[str, tuple[list[int], str]]
+    compute: Callable
+
+
+def _attention(job):
+    return core.attention(job.q, job.k, job.v, job.mask, causal=job.causal, key_lengths=job.key_lengths,
+                          scale=job.scale, return_weights=job.return_weights)
+
+
+def _mha(job):
+    return core.mha(job.x, job.wq, job.wk, job.wv, job.wo, job.heads, causal=job.causal, return_weights=job.return_weights)
+
+
+MODELS = {
+    "attention": Model(
+        name="attention",
+        schema=AttentionRequest,
+        inputs={
+            "q": (FLOAT, [-1, -1, -1, -1], "queries (..., T, d): rank 2 to 6, any leading axes"),
+            "k": (FLOAT, [-1, -1, -1, -1], "keys (..., S, d): q's leading axes"),
+            "v": (FLOAT, [-1, -1, -1, -1], "values (..., S, dv): k's leading axes and S"),
+            "mask": (("BOOL",), [-1, -1, -1, -1], "optional; true = may attend; broadcasts to (..., T, S)"),
+            "key_lengths": (("INT64", "INT32"), [-1, -1], "optional; key s allowed iff s < key_lengths[...]; broadcasts to the leading axes"),
+        },
+        optional=frozenset({"mask", "key_lengths"}),
+        options=("causal", "scale", "return_weights", "dtype"),
+        outputs={"out": ([-1, -1, -1, -1], "(..., T, dv)"), "weights": ([-1, -1, -1, -1], "(..., T, S)")},
+        compute=_attention,
+    ),
+    "mha": Model(
+        name="mha",
+        schema=MhaRequest,
+        inputs={
+            "x": (FLOAT, [-1, -1, -1], "input (n, d) or (B, n, d)"),
+            "wq": (FLOAT, [-1, -1], "query projection (d, d)"),
+            "wk": (FLOAT, [-1, -1], "key projection (d, d)"),
+            "wv": (FLOAT, [-1, -1], "value projection (d, d)"),
+            "wo": (FLOAT, [-1, -1], "output projection (d, d)"),
+        },
+        optional=frozenset(),
+        options=("heads", "causal", "return_weights", "dtype"),
+        outputs={"out": ([-1, -1, -1], "(n, d) or (B, n, d)"), "weights": ([-1, -1, -1, -1], "(h, n, n) or (B, h, n, n)")},
+        compute=_mha,
+    ),
+}
+
+
+# --- health and metadata -----------------------------------------------------------------------
+
+@bp.get("")
+def server_metadata():
+    """The server's name, version and protocol extensions."""
+    return json_response({"name": SERVER_NAME, "version": VERSION, "extensions": EXTENSIONS})
+
+
+@bp.get("/health/live")
+def live():
+    """200 while the process lives."""
+    return json_response({"live": True})
+
+
+@bp.get("/health/ready")
+def ready():
+    """200 when this worker can serve, 503 while starting or draining."""
+    ok = _ready()
+    return json_response({"ready": ok}, status=200 if ok else 503)
+
+
+@bp.get("/models/<name>")
+@bp.get("/models/<name>/versions/<version>")
+def model_metadata(name: str, version: str | None = None):
+    """Inputs, outputs, datatypes and shapes (-1: any length) of a model."""
+    model = _model(name, version)
+    return json_response({
+        "name": model.name,
+        "versions": [MODEL_VERSION],
+        "platform": "numpy",
+        "inputs": [
+            {"name": n, "datatype": types[0], "shape": shape,
+             "parameters": {"datatypes": ",".join(types), "optional": n in model.optional, "description": doc}}
+            for n, (types, shape, doc) in model.inputs.items()
+        ],
+        "outputs": [
+            {"name": n, "datatype": "FP32", "shape": shape,
+             "parameters": {"datatypes": "FP32,FP64", "description": f"{doc}; FP64 when parameters.dtype is float64"}}
+            for n, (shape, doc) in model.outputs.items()
+        ],
+    })
+
+
+@bp.get("/models/<name>/ready")
+@bp.get("/models/<name>/versions/<version>/ready")
+def model_ready(name: str, version: str | None = None):
+    """200 when the model can serve here, 503 while starting or draining."""
+    model = _model(name, version)
+    ok = _ready()
+    return json_response({"name": model.name, "ready": ok}, status=200 if ok else 503)
+
+
+# --- inference ---------------------------------------------------------------------------------
+
+@bp.post("/models/<name>/infer")
+@bp.post("/models/<name>/versions/<version>/infer")
+def infer(name: str, version: str | None = None):
+    """Run a model: the native schema, limits and core behind the protocol's envelope."""
+    model = _model(name, version)
+    req = load(model)
+    with phase("compute"):
+        out, weights = model.compute(req.job)
+    return respond(model, req, {"out": out, "weights": weights})
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    job: object  # AttentionJob or MhaJob
+    id: str | None
+    outputs: list[tuple[str, bool]]  # (name, as binary) in response order
+
+
+def load(model: Model) -> InferRequest:
+    """Read the envelope (decode), then validate it with the native schema (validate)."""
+    check_media_type(require_json=False)  # the official client sends no Content-Type
+    with phase("decode"):
+        header, blobs = _split_body(read_body())
+        doc = parse_json(header)
+        native, requested, binary_default = _translate(model, doc, _Blobs(blobs))
+    with phase("validate"):
+        job = _load_native(model, native)
+    if requested is None:
+        requested = ["out", "weights"] if job.return_weights else ["out"]
+    elif "weights" in requested and not job.return_weights:
+        raise invalid("bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights")
+    outputs = [(n, binary_default.get(n, binary_default[None])) for n in requested]
+    return InferRequest(job=job, id=doc.get("id"), outputs=outputs)
+
+
+def respond(model: Model, req: InferRequest, results: dict[str, np.ndarray | None]) -> Response:
+    """The infer response: JSON outputs inline, binary outputs after the JSON header."""
+    job = req.job
+    timing = phases_ms()
+    with phase("encode"):
+        summary = cost(job)
+        head = {
+            "model_name": model.name,
+            "model_version": MODEL_VERSION,
+            **({"id": req.id} if req.id is not None else {}),
+            "parameters": {**summary, **{f"{k}_ms": v for k, v in timing.items()}},
+            "outputs": [],
+        }
+        blobs = []
+        for name, binary in req.outputs:
+            arr = results[name]
+            arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+            entry = {"name": name, "datatype": OUTPUT_DATATYPES[arr.dtype], "shape": list(arr.shape)}
+            if binary:
+                entry["parameters"] = {"binary_data_size": arr.nbytes}
+                blobs.append(memoryview(arr).cast("B"))
+            else:
+                entry["data"] = arr.reshape(-1)
+            head["outputs"].append(entry)
+        head_bytes = codec.dumps(head)
+        if not blobs:
+            return Response(head_bytes, mimetype="application/json")
+        resp = Response(b"".join([head_bytes, *blobs]), mimetype="application/octet-stream")
+        resp.headers["Inference-Header-Content-Length"] = str(len(head_bytes))
+        return resp
+
+
+# --- the envelope -> the native request -----------------------------------------------------------
+
+class _Blobs:
+    """The binary tensor data after the JSON header, taken in input order."""
+
+    def __init__(self, data: memoryview):
+        self.data, self.offset = data, 0
+
+    def take(self, name: str, size: int) -> bytes:
+        if self.offset + size > len(self.data):
+            left = len(self.data) - self.offset
+            raise invalid("bad_shape", f"input {name} declares binary_data_size={size} but only {left} bytes of binary data are left after the JSON header.", name)
+        chunk = self.data[self.offset:self.offset + size]
+        self.offset += size
+        return chunk
+
+    def check_consumed(self) -> None:
+        if self.offset != len(self.data):
+            raise invalid("bad_shape", f"{len(self.data)} bytes of binary data follow the JSON header but the inputs' binary_data_size add up to {self.offset}.")
+
+
+def _split_body(body: bytes) -> tuple[bytes, memoryview]:
+    """(JSON header, binary data) per the Inference-Header-Content-Length header."""
+    raw = request.headers.get("Inference-Header-Content-Length")
+    if raw is None:
+        return body, memoryview(b"")
+    try:
+        size = int(raw)
+    except ValueError:
+        size = -1
+    if not 0 <= size <= len(body):
+        raise ApiError(400, "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}.")
+    return body[:size], memoryview(body)[size:]
+
+
+def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] | None, dict]:
+    """The infer request -> (the native request dict, requested output names or None for all,
+    {output name or None: send as binary})."""
+    extra = sorted(set(doc) - REQUEST_KEYS)
+    if extra:
+        raise invalid("unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0])
+    if "id" in doc and not isinstance(doc["id"], str):
+        raise invalid("bad_type", "id must be a string.", "id")
+    params = _object(doc.get("parameters", {}), "parameters")
+    native = _inputs(model, doc.get("inputs"), blobs)
+
+    for key, value in params.items():
+        if key in model.options:
+            native[key] = value
+        elif key not in IGNORED_PARAMETERS and key != "binary_data_output":
+            known = ", ".join((*model.options, "binary_data_output"))
+            raise invalid("unknown_field", f"parameter {key!r} is not a parameter of model {model.name}; its parameters are: {known}.", key)
+    binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output")}
+
+    requested = None
+    if "outputs" in doc:
+        requested = []
+        for spec in _list(doc["outputs"], "outputs"):
+            spec = _object(spec, "each of outputs")
+            name = spec.get("name")
+            if name not in OUTPUTS:
+                raise invalid("unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs")
+            if name in requested:
+                raise invalid("bad_option", f"output {name} is requested twice.", "outputs")
+            out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
+            unsupported = sorted(set(out_params) - {"binary_data"})
+            if unsupported:
+                raise invalid("bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs")
+            if "binary_data" in out_params:
+                binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
+            requested.append(name)
+        if "return_weights" not in native:
+            native["return_weights"] = "weights" in requested
+    return native, requested, binary_default
+
+
+def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
+    """The inputs -> {field: native tensor value}; every required input present, none twice."""
+    native = {}
+    for spec in _list(specs, "inputs"):
+        spec = _object(spec, "each of inputs")
+        name = spec.get("name")
+        if name not in model.inputs:
+            known = ", ".join(model.inputs)
+            raise invalid("unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", str(name))
+        if name in native:
+            raise invalid("bad_option", f"input {name} is given twice.", name)
+        native[name] = _tensor(model, name, spec, blobs)
+    blobs.check_consumed()
+    missing = [n for n in model.inputs if n not in native and n not in model.optional]
+    if missing:
+        raise invalid("missing_field", f"input {missing[0]} is required by model {model.name}.", missing[0])
+    return native
+
+
+def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
+    """One input tensor -> the flat or b64 value the native Tensor field decodes and checks."""
+    accepted = model.inputs[name][0]
+    datatype = spec.get("datatype")
+    if datatype not in accepted:
+        raise invalid("bad_type", f"input {name} has datatype {_show(datatype)}; it must be {' or '.join(accepted)}.", name)
+    dtype = DATATYPES[datatype]
+    shape = spec.get("shape")  # the codec checks it: a list of positive integers
+    params = _object(spec.get("parameters", {}), f"input {name} parameters")
+    unsupported = sorted(set(params) - {"binary_data_size"})
+    if unsupported:
+        raise invalid("bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name)
+    if "binary_data_size" in params:
+        size = params["binary_data_size"]
+        if type(size) is not int or size < 0:
+            raise invalid("bad_type", f"input {name} has binary_data_size {_show(size)}; it must be a byte count.", name)
+        if "data" in spec:
+            raise invalid("bad_encoding", f"input {name} has both data and binary_data_size; send one.", name)
+        raw = blobs.take(name, size)
+        return {"shape": shape, "dtype": dtype, "b64": pybase64.b64encode(raw).decode("ascii")}
+    if "data" not in spec:
+        raise invalid("missing_field", f"input {name} has neither data nor parameters.binary_data_size.", name)
+    return {"shape": shape, "dtype": dtype, "data": _flatten(name, spec["data"], shape)}
+
+
+def _flatten(name: str, data, shape):
+    """Nested JSON data -> flat row-major list, at C speed over the elements (Python touches only
+    the rows). Nested data must be rectangular and nest as the declared shape; flat data is left
+    for the codec to check (count, types)."""
+    nested = []
+    while isinstance(data, list) and data and isinstance(data[0], list):
+        if not all(type(row) is list for row in data) or len(set(map(len, data))) != 1:
+            raise invalid("ragged", f"input {name} has data that is not rectangular: every row of an axis must have the same length.", name)
+        nested.append(len(data))
+        data = list(itertools.chain.from_iterable(data))
+    if nested:
+        nested.append(len(data) // math.prod(nested))
+        if nested != shape:
+            raise invalid("bad_shape", f"input {name} has data nested as {nested} but shape {shape}; nest it as the shape, or send it flat.", name)
+    return data
+
+
+def _load_native(model: Model, native: dict):
+    """The native schema's load; its errors are renamed into the protocol's terms."""
+    schema = current_app.extensions["attention.schemas"][model.schema]
+    try:
+        return schema.load(native)
+    except ApiError as err:
+        raise _renamed(model, err) from None
+
+
+def _renamed(model: Model, err: ApiError) -> ApiError:
+    """"q has d=3 ..." -> "input q has d=3 ...", "causal must ..." -> "parameter causal must ..."."""
+    field = err.field
+    if field in model.inputs:
+        kind = "input"
+    elif field in model.options:
+        kind = "parameter"
+    else:
+        return err
+    message = err.message
+    if message.startswith((f"{field} ", f"{field}:")):
+        message = f"{kind} {message}"
+    else:
+        message = f"{kind} {field}: {message}"
+    return ApiError(err.status, err.code, message, field, err.headers)
+
+
+# --- small helpers ---------------------------------------------------------------------------------
+
+def _model(name: str, version: str | None) -> Model:
+    model = MODELS.get(name)
+    if model is None:
+        raise ApiError(404, "not_found", f"Model {name!r} is not served here; the models are: {', '.join(MODELS)}.")
+    if version is not None and version != MODEL_VERSION:
+        raise ApiError(404, "not_found", f"Model {name} has no version {version!r}; its only version is {MODEL_VERSION}.")
+    return model
+
+
+def _ready() -> bool:
+    return bool(current_app.extensions["attention.state"]["ready"])
+
+
+def _object(value, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise invalid("bad_type", f"{what} must be a JSON object, not {_show(value)}.")
+    return value
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise invalid("missing_field" if value is None else "bad_type", f"{what} must be a non-empty list.", what)
+    return value
+
+
+def _bool(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise invalid("bad_type", f"{what} must be true or false, not {_show(value)}.")
+    return value
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

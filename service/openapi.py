@@ -1,0 +1,339 @@
+"""The OpenAPI 3 document, generated from the marshmallow request schemas with apispec's
+MarshmallowPlugin and served at GET /openapi.json; a Swagger UI page at GET /docs whose assets
+come from the swagger-ui-bundle package and are served by this service (no CDN: it works
+offline); and a small landing page at GET /.
+
+The document is built once per app from the routes actually registered, so an endpoint appears
+in it exactly when the service serves it."""
+from __future__ import annotations
+
+import copy
+from dataclasses import fields as dataclass_fields
+
+from apispec import APISpec
+from apispec.ext.marshmallow import MarshmallowPlugin
+from flask import Blueprint, Flask, Response, current_app, send_from_directory
+from marshmallow import Schema, fields, validate
+from swagger_ui_bundle import swagger_ui_path
+
+from schemas import AttentionRequest, MhaRequest
+from schemas.fields import Tensor
+
+from .config import VERSION, Settings
+from .errors import ApiError
+from .http import json_response
+
+bp = Blueprint("openapi", __name__)
+
+DOCS_ASSETS = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "swagger-ui-standalone-preset.js", "favicon-16x16.png", "favicon-32x32.png"})
+
+_SHAPE = {"type": "array", "items": {"type": "integer", "minimum": 1}, "description": "the tensor's shape; every axis at least 1"}
+_ALL_DTYPES = ["float32", "float64", "bool", "int32", "int64"]
+MAX_NESTING = 6  # the highest rank any tensor field takes
+# Per Tensor kind: its component's name, what it holds, the element types it accepts (one type per
+# tensor: a mask mixing booleans with numbers is refused), the dtypes it accepts (b64 and flat),
+# and whether a bare scalar is a tensor (rank 0, as key_lengths may be).
+_KINDS = {
+    "float": ("Tensor", "numbers", [{"type": "number"}], ["float32", "float64", "int32", "int64"], False),
+    "mask": ("MaskTensor", "booleans, or the numbers 0 and 1", [{"type": "boolean"}, {"type": "number", "enum": [0, 1]}], _ALL_DTYPES, False),
+    "int": ("IntTensor", "integers", [{"type": "integer"}], ["int32", "int64"], True),
+}
+
+
+def _nested(element: dict, rank: int) -> dict:
+    """A rank-`rank` nested array of element (rectangularity is beyond JSON Schema)."""
+    return element if rank == 0 else {"type": "array", "minItems": 1, "items": _nested(element, rank - 1)}
+
+
+def _one_of(options: list[dict]) -> dict:
+    return options[0] if len(options) == 1 else {"oneOf": options}
+
+
+def _tensor_schema(kind: str) -> dict:
+    """A tensor in each of its three encodings, holding the values a Tensor field of this kind accepts."""
+    _, what, elements, dtypes, scalar = _KINDS[kind]
+    nested = {"title": "nested", **_one_of([_nested(e, rank) for e in elements for rank in range(1, MAX_NESTING + 1)])}
+    flat = {
+        "title": "flat",
+        "type": "object",
+        "required": ["shape", "data"],
+        "additionalProperties": False,
+        "properties": {
+            "shape": _SHAPE,
+            "data": {**_one_of([_nested(e, 1) for e in elements]), "description": "prod(shape) values, row-major"},
+            "dtype": {"type": "string", "enum": [*dtypes, None], "nullable": True, "description": "how to read data; null or absent: as JSON gives"},
+        },
+    }
+    b64 = {
+        "title": "b64",
+        "type": "object",
+        "required": ["shape", "dtype", "b64"],
+        "additionalProperties": False,
+        "properties": {
+            "shape": _SHAPE,
+            "dtype": {"type": "string", "enum": dtypes},
+            "b64": {"type": "string", "format": "byte", "description": "prod(shape) * itemsize bytes, base64"},
+        },
+    }
+    return {
+        "description": f"A tensor of {what} in one of three encodings: a nested array (row-major, rectangular); "
+        "{shape, data[, dtype]} with data flat and row-major; or {shape, dtype, b64} with the base64 of the raw "
+        "little-endian row-major bytes. Responses use the request's encoding unless response_encoding says otherwise.",
+        "oneOf": [*([{"title": "scalar", **_one_of(elements)}] if scalar else []), nested, flat, b64],
+    }
+
+
+# --- the response bodies, as marshmallow schemas (documentation only: responses are built by the views) ---
+
+class ErrorDetail(Schema):
+    status = fields.Integer(required=True, metadata={"description": "the HTTP status"})
+    code = fields.String(required=True, metadata={"description": "machine-readable: bad_json, missing_field, shape_mismatch, too_large, ..."})
+    message = fields.String(required=True, metadata={"description": "one sentence naming the field and the shapes or limit involved"})
+    field = fields.String(required=True, allow_none=True, metadata={"description": "the request field concerned, or null"})
+
+
+class Error(Schema):
+    error = fields.Nested(ErrorDetail, required=True)
+
+
+class Cost(Schema):
+    flops = fields.Integer(required=True)
+    score_elements = fields.Integer(required=True, metadata={"description": "B*T*S (times heads for /mha)"})
+    predicted_ms = fields.Float(required=True, metadata={"description": "the cost model's prediction"})
+
+
+class ComputeResponse(Schema):
+    out = Tensor(required=True, metadata={"description": "(..., T, dv) for /attention; (n, d) or (B, n, d) for /mha"})
+    weights = Tensor(metadata={"description": "(..., T, S) for /attention; (h, n, n) or (B, h, n, n) for /mha; only when return_weights"})
+    cost = fields.Nested(Cost, required=True)
+    timing_ms = fields.Dict(keys=fields.String(), values=fields.Float(), required=True, metadata={"description": "milliseconds per phase so far: decode, validate, compute"})
+
+
+class Status(Schema):
+    status = fields.String(required=True)
+
+
+def _tensor_property(self, field, ret, **kwargs) -> dict:
+    """MarshmallowPlugin attribute function: a Tensor field is a reference to its kind's schema.
+    OpenAPI 3.0 ignores siblings of $ref, so the reference sits in allOf beside the description."""
+    if not isinstance(field, Tensor):
+        return {}
+    ret.pop("type", None)
+    return {"allOf": [{"$ref": f"#/components/schemas/{_KINDS[field.kind][0]}"}]}
+
+
+def _nullable_enum(self, field, ret, **kwargs) -> dict:
+    """A field that accepts null and lists its values must list null too (OpenAPI 3.0.3)."""
+    if ret.get("nullable") and "enum" in ret and None not in ret["enum"]:
+        return {"enum": [*ret["enum"], None]}
+    return {}
+
+
+def _exclusive_minimum(self, field, ret, **kwargs) -> dict:
+    """apispec drops Range(min_inclusive=False)'s exclusivity; OpenAPI 3.0 says it with a boolean."""
+    if any(isinstance(v, validate.Range) and v.min is not None and not v.min_inclusive for v in field.validators):
+        return {"exclusiveMinimum": True}
+    return {}
+
+
+# --- the document -----------------------------------------------------------------------------
+
+def build(app: Flask) -> dict:
+    """The OpenAPI 3.0 document of the routes registered on app."""
+    settings: Settings = app.extensions["attention.settings"]
+    served = {rule.rule for rule in app.url_map.iter_rules()}
+    plugin = MarshmallowPlugin()
+    spec = APISpec(
+        title="Attention service",
+        version=VERSION,
+        openapi_version="3.0.3",
+        plugins=[plugin],
+        info={"description": "Scaled dot-product attention and multi-head attention over HTTP. The same "
+              "computations are served under the Open Inference Protocol (KServe v2) at /v2; see its own specification."},
+    )
+    plugin.converter.add_attribute_function(_tensor_property)
+    plugin.converter.add_attribute_function(_nullable_enum)
+    plugin.converter.add_attribute_function(_exclusive_minimum)
+    for kind, (name, *_) in _KINDS.items():
+        spec.components.schema(name, _tensor_schema(kind))
+    spec.components.schema("Error", schema=Error)
+    spec.components.schema("ComputeResponse", schema=ComputeResponse)
+    spec.components.schema("AttentionRequest", schema=AttentionRequest(settings))
+    spec.components.schema("MhaRequest", schema=MhaRequest(settings))
+    spec.components.schema("Status", schema=Status)
+    spec.components.schema("Limits", _limits_schema(settings))
+    if settings.api_keys:
+        spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
+
+    def errors(*statuses: int) -> dict:
+        described = {400: "body is not strict JSON or not an object", 401: "no valid API key", 413: "body, T, S or score elements over a limit",
+                     415: "not application/json", 422: "JSON but not a valid request", 503: "overloaded: retry after Retry-After seconds",
+                     504: "the X-Deadline-Ms deadline cannot be met"}
+        if settings.api_keys:
+            statuses = (*statuses, 401)
+        out = {}
+        for status in sorted(set(statuses)):
+            headers = {"Retry-After": {"required": True, "schema": {"type": "integer"}, "description": "seconds"}} if status == 503 else {}
+            out[str(status)] = {"description": described[status], "content": {"application/json": {"schema": "Error"}}, **({"headers": headers} if headers else {})}
+        return out
+
+    timing_headers = {
+        "Server-Timing": {"required": True, "schema": {"type": "string"}, "description": "W3C Server-Timing: decode, validate, compute, encode, total (ms)"},
+        "X-Request-Id": {"required": True, "schema": {"type": "string"}, "description": "echoed if the client sent one"},
+    }
+    compute = {
+        "/attention": ("attention", "AttentionRequest", "Scaled dot-product attention over any leading axes",
+                       "out = softmax(q kᵀ · scale, masked) v. Masked weights are exactly 0; a row with no allowed key gives zeros.",
+                       _attention_examples()),
+        "/mha": ("mha", "MhaRequest", "Multi-head self-attention with projections (the GPT block)",
+                 "Q,K,V = x Wq, x Wk, x Wv, split into heads, attention scaled by 1/sqrt(d/h), heads concatenated, then @ Wo.",
+                 _mha_examples()),
+    }
+    for path, (op_id, request_schema, summary, description, examples) in compute.items():
+        if path not in served:
+            continue
+        spec.path(path=path, operations={"post": {
+            "operationId": op_id,
+            "summary": summary,
+            "description": description,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema, "examples": examples}}},
+            "responses": {
+                "200": {"description": "the result", "headers": timing_headers, "content": {"application/json": {"schema": "ComputeResponse"}}},
+                **errors(400, 413, 415, 422, 503, 504),
+            },
+        }})
+
+    ops = {
+        "/healthz": ("healthz", "Liveness: 200 while the process lives", {"200": _json("alive", "Status")}),
+        "/readyz": ("readyz", "Readiness: 200 when it can serve, 503 while starting or draining",
+                    {"200": _json("ready", "Status"), "503": _json("starting or draining", "Status")}),
+        "/limits": ("limits", "The limits in force, the default dtype, the cost model and the version", {"200": _json("the limits", "Limits")}),
+        "/metrics": ("metrics", "Prometheus metrics", {"200": {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}),
+    }
+    for path, (op_id, summary, responses) in ops.items():
+        if path in served:
+            spec.path(path=path, operations={"get": {"operationId": op_id, "summary": summary, "responses": responses}})
+
+    doc = spec.to_dict()
+    for name in ("AttentionRequest", "MhaRequest"):
+        doc["components"]["schemas"][name]["additionalProperties"] = False  # unknown fields are refused
+    if settings.api_keys:
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+def _json(description: str, schema: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
+
+
+def _limits_schema(settings: Settings) -> dict:
+    kinds = {int: "integer", "int": "integer", str: "string", "str": "string"}
+    props = {f.name: {"type": kinds.get(f.type, "string")} for f in dataclass_fields(settings) if f.name in settings.limits()}
+    props["cost_model"] = {"type": "object", "description": "ms = a*GFLOP + b*M_score_elements + c"}
+    props["version"] = {"type": "string"}
+    return {"type": "object", "required": sorted(props), "properties": props}
+
+
+def _attention_examples() -> dict:
+    seed = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": True}
+    return {
+        "worked_example": {"summary": "the seed's worked example, causal", "value": seed},
+        "flat_batched": {"summary": "flat encoding, batch of 2, key padding", "value": {
+            "q": {"shape": [2, 2, 2], "data": [1, 0, 0, 1, 1, 1, 0, 1]},
+            "k": {"shape": [2, 3, 2], "data": [1, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]},
+            "v": {"shape": [2, 3, 1], "data": [1, 2, 3, 4, 5, 6]},
+            "key_lengths": [3, 2], "return_weights": False}},
+        "b64": {"summary": "b64 encoding, bottom-right causal, float64", "value": {
+            "q": {"shape": [1, 2], "dtype": "float32", "b64": "AACAPwAAAAA="},
+            "k": {"shape": [2, 2], "dtype": "float32", "b64": "AACAPwAAAAAAAAAAAACAPw=="},
+            "v": {"shape": [2, 1], "dtype": "float32", "b64": "AACAPwAAAEA="},
+            "causal": "bottom_right", "dtype": "float64"}},
+    }
+
+
+def _mha_examples() -> dict:
+    eye = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+    x = [[1, 0, 0, 1], [0, 1, 1, 0], [1, 1, 0, 0]]
+    return {"identity_projections": {"summary": "identity projections, 2 heads", "value": {"x": x, "wq": eye, "wk": eye, "wv": eye, "wo": eye, "heads": 2}}}
+
+
+def document() -> dict:
+    """This app's document, built on first use."""
+    ext = current_app.extensions
+    if "attention.openapi" not in ext:
+        ext["attention.openapi"] = build(current_app)
+    return ext["attention.openapi"]
+
+
+# --- routes ---------------------------------------------------------------------------------
+
+@bp.get("/openapi.json")
+def openapi_json():
+    """The OpenAPI 3 document."""
+    return json_response(copy.deepcopy(document()))
+
+
+@bp.get("/docs")
+def docs():
+    """Swagger UI for the document; every asset is served from /docs/... by this service."""
+    return Response(DOCS_HTML, mimetype="text/html")
+
+
+@bp.get("/docs/<path:filename>")
+def docs_asset(filename: str):
+    """Swagger UI's files, from the swagger-ui-bundle package."""
+    if filename not in DOCS_ASSETS:
+        raise ApiError(404, "not_found", f"There is no documentation asset {filename!r}.")
+    return send_from_directory(str(swagger_ui_path), filename, max_age=3600)
+
+
+@bp.get("/")
+def landing():
+    """A small HTML page pointing to the documentation."""
+    return Response(LANDING_HTML.replace("{version}", VERSION), mimetype="text/html")
+
+
+# Relative URLs, so the pages also work behind a path prefix (/docs -> docs/..., openapi.json).
+DOCS_HTML = """<!doctype html>
+<html lang="en">
+<head>
+  <meta charset="utf-8">
+  <title>Attention service: API</title>
+  <link rel="stylesheet" href="docs/swagger-ui.css">
+  <link rel="icon" type="image/png" href="docs/favicon-32x32.png">
+</head>
+<body>
+  <div id="swagger-ui"></div>
+  <script src="docs/swagger-ui-bundle.js"></script>
+  <script src="docs/swagger-ui-standalone-preset.js"></script>
+  <script>
+    window.ui = SwaggerUIBundle({
+      url: "openapi.json",
+      dom_id: "#swagger-ui",
+      deepLinking: true,
+      validatorUrl: null,
+      presets: [SwaggerUIBundle.presets.apis, SwaggerUIStandalonePreset],
+      layout: "StandaloneLayout"
+    });
+  </script>
+</body>
+</html>
+"""
+
+LANDING_HTML = """<!doctype html>
+<html lang="en">
+<head><meta charset="utf-8"><title>Attention service</title></head>
+<body style="font-family: sans-serif; max-width: 40em; margin: 2em auto">
+  <h1>Attention service <small>{version}</small></h1>
+  <p>Scaled dot-product attention (<code>POST /attention</code>) and multi-head attention
+  (<code>POST /mha</code>) over HTTP, with numpy-exact semantics.</p>
+  <ul>
+    <li><a href="docs">docs</a>: try the API in the browser</li>
+    <li><a href="openapi.json">openapi.json</a>: the OpenAPI 3 document</li>
+    <li><a href="limits">limits</a>: the limits in force</li>
+    <li><a href="v2">v2</a>: the Open Inference Protocol (KServe v2, Triton clients); models
+      <a href="v2/models/attention">attention</a> and <a href="v2/models/mha">mha</a></li>
+  </ul>
+</body>
+</html>
+"""

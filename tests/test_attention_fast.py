@@ -1,0 +1,186 @@
+"""The blocked fast path of the numeric core: every block size, causal alignment, mask,
+key_lengths and T != S gives what the straightforward whole-matrix softmax and the float64 loop
+oracle give, with and without weights, and the small-score shortcut changes no guarantee."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from service import attention as core
+from service.attention import ScoreOverflow, attention, causal_mask
+
+from . import oracle
+
+
+def straightforward(q, k, v, mask=None, *, causal=False, key_lengths=None, scale=None):
+    """The whole (..., T, S) score matrix at once: mask, subtract the row max, exp, normalise."""
+    d, T, S = q.shape[-1], q.shape[-2], k.shape[-2]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    scores = (q @ np.swapaxes(k, -1, -2)) * scale
+    allowed = np.ones(scores.shape, bool)
+    if mask is not None:
+        allowed &= mask
+    if causal:
+        allowed &= causal_mask(T, S, "top_left" if causal is True else causal)
+    if key_lengths is not None:
+        allowed &= np.arange(S) < np.asarray(key_lengths)[..., None, None]
+    scores = np.where(allowed, scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    top[~np.isfinite(top)] = 0
+    e = np.exp(scores - top)
+    total = e.sum(-1, keepdims=True)
+    w = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return w @ v, w
+
+
+@pytest.fixture(params=[(2**40, 16), (24, 3), (7, 1)], ids=["one block", "blocks of 3 rows", "rows and batch split"])
+def blocks(request, monkeypatch):
+    """Block sizes: one block for everything, small blocks whose edges fall mid-diagonal, and
+    blocks of a single row and batch item."""
+    elements, rows = request.param
+    monkeypatch.setattr(core, "BLOCK_ELEMENTS", elements)
+    monkeypatch.setattr(core, "MIN_ROWS", rows)
+    monkeypatch.setattr(core, "CAUSAL_BLOCKS", 3)
+    return request.param
+
+
+CASES = [
+    # (lead, T, S, mask shape or None, causal, key_lengths shape or None)
+    ((2,), 7, 7, None, False, None),
+    ((2, 2), 7, 7, None, "top_left", None),
+    ((2,), 5, 9, None, "top_left", None),  # T < S
+    ((2,), 9, 5, None, "top_left", None),  # T > S: rows past S see every key
+    ((3,), 5, 9, None, "bottom_right", None),
+    ((3,), 11, 4, None, "bottom_right", None),  # T > S: the first 7 rows see nothing
+    ((2, 3), 8, 8, (8, 8), True, None),
+    ((2, 3), 6, 10, (2, 1, 6, 10), False, None),
+    ((2, 3), 6, 10, (1, 10), "bottom_right", None),
+    ((2, 3), 6, 10, (6, 1), False, None),
+    ((4,), 9, 9, None, "top_left", (4,)),
+    ((2, 2), 9, 6, (9, 6), "bottom_right", (2, 1)),
+]
+IDS = ["plain", "causal", "causal T<S", "causal T>S", "bottom_right T<S", "bottom_right T>S",
+       "mask + causal", "mask per batch", "key mask + bottom_right", "query mask", "key_lengths", "all three"]
+
+
+@pytest.mark.parametrize("lead, T, S, mask_shape, causal, lengths_shape", CASES, ids=IDS)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_blocks_equal_straightforward_and_oracle(blocks, rng, lead, T, S, mask_shape, causal, lengths_shape, dtype):
+    q = rng.standard_normal((*lead, T, 3)).astype(dtype)
+    k = rng.standard_normal((*lead, S, 3)).astype(dtype)
+    v = rng.standard_normal((*lead, S, 2)).astype(dtype)
+    mask = None if mask_shape is None else rng.random(mask_shape) < 0.6
+    lengths = None if lengths_shape is None else rng.integers(0, S + 1, lengths_shape)
+    if lengths is not None:
+        lengths.flat[0] = 0  # one batch item with no key at all
+    out, w = attention(q, k, v, mask, causal=causal, key_lengths=lengths)
+    out_nw, none = attention(q, k, v, mask, causal=causal, key_lengths=lengths, return_weights=False)
+    plain_out, plain_w = straightforward(q, k, v, mask, causal=causal, key_lengths=lengths)
+    expect_out, expect_w = oracle.attention(q, k, v, mask, causal=causal, key_lengths=lengths)
+    assert none is None
+    assert out.dtype == out_nw.dtype == w.dtype == dtype
+    tol = 1e-12 if dtype == np.float64 else 1e-6
+    for got in (out, out_nw):
+        np.testing.assert_allclose(got, plain_out, atol=tol * 10)
+        np.testing.assert_allclose(got, expect_out, atol=tol * 10)
+    np.testing.assert_allclose(w, plain_w, atol=tol)
+    np.testing.assert_allclose(w, expect_w, atol=tol)
+    assert (w[expect_w == 0] == 0).all()  # masked weights exactly 0
+    has_key = expect_w.sum(-1) > 0
+    np.testing.assert_allclose(w.sum(-1)[has_key], 1, atol=tol)
+    assert (w.sum(-1)[~has_key] == 0).all()
+    assert (out[~has_key] == 0).all() and (out_nw[~has_key] == 0).all()  # never NaN
+
+
+def test_fully_masked_rows_in_every_block(blocks):
+    q = np.ones((2, 9, 4), np.float32)
+    out, w = attention(q, q[:, :3], q[:, :3], causal="bottom_right")  # rows 0..5 see no key
+    out_nw, _ = attention(q, q[:, :3], q[:, :3], causal="bottom_right", return_weights=False)
+    for o in (out, out_nw):
+        assert np.isfinite(o).all() and (o[:, :6] == 0).all()
+        np.testing.assert_allclose(o[:, 6:], 1, atol=1e-6)
+    assert (w[:, :6] == 0).all()
+    np.testing.assert_allclose(w[:, 6:].sum(-1), 1, atol=1e-6)
+
+
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_large_and_small_rows_mixed_in_one_block(blocks, rng, return_weights):
+    """Rows whose scores reach 1e4 subtract their maximum; small rows beside them take the
+    shortcut; each is what the oracle gives."""
+    q = rng.standard_normal((2, 9, 3))
+    k = rng.standard_normal((2, 9, 3))
+    v = rng.standard_normal((2, 9, 2))
+    q[:, 2] *= 1e4
+    k[:, 1] *= 30
+    out, w = attention(q, k, v, causal=True, return_weights=return_weights)
+    expect_out, expect_w = oracle.attention(q, k, v, causal=True)
+    np.testing.assert_allclose(out, expect_out, atol=1e-10)
+    if return_weights:
+        np.testing.assert_allclose(w, expect_w, atol=1e-12)
+    out32, _ = attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), causal=True, return_weights=return_weights)
+    assert np.isfinite(out32).all()
+    np.testing.assert_allclose(out32, expect_out, atol=1e-4)
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_past_bit_identical_when_the_future_grows(blocks, rng, causal, return_weights):
+    """A future key of huge norm turns off the shortcut for later rows only: earlier rows, even in
+    the same block, keep every bit."""
+    q, k, v = (rng.standard_normal((3, 10, 4)).astype(np.float32) for _ in range(3))
+    out, _ = attention(q, k, v, causal=causal, return_weights=return_weights)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, 6:] *= 1e3  # keys 6.. : rows up to 5 (top_left) never see them
+    v2[:, 6:] += 100
+    out2, _ = attention(q, k2, v2, causal=causal, return_weights=return_weights)
+    np.testing.assert_array_equal(out2[:, :6], out[:, :6])
+
+
+def test_overflow_is_found_in_any_block(blocks):
+    q = np.zeros((1, 9, 2), np.float32)
+    q[0, 7] = np.finfo(np.float32).max ** 0.5 * 4
+    with pytest.raises(ScoreOverflow):
+        attention(q, q, q, scale=1.0, return_weights=False)
+    with pytest.raises(ScoreOverflow):
+        attention(q, q, q, scale=1.0, causal=True)
+
+
+def test_overflow_under_the_mask_is_not_overflow(blocks):
+    """A score that overflows where the mask hides it never reaches the softmax."""
+    q = np.ones((1, 9, 2), np.float32)
+    k = np.ones((1, 9, 2), np.float32)
+    k[0, 8] = np.finfo(np.float32).max / 2  # only the last query may see this key
+    out, w = attention(q[:, :8], k, k, causal="top_left", scale=1.0)  # 8 queries: none sees key 8
+    assert np.isfinite(out).all() and (w[..., 8] == 0).all()
+
+
+def test_float64_stays_exact_on_long_rows(monkeypatch, rng):
+    """Many blocks over rows of 300 keys: float64 matches the straightforward path to 1e-12."""
+    monkeypatch.setattr(core, "BLOCK_ELEMENTS", 1000)
+    monkeypatch.setattr(core, "MIN_ROWS", 1)
+    q, k, v = (rng.standard_normal((2, n, 8)) for n in (37, 300, 300))
+    for causal in (False, "top_left", "bottom_right"):
+        for rw in (True, False):
+            out, w = attention(q, k, v, causal=causal, return_weights=rw)
+            po, pw = straightforward(q, k, v, causal=causal)
+            np.testing.assert_allclose(out, po, atol=1e-12, rtol=0)
+            if rw:
+                np.testing.assert_allclose(w, pw, atol=1e-13, rtol=0)
+                np.testing.assert_allclose(w.sum(-1), 1, atol=1e-12)
+
+
+def test_repeated_calls_share_no_state(rng):
+    """Cached masks and scratch buffers leave no trace from one call to the next."""
+    a = [rng.standard_normal((2, 33, 5)).astype(np.float32) for _ in range(3)]
+    b = [rng.standard_normal((2, 33, 5)).astype(np.float32) for _ in range(3)]
+    first = attention(*a, causal=True, return_weights=False)[0]
+    attention(*b, causal="bottom_right", key_lengths=np.array([3, 0]), return_weights=False)
+    attention(*b, np.eye(33, dtype=bool), causal=True)
+    np.testing.assert_array_equal(attention(*a, causal=True, return_weights=False)[0], first)
+
+
+def test_cached_masks_are_read_only():
+    with pytest.raises(ValueError):
+        causal_mask(4, 4)[0, 1] = True
+    with pytest.raises(ValueError):
+        core._band(3, 3, 0)[0, 0] = True

@@ -1,0 +1,340 @@
+"""The Python client: round trips against the live server, exact splitting of over-limit
+requests against a server with small limits, retries (against a local stub), errors, the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import requests
+
+from client import AttentionClient, AttentionError
+from client import _split
+from service import attention as core
+
+from tests.conftest import ROOT, free_port, start_server, stop_server
+
+# Limits 4x (and more) below the requests of the splitting tests.
+SMALL_LIMITS = {"ATTN_MAX_T": "32", "ATTN_MAX_S": "128", "ATTN_MAX_SCORE_ELEMENTS": "4096", "ATTN_MAX_WEIGHTS_ELEMENTS": "4096",
+                "ATTN_MAX_BODY_BYTES": "200000", "ATTN_WARMUP": "0"}
+
+
+@pytest.fixture(scope="module")
+def api(live_server):
+    with AttentionClient(live_server, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    proc, url = start_server(env=SMALL_LIMITS)
+    yield url
+    stop_server(proc)
+
+
+@pytest.fixture
+def small_api(small_server):
+    with AttentionClient(small_server, timeout=60) as client:
+        yield client
+
+
+@pytest.mark.live
+def test_seed_worked_example(api):
+    q = k = np.array([[1, 0], [0, 1], [1, 1]], dtype=np.float32)
+    v = np.array([[1, 0], [0, 10], [5, 5]], dtype=np.float32)
+    out, weights = api.attention(q, k, v, causal=True)
+    want_out, want_w = core.attention(q, k, v, causal=True)
+    assert out.shape == (3, 2) and weights.shape == (3, 3) and out.dtype == np.float32
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-5)
+    e = np.exp(1 / np.sqrt(2))  # row 1 sees keys 0 and 1 with scores 0 and 1/sqrt(d)
+    np.testing.assert_allclose(out[1], [1 / (1 + e), 10 * e / (1 + e)], atol=1e-5)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("encoding", ["b64", "flat", "nested"])
+def test_random_batched_case(live_server, rng, encoding):
+    q, k, v = (rng.standard_normal((2, 4, 128, 32), dtype=np.float32) for _ in range(3))
+    with AttentionClient(live_server, encoding=encoding) as client:
+        out, weights = client.attention(q, k, v, causal=True)
+    want_out, want_w = core.attention(q, k, v, causal=True)
+    assert out.shape == (2, 4, 128, 32) and weights.shape == (2, 4, 128, 128)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-5)
+
+
+@pytest.mark.live
+def test_float64_in_float64_out_and_no_weights(api, rng):
+    q, k, v = rng.standard_normal((3, 5, 4)), rng.standard_normal((3, 6, 4)), rng.standard_normal((3, 6, 2))
+    out, weights = api.attention(q, k, v, key_lengths=np.array([6, 3, 0]), scale=0.3, return_weights=False)
+    assert weights is None and out.dtype == np.float64
+    np.testing.assert_allclose(out, core.attention(q, k, v, key_lengths=np.array([6, 3, 0]), scale=0.3)[0], rtol=0, atol=1e-12)
+    assert np.all(out[2] == 0)  # no allowed key: zeros
+    out32, _ = api.attention(q, k, v, dtype="float32")
+    assert out32.dtype == np.float32
+
+
+@pytest.mark.live
+def test_mha(api, rng):
+    x = rng.standard_normal((2, 10, 8), dtype=np.float32)
+    ws = [(rng.standard_normal((8, 8)) / 3).astype(np.float32) for _ in range(4)]
+    out, weights = api.mha(x, *ws, heads=2)
+    want_out, want_w = core.mha(x, *ws, 2)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-5)
+
+
+@pytest.mark.live
+def test_limits_and_ready(api, live_server):
+    assert api.ready()
+    assert api.limits()["max_t"] > 0
+    with AttentionClient(f"http://127.0.0.1:{free_port()}", retries=0) as dead:
+        assert not dead.ready()
+
+
+@pytest.mark.live
+def test_refusal_is_attention_error_with_code(api, rng):
+    q = rng.standard_normal((3, 4), dtype=np.float32)
+    with pytest.raises(AttentionError) as info:
+        api.attention(q, rng.standard_normal((3, 5)), rng.standard_normal((3, 2)))
+    err = info.value
+    assert (err.status, err.code, err.message) == (422, "shape_mismatch", "k has d=5 but q has d=4.")
+    assert err.response is not None and err.response.status_code == 422
+
+
+# --- splitting over the limits -------------------------------------------------------------------
+
+def spy_threads(client: AttentionClient) -> list[str]:
+    """Record the thread of every compute request the client sends."""
+    seen, compute = [], client._compute
+
+    def recording(path, body):
+        seen.append(threading.current_thread().name)
+        return compute(path, body)
+
+    client._compute = recording
+    return seen
+
+
+SPLIT_CASES = {
+    # id: (q shape, S, options): every one at least 4x over the small server's score limit
+    "leading-axes": ((4, 4, 32, 16), 32, {}),
+    "rows-top-left": ((2, 2, 64, 16), 64, {"causal": True}),
+    "rows-bottom-right": ((2, 2, 48, 16), 96, {"causal": "bottom_right"}),
+    "mask-and-key-lengths": ((2, 2, 64, 16), 80, {"mask": "per-head", "key_lengths": True, "causal": "top_left"}),
+    "broadcast-mask-float64": ((4, 64, 8), 64, {"mask": "shared", "dtype": "float64"}),
+}
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("case", list(SPLIT_CASES), ids=list(SPLIT_CASES))
+def test_over_limit_request_is_split_exactly(small_api, small_server, rng, case):
+    shape, S, options = SPLIT_CASES[case]
+    *lead, T, d = shape
+    q = rng.standard_normal(shape, dtype=np.float32)
+    k = rng.standard_normal((*lead, S, d), dtype=np.float32)
+    v = rng.standard_normal((*lead, S, 8), dtype=np.float32)
+    kwargs = {key: val for key, val in options.items() if key in ("causal", "dtype")}
+    if options.get("mask") == "per-head":
+        kwargs["mask"] = rng.random((*lead, T, S)) > 0.3
+    elif options.get("mask") == "shared":
+        kwargs["mask"] = rng.random((T, S)) > 0.3
+    if options.get("key_lengths"):
+        kwargs["key_lengths"] = rng.integers(0, S + 1, size=(lead[0], 1))
+    assert np.prod(shape[:-1]) * S >= 4 * 4096  # at least 4x over ATTN_MAX_SCORE_ELEMENTS
+
+    unsplit = requests.post(f"{small_server}/attention", timeout=30, json={
+        "q": q.tolist(), "k": k.tolist(), "v": v.tolist()})
+    assert unsplit.status_code == 413  # the server would refuse it whole
+
+    threads = spy_threads(small_api)
+    out, weights = small_api.attention(q, k, v, **kwargs)
+    core_kwargs = {**kwargs, "key_lengths": kwargs.get("key_lengths")}
+    core_kwargs.pop("dtype", None)
+    dtype = np.float64 if kwargs.get("dtype") == "float64" else np.float32
+    want_out, want_w = core.attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), **core_kwargs)
+    tol = 1e-12 if dtype == np.float64 else 1e-6
+    assert out.shape == want_out.shape and weights.shape == want_w.shape and out.dtype == dtype
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=tol)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=tol)
+    assert len(threads) >= 4 and len(set(threads)) > 1  # split, and sent concurrently
+
+
+@pytest.mark.live
+def test_mha_batch_is_split(small_api, rng):
+    x = rng.standard_normal((8, 32, 16), dtype=np.float32)  # 8 * 4 heads * 32 * 32 = 8x the score limit
+    ws = [(rng.standard_normal((16, 16)) / 4).astype(np.float32) for _ in range(4)]
+    threads = spy_threads(small_api)
+    out, weights = small_api.mha(x, *ws, heads=4)
+    want_out, want_w = core.mha(x, *ws, 4)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-6)
+    assert len(threads) == 8
+
+
+@pytest.mark.live
+def test_unsplittable_request_gets_the_servers_refusal(small_api, rng):
+    q = rng.standard_normal((4, 8), dtype=np.float32)
+    k = rng.standard_normal((200, 8), dtype=np.float32)  # S over ATTN_MAX_S: keys cannot be split exactly
+    with pytest.raises(AttentionError) as info:
+        small_api.attention(q, k, k)
+    assert (info.value.status, info.value.code) == (413, "too_long")
+    assert "ATTN_MAX_S" in info.value.message
+
+
+@pytest.mark.live
+def test_without_splitting_the_server_refuses(small_server, rng):
+    q = rng.standard_normal((64, 8), dtype=np.float32)
+    with AttentionClient(small_server, split=False) as client, pytest.raises(AttentionError) as info:
+        client.attention(q, q, q)
+    assert info.value.code == "too_long"
+
+
+def test_plan_is_even_and_covers_everything():
+    def fits(b, t):
+        return b * t <= 10
+
+    blocks = _split.plan(7, 4, fits)  # 2 leading indices of 4 rows fit; 7 -> 4 blocks of 2, 2, 2, 1
+    assert [(b.b0, b.b1, b.t0, b.t1) for b in blocks] == [(0, 2, 0, 4), (2, 4, 0, 4), (4, 6, 0, 4), (6, 7, 0, 4)]
+    blocks = _split.plan(2, 25, fits)  # rows: 25 -> 3 blocks of 9, 9, 7 per leading index
+    assert [(b.b0, b.t0, b.t1) for b in blocks] == [(0, 0, 9), (0, 9, 18), (0, 18, 25), (1, 0, 9), (1, 9, 18), (1, 18, 25)]
+    assert _split.plan(1, 1, lambda b, t: False) is None
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_causal_rows_are_the_full_masks_rows(align):
+    full = core.causal_mask(7, 11, align)
+    np.testing.assert_array_equal(np.concatenate([_split.causal_rows(7, 11, align, 0, 3), _split.causal_rows(7, 11, align, 3, 7)]), full)
+
+
+# --- retries, against a stub that answers 503 first -------------------------------------------------
+
+class Stub(BaseHTTPRequestHandler):
+    """POST /attention: `busy` 503s with Retry-After, then the seed's answer."""
+
+    busy = 0
+    retry_after = "2"
+    calls = 0
+
+    def do_POST(self):
+        type(self).calls += 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if type(self).busy > 0:
+            type(self).busy -= 1
+            self._send(503, {"error": {"status": 503, "code": "overloaded", "message": "busy", "field": None}}, {"Retry-After": self.retry_after})
+        else:
+            self._send(200, {"out": {"shape": [1, 1], "dtype": "float32", "data": [4.0]}, "cost": {}, "timing_ms": {}})
+
+    def _send(self, status, doc, headers=None):
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stub():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    Stub.calls, Stub.busy, Stub.retry_after = 0, 0, "2"
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_503_is_retried_after_retry_after(stub):
+    Stub.busy = 2
+    with AttentionClient(stub, retries=3, split=False) as client:
+        sleeps = []
+        client._sleep = sleeps.append
+        out, weights = client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)), return_weights=False)
+    assert out.tolist() == [[4.0]] and weights is None
+    assert Stub.calls == 3 and sleeps == [2.0, 2.0]
+
+
+def test_503_after_the_last_retry_is_raised(stub):
+    Stub.busy, Stub.retry_after = 10, "0"
+    with AttentionClient(stub, retries=2, split=False) as client:
+        client._sleep = lambda s: None
+        with pytest.raises(AttentionError) as info:
+            client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    assert (info.value.status, info.value.code) == (503, "overloaded") and Stub.calls == 3
+
+
+def test_retry_after_is_capped_and_dates_are_read(stub):
+    Stub.busy, Stub.retry_after = 1, "Wed, 21 Oct 2015 07:28:00 GMT"  # in the past: retry at once
+    with AttentionClient(stub, split=False, max_retry_after=5) as client:
+        sleeps = []
+        client._sleep = sleeps.append
+        client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+        Stub.busy, Stub.retry_after = 1, "3600"
+        client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    assert sleeps == [0.0, 5.0]
+
+
+def test_connection_errors_are_retried_with_backoff():
+    with AttentionClient(f"http://127.0.0.1:{free_port()}", retries=3, backoff=0.1, split=False) as client:
+        sleeps = []
+        client._sleep = sleeps.append
+        with pytest.raises(AttentionError) as info:
+            client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    assert info.value.status is None and info.value.code == "connection_error" and info.value.response is None
+    assert len(sleeps) == 3
+    assert all(0.05 * 2**i <= s <= 0.1 * 2**i for i, s in enumerate(sleeps))  # exponential, with jitter
+
+
+# --- the CLI ----------------------------------------------------------------------------------------
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.live
+def test_cli_attention(live_server, tmp_path, rng):
+    q, k, v = rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 6, 4)), rng.standard_normal((2, 6, 3))
+    mask = rng.random((6, 6)) > 0.2
+    for name, arr in {"q": q, "k": k, "v": v, "m": mask}.items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    result = tmp_path / "result.npz"
+    proc = run_cli("--url", live_server, "attention", str(tmp_path / "q.npy"), str(tmp_path / "k.npy"), str(tmp_path / "v.npy"),
+                   "--mask", str(tmp_path / "m.npy"), "--causal", "-o", str(result))
+    assert proc.returncode == 0, proc.stderr
+    saved = np.load(result)
+    want_out, want_w = core.attention(q, k, v, mask, causal="top_left")  # float64 files: float64 compute
+    assert saved["out"].dtype == np.float64
+    np.testing.assert_allclose(saved["out"], want_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(saved["weights"], want_w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.live
+def test_cli_reports_refusals(live_server, tmp_path):
+    np.save(tmp_path / "q.npy", np.ones((3, 4)))
+    np.save(tmp_path / "k.npy", np.ones((3, 5)))
+    proc = run_cli("--url", live_server, "attention", *(str(tmp_path / f) for f in ("q.npy", "k.npy", "k.npy")), "-o", str(tmp_path / "r.npz"))
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: 422 shape_mismatch: k has d=5 but q has d=4."
+    assert not (tmp_path / "r.npz").exists()
+
+
+@pytest.mark.live
+def test_cli_unreadable_file_is_a_usage_error(live_server, tmp_path):
+    proc = run_cli("--url", live_server, "attention", *(str(tmp_path / "missing.npy"),) * 3, "-o", str(tmp_path / "r.npz"))
+    assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+@pytest.mark.live
+def test_cli_limits_and_ready(live_server):
+    proc = run_cli("--url", live_server, "limits")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["max_t"] > 0
+    assert run_cli("--url", live_server, "ready").returncode == 0
+    assert run_cli("--url", f"http://127.0.0.1:{free_port()}", "ready").returncode == 1

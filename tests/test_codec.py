@@ -1,0 +1,250 @@
+"""The wire codec: every encoding round-trips exactly, every decode error has its code, and the
+fast path of loads() (b64 cut from the body, simdjson tape to numpy) answers exactly as the plain
+orjson path does, for valid bodies and for every malformed one."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import orjson
+import pytest
+
+from service import codec
+from service.codec import TensorError
+
+DTYPES = [np.float32, np.float64, np.bool_]
+
+
+def _body_bytes(data) -> bytes:
+    return data if isinstance(data, bytes) else b"".join(data)
+
+
+def roundtrip(arr: np.ndarray, encoding: str, lazy: bool) -> np.ndarray:
+    """Encode into a response body, send it as a request body, decode it: the wire both ways."""
+    data, length = codec.dump_chunks({"t": codec.encode(arr, encoding, lazy=lazy)})
+    body = _body_bytes(data)
+    assert len(body) == length
+    value = codec.loads(body)["t"]
+    if encoding != "b64" and arr.dtype != np.bool_:  # JSON numbers carry no dtype: the caller casts
+        return codec.decode(value).astype(arr.dtype)
+    return codec.decode(value)
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "streamed"])
+@pytest.mark.parametrize("encoding", codec.ENCODINGS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(3,), (2, 5), (1, 3, 70), (2, 2, 3, 40), (7, 1, 1, 2)], ids=str)
+def test_every_encoding_roundtrips_exactly(rng, encoding, dtype, shape, lazy):
+    if dtype == np.bool_:
+        arr = rng.random(shape) < 0.5
+    else:  # extreme and awkward values: shortest-repr printing must give back every bit
+        arr = (rng.standard_normal(shape) * 10.0 ** rng.integers(-30, 30, shape)).astype(dtype)
+        arr.flat[0] = np.finfo(dtype).max
+        arr.flat[-1] = np.finfo(dtype).smallest_subnormal
+    got = roundtrip(arr, encoding, lazy)
+    assert got.shape == arr.shape and got.dtype == arr.dtype
+    np.testing.assert_array_equal(got, arr)
+    assert np.array_equal(got.view(np.uint8), arr.view(np.uint8))  # bit for bit, signs of zero too
+
+
+def test_b64_streams_in_chunks_that_join(monkeypatch, rng):
+    monkeypatch.setattr(codec, "B64_CHUNK", 30)
+    arr = rng.standard_normal((7, 11)).astype(np.float32)
+    body = {"out": codec.encode(arr, "b64", lazy=True), "weights": codec.encode(arr[:2], "b64", lazy=True), "cost": {"flops": 1}}
+    data, length = codec.dump_chunks(body)
+    text = _body_bytes(data)
+    assert len(text) == length
+    assert orjson.loads(text) == orjson.loads(codec.dumps(body))  # dumps() encodes the same text eagerly
+
+
+def test_dump_chunks_without_b64_is_one_buffer():
+    data, length = codec.dump_chunks({"out": np.arange(3.0)})
+    assert data == b'{"out":[0.0,1.0,2.0]}' and length == len(data)
+
+
+# --- the fast path answers as orjson would -----------------------------------------------------
+
+def plain(body: bytes):
+    """What decoding gives on the plain path: orjson, then decode() of Python lists and strings."""
+    return decode_all(orjson.loads(body))
+
+
+def decode_all(doc):
+    out = {}
+    for key, value in doc.items():
+        try:
+            out[key] = codec.decode(value)
+        except TensorError as exc:
+            out[key] = exc.code
+    return out
+
+
+def same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], np.ndarray):
+            assert isinstance(b[key], np.ndarray) and a[key].dtype == b[key].dtype, key
+            np.testing.assert_array_equal(a[key], b[key])
+        else:
+            assert a[key] == b[key], key
+
+
+GRID = [[float(i * 8 + j) / 7 for j in range(8)] for i in range(12)]  # 96 numbers: the fast path takes it
+
+
+def grid_with(path, value):
+    g = [row[:] for row in GRID]
+    target = g
+    for i in path[:-1]:
+        target = target[i]
+    if path[-1] is None:
+        target.append(value)
+    else:
+        target[path[-1]] = value
+    return g
+
+
+BODIES = {
+    "rectangular": {"q": GRID},
+    "rank 4": {"q": [[GRID, GRID], [GRID, GRID]]},
+    "integers stay int64": {"q": [[i * 3 + j for j in range(3)] for i in range(30)]},
+    "integers and floats": {"q": [[1, 2.5, 3]] * 30},
+    "short row": {"q": grid_with((3, None), 1.0)[:3] + [GRID[3][:7]] + GRID[4:]},
+    "long row": {"q": grid_with((3, None), 1.0)},
+    "extra row element hidden in a list": {"q": grid_with((3, 2), [5.0])},
+    "empty list in a row": {"q": grid_with((3, 2), [])},
+    "number for a row, list in a row": {"q": grid_with((3,), 5.0)[:4] + [GRID[4][:7] + [[2.0, [3.0]]]] + GRID[5:]},
+    "deeper first row": {"q": [[[x] for x in GRID[0]]] + GRID[1:]},
+    "boolean among numbers": {"q": grid_with((5, 5), True)},
+    "booleans only": {"mask": [[bool((i + j) % 2) for j in range(10)] for i in range(10)]},
+    "0/1 numbers": {"mask": [[(i + j) % 2 for j in range(10)] for i in range(10)]},
+    "string among numbers": {"q": grid_with((5, 5), "1.5")},
+    "null among numbers": {"q": grid_with((5, 5), None)},
+    "object among numbers": {"q": grid_with((5, 5), {"a": 1})},
+    "empty rows": {"q": [[] for _ in range(70)]},
+    "small array stays a list": {"q": [[1.0, 2.0], [3.0, 4.0]]},
+    "rows of two": {"q": [[float(i), 1.0] for i in range(100)]},
+    "rows of one": {"q": [[float(i)] for i in range(100)]},
+    "flat": {"q": {"shape": [12, 8], "data": list(itertools.chain(*GRID))}},
+    "flat nested data": {"q": {"shape": [12, 8], "data": GRID}},
+    "flat data ragged": {"q": {"shape": [96], "data": list(itertools.chain(*GRID))[:-1] + [[1.0]]}},
+    "flat too short": {"q": {"shape": [12, 9], "data": list(itertools.chain(*GRID))}},
+    "brackets in strings": {"q": GRID, "x[y": "[[", "z": [["["], "]"]},
+    "b64": {"q": {"shape": [2, 2], "dtype": "float32", "b64": "AACAPwAAAEAAAEBAAACAQA=="}},
+    "b64 bool": {"m": {"shape": [3], "dtype": "bool", "b64": "AAEB"}},
+    "b64 bad bool bytes": {"m": {"shape": [3], "dtype": "bool", "b64": "AAEC"}},
+    "b64 not base64": {"q": {"shape": [1], "dtype": "float32", "b64": "AAC!PwAA"}},
+    "b64 wrong length": {"q": {"shape": [3], "dtype": "float32", "b64": "AACAPwAAAEA="}},
+    "b64 no dtype": {"q": {"shape": [2], "b64": "AACAPwAAAEA="}},
+    "b64 unknown dtype": {"q": {"shape": [2], "dtype": "float16", "b64": "AACAPw=="}},
+    "b64 not a string": {"q": {"shape": [2], "dtype": "float32", "b64": 5}},
+    "b64 extra key": {"q": {"shape": [2], "dtype": "float32", "b64": "AACAPwAAAEA=", "x": 1}},
+    "b64 and data": {"q": {"shape": [2], "dtype": "float32", "b64": "AACAPwAAAEA=", "data": [1, 2]}},
+    "b64 as a value elsewhere": {"note": "b64", "q": GRID, "k": ["b64", "AAAA"]},
+    "b64 key deeper": {"q": {"shape": [2], "meta": {"b64": "AACAPwAAAEA="}, "data": [1.0, 2.0]}},
+    "zero axis": {"q": {"shape": [0, 2], "data": []}},
+    "negative axis": {"q": {"shape": [-1, 2], "data": [1, 2]}},
+    "shape not ints": {"q": {"shape": [2.0], "data": [1, 2]}},
+    "shape overflows": {"q": {"shape": [2**31, 2**31], "dtype": "float32", "b64": "AAAA"}},
+    "neither data nor b64": {"q": {"shape": [2]}},
+    "flat declares ints, holds fractions": {"q": {"shape": [2], "dtype": "int64", "data": [1.5, 2]}},
+    "flat declares floats, holds booleans": {"q": {"shape": [2], "dtype": "float32", "data": [True, False]}},
+    "string tensor": {"q": "1, 2"},
+    "null tensor": {"q": None},
+    "big integers": {"q": [[2**63 + 1] * 70]},
+    "big and small integers": {"q": [[2**63 + 1, 1] * 35]},
+}
+
+
+@pytest.mark.parametrize("doc", list(BODIES.values()), ids=list(BODIES))
+def test_fast_path_equals_plain_path(doc):
+    body = orjson.dumps(doc)
+    same(decode_all(codec.loads(body)), plain(body))
+    same(decode_all(codec.loads(bytearray(body))), plain(body))  # http.read_body() gives a bytearray
+
+
+@pytest.mark.parametrize("body", [
+    b'{"q": ' + orjson.dumps(GRID) + b', "q": [1]}',  # repeated key: the last wins, as in orjson
+    b'{"q": [1], "q": ' + orjson.dumps(GRID) + b'}',
+    b'{"a\\"b": "x", "q": ' + orjson.dumps(grid_with((3, 2), [5.0])) + b'}',  # an escape anywhere: orjson judges
+    b'{"q": {"shape": [1], "dtype": "float32", "b64": "AACA\\u0050w=="}}',  # escaped base64
+    b'{"q": {"shape": [1], "dtype": "float32", "b64" : \n "AACAPw=="}}',
+    b'{"q": {"shape": [2], "dtype": "float32", "b64": "AACAPw==", "b64": "AACAPwAAAEA="}}',
+    b'{"x": "\\"b64\\": \\"AACAPw==\\"", "q": {"shape": [1], "dtype": "float32", "b64": "AACAPw=="}}',
+    b'{"q": [1, 2, 3]}',
+], ids=["repeated key last", "repeated key first", "escape in a key", "escaped base64", "whitespace around colon",
+        "repeated b64", "b64 text inside a string", "tiny"])
+def test_fast_path_equals_plain_path_on_awkward_text(body):
+    same(decode_all(codec.loads(body)), plain(body))
+
+
+@pytest.mark.parametrize("body", [
+    b'{"q": [NaN]}', b'{"q": [Infinity]}', b'{"q": [1e999999]}', b'{"q": [1, 2,]}', b"\xef\xbb\xbf{}",
+    b'{"q": "\xff"}', b'{"q": "\\ud800"}', b'{"q": 1} x', b"", b'{"q": [' + b"1," * 100 + b"]}",
+])
+def test_invalid_json_raises_as_orjson_does(body):
+    with pytest.raises(orjson.JSONDecodeError):
+        codec.loads(body)
+
+
+def test_fast_path_is_taken():
+    """The cases the fast path exists for do not fall back: arrays and payloads, not lists and str."""
+    doc = codec.loads(orjson.dumps({"q": GRID, "k": {"shape": [96], "data": list(itertools.chain(*GRID))},
+                                    "v": {"shape": [1], "dtype": "float32", "b64": "AACAPw=="}}))
+    assert isinstance(doc["q"], np.ndarray) and isinstance(doc["k"]["data"], np.ndarray)
+    assert isinstance(doc["v"]["b64"], codec.Payload)
+    assert codec.depth(doc, 20) == 3  # as for the same lists: the object, then two axes
+
+
+def test_non_objects_and_other_documents_are_plain():
+    assert codec.loads(b"[1, 2]") == [1, 2]
+    assert codec.loads(b'{"inputs": [{"data": [1, 2], "shape": [2]}]}') == {"inputs": [{"data": [1, 2], "shape": [2]}]}
+
+
+# --- each decode error code ---------------------------------------------------------------------
+
+ERRORS = [
+    ([[1, 2], [3]], "ragged"),
+    ([[1, 2], [3, [4]]], "ragged"),
+    ([1.5, True], "bad_type"),
+    ([[1, "2"]], "bad_type"),
+    ([None, 1], "bad_type"),
+    ("abc", "bad_type"),
+    (None, "bad_type"),
+    ([], "bad_shape"),
+    ({"shape": [2]}, "bad_encoding"),
+    ({"shape": [2], "data": [1, 2, 3]}, "bad_shape"),
+    ({"shape": [0], "data": []}, "bad_shape"),
+    ({"shape": "2", "data": [1, 2]}, "bad_shape"),
+    ({"shape": [2], "data": "12"}, "bad_type"),
+    ({"shape": [2], "data": [[1], [2]]}, "bad_shape"),
+    ({"shape": [2], "dtype": "complex", "data": [1, 2]}, "bad_type"),
+    ({"shape": [2], "data": [1, 2], "x": 0}, "bad_encoding"),
+    ({"shape": [1], "dtype": "float32", "b64": "A!=="}, "bad_encoding"),
+    ({"shape": [1], "dtype": "float32", "b64": 7}, "bad_encoding"),
+    ({"shape": [1], "b64": "AACAPw=="}, "bad_type"),
+    ({"shape": [2], "dtype": "float32", "b64": "AACAPw=="}, "bad_shape"),
+    ({"shape": [1], "dtype": "bool", "b64": "Ag=="}, "bad_type"),
+]
+
+
+@pytest.mark.parametrize("value, code", ERRORS, ids=[f"{c}:{orjson.dumps(v)[:40].decode()}" for v, c in ERRORS])
+def test_decode_error_codes(value, code):
+    for decoded in (value, codec.loads(orjson.dumps({"t": value}))["t"]):  # as a value, and through loads()
+        with pytest.raises(TensorError) as info:
+            codec.decode(decoded)
+        assert info.value.code == code
+
+
+def test_as_mask():
+    np.testing.assert_array_equal(codec.as_mask(np.array([0, 1, 1])), [False, True, True])
+    with pytest.raises(TensorError) as info:
+        codec.as_mask(np.array([0, 2]))
+    assert info.value.code == "bad_type"
+
+
+def test_wire_encoding():
+    assert codec.wire_encoding([[1]]) == "nested"
+    assert codec.wire_encoding(np.ones((2, 2))) == "nested"
+    assert codec.wire_encoding({"shape": [1], "data": [1]}) == "flat"
+    assert codec.wire_encoding({"shape": [1], "dtype": "bool", "b64": codec.Payload(b"\x01")}) == "b64"

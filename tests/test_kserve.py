@@ -1,0 +1,331 @@
+"""The Open Inference Protocol front door (/v2): the official Triton client against the live
+server, equal to the native endpoints; and the protocol's error shape via the Flask client."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from service import attention as core
+
+# --- the official client against the live server ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton_client(live_server):
+    client = triton.InferenceServerClient(live_server.removeprefix("http://"), network_timeout=60)
+    yield client
+    client.close()
+
+
+def native(live_server: str, path: str, body: dict) -> dict[str, np.ndarray]:
+    """POST the native endpoint with b64 tensors; the response's tensors as arrays."""
+    wire = {k: b64(v) if isinstance(v, np.ndarray) else v for k, v in body.items()}
+    resp = requests.post(f"{live_server}{path}", json=wire, timeout=60)
+    assert resp.status_code == 200, resp.text
+    doc = resp.json()
+    return {name: unb64(doc[name]) for name in ("out", "weights") if name in doc}
+
+
+def b64(a: np.ndarray) -> dict:
+    import base64
+    return {"shape": list(a.shape), "dtype": a.dtype.name, "b64": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
+
+
+def unb64(t: dict) -> np.ndarray:
+    import base64
+    return np.frombuffer(base64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
+
+
+def triton_inputs(arrays: dict[str, np.ndarray], binary: bool) -> list:
+    types = {np.dtype("float32"): "FP32", np.dtype("float64"): "FP64", np.dtype("bool"): "BOOL", np.dtype("int32"): "INT32", np.dtype("int64"): "INT64"}
+    inputs = []
+    for name, arr in arrays.items():
+        inp = triton.InferInput(name, list(arr.shape), types[arr.dtype])
+        inp.set_data_from_numpy(arr, binary_data=binary)
+        inputs.append(inp)
+    return inputs
+
+
+@pytest.mark.live
+def test_health_and_metadata(triton_client):
+    assert triton_client.is_server_live()
+    assert triton_client.is_server_ready()
+    assert triton_client.is_model_ready("attention")
+    assert triton_client.is_model_ready("mha")
+    assert triton_client.is_model_ready("mha", model_version="1")
+    assert not triton_client.is_model_ready("no-such-model")
+    assert "binary_tensor_data" in triton_client.get_server_metadata()["extensions"]
+
+    meta = triton_client.get_model_metadata("attention")
+    assert meta["name"] == "attention" and meta["versions"] == ["1"]
+    inputs = {t["name"]: t for t in meta["inputs"]}
+    assert list(inputs) == ["q", "k", "v", "mask", "key_lengths"]
+    assert inputs["q"]["datatype"] == "FP32" and inputs["mask"]["datatype"] == "BOOL" and inputs["key_lengths"]["datatype"] == "INT64"
+    assert all(all(n == -1 for n in t["shape"]) for t in meta["inputs"] + meta["outputs"])
+    assert [t["name"] for t in meta["outputs"]] == ["out", "weights"]
+    assert [t["name"] for t in triton_client.get_model_metadata("mha")["inputs"]] == ["x", "wq", "wk", "wv", "wo"]
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_infer_batched_causal_equals_native(triton_client, live_server, rng, binary):
+    q = rng.standard_normal((2, 3, 16, 8), dtype=np.float32)
+    k = rng.standard_normal((2, 3, 16, 8), dtype=np.float32)
+    v = rng.standard_normal((2, 3, 16, 4), dtype=np.float32)
+    outputs = [triton.InferRequestedOutput("out", binary_data=binary), triton.InferRequestedOutput("weights", binary_data=binary)]
+    result = triton_client.infer("attention", triton_inputs({"q": q, "k": k, "v": v}, binary), outputs=outputs,
+                                 parameters={"causal": True}, request_id="batched-causal")
+    want = native(live_server, "/attention", {"q": q, "k": k, "v": v, "causal": True})
+
+    assert result.get_response()["id"] == "batched-causal"
+    for name in ("out", "weights"):
+        got = result.as_numpy(name)
+        assert got.dtype == np.float32 and got.shape == want[name].shape
+        np.testing.assert_array_equal(got, want[name])
+        assert ("binary_data_size" in (result.get_output(name).get("parameters") or {})) == binary
+    assert np.all(np.triu(result.as_numpy("weights"), k=1) == 0)  # causal: nothing above the diagonal
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_infer_bool_mask_equals_native(triton_client, live_server, rng, binary):
+    q = rng.standard_normal((4, 6, 8), dtype=np.float32)
+    k = rng.standard_normal((4, 10, 8), dtype=np.float32)
+    v = rng.standard_normal((4, 10, 3), dtype=np.float32)
+    mask = rng.random((6, 10)) > 0.4
+    mask[2] = False  # a row with no allowed key: zeros, not NaN
+    inputs = triton_inputs({"q": q, "k": k, "v": v, "mask": mask}, binary)
+    result = triton_client.infer("attention", inputs, outputs=[triton.InferRequestedOutput(n, binary_data=binary) for n in ("out", "weights")])
+    want = native(live_server, "/attention", {"q": q, "k": k, "v": v, "mask": mask})
+    for name in ("out", "weights"):
+        np.testing.assert_array_equal(result.as_numpy(name), want[name])
+    assert np.all(result.as_numpy("weights")[:, ~mask] == 0)
+    assert np.all(result.as_numpy("out")[:, 2] == 0)
+
+
+@pytest.mark.live
+def test_infer_default_outputs_are_binary_and_options_apply(triton_client, rng):
+    """No outputs requested: the client asks binary_data_output; parameters carry the options."""
+    q = rng.standard_normal((5, 4))
+    k = rng.standard_normal((7, 4))
+    v = rng.standard_normal((7, 2))
+    lengths = np.array(5, dtype=np.int32)
+    result = triton_client.infer("attention", triton_inputs({"q": q, "k": k, "v": v, "key_lengths": lengths}, binary=True),
+                                 parameters={"causal": "bottom_right", "scale": 0.5, "dtype": "float64"})
+    out, weights = result.as_numpy("out"), result.as_numpy("weights")
+    assert out.dtype == np.float64 and result.get_output("out")["datatype"] == "FP64"
+    assert "binary_data_size" in result.get_output("out")["parameters"]
+    want_out, want_w = core.attention(q, k, v, causal="bottom_right", key_lengths=lengths.astype(np.int64), scale=0.5)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.live
+def test_infer_only_out_skips_the_weights(triton_client, rng):
+    q = rng.standard_normal((3, 4), dtype=np.float32)
+    result = triton_client.infer("attention", triton_inputs({"q": q, "k": q, "v": q}, binary=True),
+                                 outputs=[triton.InferRequestedOutput("out")])
+    assert [o["name"] for o in result.get_response()["outputs"]] == ["out"]
+    assert result.as_numpy("weights") is None
+
+
+@pytest.mark.live
+def test_mha_equals_native(triton_client, live_server, rng):
+    x = rng.standard_normal((2, 12, 16), dtype=np.float32)
+    ws = {n: (rng.standard_normal((16, 16)) / 4).astype(np.float32) for n in ("wq", "wk", "wv", "wo")}
+    result = triton_client.infer("mha", triton_inputs({"x": x, **ws}, binary=True), parameters={"heads": 4})
+    want = native(live_server, "/mha", {"x": x, **ws, "heads": 4})
+    np.testing.assert_array_equal(result.as_numpy("out"), want["out"])
+    np.testing.assert_array_equal(result.as_numpy("weights"), want["weights"])
+    assert result.as_numpy("weights").shape == (2, 4, 12, 12)
+
+
+@pytest.mark.live
+def test_client_sees_refusals_as_exceptions(triton_client, rng):
+    q = rng.standard_normal((3, 4), dtype=np.float32)
+    k = rng.standard_normal((3, 5), dtype=np.float32)
+    with pytest.raises(InferenceServerException) as info:
+        triton_client.infer("attention", triton_inputs({"q": q, "k": k, "v": k}, binary=True))
+    assert info.value.status() == "422"
+    assert info.value.message() == "input k has d=5 but q has d=4."
+
+
+@pytest.mark.live
+def test_infer_sets_server_timing(live_server):
+    body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [2, 2], "data": [1, 0, 0, 1]} for n in ("q", "k", "v")]}
+    resp = requests.post(f"{live_server}/v2/models/attention/infer", data=json.dumps(body), timeout=30)
+    assert resp.status_code == 200
+    phases = [part.split(";")[0] for part in resp.headers["Server-Timing"].split(", ")]
+    assert phases == ["decode", "validate", "compute", "encode", "total"]
+
+
+# --- the envelope and its errors, via the Flask client ---------------------------------------------
+
+SEED = {
+    "inputs": [
+        {"name": "q", "datatype": "FP32", "shape": [3, 2], "data": [[1, 0], [0, 1], [1, 1]]},
+        {"name": "k", "datatype": "FP32", "shape": [3, 2], "data": [1, 0, 0, 1, 1, 1]},
+        {"name": "v", "datatype": "FP32", "shape": [3, 2], "data": [1, 0, 0, 10, 5, 5]},
+    ],
+    "parameters": {"causal": True},
+}
+
+
+def infer(client, body, *, headers=None, model="attention"):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(f"/v2/models/{model}/infer", data=raw, headers=headers or {})
+
+
+def binary_request(tensors: dict[str, np.ndarray], datatypes: dict[str, str], **extra) -> tuple[bytes, dict]:
+    inputs = [{"name": n, "datatype": datatypes[n], "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
+              for n, a in tensors.items()]
+    header = json.dumps({"inputs": inputs, **extra}).encode()
+    return header + b"".join(a.tobytes() for a in tensors.values()), {"Inference-Header-Content-Length": str(len(header))}
+
+
+def framed(header: dict, blob: bytes) -> tuple[bytes, dict]:
+    head = json.dumps(header).encode()
+    return head + blob, {"Inference-Header-Content-Length": str(len(head))}
+
+
+def with_input(name: str, **changes) -> dict:
+    body = json.loads(json.dumps(SEED))
+    for spec in body["inputs"]:
+        if spec["name"] == name:
+            spec.update(changes)
+            if spec["data"] is None:
+                del spec["data"]
+    return body
+
+
+def test_seed_example_without_content_type(client):
+    resp = infer(client, SEED)
+    assert resp.request.content_type is None  # sent with no Content-Type at all, as tritonclient does
+    assert resp.status_code == 200, resp.get_json()
+    doc = resp.get_json()
+    out = {o["name"]: np.array(o["data"], dtype=np.float32).reshape(o["shape"]) for o in doc["outputs"]}
+    q = np.array([[1, 0], [0, 1], [1, 1]], np.float32)
+    want_out, want_w = core.attention(q, q, np.array([[1, 0], [0, 10], [5, 5]], np.float32), causal="top_left")
+    np.testing.assert_array_equal(out["out"], want_out)
+    np.testing.assert_array_equal(out["weights"], want_w)
+    assert doc["model_name"] == "attention" and doc["model_version"] == "1"
+    assert doc["parameters"]["score_elements"] == 9
+
+
+def test_binary_in_and_out_round_trip(client, rng):
+    q = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    mask = rng.random((5, 5)) > 0.3
+    body, headers = binary_request({"q": q, "k": q, "v": q, "mask": mask}, {"q": "FP32", "k": "FP32", "v": "FP32", "mask": "BOOL"},
+                                   parameters={"binary_data_output": True}, outputs=[{"name": "weights", "parameters": {"binary_data": False}}, {"name": "out"}])
+    resp = infer(client, body, headers=headers)
+    assert resp.status_code == 200, resp.data[:300]
+    assert resp.mimetype == "application/octet-stream"
+    size = int(resp.headers["Inference-Header-Content-Length"])
+    head = json.loads(resp.data[:size])
+    assert [o["name"] for o in head["outputs"]] == ["weights", "out"]  # in the requested order
+    weights = np.array(head["outputs"][0]["data"], np.float32).reshape(head["outputs"][0]["shape"])
+    assert head["outputs"][1]["parameters"]["binary_data_size"] == 2 * 5 * 4 * 4
+    out = np.frombuffer(resp.data[size:], dtype="<f4").reshape(head["outputs"][1]["shape"])
+    want_out, want_w = core.attention(q, q, q, mask)
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(weights, want_w)
+
+
+def test_binary_and_json_inputs_mix(client):
+    v = np.array([[1, 0], [0, 10], [5, 5]], np.float32)
+    header = json.loads(json.dumps(SEED))
+    header["inputs"][2] = {"name": "v", "datatype": "FP32", "shape": [3, 2], "parameters": {"binary_data_size": v.nbytes}}
+    head = json.dumps(header).encode()
+    resp = infer(client, head + v.tobytes(), headers={"Inference-Header-Content-Length": str(len(head))})
+    assert resp.status_code == 200
+    assert resp.get_json()["outputs"][0]["data"] == infer(client, SEED).get_json()["outputs"][0]["data"]
+
+
+def test_versioned_paths(client):
+    assert client.post("/v2/models/attention/versions/1/infer", data=json.dumps(SEED)).status_code == 200
+    assert client.get("/v2/models/mha/versions/1").get_json()["name"] == "mha"
+
+
+def test_get_on_infer_is_405_in_the_protocol_shape(client):
+    resp = client.get("/v2/models/attention/infer")
+    assert resp.status_code == 405 and isinstance(resp.get_json()["error"], str)
+
+
+REFUSALS = [
+    # (id, body or (bytes, headers), status, words the message must hold)
+    ("bad-datatype", with_input("q", datatype="FP16"), 422, "input q has datatype 'FP16'; it must be FP32 or FP64"),
+    ("bool-q", with_input("q", datatype="BOOL", data=[True] * 6), 422, "input q has datatype 'BOOL'"),
+    ("mask-not-bool", {**SEED, "inputs": SEED["inputs"] + [{"name": "mask", "datatype": "FP32", "shape": [3, 3], "data": [1] * 9}]}, 422, "input mask has datatype 'FP32'; it must be BOOL"),
+    ("shape-data-mismatch", with_input("k", shape=[3, 3]), 422, "input k has 6 data values but shape [3, 3] needs 9"),
+    ("ragged", with_input("q", data=[[1, 0], [0], [1, 1, 1]]), 422, "input q has data that is not rectangular"),
+    ("ragged-inside", with_input("q", data=[[1, [0]], [0, 1], [1, 1]]), 422, "input q is not rectangular"),
+    ("number-among-rows", with_input("q", data=[[1, 0], 5, [1, 1]]), 422, "input q has data that is not rectangular"),
+    ("nested-against-shape", with_input("q", data=[[1, 0, 0], [1, 1, 1]]), 422, "input q has data nested as [2, 3] but shape [3, 2]"),
+    ("string-data", with_input("q", data=["a"] * 6), 422, "input q must hold numbers"),
+    ("zero-axis", with_input("q", shape=[0, 2], data=[]), 422, "every axis must be at least 1"),
+    ("d-mismatch", with_input("k", shape=[2, 3]), 422, "input k has d=3 but q has d=2"),
+    ("unknown-input", {**SEED, "inputs": SEED["inputs"] + [{"name": "z", "datatype": "FP32", "shape": [1], "data": [1]}]}, 422, "input 'z' is not an input of model attention"),
+    ("missing-input", {**SEED, "inputs": SEED["inputs"][:2]}, 422, "input v is required"),
+    ("duplicate-input", {**SEED, "inputs": SEED["inputs"] + SEED["inputs"][:1]}, 422, "input q is given twice"),
+    ("unknown-parameter", {**SEED, "parameters": {"casual": True}}, 422, "parameter 'casual' is not a parameter of model attention"),
+    ("bad-causal", {**SEED, "parameters": {"causal": "yes"}}, 422, "parameter causal must be one of"),
+    ("bad-scale", {**SEED, "parameters": {"scale": -1}}, 422, "parameter scale"),
+    ("unknown-output", {**SEED, "outputs": [{"name": "attn"}]}, 422, "output 'attn' is not an output"),
+    ("weights-requested-but-off", {**SEED, "parameters": {"return_weights": False}, "outputs": [{"name": "weights"}]}, 422, "return_weights is false"),
+    ("unknown-request-field", {**SEED, "input": []}, 422, "'input' is not a field of an infer request"),
+    ("no-inputs", {"parameters": {}}, 422, "inputs must be a non-empty list"),
+    ("bad-json", b"{not json", 400, "not valid strict JSON"),
+    ("nan", b'{"inputs": [{"name": "q", "datatype": "FP32", "shape": [1], "data": [NaN]}]}', 400, "not valid strict JSON"),
+    ("over-max-t", with_input("q", shape=[65, 2], data=[1.0] * 130), 413, "input q has T=65, over the maximum of 64"),
+    ("binary-size-short", framed(with_input("q", data=None, parameters={"binary_data_size": 20}), bytes(20)),
+     422, "input q has 20 bytes but shape [3, 2] of float32 needs 24"),
+    ("binary-size-past-end", framed(with_input("q", data=None, parameters={"binary_data_size": 24}), bytes(4)),
+     422, "input q declares binary_data_size=24 but only 4 bytes of binary data are left"),
+    ("binary-and-data", framed(with_input("q", parameters={"binary_data_size": 24}), bytes(24)), 422, "input q has both data and binary_data_size"),
+    ("shared-memory", with_input("q", parameters={"shared_memory_region": "r"}), 422, "input q has parameters ['shared_memory_region']"),
+    ("binary-leftover", framed(SEED, bytes(2)), 422, "2 bytes of binary data follow the JSON header"),
+    ("bad-header-length", (json.dumps(SEED).encode(), {"Inference-Header-Content-Length": "lots"}), 400, "Inference-Header-Content-Length is 'lots'"),
+    ("header-length-past-end", (json.dumps(SEED).encode(), {"Inference-Header-Content-Length": "100000"}), 400, "Inference-Header-Content-Length is '100000'"),
+    ("bool-bytes-not-0-1", binary_request({"q": np.zeros((3, 2), np.float32), "k": np.zeros((3, 2), np.float32), "v": np.zeros((3, 2), np.float32),
+                                           "mask": np.full((3, 3), 7, np.uint8)}, {"q": "FP32", "k": "FP32", "v": "FP32", "mask": "BOOL"}), 422, "input mask has bool bytes other than 0 and 1"),
+    ("gzip", (json.dumps(SEED).encode(), {"Content-Encoding": "gzip"}), 415, "Content-Encoding 'gzip' is not accepted"),
+    ("body-too-large", framed(SEED, bytes(200_000)), 413, "larger than the limit of 200000 bytes (ATTN_MAX_BODY_BYTES)"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_refusals_are_protocol_errors(client, body, status, words):
+    if isinstance(body, tuple):
+        resp = infer(client, body[0], headers=body[1])
+    else:
+        resp = infer(client, body)
+    doc = resp.get_json()
+    assert resp.status_code == status, doc
+    assert set(doc) == {"error"} and isinstance(doc["error"], str)
+    assert words in doc["error"]
+    # and the next request is served as if nothing had happened
+    assert infer(client, SEED).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v2/models/nope", "/v2/models/nope/ready", "/v2/models/attention/versions/2", "/v2/models/attention/versions/2/ready"])
+def test_unknown_models_and_versions_are_404(client, path):
+    resp = client.get(path)
+    assert resp.status_code == 404 and isinstance(resp.get_json()["error"], str)
+
+
+def test_unknown_model_infer_is_404(client):
+    resp = infer(client, SEED, model="nope")
+    assert resp.status_code == 404
+    assert resp.get_json() == {"error": "Model 'nope' is not served here; the models are: attention, mha."}
+
+
+def test_not_ready_answers_503(app, client):
+    app.extensions["attention.state"]["ready"] = False
+    assert client.get("/v2/health/ready").status_code == 503
+    assert client.get("/v2/models/attention/ready").status_code == 503
+    assert client.get("/v2/health/live").status_code == 200

@@ -1,0 +1,230 @@
+"""loadtest on the wire: bodies, Server-Timing, the open loop, connection failure, and a
+tiny sweep against the real service (the `live_server` fixture from conftest.py).
+
+Everything here talks to 127.0.0.1 only.
+"""
+
+import csv
+import http.server
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pybase64
+import pytest
+
+from loadtest.cell import Load, run_cell, summarize
+from loadtest.cli import main
+from loadtest.payload import Workload, build_body
+from loadtest.transport import parse_server_timing
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _decode(tensor):
+    if isinstance(tensor, dict):
+        raw = pybase64.b64decode(tensor["b64"])
+        return np.frombuffer(raw, dtype="<f4").reshape(tensor["shape"])
+    return np.asarray(tensor, dtype=np.float32)
+
+
+def test_bodies_carry_the_same_tensors_in_both_encodings():
+    wl = Workload(batch=2, heads=3, d=8, causal=True, weights=False)
+    b64 = orjson.loads(build_body(wl, 16))
+    nested = orjson.loads(build_body(Workload(batch=2, heads=3, d=8, causal=True,
+                                              weights=False, encoding="nested"), 16))
+    assert set(b64) == {"q", "k", "v", "causal", "return_weights"}
+    assert b64["causal"] is True and b64["return_weights"] is False
+    assert b64["q"]["dtype"] == "float32" and b64["q"]["shape"] == [2, 3, 16, 8]
+    for name in ("q", "k", "v"):
+        np.testing.assert_array_equal(_decode(b64[name]), _decode(nested[name]))
+    assert not np.array_equal(_decode(b64["q"]), _decode(b64["k"]))
+    assert build_body(wl, 16) == build_body(wl, 16)  # the same body run to run
+
+
+def test_server_timing_parsing():
+    header = "decode;dur=0.4, validate;dur=0.1, compute;dur=1.25, encode;dur=0.3, total;dur=2.1"
+    assert parse_server_timing(header) == {
+        "decode": 0.4, "validate": 0.1, "compute": 1.25, "encode": 0.3, "total": 2.1}
+    assert parse_server_timing('cache;desc="hit", db;dur=bad, x;desc=a;dur="3"') == {"x": 3.0}
+    assert parse_server_timing(None) == {}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_connection_failure_is_one_line_and_exit_status_1(tmp_path):
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest", "--url", url, "--T", "16", "--concurrency", "1",
+         "--requests", "2", "--out", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"loadtest: cannot connect to {url}: ")
+    assert "refused" in last.lower()
+    assert not (tmp_path / "out").exists()
+
+
+class _SlowHandler(http.server.BaseHTTPRequestHandler):
+    """Answers every POST after a fixed 40 ms."""
+
+    protocol_version = "HTTP/1.1"
+    delay_s = 0.04
+
+    def do_GET(self):
+        self._reply(b'{"status":"ok"}')
+
+    seen_auth: list = []
+
+    def do_POST(self):
+        self.seen_auth.append(self.headers.get("Authorization"))
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(self.delay_s)
+        self._reply(b'{"out":[]}', timing=f"compute;dur={self.delay_s * 1e3:.1f}")
+
+    def _reply(self, body, timing=None):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if timing:
+            self.send_header("Server-Timing", timing)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def slow_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _SlowHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_open_loop_counts_the_queue_a_closed_loop_hides(slow_server):
+    # The server takes 40 ms; arrivals every 20 ms. The closed loop politely waits and
+    # sees 40 ms; the open loop measures from the scheduled time, so the n-th request has
+    # waited about 20*n ms more. This is coordinated omission, and the open loop shows it.
+    body = b'{"q":[]}'
+    closed = summarize(1, 1, len(body), [run_cell(slow_server, body, Load(1, requests=12))])
+    opened = summarize(1, 1, len(body),
+                       [run_cell(slow_server, body, Load(1, requests=12, rate=50.0))])
+    assert closed.ok == opened.ok == 12
+    assert 35 < closed.p50_ms < 120
+    assert opened.p50_ms > closed.p50_ms + 60
+    assert opened.max_ms > 200  # the last one waited about 11 * 20 ms
+    assert closed.phases_ms["compute"] == pytest.approx(40.0)
+
+
+def test_hard_bounds_stop_a_cell(slow_server):
+    run = run_cell(slow_server, b"{}", Load(2, requests=1000, max_seconds=0.3))
+    assert "0.3 s" in run.capped
+    assert run.unsent > 900 and 2 <= len(run.samples) < 30
+    run = run_cell(slow_server, b"{}", Load(1, duration_s=5.0, max_requests=3))
+    assert "3 requests" in run.capped and len(run.samples) == 3
+
+
+def test_without_matplotlib_the_report_says_so(slow_server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    status = main(["--url", slow_server, "--T", "8", "--concurrency", "1", "--requests", "2",
+                   "--out", str(tmp_path)])
+    assert status == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.csv"]
+    report = (tmp_path / "report.md").read_text()
+    assert "no latency.png: matplotlib is not installed" in report and ".png)" not in report
+    assert "(results.csv, report.md)" in capsys.readouterr().err
+
+
+def test_api_key_is_sent_and_never_written(slow_server, tmp_path):
+    _SlowHandler.seen_auth.clear()
+    assert main(["--url", slow_server, "--T", "8", "--concurrency", "1", "--requests", "2",
+                 "--api-key", "s3cret-key", "--out", str(tmp_path)]) == 0
+    assert _SlowHandler.seen_auth == ["Bearer s3cret-key"] * 3  # warm-up + 2 timed
+    for path in tmp_path.iterdir():
+        assert b"s3cret-key" not in path.read_bytes()
+    assert "--api-key '***'" in (tmp_path / "report.md").read_text()
+
+
+def _read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.live
+def test_tiny_sweep_against_the_live_service(live_server, tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest", "--url", live_server, "--T", "16,32",
+         "--concurrency", "1,2", "--requests", "3", "--rounds", "2", "--causal", "--no-weights",
+         "--encoding", "b64", "--slo-ms", "5000", "--fit-min-T", "16", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "[8/8] round 2 T=32 concurrency=2: ok 3/3" in proc.stderr  # progress on stderr
+
+    rows = _read_csv(out / "results.csv")
+    assert sorted((int(r["T"]), int(r["concurrency"])) for r in rows) == [
+        (16, 1), (16, 2), (32, 1), (32, 2)]
+    for r in rows:
+        assert (r["sent"], r["ok"], r["errors"], r["rounds"]) == ("6", "6", "", "2")
+        assert len(r["p50_by_round_ms"].split()) == 2
+        p50, p90, p99, top = (float(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms"))
+        assert 0 < p50 <= p90 <= p99 <= top < 5000
+        assert float(r["throughput_rps"]) > 0
+        assert 0 < float(r["server_compute_ms"]) <= float(r["server_total_ms"]) <= top
+        assert r["causal"] == "True" and r["weights"] == "False" and r["encoding"] == "b64"
+
+    report = (out / "report.md").read_text()
+    for r in rows:  # each measured cell is a row of the table, with its p50
+        p50 = float(r["p50_ms"])
+        shown = f"{p50:.1f}" if p50 >= 1 else f"{p50:.2f}"
+        assert f"| {r['T']} | {r['concurrency']} | 6/6 | 0 | 0 | – | {shown} |" in report
+    assert "exponent of p50 (T ≥ 16)" in report and "| 16,32 |" in report
+    assert "## Largest T meeting the SLO" in report
+    assert "| 1 | 32 | all met |" in report
+    assert "![latency percentiles against T](latency.png)" in report
+
+    png = (out / "latency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.live
+def test_early_stop_skips_larger_T_once_past_the_slo(live_server, tmp_path, capsys):
+    # An SLO of 1 µs: the first cell's p50 is far past 4 x SLO, so T=32 and 64 are never
+    # run, in the first round nor in the second.
+    status = main(["--url", live_server, "--T", "16,32,64", "--concurrency", "1",
+                   "--requests", "3", "--rounds", "2", "--encoding", "nested",
+                   "--slo-ms", "0.001", "--out", str(tmp_path)])
+    assert status == 0
+    rows = _read_csv(tmp_path / "results.csv")
+    assert [(r["T"], r["ok"]) for r in rows] == [("16", "6")]  # nested bodies are served too
+    report = (tmp_path / "report.md").read_text()
+    assert report.count("stopped after T=16 in round 1") == 1 and "skipped T=32,64" in report
+    assert "| 1 | none met |" in report
+    assert "skipped T=32,64" in capsys.readouterr().err
+
+
+@pytest.mark.live
+def test_a_refused_T_stops_that_concurrency(live_server, tmp_path):
+    # T=8192 is past the service's default limit of 4096: refused with 413 at warm-up,
+    # nothing is timed for it, and the larger T is not even built.
+    assert main(["--url", live_server, "--T", "16,8192,16384", "--concurrency", "1",
+                 "--requests", "2", "--no-weights", "--out", str(tmp_path)]) == 0
+    rows = {r["T"]: r for r in _read_csv(tmp_path / "results.csv")}
+    assert sorted(rows, key=int) == ["16", "8192"]
+    assert (rows["16"]["ok"], rows["8192"]["ok"], rows["8192"]["errors"]) == ("2", "0", "413:1")
+    assert rows["8192"]["note"].startswith("refused: 413 too_long")
+    assert "skipped T=16384" in (tmp_path / "report.md").read_text()
