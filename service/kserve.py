@@ -31,6 +31,7 @@ from schemas import AttentionRequest, MhaRequest
 
 from . import attention as core
 from . import codec
+from .admission import admit
 from .api import cost
 from .config import VERSION
 from .errors import ApiError, invalid
@@ -190,6 +191,7 @@ def load(model: Model) -> InferRequest:
         native, requested, binary_default = _translate(model, doc, _Blobs(blobs))
     with phase("validate"):
         job = _load_native(model, native)
+    admit(job)  # 504 if it cannot meet its deadline, 503 if it does not fit; waits for a compute slot
     if requested is None:
         requested = ["out", "weights"] if job.return_weights else ["out"]
     elif "weights" in requested and not job.return_weights:

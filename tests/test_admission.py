@@ -91,6 +91,15 @@ def test_deadline_1ms_for_T2048_is_refused_fast(live_server, rng):
     assert "validate" in r.headers["Server-Timing"] and "compute" not in r.headers["Server-Timing"]
 
 
+def test_the_kserve_infer_route_is_admitted_the_same_way(app, client):
+    app.extensions["attention.cost"] = CostModel(a=0, b=0, c=50)  # every job predicted at 50 ms
+    tensor = {"datatype": "FP32", "shape": [3, 2], "data": [1, 0, 0, 1, 1, 1]}
+    body = {"inputs": [{"name": name, **tensor} for name in ("q", "k", "v")]}
+    r = client.post("/v2/models/attention/infer", json=body, headers={"X-Deadline-Ms": "10"})
+    assert r.status_code == 504 and "predicted" in r.json["error"]  # the protocol's error shape
+    assert client.post("/v2/models/attention/infer", json=body, headers={"X-Deadline-Ms": "5000"}).status_code == 200
+
+
 # --- overload ----------------------------------------------------------------------------------
 
 def test_past_the_request_bound_is_503_with_retry_after(app, client):
