@@ -12,13 +12,14 @@ ridge towards the calibrated coefficients keeps the fit well posed when traffic 
 (then GFLOP and score elements are proportional and cannot be told apart). Coefficients are kept
 non-negative. Each worker process has its own model.
 
-It also measures the fastest this machine parses a request body (a b64 body, in memory): a
-deadline shorter than that is refused before the body is even read.
+It also measures the fastest this machine receives and parses a request body (a b64 body through
+a local socket): a deadline shorter than that is refused before the body is even read.
 """
 from __future__ import annotations
 
 import itertools
 import math
+import socket
 import statistics
 import threading
 import time
@@ -46,11 +47,26 @@ class Work:
 
 
 def work_of(job) -> Work:
-    """The Work of a validated AttentionJob or MhaJob (any job with flops, score_elements and
-    float arrays, the first of them (..., T, d))."""
+    """The Work of a validated AttentionJob or MhaJob: the scores and flops the core computes.
+    Without weights under a causal mask, the core skips the keys past each block's diagonal, so
+    only the allowed share (about half) of the attention's scores and flops is counted. With
+    weights it writes the whole (T, S) buffer, and measured here saved 0-36%: all is counted."""
     arrays = [a for a in (getattr(job, f.name) for f in fields(job)) if isinstance(a, np.ndarray) and a.dtype.kind == "f"]
-    dtype = np.result_type(*arrays).name if arrays else "float32"
-    return Work(int(job.flops), int(job.score_elements), dtype if dtype in DTYPES else "float32", int(arrays[0].shape[-2]) if arrays else 0)
+    dtype = np.result_type(*arrays).name
+    T = arrays[0].shape[-2]  # q (..., T, d) or x (..., n, d)
+    S = job.k.shape[-2] if hasattr(job, "k") else T
+    share = 1.0 if job.return_weights else causal_share(T, S, job.causal)
+    attention_flops = 4 * job.score_elements * (job.x.shape[-1] // job.heads) if hasattr(job, "heads") else job.flops
+    flops = job.flops - (1 - share) * attention_flops
+    return Work(int(flops), int(job.score_elements * share), dtype if dtype in DTYPES else "float32", int(T))
+
+
+def causal_share(T: int, S: int, causal) -> float:
+    """The share of the (T, S) scores a causal mask allows: 1 without one, ~1/2 for T = S."""
+    if not causal:
+        return 1.0
+    offset = S - T if causal == "bottom_right" else 0
+    return float(np.clip(np.arange(T) + offset + 1, 0, S).sum()) / (T * S)
 
 
 class _Fit:
@@ -102,11 +118,11 @@ class CostModel:
     """Predicts compute milliseconds per dtype; thread-safe (gthread workers share one)."""
 
     def __init__(self, a: float = 10.0, b: float = 6.0, c: float = 0.1, *, forget: float = 0.99, ridge: float = 1e-3,
-                 parse_ms_per_mb: float = 1.0):
+                 read_ms_per_mb: float = 0.4):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
         self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in (("float32", 1.0), ("float64", 2.0))}
-        self.parse_ms_per_mb = parse_ms_per_mb  # a lower bound: the fastest a body can be parsed
+        self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
         self.calibrated = False
         self.calibration_s = 0.0
 
@@ -132,10 +148,10 @@ class CostModel:
     def predict_job(self, job) -> float:
         return self.predict_work(work_of(job))
 
-    def parse_floor_ms(self, body_bytes: int) -> float:
-        """The least time parsing and decoding a body of this many bytes can take (a b64 body in
-        memory, the fastest kind): what a deadline must at least allow before compute starts."""
-        return self.parse_ms_per_mb * body_bytes / 1e6
+    def read_floor_ms(self, body_bytes: int) -> float:
+        """The least time receiving and parsing a body of this many bytes takes (a b64 body, the
+        fastest kind, through a local socket): what a deadline must allow before compute starts."""
+        return self.read_ms_per_mb * body_bytes / 1e6
 
     def observe(self, work: Work, ms: float) -> None:
         """Refine the fit with one measured compute time."""
@@ -150,8 +166,7 @@ class CostModel:
         rng = np.random.default_rng(seed)
         start = time.perf_counter()
         body = codec.dumps({"q": codec.encode(rng.standard_normal((8, 256, 256)).astype(np.float32), "b64")})  # 2.8 MB
-        parse = min(_timed(lambda: codec.decode(codec.loads(body)["q"])) for _ in range(3))
-        self.parse_ms_per_mb = parse / (len(body) / 1e6)
+        self.read_ms_per_mb = min(_timed(lambda: _receive_and_parse(body)) for _ in range(3)) / (len(body) / 1e6)
         for dtype, shape, kind in CALIBRATION:
             if time.perf_counter() - start > budget_s:
                 break
@@ -170,7 +185,7 @@ class CostModel:
             "formula": "ms = a*GFLOP + b*M_score_elements + c",
             **{k: fits["float32"][k] for k in "abc"},
             "by_dtype": fits,
-            "parse_ms_per_MB": round(self.parse_ms_per_mb, 4),
+            "read_ms_per_MB": round(self.read_ms_per_mb, 4),
             "calibrated": self.calibrated,
             "calibration_s": round(self.calibration_s, 3),
         }
@@ -202,6 +217,21 @@ def _probe(rng, dtype: str, shape: tuple, kind: str):
     q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
     score_elements = B * H * T * T
     return Work(4 * score_elements * d, score_elements, dtype, T), lambda: core.attention(q, k, v)
+
+
+def _receive_and_parse(body: bytes) -> None:
+    """Send body through a local socket pair, receive it in 1 MiB reads and decode it."""
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        thread = threading.Thread(target=sender.sendall, args=(body,))
+        thread.start()
+        buf = bytearray(len(body))
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            got += receiver.recv_into(view[got:got + 2**20])
+        view.release()
+        thread.join()
+    codec.decode(codec.loads(buf)["q"])
 
 
 def median_ms(run, min_runs: int = 3, min_ms: float = 30.0, max_runs: int = 25) -> float:

@@ -132,6 +132,15 @@ def test_bytes_in_flight_are_bounded_before_the_body_is_read(rng):
     assert gate.bytes == 0
 
 
+def test_a_streamed_answer_holds_its_admission_until_sent(app, client, rng):
+    gate = app.extensions["attention.gate"]
+    q = rng.standard_normal((2, 32, 8))
+    r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)})  # b64 answers are encoded as they stream
+    assert r.is_streamed and gate.admitted == 1 and gate.bytes > 0
+    r.get_data()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
 def test_a_lone_request_is_always_admitted():
     gate = admission.Gate(max_inflight=1, max_queue=0, max_bytes=10)
     ticket = gate.enter(1_000)
@@ -144,12 +153,12 @@ def test_a_lone_request_is_always_admitted():
 
 
 def test_working_bytes_are_reserved_after_validation(rng):
-    app = create_app(replace(SMALL, max_inflight_bytes=60_000))
+    app = create_app(replace(SMALL, max_inflight_bytes=50_000))
     client = app.test_client()
     gate = app.extensions["attention.gate"]
     held = gate.enter(10_000)
     try:
-        q = rng.standard_normal((4, 64, 8))  # a 33 kB body fits; its 16k scores need ~80 kB more
+        q = rng.standard_normal((4, 64, 8))  # a 33 kB body fits; its 16k scores need ~16 kB more
         r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q), "return_weights": False})
         assert r.status_code == 503 and "working bytes" in r.json["error"]["message"]
     finally:

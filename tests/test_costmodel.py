@@ -1,5 +1,5 @@
 """The cost model: its fit recovers known coefficients, stays sane on one-shape traffic, and on this
-machine predicts the numeric core's time within 2x for T in 64..2048."""
+machine predicts the numeric core's time within 2x for T in 64..2048, causal or not."""
 from __future__ import annotations
 
 import time
@@ -9,7 +9,11 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 from service import attention as core
-from service.costmodel import CostModel, Work, median_ms
+from schemas import AttentionRequest
+from service.config import Settings
+from service.costmodel import CostModel, Work, causal_share, median_ms
+
+from .test_api import b64
 
 
 def synthetic(a, b, c):
@@ -47,9 +51,11 @@ def test_limits_show_the_coefficients(client):
     assert set(cost["by_dtype"]) == {"float32", "float64"}
 
 
-def calibrate_and_measure(rng) -> list[tuple[int, float, float]]:
-    """(T, predicted ms, measured ms): calibrate as a worker does (one BLAS thread, the start-up
-    budget), then time the numeric core beside the prediction (B=1, H=8, d=64, float32, weights)."""
+def calibrate_and_measure(rng) -> list[tuple[str, float, float]]:
+    """(case, predicted ms, measured ms): calibrate as a worker does (one BLAS thread, the start-up
+    budget), then time the numeric core beside the prediction for jobs validated as the service
+    validates them (B=1, H=8, d=64, float32; full and causal with weights, causal without)."""
+    schema = AttentionRequest(Settings())
     with threadpool_limits(limits=1, user_api="blas"):
         model = CostModel()
         t0 = time.perf_counter()
@@ -57,11 +63,13 @@ def calibrate_and_measure(rng) -> list[tuple[int, float, float]]:
         assert time.perf_counter() - t0 < 3.0  # bounded start-up
         rows = []
         for T in (64, 128, 256, 512, 1024, 2048):
-            q, k, v = (rng.standard_normal((1, 8, T, 64)).astype(np.float32) for _ in range(3))
-            core.attention(q, k, v)
-            measured = median_ms(lambda: core.attention(q, k, v), min_ms=100)
-            scores = 8 * T * T
-            rows.append((T, model.predict(4 * scores * 64, scores), measured))
+            q, k, v = (b64(rng.standard_normal((1, 8, T, 64))) for _ in range(3))
+            for causal, weights in ((False, True), (True, True), (True, False)):
+                job = schema.load({"q": q, "k": k, "v": v, "causal": causal, "return_weights": weights})
+                run = lambda: core.attention(job.q, job.k, job.v, job.mask, causal=job.causal, return_weights=job.return_weights)
+                run()
+                case = f"T={T:5d} {'causal' if causal else 'full'} {'with' if weights else 'without'} weights"
+                rows.append((case, model.predict_job(job), median_ms(run, min_ms=100)))
     return rows
 
 
@@ -71,7 +79,14 @@ def test_predictions_within_2x_of_measured_compute():
     rng = np.random.default_rng(7)
     for attempt in range(2):
         rows = calibrate_and_measure(rng)
-        print("\n" + "\n".join(f"T={T:5d} predicted {p:8.2f} ms  measured {m:8.2f} ms  ratio {p / m:.2f}" for T, p, m in rows))
+        print("\n" + "\n".join(f"{case:34s} predicted {p:8.2f} ms  measured {m:8.2f} ms  ratio {p / m:.2f}" for case, p, m in rows))
         if all(0.5 <= p / m <= 2.0 for _, p, m in rows):
             return
     pytest.fail(f"predictions off by more than 2x in both attempts: {rows}")
+
+
+def test_causal_share():
+    assert causal_share(4, 4, False) == 1.0
+    assert causal_share(4, 4, "top_left") == pytest.approx(10 / 16)  # 1 + 2 + 3 + 4 of 16
+    assert causal_share(2, 4, "bottom_right") == pytest.approx(7 / 8)  # 3 + 4 of 8
+    assert causal_share(4, 2, "bottom_right") == pytest.approx(3 / 8)  # 0 + 0 + 1 + 2 of 8
