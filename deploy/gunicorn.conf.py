@@ -53,21 +53,24 @@ loglevel = "info"
 control_socket_disable = True
 
 # --- worker model: chosen for admission control (ops) -----------------------------------------
-# Threaded workers, so that requests past a worker's bounds reach the app and are refused with 503
-# at once: a sync worker holds one request and the excess waits unseen in the listen backlog,
-# where nothing can count or shed it. Each worker admits ATTN_MAX_INFLIGHT computing +
-# ATTN_MAX_QUEUE waiting requests; the 16 other threads read and refuse the excess and answer
-# /healthz, /readyz and /metrics meanwhile (a connection waiting for a free thread is unseen too).
-# Measured here (2 workers on 2 cores shared with other work, load average 5-7), a burst of 48
-# concurrent T=1024 requests (B=1, H=8, d=64, b64, weights): `python -m tests.test_overload burst`,
-# with GUNICORN_CMD_ARGS="--worker-class sync --threads 1" for sync (threads > 1 turn sync into gthread):
-#   sync:                 48 x 200, the last after 16-17 s (21 s in an earlier run);
-#                         /healthz stalled 9.6-11.7 s behind them (one probe timed out at 10 s).
-#   gthread, threads 22:  7-8 x 200 + 40-41 x 503 overloaded with Retry-After, every answer within
-#                         3.1-3.2 s (a 503 takes 0.3-1.6 s: uploading 8.4 MB among 48 senders);
-#                         /healthz at most 0.5-0.8 s. With 10 threads, /healthz up to 1.1-1.5 s.
-# Closed-loop throughput is the same within this machine's noise (T=256, 2 clients: 42 req/s sync,
-# 50 gthread). Per-worker memory is bounded by ATTN_MAX_INFLIGHT_BYTES instead of by one request.
+# This replaces the sync worker chosen above for throughput (keeping its 2 workers x 1 BLAS
+# thread): threaded workers, so that requests past a worker's bounds reach the app and are
+# refused with 503 at once. A sync worker holds one request and the excess waits unseen in the
+# listen backlog, where nothing can count or shed it. Each worker admits ATTN_MAX_INFLIGHT
+# computing + ATTN_MAX_QUEUE waiting requests; the 16 other threads read and refuse the excess and
+# answer /healthz, /readyz and /metrics meanwhile (a connection waiting for a thread is unseen too).
+# Measured here, 2 workers on the 2 shared cores, with `python -m tests.test_overload burst` (48
+# concurrent T=1024 requests, B=1 H=8 d=64, b64, weights) and `... rate` (closed loop), sync run
+# with GUNICORN_CMD_ARGS="--worker-class sync --threads 1" (threads > 1 turn sync into gthread):
+#   burst, sync:        48 x 200, the last after 6.9 s; /healthz waited up to 3.6 s behind them
+#                       (16-21 s and 9.6-11.7 s at load average 5-7, before the fast path).
+#   burst, gthread 22:  12 x 200 + 36 x 503 overloaded with Retry-After, every answer within 2.4 s,
+#                       the 503s in 0.22-0.38 s (the upload); /healthz at most 0.26 s. At load
+#                       average 5-7: 0.5-0.8 s, against 1.1-1.5 s with 10 threads.
+#   closed loop, T=1024: 2 clients 7.5 req/s sync, 8.4 gthread; 4 clients 6.8 and 7.9.
+#                T=256:  2 clients 115 and 105; 4 clients 110 and 120 (noise, either way).
+#   ATTN_MAX_INFLIGHT=1 measured the same as the default 2 (T=1024, 2 clients: 8.5 req/s); 2 is
+#   kept so that one worker can use both cores when the connections happen to land on it.
 worker_class = "gthread"
 threads = _settings.max_inflight + _settings.max_queue + 16
 
