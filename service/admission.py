@@ -42,7 +42,7 @@ class Gate:
         self.max_inflight, self.max_queue, self.max_bytes = max_inflight, max_queue, max_bytes
         self._lock = threading.Lock()
         self._slots = threading.Semaphore(max_inflight)
-        self.admitted = 0        # requests past the gate, until their response is built
+        self.admitted = 0        # requests past the gate, until their response has been sent
         self.bytes = 0           # their Content-Length plus estimated working bytes
         self.pending_ms = 0.0    # predicted compute of the admitted jobs that have been validated
 
