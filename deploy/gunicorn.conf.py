@@ -3,6 +3,7 @@
 Where it listens comes from the service's Settings (HOST, PORT): configuration lives in one place.
 The server hooks at the end give every worker its share of the metrics, a warm-up before it is
 ready, and a graceful drain on SIGTERM."""
+import atexit
 import os
 import shutil
 import signal
@@ -19,11 +20,11 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 # prometheus_client chooses multiprocess mode when it is first imported, which happens as soon
 # as the service is (the next import): the directory must be named before that. Unset: a fresh
-# private directory, removed on exit. Set (e.g. /tmp/prometheus under Kubernetes): service.metrics
-# creates it if missing, and on_starting empties it.
-_own_metrics_dir = None
+# private directory, removed when the process that made it (the arbiter) exits. Set (e.g.
+# /tmp/prometheus under Kubernetes): service.metrics creates it if missing, on_starting empties it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    _own_metrics_dir = os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="attention-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_metrics_dir = tempfile.mkdtemp(prefix="attention-metrics-")
+    atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(_own_metrics_dir, ignore_errors=True))
 
 from service.config import Settings  # noqa: E402  (after the BLAS threads and the metrics directory)
 
@@ -119,8 +120,3 @@ def child_exit(server, worker):
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid)
-
-
-def on_exit(server):
-    if _own_metrics_dir:
-        shutil.rmtree(_own_metrics_dir, ignore_errors=True)
