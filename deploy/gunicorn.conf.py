@@ -36,8 +36,6 @@ bind = f"{_settings.host}:{_settings.port}"
 # or 2 x 2) and the best latency at concurrency 1 but once (with weights, 2 x 2 answered alone in
 # 94 ms against 202 ms, then took 910 ms against 284 ms at concurrency 2): with two BLAS threads
 # per worker, a worker spin-waits for a core that the other worker, or anything else, holds.
-# Sync workers: a request is CPU-bound from its first byte to its last, so threads or async
-# workers would only queue inside the process (admission control decides who waits).
 # Not preloaded: nothing measurable to gain (workers start in ~1 s) and each worker imports fresh.
 # Allocator left at glibc's defaults: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ of 1 GiB gave no
 # measurable gain (page faults on a fresh 32 MiB of weights cost ~4 ms of ~150) and kept up to
@@ -53,9 +51,9 @@ loglevel = "info"
 # (read-only root filesystem); the service does not use it.
 control_socket_disable = True
 
-# --- worker model: chosen for admission control (ops) -----------------------------------------
-# This replaces the sync worker chosen above for throughput (keeping its 2 workers x 1 BLAS
-# thread): threaded workers, so that requests past a worker's bounds reach the app and are
+# --- worker class: chosen for admission control -------------------------------------------------
+# Threaded workers (with the 2 workers x 1 BLAS thread above), so that requests past a worker's
+# bounds reach the app and are
 # refused with 503 at once. A sync worker holds one request and the excess waits unseen in the
 # listen backlog, where nothing can count or shed it. Each worker admits ATTN_MAX_INFLIGHT
 # computing + ATTN_MAX_QUEUE waiting requests; the 16 other threads read and refuse the excess and
