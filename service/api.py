@@ -1,9 +1,10 @@
 """Blueprint for the compute endpoints, POST /attention and POST /mha. Thin: load, compute, dump."""
 from __future__ import annotations
 
+import numpy as np
 from flask import Blueprint, current_app
 
-from schemas import AttentionRequest, MhaRequest
+from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
 
 from . import attention as core
 from . import codec
@@ -17,18 +18,24 @@ bp = Blueprint("api", __name__)
 def attention():
     """Scaled dot-product attention over any leading axes."""
     job = load(AttentionRequest)
-    with phase("compute"):
-        out, weights = core.attention(job.q, job.k, job.v, job.mask, causal=job.causal, key_lengths=job.key_lengths, scale=job.scale, return_weights=job.return_weights)
-    return respond(job, out, weights)
+    return respond(job, *compute(job))
 
 
 @bp.post("/mha")
 def mha():
     """Causal multi-head self-attention with projections (the GPT block)."""
     job = load(MhaRequest)
+    return respond(job, *compute(job))
+
+
+def compute(job: AttentionJob | MhaJob) -> tuple[np.ndarray, np.ndarray | None]:
+    """Run a validated job on the numeric core, timed as the compute phase. Both front doors
+    (this blueprint and the Open Inference Protocol's) compute through here."""
     with phase("compute"):
-        out, weights = core.mha(job.x, job.wq, job.wk, job.wv, job.wo, job.heads, causal=job.causal, return_weights=job.return_weights)
-    return respond(job, out, weights)
+        if isinstance(job, MhaJob):
+            return core.mha(job.x, job.wq, job.wk, job.wv, job.wo, job.heads, causal=job.causal, return_weights=job.return_weights)
+        return core.attention(job.q, job.k, job.v, job.mask, causal=job.causal, key_lengths=job.key_lengths,
+                              scale=job.scale, return_weights=job.return_weights)
 
 
 def load(schema_cls):

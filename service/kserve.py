@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import pybase64
@@ -29,10 +28,9 @@ from flask import Blueprint, Response, current_app, request
 
 from schemas import AttentionRequest, MhaRequest
 
-from . import attention as core
 from . import codec
 from .admission import admit
-from .api import cost
+from .api import compute, cost
 from .config import VERSION
 from .errors import ApiError, invalid
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
@@ -64,16 +62,6 @@ class Model:
     optional: frozenset[str]
     options: tuple[str, ...]  # the request parameters, named as the native JSON fields
     outputs: dict[str, tuple[list[int], str]]
-    compute: Callable
-
-
-def _attention(job):
-    return core.attention(job.q, job.k, job.v, job.mask, causal=job.causal, key_lengths=job.key_lengths,
-                          scale=job.scale, return_weights=job.return_weights)
-
-
-def _mha(job):
-    return core.mha(job.x, job.wq, job.wk, job.wv, job.wo, job.heads, causal=job.causal, return_weights=job.return_weights)
 
 
 MODELS = {
@@ -90,7 +78,6 @@ MODELS = {
         optional=frozenset({"mask", "key_lengths"}),
         options=("causal", "scale", "return_weights", "dtype"),
         outputs={"out": ([-1, -1, -1, -1], "(..., T, dv)"), "weights": ([-1, -1, -1, -1], "(..., T, S)")},
-        compute=_attention,
     ),
     "mha": Model(
         name="mha",
@@ -105,7 +92,6 @@ MODELS = {
         optional=frozenset(),
         options=("heads", "causal", "return_weights", "dtype"),
         outputs={"out": ([-1, -1, -1], "(n, d) or (B, n, d)"), "weights": ([-1, -1, -1, -1], "(h, n, n) or (B, h, n, n)")},
-        compute=_mha,
     ),
 }
 
@@ -170,8 +156,7 @@ def infer(name: str, version: str | None = None):
     """Run a model: the native schema, limits and core behind the protocol's envelope."""
     model = _model(name, version)
     req = load(model)
-    with phase("compute"):
-        out, weights = model.compute(req.job)
+    out, weights = compute(req.job)
     return respond(model, req, {"out": out, "weights": weights})
 
 

@@ -46,7 +46,6 @@ def mha(x, wq, wk, wv, wo, heads, causal=True):
     x = np.asarray(x, dtype=np.float64)
     *lead, n, d = x.shape
     hd = d // heads
-    outs, ws = [], []
     q, k, v = x @ wq, x @ wk, x @ wv
     heads_out = np.zeros((*lead, n, d))
     weights = np.zeros((*lead, heads, n, n))

@@ -248,3 +248,19 @@ def test_wire_encoding():
     assert codec.wire_encoding(np.ones((2, 2))) == "nested"
     assert codec.wire_encoding({"shape": [1], "data": [1]}) == "flat"
     assert codec.wire_encoding({"shape": [1], "dtype": "bool", "b64": codec.Payload(b"\x01")}) == "b64"
+
+
+def test_concurrent_loads_share_the_parser_safely():
+    """Threads (gthread workers) decoding at once: one borrows the process's parser, the others
+    get fresh ones, and every document comes back whole and right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rng = np.random.default_rng(5)
+    bodies = [orjson.dumps({"q": rng.standard_normal((4, 50, 8)), "causal": True}, option=orjson.OPT_SERIALIZE_NUMPY) for _ in range(8)]
+    expected = [orjson.loads(b)["q"] for b in bodies]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            results = list(pool.map(codec.loads, bodies))
+            for got, want in zip(results, expected):
+                assert isinstance(got["q"], np.ndarray)
+                np.testing.assert_array_equal(got["q"], want)
