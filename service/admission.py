@@ -128,7 +128,7 @@ def admit(job) -> None:
     if deadline is not None:
         left = deadline - elapsed_ms()
         if predicted > left:
-            raise _deadline(f"the predicted compute time is {predicted:.1f} ms but {max(left, 0):.1f} ms of X-Deadline-Ms={deadline:g} remain")
+            raise _deadline(f"the predicted compute time is {predicted:.3g} ms but {max(left, 0):.3g} ms of X-Deadline-Ms={deadline:g} remain")
     ticket = g.get("admission")
     if ticket is None:
         return
@@ -139,7 +139,7 @@ def admit(job) -> None:
         timeout = MAX_WAIT_S if deadline is None else (deadline - elapsed_ms() - predicted) / 1000
         if not ticket.wait_for_slot(timeout):
             if deadline is not None:
-                raise _deadline(f"waiting for a compute slot left less than the predicted {predicted:.1f} ms of X-Deadline-Ms={deadline:g}")
+                raise _deadline(f"waiting for a compute slot left less than the predicted {predicted:.3g} ms of X-Deadline-Ms={deadline:g}")
             raise ticket.gate._overloaded(f"no compute slot came free within {MAX_WAIT_S:g} s")
 
 
@@ -214,7 +214,7 @@ def install(app: Flask) -> None:
             if g.deadline_ms is not None and nbytes:
                 floor = app.extensions["attention.cost"].read_floor_ms(nbytes)
                 if floor > g.deadline_ms - elapsed_ms():
-                    raise _deadline(f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.1f} ms, more than X-Deadline-Ms={g.deadline_ms:g}")
+                    raise _deadline(f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={g.deadline_ms:g}")
             if nbytes is None or nbytes > settings.max_body_bytes:
                 nbytes = settings.max_body_bytes  # chunked, or about to be refused with 413
             g.admission = app.extensions["attention.gate"].enter(nbytes)
