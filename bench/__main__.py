@@ -47,6 +47,7 @@ OUT = ROOT / "bench" / "out"
 sys.path.insert(0, str(ROOT))
 
 from bench.baseline_service import textbook_attention  # noqa: E402
+from loadtest.transport import parse_server_timing  # noqa: E402
 from service.attention import attention  # noqa: E402
 
 H, D = 8, 64
@@ -134,16 +135,6 @@ class Client:
             raise
         ms = (time.perf_counter() - start) * 1000
         return ms, resp.status, data, dict(resp.getheaders())
-
-
-def server_timing(header: str | None) -> dict[str, float]:
-    """'decode;dur=0.4, compute;dur=1.2' -> {'decode': 0.4, 'compute': 1.2}"""
-    phases = {}
-    for part in (header or "").split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        if dur:
-            phases[name] = float(dur)
-    return phases
 
 
 # --- workloads -------------------------------------------------------------------------------
@@ -239,7 +230,7 @@ class Bench:
                     beside.append((time.perf_counter() - t0) * 1000)
         phases: dict[str, list[float]] = {}
         for _, hdr in results:
-            for name, dur in server_timing(hdr.get("Server-Timing")).items():
+            for name, dur in parse_server_timing(hdr.get("Server-Timing")).items():
                 phases.setdefault(name, []).append(dur)
         self.e2e[key] = {
             "ms": statistics.median(r[0] for r in results),

@@ -14,9 +14,7 @@ import argparse
 import base64
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,10 @@ import numpy as np
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script: the project's packages
+
+from bench.__main__ import Server  # noqa: E402
+from loadtest.transport import parse_server_timing  # noqa: E402
 
 
 def b64_request(session: requests.Session, url: str, q, k, v) -> tuple[np.ndarray, np.ndarray, requests.Response, int]:
@@ -60,29 +62,6 @@ def binary_request(session: requests.Session, url: str, q, k, v) -> tuple[np.nda
     return outputs["out"], outputs["weights"], resp, len(body)
 
 
-def server_phases(resp: requests.Response) -> dict[str, float]:
-    parts = (p.split(";dur=") for p in resp.headers.get("Server-Timing", "").split(", ") if ";dur=" in p)
-    return {name: float(ms) for name, ms in parts}
-
-
-def start_server() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.1)
-    proc.terminate()
-    raise SystemExit("server did not become ready")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running server (default: start one)")
@@ -94,7 +73,13 @@ def main() -> None:
     p.add_argument("-d", type=int, default=64)
     args = p.parse_args()
 
-    proc, url = (None, args.url) if args.url else start_server()
+    started = None
+    if args.url:
+        url = args.url
+    else:
+        started = Server("service", [sys.executable, "-m", "service"])
+        started.wait_ready()
+        url = f"http://127.0.0.1:{started.port}"
     try:
         rng = np.random.default_rng(0)
         q, k, v = (rng.standard_normal((args.B, args.H, args.T, args.d), dtype=np.float32) for _ in range(3))
@@ -111,7 +96,7 @@ def main() -> None:
                 elapsed = (time.perf_counter() - start) * 1000
                 if i >= args.warmup:
                     times[name].append(elapsed)
-                    phases[name].append(server_phases(resp))
+                    phases[name].append(parse_server_timing(resp.headers.get("Server-Timing")))
                 wire[name] = (sent, len(resp.content))
                 results[name] = (out, weights)
         (o1, w1), (o2, w2) = results.values()
@@ -129,9 +114,8 @@ def main() -> None:
         b64_ms, bin_ms = (statistics.median(times[name]) for name in paths)
         print(f"ratio b64 / binary (median end to end): {b64_ms / bin_ms:.2f}x")
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=35)
+        if started is not None:
+            started.stop()
 
 
 if __name__ == "__main__":
