@@ -1,14 +1,14 @@
-"""The attention service: create_app() wires settings, blueprints, error handlers and timing."""
+"""The attention service: create_app() wires settings, blueprints (the native API, the Open
+Inference Protocol, OpenAPI and docs, operations), error handlers, timing, metrics and admission."""
 from __future__ import annotations
 
 from flask import Flask
 
 from schemas import AttentionRequest, MhaRequest
 
-from . import admission, api, errors, http, metrics, ops
+from . import admission, api, errors, http, kserve, metrics, openapi, ops
 from .config import Settings
 from .costmodel import CostModel
-from . import kserve, openapi  # the other front doors: Open Inference Protocol, OpenAPI and docs
 
 
 def create_app(settings: Settings | None = None) -> Flask:

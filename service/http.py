@@ -13,7 +13,6 @@ from flask import Flask, Response, g, request
 from . import codec
 from .errors import ApiError
 
-PHASES = ("decode", "validate", "compute", "encode")
 MAX_JSON_DEPTH = 12  # a rank-6 tensor inside a request object is 8 deep; KServe's envelope adds a few
 
 
