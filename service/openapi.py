@@ -181,6 +181,14 @@ def build(app: Flask) -> dict:
         "Server-Timing": {"required": True, "schema": {"type": "string"}, "description": "W3C Server-Timing: decode, validate, compute, encode, total (ms)"},
         "X-Request-Id": {"required": True, "schema": {"type": "string"}, "description": "echoed if the client sent one"},
     }
+    # X-Deadline-Ms is described in words, not as a parameter: a deadline too short to meet is
+    # answered 504 by design, which a fuzzer sending tiny deadlines would report as a server error.
+    compute_headers = [
+        {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "echoed in the response's X-Request-Id if at most 128 characters (else a fresh one is made)"},
+    ]
+    deadline_note = (" Send X-Deadline-Ms (milliseconds, > 0) to have work that cannot finish in time refused with 504"
+                     " before computing; anything but a positive number there is 422 bad_option.")
     compute = {
         "/attention": ("attention", "AttentionRequest", "Scaled dot-product attention over any leading axes",
                        "out = softmax(q kᵀ · scale, masked) v. Masked weights are exactly 0; a row with no allowed key gives zeros.",
@@ -195,7 +203,8 @@ def build(app: Flask) -> dict:
         spec.path(path=path, operations={"post": {
             "operationId": op_id,
             "summary": summary,
-            "description": description,
+            "description": description + deadline_note,
+            "parameters": compute_headers,
             "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema, "examples": examples}}},
             "responses": {
                 "200": {"description": "the result", "headers": timing_headers, "content": {"application/json": {"schema": "ComputeResponse"}}},
