@@ -78,10 +78,12 @@ def read_json() -> dict:
 
 
 def json_response(body, status: int = 200) -> Response:
-    """The body is written once: b64 tensors are encoded chunk by chunk as they are sent."""
+    """The body is written once: b64 tensors and large nested arrays are encoded chunk by chunk as
+    they are sent."""
     data, length = codec.dump_chunks(body)
     resp = Response(data, status=status, mimetype="application/json")
-    resp.headers["Content-Length"] = str(length)  # streamed too: no chunked transfer encoding
+    if length is not None:  # b64 streams with a known length; a large nested array goes chunked
+        resp.headers["Content-Length"] = str(length)
     return resp
 
 

@@ -50,3 +50,16 @@ def test_errors_and_ops_endpoints_are_json(live_server):
     assert limits["max_t"] >= 2048
     r = requests.get(f"{live_server}/missing", timeout=5)
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_large_nested_response_streams_chunked(live_server, rng):
+    """Weights past one block are written while they are sent (chunked, no Content-Length) and
+    arrive whole and exact."""
+    q, k, v = (rng.standard_normal((1, 8, 200, 16)).astype(np.float32) for _ in range(3))
+    body = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "causal": True}
+    r = requests.post(f"{live_server}/attention", json=body, timeout=30)
+    assert r.status_code == 200
+    assert r.headers.get("Transfer-Encoding") == "chunked" and "Content-Length" not in r.headers
+    out, weights = attention(q, k, v, causal=True)
+    np.testing.assert_array_equal(np.array(r.json()["weights"], dtype=np.float32), weights)
+    np.testing.assert_array_equal(np.array(r.json()["out"], dtype=np.float32), out)
