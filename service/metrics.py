@@ -62,9 +62,9 @@ def t_bucket(T: int) -> str:
 
 
 def when_sent(resp: Response, done: Callable[[], None]) -> None:
-    """Call done() once resp's body has been sent. A b64 response streams (its tensors are encoded
-    as they are sent), so its request ends with the last chunk, or when the server closes it (a
-    client gone); any other body is already built, so done() is called now."""
+    """Call done() once resp's body has been sent. A response with b64 or large nested tensors
+    streams (they are encoded as they are sent), so its request ends with the last chunk, or when
+    the server closes it (a client gone); any other body is already built, so done() is called now."""
     once = threading.Lock()
 
     def finish():
