@@ -135,9 +135,7 @@ def attention(
 
     out = np.empty((B, T, dv), dtype)
     weights = np.empty((B, T, S), dtype) if return_weights else None
-    tn = BLOCK_ELEMENTS // S if offset is None else min(BLOCK_ELEMENTS // S, T // CAUSAL_BLOCKS)
-    tn = min(T, max(MIN_ROWS, tn))  # query rows per block
-    nb = min(B, max(1, BLOCK_ELEMENTS // (tn * S)))  # batch items per block
+    tn, nb = _plan(B, T, S, offset)
     scratch = None if return_weights else np.empty(nb * tn * (min(S, masks.key_end) + dv + 1), dtype)
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
@@ -149,6 +147,21 @@ def attention(
                 _block(qs, kt, vb, out, weights, scratch, masks, bound, b0, b1, t0, t1)
     out = out.reshape(*lead, T, dv)
     return out, (weights.reshape(*lead, T, S) if return_weights else None)
+
+
+def _plan(B: int, T: int, S: int, offset: int | None) -> tuple[int, int]:
+    """(tn, nb): the query rows and batch items of one block."""
+    tn = BLOCK_ELEMENTS // S if offset is None else min(BLOCK_ELEMENTS // S, T // CAUSAL_BLOCKS)
+    tn = min(T, max(MIN_ROWS, tn))  # query rows per block
+    nb = min(B, max(1, BLOCK_ELEMENTS // (tn * S)))  # batch items per block
+    return tn, nb
+
+
+def block_count(B: int, T: int, S: int, causal: bool | str = False) -> int:
+    """How many blocks attention() computes for B batch items (the product of the leading axes):
+    each costs a few numpy calls beyond its arithmetic, which the cost model counts."""
+    tn, nb = _plan(B, T, S, _offset(T, S, causal))
+    return math.ceil(B / nb) * math.ceil(T / tn)
 
 
 def _small_scores(qs: np.ndarray, kt: np.ndarray, offset: int | None) -> np.ndarray:

@@ -1,8 +1,10 @@
 """The cost model behind cost.predicted_ms and deadline admission:
 
-    ms ~ a * GFLOP + b * M_score_elements + c        (one (a, b, c) per compute dtype)
+    ms ~ a * GFLOP + b * M_score_elements + c * blocks        (one (a, b, c) per compute dtype)
 
-a is the matmul rate, b the per-score softmax and mask pass, c the fixed overhead. calibrate()
+a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
+numeric core's blocks (a few numpy calls; a request is at least one block). Counting blocks
+matters for small causal requests without weights, which the core cuts into many thin blocks. calibrate()
 fits them at start-up on a few shapes run through the numeric core (bounded to a second or two);
 observe() refines them from every computed request by a small weighted least squares.
 
@@ -41,9 +43,10 @@ class Work:
     score_elements: int
     dtype: str
     T: int  # query positions (n for /mha)
+    blocks: int = 1  # the numeric core's blocks (core.block_count)
 
     def features(self) -> np.ndarray:
-        return np.array([self.flops / 1e9, self.score_elements / 1e6, 1.0])
+        return np.array([self.flops / 1e9, self.score_elements / 1e6, float(self.blocks)])
 
 
 def work_of(job) -> Work:
@@ -58,7 +61,9 @@ def work_of(job) -> Work:
     share = 1.0 if job.return_weights else causal_share(T, S, job.causal)
     attention_flops = 4 * job.score_elements * (job.x.shape[-1] // job.heads) if hasattr(job, "heads") else job.flops
     flops = job.flops - (1 - share) * attention_flops
-    return Work(int(flops), int(job.score_elements * share), dtype if dtype in DTYPES else "float32", int(T))
+    batch = job.score_elements // (T * S)  # the product of the attention's leading axes (heads included)
+    blocks = core.block_count(batch, T, S, job.causal)
+    return Work(int(flops), int(job.score_elements * share), dtype if dtype in DTYPES else "float32", int(T), blocks)
 
 
 def causal_share(T: int, S: int, causal) -> float:
@@ -138,8 +143,8 @@ class CostModel:
     def c(self) -> float:
         return float(self._fits["float32"].theta[2])
 
-    def predict(self, flops: int, score_elements: int, dtype: str = "float32") -> float:
-        return self.predict_work(Work(flops, score_elements, dtype, 0))
+    def predict(self, flops: int, score_elements: int, dtype: str = "float32", blocks: int = 1) -> float:
+        return self.predict_work(Work(flops, score_elements, dtype, 0, blocks))
 
     def predict_work(self, work: Work) -> float:
         theta = self._fits.get(work.dtype, self._fits["float32"]).theta
@@ -182,7 +187,7 @@ class CostModel:
     def coefficients(self) -> dict:
         fits = {name: dict(zip("abc", (round(float(t), 6) for t in fit.theta)), observations=fit.n) for name, fit in self._fits.items()}
         return {
-            "formula": "ms = a*GFLOP + b*M_score_elements + c",
+            "formula": "ms = a*GFLOP + b*M_score_elements + c*blocks",
             **{k: fits["float32"][k] for k in "abc"},
             "by_dtype": fits,
             "read_ms_per_MB": round(self.read_ms_per_mb, 4),
@@ -195,6 +200,8 @@ class CostModel:
 CALIBRATION = [
     ("float32", (1, 8, 64, 64), "attention"),
     ("float32", (1, 8, 256, 64), "attention"),
+    ("float32", (1, 8, 128, 64), "causal, no weights"),
+    ("float32", (1, 8, 1024, 64), "causal, no weights"),
     ("float32", (1, 8, 512, 16), "attention"),
     ("float32", (1, 8, 512, 128), "attention"),
     ("float32", (256, 512, 8), "mha"),
@@ -211,12 +218,16 @@ def _probe(rng, dtype: str, shape: tuple, kind: str):
         n, d, h = shape
         x, wq, wk, wv, wo = (rng.standard_normal(s).astype(dtype) for s in ((n, d), (d, d), (d, d), (d, d), (d, d)))
         score_elements = h * n * n
-        work = Work(8 * n * d * d + 4 * score_elements * (d // h), score_elements, dtype, n)
+        work = Work(8 * n * d * d + 4 * score_elements * (d // h), score_elements, dtype, n, core.block_count(h, n, n, True))
         return work, lambda: core.mha(x, wq, wk, wv, wo, h)
     B, H, T, d = shape
     q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
+    if kind == "causal, no weights":  # the core skips the keys past each block's diagonal
+        scores = int(B * H * T * T * causal_share(T, T, True))
+        work = Work(4 * scores * d, scores, dtype, T, core.block_count(B * H, T, T, True))
+        return work, lambda: core.attention(q, k, v, causal=True, return_weights=False)
     score_elements = B * H * T * T
-    return Work(4 * score_elements * d, score_elements, dtype, T), lambda: core.attention(q, k, v)
+    return Work(4 * score_elements * d, score_elements, dtype, T, core.block_count(B * H, T, T)), lambda: core.attention(q, k, v)
 
 
 def _receive_and_parse(body: bytes) -> None:

@@ -238,7 +238,7 @@ def _json(description: str, schema: str) -> dict:
 def _limits_schema(settings: Settings) -> dict:
     kinds = {int: "integer", "int": "integer", str: "string", "str": "string"}
     props = {f.name: {"type": kinds.get(f.type, "string")} for f in dataclass_fields(settings) if f.name in settings.limits()}
-    props["cost_model"] = {"type": "object", "description": "ms = a*GFLOP + b*M_score_elements + c"}
+    props["cost_model"] = {"type": "object", "description": "ms = a*GFLOP + b*M_score_elements + c*blocks"}
     props["version"] = {"type": "string"}
     return {"type": "object", "required": sorted(props), "properties": props}
 

@@ -184,3 +184,17 @@ def test_cached_masks_are_read_only():
         causal_mask(4, 4)[0, 1] = True
     with pytest.raises(ValueError):
         core._band(3, 3, 0)[0, 0] = True
+
+
+@pytest.mark.parametrize("B, T, S, causal", [(8, 128, 128, True), (8, 2048, 2048, False), (3, 100, 700, "bottom_right"), (1, 5, 3, False)],
+                         ids=["small causal", "large full", "T < S bottom_right", "tiny"])
+def test_block_count_is_what_attention_computes(monkeypatch, B, T, S, causal):
+    """The cost model counts blocks with block_count(); it must be the number attention() runs."""
+    import service.attention as core
+
+    calls = []
+    real = core._block
+    monkeypatch.setattr(core, "_block", lambda *args: (calls.append(1), real(*args))[1])
+    q, k, v = (np.ones((B, n, 4), np.float32) for n in (T, S, S))
+    core.attention(q, k, v, causal=causal, return_weights=False)
+    assert len(calls) == core.block_count(B, T, S, causal)
