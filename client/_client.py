@@ -275,7 +275,7 @@ class AttentionClient:
     # --- the wire ---
 
     def _compute(self, path: str, body: dict) -> tuple[np.ndarray, np.ndarray | None]:
-        wire = {key: _encode(_wire_array(key, value), self.encoding) if isinstance(value, np.ndarray) else value
+        wire = {key: encode_tensor(_wire_array(key, value), self.encoding) if isinstance(value, np.ndarray) else value
                 for key, value in body.items()}
         wire["response_encoding"] = self.encoding
         doc = self._call("POST", path, _dumps(wire))
@@ -350,7 +350,9 @@ def _wire_array(name: str, a: np.ndarray) -> np.ndarray:
     return a if a.dtype == np.float64 else a.astype(np.float32, copy=False)
 
 
-def _encode(a: np.ndarray, encoding: str):
+def encode_tensor(a: np.ndarray, encoding: str = "b64"):
+    """An array in one of the API's wire encodings (nested, flat or b64), ready for orjson (numpy
+    arrays are left for it to write) or, after .tolist() of any array, for any JSON encoder."""
     a = np.ascontiguousarray(a)
     if encoding == "nested":
         return a

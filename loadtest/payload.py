@@ -7,11 +7,12 @@ client's JSON encoder.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import orjson
-import pybase64
+
+from client import encode_tensor
 
 Encoding = Literal["nested", "b64"]
 
@@ -37,20 +38,6 @@ class Workload:
         )
 
 
-def encode_tensor(arr: np.ndarray, encoding: Encoding) -> Any:
-    """One tensor in the wire form API.md names: a nested list or {shape, dtype, b64}."""
-    arr = np.ascontiguousarray(arr, dtype="<f4")
-    if encoding == "b64":
-        return {
-            "shape": list(arr.shape),
-            "dtype": "float32",
-            "b64": pybase64.b64encode(arr.tobytes()).decode("ascii"),
-        }
-    if encoding == "nested":
-        return arr  # orjson writes numpy arrays as nested lists (OPT_SERIALIZE_NUMPY)
-    raise ValueError(f"unknown encoding {encoding!r}")
-
-
 def build_body(workload: Workload, T: int) -> bytes:
     """The JSON body of POST /attention for self-attention over T positions (S = T).
 
@@ -61,7 +48,7 @@ def build_body(workload: Workload, T: int) -> bytes:
     shape = (workload.batch, workload.heads, T, workload.d)
     q, k, v = (rng.standard_normal(shape, dtype=np.float32) for _ in range(3))
     body = {
-        "q": encode_tensor(q, workload.encoding),
+        "q": encode_tensor(q, workload.encoding),  # the project's client's wire encoding
         "k": encode_tensor(k, workload.encoding),
         "v": encode_tensor(v, workload.encoding),
         "causal": workload.causal,
