@@ -143,9 +143,6 @@ class CostModel:
     def c(self) -> float:
         return float(self._fits["float32"].theta[2])
 
-    def predict(self, flops: int, score_elements: int, dtype: str = "float32", blocks: int = 1) -> float:
-        return self.predict_work(Work(flops, score_elements, dtype, 0, blocks))
-
     def predict_work(self, work: Work) -> float:
         theta = self._fits.get(work.dtype, self._fits["float32"]).theta
         return float(theta @ work.features())
