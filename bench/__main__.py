@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.baseline_service import textbook_attention  # noqa: E402
 from loadtest.transport import parse_server_timing  # noqa: E402
-from service.attention import attention  # noqa: E402
+from service.core import attention  # noqa: E402
 
 H, D = 8, 64
 T_ALL = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -289,7 +289,7 @@ def torch_compute(sizes) -> tuple[dict, str]:
         import torch, torch.nn.functional as F
         torch.set_num_threads(1)
         import importlib.util  # the core alone (numpy only): the service's other imports may be missing here
-        spec = importlib.util.spec_from_file_location("attention_core", {str(ROOT / "service" / "attention.py")!r})
+        spec = importlib.util.spec_from_file_location("attention_core", {str(ROOT / "service" / "core" / "kernels.py")!r})
         core = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(core)
         attention = core.attention  # numpy's OpenBLAS: one thread (OPENBLAS_NUM_THREADS)

@@ -21,7 +21,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # prometheus_client chooses multiprocess mode when it is first imported, which happens as soon
 # as the service is (the next import): the directory must be named before that. Unset: a fresh
 # private directory, removed when the process that made it (the arbiter) exits. Set (e.g.
-# /tmp/prometheus under Kubernetes): service.metrics creates it if missing, on_starting empties it.
+# /tmp/prometheus under Kubernetes): service.web.metrics creates it if missing, on_starting empties it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_metrics_dir = tempfile.mkdtemp(prefix="attention-metrics-")
     atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(_own_metrics_dir, ignore_errors=True))
@@ -87,7 +87,7 @@ def on_starting(server):
 def post_worker_init(worker):
     """In each worker, before it serves: the warm-up in the background (/readyz says 503 until it is
     done, /healthz answers meanwhile), and readiness 503 from SIGTERM on."""
-    from service import ops
+    from service.web import ops
 
     app = worker.wsgi
     ops.start_warm_up(app)

@@ -1,4 +1,7 @@
-"""marshmallow schemas: the request bodies, validated into checked numpy arrays."""
-from .requests import AttentionJob, AttentionRequest, MhaJob, MhaRequest
+"""The domain: request schemas (marshmallow) that validate a decoded body into a job, the jobs
+themselves, and RequestError. Imports service.core, service.wire and service.config only."""
+from .errors import RequestError
+from .jobs import COMPUTE_DTYPES, AttentionJob, MhaJob, Work
+from .requests import AttentionRequest, MhaRequest
 
-__all__ = ["AttentionJob", "AttentionRequest", "MhaJob", "MhaRequest"]
+__all__ = ["COMPUTE_DTYPES", "AttentionJob", "AttentionRequest", "MhaJob", "MhaRequest", "RequestError", "Work"]

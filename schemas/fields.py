@@ -1,6 +1,9 @@
 """Fields that raise the contract's error codes. Each knows its name, so every error names its
 field: a type error is bad_type, a failed validator bad_option, an absent required field
-missing_field. The Tensor field converts once with numpy and checks the whole array."""
+missing_field. Messages call the field by its label, which the schema sets (the name itself, or
+the front door's term for it, say "input q"). The Tensor field decodes once with the wire codec
+and checks the whole array."""
+
 from __future__ import annotations
 
 import math
@@ -8,32 +11,38 @@ import math
 import numpy as np
 from marshmallow import ValidationError, fields, validate
 
-from service import codec
-from service.errors import invalid
+from service import wire
+
+from .errors import RequestError
 
 
 class _Coded:
-    """Mixin: marshmallow's ValidationErrors become ApiErrors with a code and the field's name."""
+    """Mixin: marshmallow's ValidationErrors become RequestErrors with a code and the field's name."""
+
+    label = ""  # set by the schema when it binds the field
+
+    def _error(self, code: str, text: str) -> RequestError:
+        return RequestError(code, text, self.name)
 
     def _validate_missing(self, value):
         try:
             super()._validate_missing(value)
         except ValidationError:
             if value is None:
-                raise invalid("bad_type", f"{self.name} may not be null.", self.name) from None
-            raise invalid("missing_field", f"{self.name} is required.", self.name) from None
+                raise self._error("bad_type", f"{self.label} may not be null.") from None
+            raise self._error("missing_field", f"{self.label} is required.") from None
 
     def _deserialize(self, value, attr, data, **kwargs):
         try:
             return super()._deserialize(value, attr, data, **kwargs)
         except ValidationError as exc:
-            raise invalid("bad_type", f"{self.name}: {_text(exc)} Got {_show(value)}.", self.name) from None
+            raise self._error("bad_type", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
 
     def _validate(self, value):
         try:
             super()._validate(value)
         except ValidationError as exc:
-            raise invalid("bad_option", f"{self.name}: {_text(exc)} Got {_show(value)}.", self.name) from None
+            raise self._error("bad_option", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
 
 
 def _text(exc: ValidationError) -> str:
@@ -41,7 +50,7 @@ def _text(exc: ValidationError) -> str:
     return " ".join(str(m) for m in msgs)
 
 
-def _show(value) -> str:
+def show(value) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -54,12 +63,8 @@ class Bool(_Coded, fields.Boolean):
 
     def _deserialize(self, value, attr, data, **kwargs):
         if not isinstance(value, bool):  # 1 in {True} and 0 in {False}: the sets alone let numbers through
-            raise invalid("bad_type", f"{self.name} must be true or false, not {_show(value)}.", self.name)
+            raise self._error("bad_type", f"{self.label} must be true or false, not {show(value)}.")
         return value
-
-
-class Str(_Coded, fields.String):
-    pass
 
 
 class Choice(_Coded, fields.Raw):
@@ -71,7 +76,7 @@ class Choice(_Coded, fields.Raw):
 
     def _validate(self, value):
         if not any(type(value) is type(c) and value == c for c in self.choices):
-            raise invalid("bad_option", f"{self.name} must be one of {_choices(self.choices)}, not {_show(value)}.", self.name)
+            raise self._error("bad_option", f"{self.label} must be one of {_choices(self.choices)}, not {show(value)}.")
 
 
 def _choices(choices) -> str:
@@ -86,9 +91,9 @@ class PositiveFloat(_Coded, fields.Float):
 
     def _deserialize(self, value, attr, data, **kwargs):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise invalid("bad_type", f"{self.name} must be a number, not {_show(value)}.", self.name)
+            raise self._error("bad_type", f"{self.label} must be a number, not {show(value)}.")
         if not math.isfinite(value):
-            raise invalid("non_finite", f"{self.name} must be finite.", self.name)
+            raise self._error("non_finite", f"{self.label} must be finite.")
         return float(value)
 
 
@@ -98,7 +103,7 @@ class PositiveInt(_Coded, fields.Integer):
 
     def _deserialize(self, value, attr, data, **kwargs):
         if isinstance(value, bool):
-            raise invalid("bad_type", f"{self.name} must be an integer, not {_show(value)}.", self.name)
+            raise self._error("bad_type", f"{self.label} must be an integer, not {show(value)}.")
         return super()._deserialize(value, attr, data, **kwargs)
 
 
@@ -121,22 +126,21 @@ class Tensor(_Coded, fields.Field):
 
     def _deserialize(self, value, attr, data, **kwargs) -> np.ndarray:
         try:
-            arr = codec.decode(value)
-            arr = self._as_kind(arr)
-        except codec.TensorError as exc:
-            raise invalid(exc.code, f"{self.name} {exc}.", self.name) from None
+            arr = self._as_kind(wire.decode(value))
+        except wire.TensorError as exc:
+            raise self._error(exc.code, f"{self.label} {exc}.") from None
         lo, hi = self.ranks
         if not lo <= arr.ndim <= hi:
-            raise invalid("bad_rank", f"{self.name} has rank {arr.ndim} (shape {list(arr.shape)}); it must have rank {lo} to {hi}.", self.name)
+            raise self._error("bad_rank", f"{self.label} has rank {arr.ndim} (shape {list(arr.shape)}); it must have rank {lo} to {hi}.")
         return arr
 
     def _as_kind(self, arr: np.ndarray) -> np.ndarray:
         if self.kind == "mask":
-            return codec.as_mask(arr)
+            return wire.as_mask(arr)
         if arr.dtype.kind == "b":
-            raise codec.TensorError("bad_type", f"must hold {self.KIND_DOC[self.kind]}, not booleans")
+            raise wire.TensorError("bad_type", f"must hold {self.KIND_DOC[self.kind]}, not booleans")
         if self.kind == "int":
             if arr.dtype.kind == "f":
-                raise codec.TensorError("bad_type", "must hold integers")
+                raise wire.TensorError("bad_type", "must hold integers")
             return arr.astype(np.int64, copy=False)
         return arr

@@ -1,69 +1,23 @@
-"""The request bodies of POST /attention and POST /mha. Fields check themselves; the one
-@validates_schema per request checks the rules across fields (d, S, dv agree, the mask
-broadcasts, the limits hold), and @post_load casts to the compute dtype and builds the job."""
+"""The request bodies of POST /attention and POST /mha (and of the KServe door, which builds the
+same dict). Fields check themselves; the one @validates_schema per request checks the rules
+across fields (d, S, dv agree, the mask broadcasts, the limits hold), and @post_load casts to the
+compute dtype and builds the job. Every refusal is a RequestError naming its field by its label."""
+
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 from marshmallow import RAISE, Schema, ValidationError, post_load, validates_schema
 
-from service import codec
+from service import wire
 from service.config import Settings
-from service.errors import ApiError, invalid
 
+from .errors import RequestError
 from .fields import Bool, Choice, PositiveFloat, PositiveInt, Tensor
+from .jobs import COMPUTE_DTYPES, AttentionJob, MhaJob
 
-DTYPES = ("float32", "float64")
 CAUSAL = (False, True, "top_left", "bottom_right")
-
-
-@dataclass(frozen=True)
-class AttentionJob:
-    """A validated /attention request: arrays in the compute dtype, options normalised."""
-
-    q: np.ndarray  # (..., T, d)
-    k: np.ndarray  # (..., S, d)
-    v: np.ndarray  # (..., S, dv)
-    mask: np.ndarray | None  # bool, broadcasts to (..., T, S)
-    causal: bool | str  # False, "top_left" or "bottom_right"
-    key_lengths: np.ndarray | None  # int64, broadcasts to (...)
-    scale: float | None
-    return_weights: bool
-    encoding: str
-
-    @property
-    def score_elements(self) -> int:
-        return math.prod(self.q.shape[:-1]) * self.k.shape[-2]  # B*T*S
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.score_elements * (self.q.shape[-1] + self.v.shape[-1])  # q kᵀ and weights v
-
-
-@dataclass(frozen=True)
-class MhaJob:
-    """A validated /mha request."""
-
-    x: np.ndarray  # (..., n, d)
-    wq: np.ndarray  # (d, d)
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
-    heads: int
-    causal: bool
-    return_weights: bool
-    encoding: str
-
-    @property
-    def score_elements(self) -> int:
-        return math.prod(self.x.shape[:-1]) * self.heads * self.x.shape[-2]  # B*h*n*n
-
-    @property
-    def flops(self) -> int:
-        n_rows, d = math.prod(self.x.shape[:-1]), self.x.shape[-1]
-        return 8 * n_rows * d * d + 4 * self.score_elements * (d // self.heads)  # 4 projections + attention
 
 
 class _Request(Schema):
@@ -73,21 +27,30 @@ class _Request(Schema):
         unknown = RAISE
 
     return_weights = Bool(load_default=True, metadata={"description": "return the attention weights"})
-    dtype = Choice(DTYPES, load_default=None, metadata={"description": "compute and output precision (default float32)"})
-    response_encoding = Choice(codec.ENCODINGS, load_default=None, metadata={"description": "encoding of the response tensors; default: as the input was encoded"})
+    dtype = Choice(COMPUTE_DTYPES, load_default=None, metadata={"description": "compute and output precision (default float32)"})
+    response_encoding = Choice(wire.ENCODINGS, load_default=None, metadata={"description": "encoding of the response tensors; default: as the input was encoded"})
 
-    def __init__(self, settings: Settings | None = None, **kwargs):
+    def __init__(self, settings: Settings | None = None, *, labels: dict[str, str] | None = None, **kwargs):
+        """labels: what messages call a field (default its name); a front door with its own
+        terms passes them, e.g. {"q": "input q", "causal": "parameter causal"}."""
+        self.labels = labels or {}
         super().__init__(**kwargs)
         self.settings = settings or Settings()
 
+    def on_bind_field(self, field_name: str, field_obj) -> None:
+        field_obj.label = self._label(field_name)
+
+    def _label(self, name: str) -> str:
+        return self.labels.get(name, name)
+
     def handle_error(self, error: ValidationError, data, *, many: bool, **kwargs):
-        """Only marshmallow's own checks reach here (our fields raise ApiError): unknown fields."""
+        """Only marshmallow's own checks reach here (our fields raise RequestError): unknown fields."""
         messages = error.messages if isinstance(error.messages, dict) else {"_schema": error.messages}
         name = next(iter(messages))
         if name not in self.fields:
             known = ", ".join(sorted(self.fields))
-            raise invalid("unknown_field", f"{name!r} is not a field of this request; the fields are: {known}.", name)
-        raise invalid("bad_type", f"{name}: {messages[name]}", name)
+            raise RequestError("unknown_field", f"{name!r} is not a field of this request; the fields are: {known}.", name)
+        raise RequestError("bad_type", f"{self._label(name)}: {messages[name]}", name)
 
     def _dtype(self, data) -> np.dtype:
         return np.dtype(data.get("dtype") or self.settings.default_dtype)
@@ -95,28 +58,28 @@ class _Request(Schema):
     def _check_scores(self, score_elements: int, return_weights: bool, what: str) -> None:
         s = self.settings
         if score_elements > s.max_score_elements:
-            raise ApiError(413, "too_large", f"{what} is {score_elements} score elements, over the limit of {s.max_score_elements} (ATTN_MAX_SCORE_ELEMENTS); split the batch or shorten the sequence.")
+            raise RequestError("too_large", f"{what} is {score_elements} score elements, over the limit of {s.max_score_elements} (ATTN_MAX_SCORE_ELEMENTS); split the batch or shorten the sequence.")
         if return_weights and score_elements > s.max_weights_elements:
-            raise ApiError(413, "too_large", f"{what} would return {score_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send \"return_weights\": false.", "return_weights")
+            raise RequestError("too_large", f"{what} would return {score_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send \"return_weights\": false.", "return_weights")
 
     def _check_length(self, field: str, axis: str, n: int, limit: int, env: str) -> None:
         if n > limit:
-            raise ApiError(413, "too_long", f"{field} has {axis}={n}, over the maximum of {limit} ({env}); attention costs O(T*S).", field)
+            raise RequestError("too_long", f"{self._label(field)} has {axis}={n}, over the maximum of {limit} ({env}); attention costs O(T*S).", field)
 
     def _check_width(self, field: str, d: int) -> None:
         if d > self.settings.max_d:
-            raise ApiError(413, "too_large", f"{field} has width {d}, over the maximum of {self.settings.max_d} (ATTN_MAX_D).", field)
+            raise RequestError("too_large", f"{self._label(field)} has width {d}, over the maximum of {self.settings.max_d} (ATTN_MAX_D).", field)
 
     def _cast(self, name: str, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
         with np.errstate(over="ignore"):  # overflow becomes inf, refused just below
             out = arr.astype(dtype, copy=False)
         if not np.isfinite(out).all():
             hint = '; send "dtype": "float64" or smaller values' if dtype == np.float32 else ""
-            raise invalid("non_finite", f"{name} has values that are not finite in {dtype.name}{hint}.", name)
+            raise RequestError("non_finite", f"{self._label(name)} has values that are not finite in {dtype.name}{hint}.", name)
         return out
 
     def _encoding(self, data, original, field: str) -> str:
-        return data.get("response_encoding") or codec.wire_encoding(original.get(field))
+        return data.get("response_encoding") or wire.wire_encoding(original.get(field))
 
 
 class AttentionRequest(_Request):
@@ -130,34 +93,34 @@ class AttentionRequest(_Request):
 
     @validates_schema
     def _shapes(self, data, **kwargs):
-        q, k, v, s = data["q"], data["k"], data["v"], self.settings
+        q, k, v, s, L = data["q"], data["k"], data["v"], self.settings, self._label
         if q.ndim > s.max_rank:
-            raise invalid("bad_rank", f"q has rank {q.ndim}, over the maximum of {s.max_rank} (ATTN_MAX_RANK).", "q")
+            raise RequestError("bad_rank", f"{L('q')} has rank {q.ndim}, over the maximum of {s.max_rank} (ATTN_MAX_RANK).", "q")
         lead, (T, d) = q.shape[:-2], q.shape[-2:]
         if k.shape[:-2] != lead:
-            raise invalid("shape_mismatch", f"k has shape {list(k.shape)}; it needs q's leading axes {list(lead)} then (S, d).", "k")
+            raise RequestError("shape_mismatch", f"{L('k')} has shape {list(k.shape)}; it needs q's leading axes {list(lead)} then (S, d).", "k")
         S = k.shape[-2]
         if k.shape[-1] != d:
-            raise invalid("shape_mismatch", f"k has d={k.shape[-1]} but q has d={d}.", "k")
+            raise RequestError("shape_mismatch", f"{L('k')} has d={k.shape[-1]} but q has d={d}.", "k")
         if v.shape[:-1] != k.shape[:-1]:
-            raise invalid("shape_mismatch", f"v has shape {list(v.shape)}; it needs k's leading axes and S, {list(k.shape[:-1])}, then dv.", "v")
+            raise RequestError("shape_mismatch", f"{L('v')} has shape {list(v.shape)}; it needs k's leading axes and S, {list(k.shape[:-1])}, then dv.", "v")
         self._check_length("q", "T", T, s.max_t, "ATTN_MAX_T")
         self._check_length("k", "S", S, s.max_s, "ATTN_MAX_S")
         self._check_width("q", d)
         self._check_width("v", v.shape[-1])
-        self._check_scores(math.prod(lead) * T * S, data["return_weights"], f"q {list(q.shape)} against k {list(k.shape)}")
+        self._check_scores(math.prod(lead) * T * S, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}")
         mask = data["mask"]
         if mask is not None and not _broadcasts(mask.shape, (*lead, T, S)):
-            raise invalid("mask_not_broadcastable", f"mask has shape {list(mask.shape)}, which does not broadcast to (..., T, S) = {list((*lead, T, S))}.", "mask")
+            raise RequestError("mask_not_broadcastable", f"{L('mask')} has shape {list(mask.shape)}, which does not broadcast to (..., T, S) = {list((*lead, T, S))}.", "mask")
         lengths = data["key_lengths"]
         if lengths is not None:
             if not _broadcasts(lengths.shape, lead):
-                raise invalid("shape_mismatch", f"key_lengths has shape {list(lengths.shape)}, which does not broadcast to the leading axes {list(lead)}.", "key_lengths")
+                raise RequestError("shape_mismatch", f"{L('key_lengths')} has shape {list(lengths.shape)}, which does not broadcast to the leading axes {list(lead)}.", "key_lengths")
             if lengths.min() < 0 or lengths.max() > S:
-                raise invalid("bad_option", f"key_lengths must lie in 0..S = 0..{S}; got {int(lengths.min())}..{int(lengths.max())}.", "key_lengths")
+                raise RequestError("bad_option", f"{L('key_lengths')} must lie in 0..S = 0..{S}; got {int(lengths.min())}..{int(lengths.max())}.", "key_lengths")
         scale = data["scale"]
         if scale is not None and not np.isfinite(self._dtype(data).type(scale)):
-            raise invalid("non_finite", f"scale={scale} is not finite in {self._dtype(data).name}.", "scale")
+            raise RequestError("non_finite", f"{L('scale')}={scale} is not finite in {self._dtype(data).name}.", "scale")
 
     @post_load(pass_original=True)
     def _job(self, data, original, **kwargs) -> AttentionJob:
@@ -187,17 +150,17 @@ class MhaRequest(_Request):
 
     @validates_schema
     def _shapes(self, data, **kwargs):
-        x, s = data["x"], self.settings
+        x, s, L = data["x"], self.settings, self._label
         n, d = x.shape[-2:]
         for name in ("wq", "wk", "wv", "wo"):
             if data[name].shape != (d, d):
-                raise invalid("shape_mismatch", f"{name} has shape {list(data[name].shape)}; it must be (d, d) = {[d, d]} for x of width d={d}.", name)
+                raise RequestError("shape_mismatch", f"{L(name)} has shape {list(data[name].shape)}; it must be (d, d) = {[d, d]} for x of width d={d}.", name)
         heads = data["heads"]
         if d % heads:
-            raise invalid("bad_option", f"heads={heads} does not divide the width d={d}.", "heads")
+            raise RequestError("bad_option", f"{L('heads')}={heads} does not divide the width d={d}.", "heads")
         self._check_length("x", "n", n, s.max_t, "ATTN_MAX_T")
         self._check_width("x", d)
-        self._check_scores(math.prod(x.shape[:-2]) * heads * n * n, data["return_weights"], f"x {list(x.shape)} with {heads} heads")
+        self._check_scores(math.prod(x.shape[:-2]) * heads * n * n, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads")
 
     @post_load(pass_original=True)
     def _job(self, data, original, **kwargs) -> MhaJob:

@@ -7,7 +7,7 @@ CONF = Path(__file__).resolve().parent.parent / "deploy" / "gunicorn.conf.py"
 
 
 def main() -> None:
-    argv = [sys.executable, "-m", "gunicorn", "--config", str(CONF), "service:create_app()"]
+    argv = [sys.executable, "-m", "gunicorn", "--config", str(CONF), "service.web:create_app()"]
     os.execv(sys.executable, argv)
 
 

@@ -16,7 +16,7 @@ import requests
 
 from hypothesis import settings as hypothesis_settings
 
-from service import create_app
+from service.web import create_app
 from service.config import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import requests
 
-from service import admission, create_app
-from service.costmodel import CostModel
-from service.errors import ApiError
+from service.web import admission, create_app
+from service.web.costmodel import CostModel
+from service.web.errors import ApiError
 
 from .conftest import SMALL
 from .test_api import WORKED, b64

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from service.attention import ScoreOverflow, attention, causal_mask, mha
+from service.core import ScoreOverflow, attention, causal_mask, mha
 
 from . import oracle
 

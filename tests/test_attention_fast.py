@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service import attention as core
-from service.attention import ScoreOverflow, attention, causal_mask
+from service.core import ScoreOverflow, attention, causal_mask
+from service.core import kernels as core
 
 from . import oracle
 
@@ -190,8 +190,6 @@ def test_cached_masks_are_read_only():
                          ids=["small causal", "large full", "T < S bottom_right", "tiny"])
 def test_block_count_is_what_attention_computes(monkeypatch, B, T, S, causal):
     """The cost model counts blocks with block_count(); it must be the number attention() runs."""
-    import service.attention as core
-
     calls = []
     real = core._block
     monkeypatch.setattr(core, "_block", lambda *args: (calls.append(1), real(*args))[1])

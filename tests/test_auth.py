@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from service import admission, create_app
+from service.web import admission, create_app
 from service.config import Settings
 
 from .conftest import SMALL

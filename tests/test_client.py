@@ -14,7 +14,7 @@ import requests
 
 from client import AttentionClient, AttentionError
 from client import _split
-from service import attention as core
+from service import core
 
 from tests.conftest import ROOT, free_port, start_server, stop_server
 

@@ -9,8 +9,9 @@ import numpy as np
 import orjson
 import pytest
 
-from service import codec
-from service.codec import TensorError
+from service import wire as codec
+from service.wire import stream
+from service.wire import TensorError
 
 DTYPES = [np.float32, np.float64, np.bool_]
 
@@ -48,7 +49,7 @@ def test_every_encoding_roundtrips_exactly(rng, encoding, dtype, shape, lazy):
 
 
 def test_b64_streams_in_chunks_that_join(monkeypatch, rng):
-    monkeypatch.setattr(codec, "B64_CHUNK", 30)
+    monkeypatch.setattr(stream, "B64_CHUNK", 30)
     arr = rng.standard_normal((7, 11)).astype(np.float32)
     body = {"out": codec.encode(arr, "b64", lazy=True), "weights": codec.encode(arr[:2], "b64", lazy=True), "cost": {"flops": 1}}
     data, length = codec.dump_chunks(body)

@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from service import attention as core
+from service import core
 from schemas import AttentionRequest
 from service.config import Settings
-from service.costmodel import CostModel, Work, causal_share, median_ms
+from schemas import Work
+from service.core import causal_share
+from service.web.costmodel import CostModel, median_ms
 
 from .test_api import b64
 

@@ -79,7 +79,7 @@ def docs() -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def routes() -> set[str]:
-    from service import create_app
+    from service.web import create_app
 
     return {rule.rule for rule in create_app().url_map.iter_rules()}
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import requests
 
-from service.attention import attention
+from service.core import attention
 
 pytestmark = pytest.mark.live
 

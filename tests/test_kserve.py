@@ -10,7 +10,7 @@ import requests
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from service import attention as core
+from service import core
 
 # --- the official client against the live server ------------------------------------------------
 
@@ -263,7 +263,7 @@ REFUSALS = [
     ("mask-not-bool", {**SEED, "inputs": SEED["inputs"] + [{"name": "mask", "datatype": "FP32", "shape": [3, 3], "data": [1] * 9}]}, 422, "input mask has datatype 'FP32'; it must be BOOL"),
     ("shape-data-mismatch", with_input("k", shape=[3, 3]), 422, "input k has 6 data values but shape [3, 3] needs 9"),
     ("ragged", with_input("q", data=[[1, 0], [0], [1, 1, 1]]), 422, "input q has data that is not rectangular"),
-    ("ragged-inside", with_input("q", data=[[1, [0]], [0, 1], [1, 1]]), 422, "input q is not rectangular"),
+    ("ragged-inside", with_input("q", data=[[1, [0]], [0, 1], [1, 1]]), 422, "input q has data that is not rectangular"),
     ("number-among-rows", with_input("q", data=[[1, 0], 5, [1, 1]]), 422, "input q has data that is not rectangular"),
     ("nested-against-shape", with_input("q", data=[[1, 0, 0], [1, 1, 1]]), 422, "input q has data nested as [2, 3] but shape [3, 2]"),
     ("string-data", with_input("q", data=["a"] * 6), 422, "input q must hold numbers"),

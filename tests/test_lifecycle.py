@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import requests
 
-from service import create_app, ops
+from service.web import create_app, ops
 
 from .conftest import SMALL, start_server, stop_server, wait_for_workers, wait_until
 from .test_api import WORKED

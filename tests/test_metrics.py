@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.metrics import t_bucket
+from service.web.metrics import t_bucket
 
 from .conftest import start_server, stop_server, wait_for_workers, wait_until
 from .test_api import WORKED, b64

@@ -7,7 +7,7 @@ import threading
 
 from flask import Blueprint, Flask, current_app
 
-from .config import VERSION
+from service.config import VERSION
 from .http import json_response
 
 bp = Blueprint("ops", __name__)

@@ -19,6 +19,8 @@ from typing import Callable
 
 from flask import Blueprint, Flask, Response, g, request
 
+from schemas import Work
+
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # named but perhaps not made (an emptyDir at /tmp)
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
@@ -85,6 +87,14 @@ def when_sent(resp: Response, done: Callable[[], None]) -> None:
     resp.call_on_close(finish)
 
 
+def observe_compute(work: Work, ms: float, predicted_ms: float) -> None:
+    """One computed job: its compute time by T, and how it compares with the prediction."""
+    endpoint = _endpoint()
+    COMPUTE.labels(endpoint, t_bucket(work.T)).observe(ms / 1000)
+    if predicted_ms > 0:
+        PREDICTION.labels(endpoint).observe(ms / predicted_ms)
+
+
 def _endpoint() -> str:
     return request.url_rule.rule if request.url_rule is not None else "unmatched"
 
@@ -118,11 +128,6 @@ def install(app: Flask) -> None:
             PHASES.labels(endpoint, name).observe(ms / 1000)
         if "error_code" in g:  # an error answer (not, say, /readyz's 503)
             REJECTIONS.labels(endpoint, g.error_code).inc()
-        job, compute_ms = g.get("job"), g.get("phases", {}).get("compute")
-        if resp.status_code == 200 and job is not None and compute_ms is not None:
-            COMPUTE.labels(endpoint, t_bucket(g.job_T)).observe(compute_ms / 1000)
-            if g.get("predicted_ms"):
-                PREDICTION.labels(endpoint).observe(compute_ms / g.predicted_ms)
         return resp
 
     @app.teardown_request

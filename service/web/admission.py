@@ -25,8 +25,9 @@ import time
 
 from flask import Flask, Response, current_app, g, request
 
+from schemas.jobs import AttentionJob, MhaJob
+
 from . import metrics
-from .costmodel import work_of
 from .errors import ApiError
 from .http import phase
 
@@ -64,7 +65,7 @@ class Gate:
     def _overloaded(self, why: str) -> ApiError:
         wait_s = self.pending_ms / 1000 / self.max_inflight
         retry = max(1, math.ceil(wait_s))
-        return ApiError(503, "overloaded", f"The server is at capacity: {why}. Retry after {retry} s.", headers={"Retry-After": str(retry)})
+        return ApiError("overloaded", f"The server is at capacity: {why}. Retry after {retry} s.", headers={"Retry-After": str(retry)})
 
 
 class Ticket:
@@ -118,12 +119,10 @@ class Ticket:
         self.bytes = self.predicted_ms = 0
 
 
-def admit(job) -> None:
+def admit(job: AttentionJob | MhaJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
     not fit in memory beside the others (503), then wait for a compute slot."""
-    work = work_of(job)
-    predicted = current_app.extensions["attention.cost"].predict_work(work)
-    g.job, g.job_T, g.work, g.predicted_ms = job, work.T, work, predicted
+    predicted = current_app.extensions["attention.cost"].predict_work(job.work())
     deadline = g.get("deadline_ms")
     if deadline is not None:
         left = deadline - elapsed_ms()
@@ -132,7 +131,7 @@ def admit(job) -> None:
     ticket = g.get("admission")
     if ticket is None:
         return
-    ticket.reserve(working_bytes(job, work), predicted)
+    ticket.reserve(job.working_bytes(), predicted)
     if ticket.take_slot():
         return
     with phase("queue"):  # only a request that waited has a queue phase
@@ -143,27 +142,12 @@ def admit(job) -> None:
             raise ticket.gate._overloaded(f"no compute slot came free within {MAX_WAIT_S:g} s")
 
 
-def working_bytes(job, work) -> int:
-    """Estimated peak bytes of computing and answering a job, beyond its body. Measured here (B=1,
-    H=8, d=64, float32, bytes over the worker's idle size per score B*T*S): with weights, b64 4.8-5.9
-    (the weights and a mask byte; base64 is encoded as it is sent), nested 30 (decimal text);
-    without weights 0.9 (the core works in blocks of query rows)."""
-    itemsize = 8 if work.dtype == "float64" else 4
-    if not getattr(job, "return_weights", True):
-        per = 1
-    elif getattr(job, "encoding", "b64") == "b64":
-        per = itemsize + 1
-    else:
-        per = itemsize + 1 + 24
-    return job.score_elements * per
-
-
 def elapsed_ms() -> float:
     return (time.perf_counter() - g.t0) * 1000
 
 
 def _deadline(why: str) -> ApiError:
-    return ApiError(504, "deadline", f"Refused before computing: {why}; allow more time or send a smaller request.")
+    return ApiError("deadline", f"Refused before computing: {why}; allow more time or send a smaller request.")
 
 
 def _check_key(keys: tuple[str, ...]) -> None:
@@ -173,7 +157,7 @@ def _check_key(keys: tuple[str, ...]) -> None:
     for key in keys:  # compare with every key: the time taken does not tell which one came close
         ok |= hmac.compare_digest(given_b, key.encode())
     if scheme.lower() != "bearer" or not given_b or not ok:
-        raise ApiError(401, "unauthorized", "This endpoint needs an API key: send the header Authorization: Bearer <key>.",
+        raise ApiError("unauthorized", "This endpoint needs an API key: send the header Authorization: Bearer <key>.",
                        headers={"WWW-Authenticate": 'Bearer realm="attention"' + (', error="invalid_token"' if given_b else "")})
 
 
@@ -186,7 +170,7 @@ def _parse_deadline() -> float | None:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ApiError(422, "bad_option", f"X-Deadline-Ms must be a positive number of milliseconds, not {raw[:40]!r}.", "X-Deadline-Ms")
+        raise ApiError("bad_option", f"X-Deadline-Ms must be a positive number of milliseconds, not {raw[:40]!r}.", "X-Deadline-Ms")
     return value
 
 
@@ -223,10 +207,7 @@ def install(app: Flask) -> None:
             raise
 
     @app.after_request
-    def _learn_and_hand_over(resp: Response):
-        compute_ms = g.get("phases", {}).get("compute")
-        if resp.status_code == 200 and compute_ms is not None and "work" in g:
-            current_app.extensions["attention.cost"].observe(g.work, compute_ms)
+    def _hand_over(resp: Response):
         ticket = g.pop("admission", None)
         if ticket is not None:  # held until the body is sent: b64 responses are encoded as they stream
             metrics.when_sent(resp, ticket.release)

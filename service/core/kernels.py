@@ -42,7 +42,7 @@ class ScoreOverflow(ArithmeticError):
 
 @lru_cache(maxsize=8)
 def _causal_mask(T: int, S: int, align: str) -> np.ndarray:
-    offset = 0 if align == "top_left" else S - T
+    offset = causal_offset(T, S, align)
     mask = np.arange(S)[None, :] <= np.arange(T)[:, None] + offset  # (T, S)
     mask.flags.writeable = False  # shared between requests
     return mask
@@ -58,14 +58,24 @@ def causal_mask(T: int, S: int | None = None, align: str = "top_left") -> np.nda
     return _causal_mask(int(T), int(T if S is None else S), align)
 
 
-def _offset(T: int, S: int, causal: bool | str) -> int | None:
-    """Query t may see key s iff s <= t + offset; None when there is no causal mask."""
+def causal_offset(T: int, S: int, causal: bool | str) -> int | None:
+    """Query t may see key s iff s <= t + offset; None when there is no causal mask.
+
+    causal False | True ("top_left": offset 0) | "bottom_right" (offset S - T)."""
     if not causal:
         return None
     align = "top_left" if causal is True else causal
     if align not in ALIGNMENTS:
         raise ValueError(f"causal must be False, True or one of {ALIGNMENTS}, not {causal!r}")
     return 0 if align == "top_left" else S - T
+
+
+def causal_share(T: int, S: int, causal: bool | str) -> float:
+    """The share of the (T, S) scores a causal mask allows: 1 without one, ~1/2 for T = S."""
+    offset = causal_offset(T, S, causal)
+    if offset is None:
+        return 1.0
+    return float(np.clip(np.arange(T) + offset + 1, 0, S).sum()) / (T * S)
 
 
 @lru_cache(maxsize=64)
@@ -75,29 +85,6 @@ def _band(rows: int, cols: int, shift: int) -> np.ndarray:
     band = np.arange(cols)[None, :] > np.arange(rows)[:, None] + shift  # (rows, cols)
     band.flags.writeable = False
     return band
-
-
-def allowed_keys(
-    T: int, S: int, mask: np.ndarray | None = None, *, causal: bool | str = False, key_lengths: np.ndarray | None = None
-) -> np.ndarray | None:
-    """The one boolean mask that broadcasts to (..., T, S): mask AND causal AND key padding.
-
-    key_lengths broadcasts to the leading axes; key s is allowed iff s < key_lengths[...].
-    None when every key is allowed."""
-    parts = []
-    if mask is not None:
-        parts.append(mask)
-    if causal:
-        parts.append(causal_mask(T, S, "top_left" if causal is True else causal))
-    if key_lengths is not None:
-        lengths = np.asarray(key_lengths)[..., None, None]  # (..., 1, 1)
-        parts.append(np.arange(S) < lengths)  # (..., 1, S)
-    if not parts:
-        return None
-    combined = parts[0]
-    for part in parts[1:]:
-        combined = np.logical_and(combined, part)
-    return combined
 
 
 def attention(
@@ -124,7 +111,7 @@ def attention(
     B = math.prod(lead)
     dtype = np.result_type(q, k, v, np.float16)  # float32 stays float32; integers become float64
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    offset = _offset(T, S, causal)
+    offset = causal_offset(T, S, causal)
 
     qs = np.multiply(q, dtype.type(scale), dtype=dtype).reshape(B, T, d)  # scale folded into q
     kt = np.swapaxes(np.asarray(k, dtype).reshape(B, S, d), -1, -2)  # (B, d, S), a view
@@ -160,7 +147,7 @@ def _plan(B: int, T: int, S: int, offset: int | None) -> tuple[int, int]:
 def block_count(B: int, T: int, S: int, causal: bool | str = False) -> int:
     """How many blocks attention() computes for B batch items (the product of the leading axes):
     each costs a few numpy calls beyond its arithmetic, which the cost model counts."""
-    tn, nb = _plan(B, T, S, _offset(T, S, causal))
+    tn, nb = _plan(B, T, S, causal_offset(T, S, causal))
     return math.ceil(B / nb) * math.ceil(T / tn)
 
 

@@ -10,20 +10,26 @@ from contextlib import contextmanager
 import orjson
 from flask import Flask, Response, g, request
 
-from . import codec
+from service import wire
 from .errors import ApiError
 
 MAX_JSON_DEPTH = 12  # a rank-6 tensor inside a request object is 8 deep; KServe's envelope adds a few
 
 
+class _Timer:
+    ms = 0.0  # this block's milliseconds, once it has ended
+
+
 @contextmanager
 def phase(name: str):
-    """Time a block as one phase of this request (milliseconds, accumulated)."""
-    start = time.perf_counter()
+    """Time a block as one phase of this request (milliseconds, accumulated); yields a timer whose
+    ms is the block's own time once it ends."""
+    timer, start = _Timer(), time.perf_counter()
     try:
-        yield
+        yield timer
     finally:
-        g.phases[name] = g.phases.get(name, 0.0) + (time.perf_counter() - start) * 1000
+        timer.ms = (time.perf_counter() - start) * 1000
+        g.phases[name] = g.phases.get(name, 0.0) + timer.ms
 
 
 def phases_ms() -> dict[str, float]:
@@ -33,10 +39,10 @@ def phases_ms() -> dict[str, float]:
 def check_media_type(require_json: bool = True) -> None:
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
-        raise ApiError(415, "unsupported_media_type", f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed.")
+        raise ApiError("unsupported_media_type", f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed.")
     if require_json and request.mimetype != "application/json":
         got = request.mimetype or "none"
-        raise ApiError(415, "unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
+        raise ApiError("unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
 
 
 def read_body() -> bytes | bytearray:
@@ -60,13 +66,13 @@ def read_body() -> bytes | bytearray:
 def parse_json(body: bytes) -> dict:
     """Strict JSON object, or 400 bad_json."""
     try:
-        doc = codec.loads(body)
+        doc = wire.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(400, "bad_json", f"The body is not valid strict JSON ({exc}); NaN, Infinity and out-of-range numbers are not JSON.") from None
+        raise ApiError("bad_json", f"The body is not valid strict JSON ({exc}); NaN, Infinity and out-of-range numbers are not JSON.") from None
     if not isinstance(doc, dict):
-        raise ApiError(400, "bad_json", f"The body must be a JSON object, not a {type(doc).__name__}.")
-    if codec.depth(doc, MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH:
-        raise ApiError(400, "bad_json", f"The body nests deeper than {MAX_JSON_DEPTH} levels, deeper than any tensor may.")
+        raise ApiError("bad_json", f"The body must be a JSON object, not a {type(doc).__name__}.")
+    if wire.depth(doc, MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH:
+        raise ApiError("bad_json", f"The body nests deeper than {MAX_JSON_DEPTH} levels, deeper than any tensor may.")
     return doc
 
 
@@ -80,7 +86,7 @@ def read_json() -> dict:
 def json_response(body, status: int = 200) -> Response:
     """The body is written once: b64 tensors and large nested arrays are encoded chunk by chunk as
     they are sent."""
-    data, length = codec.dump_chunks(body)
+    data, length = wire.dump_chunks(body)
     resp = Response(data, status=status, mimetype="application/json")
     if length is not None:  # b64 streams with a known length; a large nested array goes chunked
         resp.headers["Content-Length"] = str(length)

@@ -18,8 +18,9 @@ from swagger_ui_bundle import swagger_ui_path
 
 from schemas import AttentionRequest, MhaRequest
 from schemas.fields import Tensor
+from service.wire import WIRE_DTYPES
 
-from .config import VERSION, Settings
+from service.config import VERSION, Settings
 from .errors import ApiError
 from .http import json_response
 
@@ -28,7 +29,7 @@ bp = Blueprint("openapi", __name__)
 DOCS_ASSETS = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "swagger-ui-standalone-preset.js", "favicon-16x16.png", "favicon-32x32.png"})
 
 _SHAPE = {"type": "array", "items": {"type": "integer", "minimum": 1}, "description": "the tensor's shape; every axis at least 1"}
-_ALL_DTYPES = ["float32", "float64", "bool", "int32", "int64"]
+_ALL_DTYPES = list(WIRE_DTYPES)
 MAX_NESTING = 6  # the highest rank any tensor field takes
 # Per Tensor kind: its component's name, what it holds, the element types it accepts (one type per
 # tensor: a mask mixing booleans with numbers is refused), the dtypes it accepts (b64 and flat),
@@ -292,7 +293,7 @@ def docs():
 def docs_asset(filename: str):
     """Swagger UI's files, from the swagger-ui-bundle package."""
     if filename not in DOCS_ASSETS:
-        raise ApiError(404, "not_found", f"There is no documentation asset {filename!r}.")
+        raise ApiError("not_found", f"There is no documentation asset {filename!r}.")
     return send_from_directory(str(swagger_ui_path), filename, max_age=3600)
 
 

@@ -9,30 +9,31 @@ the envelope differs:
                   -> {"shape": [2, 3], "dtype": "float32", "data": [flat]}
   binary input  {"name": "q", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}}
                 plus 24 raw little-endian bytes after the JSON header (Inference-Header-Content-Length)
-                  -> {"shape": [2, 3], "dtype": "float32", "b64": "..."}
+                  -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as the
+                     wire codec's loads() gives a b64 value: the bytes are never re-encoded
 
 Outputs are `out` and `weights`, as JSON `data` (flat, row-major) or, per output
 (`parameters.binary_data`) or request-wide (`parameters.binary_data_output`), as raw bytes after
-the JSON header. Errors are {"error": "message"} (errors.py renders that shape under /v2), with the
-native status; messages say "input q ..." or "parameter causal ..." so the protocol's names appear.
+the JSON header. Errors are {"error": "message"} (error_body, which errors.py uses for this
+blueprint), with the native status; the schemas are built with labels, so their messages say
+"input q ..." or "parameter causal ..." in the protocol's terms.
 """
 from __future__ import annotations
 
-import itertools
-import math
 from dataclasses import dataclass
 
 import numpy as np
-import pybase64
 from flask import Blueprint, Response, current_app, request
 
-from schemas import AttentionRequest, MhaRequest
+from schemas import AttentionRequest, MhaRequest, RequestError
+from schemas.fields import show
+from schemas.jobs import AttentionJob, MhaJob
+from service import wire
+from service.config import VERSION, Settings
 
-from . import codec
 from .admission import admit
-from .api import compute, cost
-from .config import VERSION
-from .errors import ApiError, invalid
+from .api import cost, run
+from .errors import ApiError
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
 
 bp = Blueprint("kserve", __name__, url_prefix="/v2")
@@ -42,7 +43,7 @@ MODEL_VERSION = "1"
 EXTENSIONS = ["binary_tensor_data"]
 
 DATATYPES = {"FP32": "float32", "FP64": "float64", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}
-OUTPUT_DATATYPES = {np.dtype("float32"): "FP32", np.dtype("float64"): "FP64"}
+OUTPUT_DATATYPES = {wire.WIRE_DTYPES[name]: datatype for datatype, name in DATATYPES.items() if datatype in ("FP32", "FP64")}
 FLOAT = ("FP32", "FP64")
 OUTPUTS = ("out", "weights")
 # Scheduling hints Triton's client may send (TRITON_RESERVED_REQUEST_PARAMS); this server has no
@@ -62,6 +63,10 @@ class Model:
     optional: frozenset[str]
     options: tuple[str, ...]  # the request parameters, named as the native JSON fields
     outputs: dict[str, tuple[list[int], str]]
+
+    def labels(self) -> dict[str, str]:
+        """What the schema's messages call each field: the protocol's input or parameter."""
+        return {**{n: f"input {n}" for n in self.inputs}, **{o: f"parameter {o}" for o in self.options}}
 
 
 MODELS = {
@@ -94,6 +99,16 @@ MODELS = {
         outputs={"out": ([-1, -1, -1], "(n, d) or (B, n, d)"), "weights": ([-1, -1, -1, -1], "(h, n, n) or (B, h, n, n)")},
     ),
 }
+
+
+def build_schemas(settings: Settings) -> dict[str, AttentionRequest | MhaRequest]:
+    """Each model's schema, the native one with the protocol's labels."""
+    return {name: model.schema(settings, labels=model.labels()) for name, model in MODELS.items()}
+
+
+def error_body(err: RequestError, status: int) -> dict:
+    """The protocol's error shape: {"error": "message"}."""
+    return {"error": err.message}
 
 
 # --- health and metadata -----------------------------------------------------------------------
@@ -155,19 +170,19 @@ def model_ready(name: str, version: str | None = None):
 def infer(name: str, version: str | None = None):
     """Run a model: the native schema, limits and core behind the protocol's envelope."""
     model = _model(name, version)
-    req = load(model)
-    out, weights = compute(req.job)
-    return respond(model, req, {"out": out, "weights": weights})
+    req = load_infer(model)
+    out, weights = run(req.job)
+    return respond_infer(model, req, {"out": out, "weights": weights})
 
 
 @dataclass(frozen=True)
 class InferRequest:
-    job: object  # AttentionJob or MhaJob
+    job: AttentionJob | MhaJob
     id: str | None
     outputs: list[tuple[str, bool]]  # (name, as binary) in response order
 
 
-def load(model: Model) -> InferRequest:
+def load_infer(model: Model) -> InferRequest:
     """Read the envelope (decode), then validate it with the native schema (validate)."""
     check_media_type(require_json=False)  # the official client sends no Content-Type
     with phase("decode"):
@@ -175,17 +190,17 @@ def load(model: Model) -> InferRequest:
         doc = parse_json(header)
         native, requested, binary_default = _translate(model, doc, _Blobs(blobs))
     with phase("validate"):
-        job = _load_native(model, native)
+        job = current_app.extensions["attention.kserve.schemas"][model.name].load(native)
     admit(job)  # 504 if it cannot meet its deadline, 503 if it does not fit; waits for a compute slot
     if requested is None:
         requested = ["out", "weights"] if job.return_weights else ["out"]
     elif "weights" in requested and not job.return_weights:
-        raise invalid("bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights")
+        raise RequestError("bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights")
     outputs = [(n, binary_default.get(n, binary_default[None])) for n in requested]
     return InferRequest(job=job, id=doc.get("id"), outputs=outputs)
 
 
-def respond(model: Model, req: InferRequest, results: dict[str, np.ndarray | None]) -> Response:
+def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray | None]) -> Response:
     """The infer response: JSON outputs inline, binary outputs after the JSON header."""
     job = req.job
     timing = phases_ms()
@@ -209,7 +224,7 @@ def respond(model: Model, req: InferRequest, results: dict[str, np.ndarray | Non
             else:
                 entry["data"] = arr.reshape(-1)
             head["outputs"].append(entry)
-        head_bytes = codec.dumps(head)
+        head_bytes = wire.dumps(head)
         if not blobs:
             return Response(head_bytes, mimetype="application/json")
         resp = Response(b"".join([head_bytes, *blobs]), mimetype="application/octet-stream")
@@ -225,17 +240,17 @@ class _Blobs:
     def __init__(self, data: memoryview):
         self.data, self.offset = data, 0
 
-    def take(self, name: str, size: int) -> bytes:
+    def take(self, name: str, size: int) -> memoryview:
         if self.offset + size > len(self.data):
             left = len(self.data) - self.offset
-            raise invalid("bad_shape", f"input {name} declares binary_data_size={size} but only {left} bytes of binary data are left after the JSON header.", name)
+            raise RequestError("bad_shape", f"input {name} declares binary_data_size={size} but only {left} bytes of binary data are left after the JSON header.", name)
         chunk = self.data[self.offset:self.offset + size]
         self.offset += size
         return chunk
 
     def check_consumed(self) -> None:
         if self.offset != len(self.data):
-            raise invalid("bad_shape", f"{len(self.data)} bytes of binary data follow the JSON header but the inputs' binary_data_size add up to {self.offset}.")
+            raise RequestError("bad_shape", f"{len(self.data)} bytes of binary data follow the JSON header but the inputs' binary_data_size add up to {self.offset}.")
 
 
 def _split_body(body: bytes) -> tuple[bytes, memoryview]:
@@ -248,7 +263,7 @@ def _split_body(body: bytes) -> tuple[bytes, memoryview]:
     except ValueError:
         size = -1
     if not 0 <= size <= len(body):
-        raise ApiError(400, "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}.")
+        raise ApiError("bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}.")
     return body[:size], memoryview(body)[size:]
 
 
@@ -257,9 +272,9 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
     {output name or None: send as binary})."""
     extra = sorted(set(doc) - REQUEST_KEYS)
     if extra:
-        raise invalid("unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0])
+        raise RequestError("unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0])
     if "id" in doc and not isinstance(doc["id"], str):
-        raise invalid("bad_type", "id must be a string.", "id")
+        raise RequestError("bad_type", "id must be a string.", "id")
     params = _object(doc.get("parameters", {}), "parameters")
     native = _inputs(model, doc.get("inputs"), blobs)
 
@@ -268,7 +283,7 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
             native[key] = value
         elif key not in IGNORED_PARAMETERS and key != "binary_data_output":
             known = ", ".join((*model.options, "binary_data_output"))
-            raise invalid("unknown_field", f"parameter {key!r} is not a parameter of model {model.name}; its parameters are: {known}.", key)
+            raise RequestError("unknown_field", f"parameter {key!r} is not a parameter of model {model.name}; its parameters are: {known}.", key)
     binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output")}
 
     requested = None
@@ -278,13 +293,13 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
             spec = _object(spec, "each of outputs")
             name = spec.get("name")
             if name not in OUTPUTS:
-                raise invalid("unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs")
+                raise RequestError("unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs")
             if name in requested:
-                raise invalid("bad_option", f"output {name} is requested twice.", "outputs")
+                raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
             out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
             unsupported = sorted(set(out_params) - {"binary_data"})
             if unsupported:
-                raise invalid("bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs")
+                raise RequestError("bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs")
             if "binary_data" in out_params:
                 binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
             requested.append(name)
@@ -301,14 +316,14 @@ def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
         name = spec.get("name")
         if name not in model.inputs:
             known = ", ".join(model.inputs)
-            raise invalid("unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", str(name))
+            raise RequestError("unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", str(name))
         if name in native:
-            raise invalid("bad_option", f"input {name} is given twice.", name)
+            raise RequestError("bad_option", f"input {name} is given twice.", name)
         native[name] = _tensor(model, name, spec, blobs)
     blobs.check_consumed()
     missing = [n for n in model.inputs if n not in native and n not in model.optional]
     if missing:
-        raise invalid("missing_field", f"input {missing[0]} is required by model {model.name}.", missing[0])
+        raise RequestError("missing_field", f"input {missing[0]} is required by model {model.name}.", missing[0])
     return native
 
 
@@ -317,67 +332,26 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     accepted = model.inputs[name][0]
     datatype = spec.get("datatype")
     if datatype not in accepted:
-        raise invalid("bad_type", f"input {name} has datatype {_show(datatype)}; it must be {' or '.join(accepted)}.", name)
+        raise RequestError("bad_type", f"input {name} has datatype {show(datatype)}; it must be {' or '.join(accepted)}.", name)
     dtype = DATATYPES[datatype]
     shape = spec.get("shape")  # the codec checks it: a list of positive integers
     params = _object(spec.get("parameters", {}), f"input {name} parameters")
     unsupported = sorted(set(params) - {"binary_data_size"})
     if unsupported:
-        raise invalid("bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name)
+        raise RequestError("bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name)
     if "binary_data_size" in params:
         size = params["binary_data_size"]
         if type(size) is not int or size < 0:
-            raise invalid("bad_type", f"input {name} has binary_data_size {_show(size)}; it must be a byte count.", name)
+            raise RequestError("bad_type", f"input {name} has binary_data_size {show(size)}; it must be a byte count.", name)
         if "data" in spec:
-            raise invalid("bad_encoding", f"input {name} has both data and binary_data_size; send one.", name)
-        raw = blobs.take(name, size)
-        return {"shape": shape, "dtype": dtype, "b64": pybase64.b64encode(raw).decode("ascii")}
+            raise RequestError("bad_encoding", f"input {name} has both data and binary_data_size; send one.", name)
+        return {"shape": shape, "dtype": dtype, "b64": wire.Payload(blobs.take(name, size))}
     if "data" not in spec:
-        raise invalid("missing_field", f"input {name} has neither data nor parameters.binary_data_size.", name)
-    return {"shape": shape, "dtype": dtype, "data": _flatten(name, spec["data"], shape)}
-
-
-def _flatten(name: str, data, shape):
-    """Nested JSON data -> flat row-major list, at C speed over the elements (Python touches only
-    the rows). Nested data must be rectangular and nest as the declared shape; flat data is left
-    for the codec to check (count, types)."""
-    nested = []
-    while isinstance(data, list) and data and isinstance(data[0], list):
-        if not all(type(row) is list for row in data) or len(set(map(len, data))) != 1:
-            raise invalid("ragged", f"input {name} has data that is not rectangular: every row of an axis must have the same length.", name)
-        nested.append(len(data))
-        data = list(itertools.chain.from_iterable(data))
-    if nested:
-        nested.append(len(data) // math.prod(nested))
-        if nested != shape:
-            raise invalid("bad_shape", f"input {name} has data nested as {nested} but shape {shape}; nest it as the shape, or send it flat.", name)
-    return data
-
-
-def _load_native(model: Model, native: dict):
-    """The native schema's load; its errors are renamed into the protocol's terms."""
-    schema = current_app.extensions["attention.schemas"][model.schema]
-    try:
-        return schema.load(native)
-    except ApiError as err:
-        raise _renamed(model, err) from None
-
-
-def _renamed(model: Model, err: ApiError) -> ApiError:
-    """"q has d=3 ..." -> "input q has d=3 ...", "causal must ..." -> "parameter causal must ..."."""
-    field = err.field
-    if field in model.inputs:
-        kind = "input"
-    elif field in model.options:
-        kind = "parameter"
-    else:
-        return err
-    message = err.message
-    if message.startswith((f"{field} ", f"{field}:")):
-        message = f"{kind} {message}"
-    else:
-        message = f"{kind} {field}: {message}"
-    return ApiError(err.status, err.code, message, field, err.headers)
+        raise RequestError("missing_field", f"input {name} has neither data nor parameters.binary_data_size.", name)
+    data = spec["data"]
+    if isinstance(data, list) and data and isinstance(data[0], list):
+        data = wire.NestedData(data)  # nested as the shape: the codec checks that it is
+    return {"shape": shape, "dtype": dtype, "data": data}
 
 
 # --- small helpers ---------------------------------------------------------------------------------
@@ -385,9 +359,9 @@ def _renamed(model: Model, err: ApiError) -> ApiError:
 def _model(name: str, version: str | None) -> Model:
     model = MODELS.get(name)
     if model is None:
-        raise ApiError(404, "not_found", f"Model {name!r} is not served here; the models are: {', '.join(MODELS)}.")
+        raise ApiError("not_found", f"Model {name!r} is not served here; the models are: {', '.join(MODELS)}.")
     if version is not None and version != MODEL_VERSION:
-        raise ApiError(404, "not_found", f"Model {name} has no version {version!r}; its only version is {MODEL_VERSION}.")
+        raise ApiError("not_found", f"Model {name} has no version {version!r}; its only version is {MODEL_VERSION}.")
     return model
 
 
@@ -397,22 +371,17 @@ def _ready() -> bool:
 
 def _object(value, what: str) -> dict:
     if not isinstance(value, dict):
-        raise invalid("bad_type", f"{what} must be a JSON object, not {_show(value)}.")
+        raise RequestError("bad_type", f"{what} must be a JSON object, not {show(value)}.")
     return value
 
 
 def _list(value, what: str) -> list:
     if not isinstance(value, list) or not value:
-        raise invalid("missing_field" if value is None else "bad_type", f"{what} must be a non-empty list.", what)
+        raise RequestError("missing_field" if value is None else "bad_type", f"{what} must be a non-empty list.", what)
     return value
 
 
 def _bool(value, what: str) -> bool:
     if not isinstance(value, bool):
-        raise invalid("bad_type", f"{what} must be true or false, not {_show(value)}.")
+        raise RequestError("bad_type", f"{what} must be true or false, not {show(value)}.")
     return value
-
-
-def _show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -25,54 +25,11 @@ import socket
 import statistics
 import threading
 import time
-from dataclasses import dataclass, fields
 
 import numpy as np
 
-from . import attention as core
-from . import codec
-
-DTYPES = ("float32", "float64")
-
-
-@dataclass(frozen=True)
-class Work:
-    """What the model needs to know of a job."""
-
-    flops: int
-    score_elements: int
-    dtype: str
-    T: int  # query positions (n for /mha)
-    blocks: int = 1  # the numeric core's blocks (core.block_count)
-
-    def features(self) -> np.ndarray:
-        return np.array([self.flops / 1e9, self.score_elements / 1e6, float(self.blocks)])
-
-
-def work_of(job) -> Work:
-    """The Work of a validated AttentionJob or MhaJob: the scores and flops the core computes.
-    Without weights under a causal mask, the core skips the keys past each block's diagonal, so
-    only the allowed share (about half) of the attention's scores and flops is counted. With
-    weights it writes the whole (T, S) buffer, and measured here saved 0-36%: all is counted."""
-    arrays = [a for a in (getattr(job, f.name) for f in fields(job)) if isinstance(a, np.ndarray) and a.dtype.kind == "f"]
-    dtype = np.result_type(*arrays).name
-    T = arrays[0].shape[-2]  # q (..., T, d) or x (..., n, d)
-    S = job.k.shape[-2] if hasattr(job, "k") else T
-    share = 1.0 if job.return_weights else causal_share(T, S, job.causal)
-    attention_flops = 4 * job.score_elements * (job.x.shape[-1] // job.heads) if hasattr(job, "heads") else job.flops
-    flops = job.flops - (1 - share) * attention_flops
-    batch = job.score_elements // (T * S)  # the product of the attention's leading axes (heads included)
-    blocks = core.block_count(batch, T, S, job.causal)
-    return Work(int(flops), int(job.score_elements * share), dtype if dtype in DTYPES else "float32", int(T), blocks)
-
-
-def causal_share(T: int, S: int, causal) -> float:
-    """The share of the (T, S) scores a causal mask allows: 1 without one, ~1/2 for T = S."""
-    if not causal:
-        return 1.0
-    offset = S - T if causal == "bottom_right" else 0
-    return float(np.clip(np.arange(T) + offset + 1, 0, S).sum()) / (T * S)
-
+from schemas import COMPUTE_DTYPES, AttentionJob, MhaJob, Work
+from service import wire
 
 class _Fit:
     """Weighted least squares on (GFLOP, M score elements, 1) -> ms with forgetting, a ridge
@@ -126,7 +83,7 @@ class CostModel:
                  read_ms_per_mb: float = 0.4):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
-        self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in (("float32", 1.0), ("float64", 2.0))}
+        self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0))}
         self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
         self.calibrated = False
         self.calibration_s = 0.0
@@ -147,8 +104,8 @@ class CostModel:
         theta = self._fits.get(work.dtype, self._fits["float32"]).theta
         return float(theta @ work.features())
 
-    def predict_job(self, job) -> float:
-        return self.predict_work(work_of(job))
+    def predict_job(self, job: AttentionJob | MhaJob) -> float:
+        return self.predict_work(job.work())
 
     def read_floor_ms(self, body_bytes: int) -> float:
         """The least time receiving and parsing a body of this many bytes takes (a b64 body, the
@@ -167,14 +124,14 @@ class CostModel:
         and fit to them; stops early when the budget is spent. The fit then anchors the ridge."""
         rng = np.random.default_rng(seed)
         start = time.perf_counter()
-        body = codec.dumps({"q": codec.encode(rng.standard_normal((8, 256, 256)).astype(np.float32), "b64")})  # 2.8 MB
+        body = wire.dumps({"q": wire.encode(rng.standard_normal((8, 256, 256)).astype(np.float32), "b64")})  # 2.8 MB
         self.read_ms_per_mb = min(_timed(lambda: _receive_and_parse(body)) for _ in range(3)) / (len(body) / 1e6)
         for dtype, shape, kind in CALIBRATION:
             if time.perf_counter() - start > budget_s:
                 break
-            work, run = _probe(rng, dtype, shape, kind)
-            run()  # first touch: page faults, lazy initialisation
-            self.observe(work, median_ms(run))
+            job = _probe(rng, dtype, shape, kind)
+            job.compute()  # first touch: page faults, lazy initialisation
+            self.observe(job.work(), median_ms(job.compute))
         with self._lock:
             for fit in self._fits.values():
                 fit.anchor(fit.theta)
@@ -210,21 +167,14 @@ CALIBRATION = [
 ]
 
 
-def _probe(rng, dtype: str, shape: tuple, kind: str):
+def _probe(rng, dtype: str, shape: tuple, kind: str) -> AttentionJob | MhaJob:
     if kind == "mha":
         n, d, h = shape
         x, wq, wk, wv, wo = (rng.standard_normal(s).astype(dtype) for s in ((n, d), (d, d), (d, d), (d, d), (d, d)))
-        score_elements = h * n * n
-        work = Work(8 * n * d * d + 4 * score_elements * (d // h), score_elements, dtype, n, core.block_count(h, n, n, True))
-        return work, lambda: core.mha(x, wq, wk, wv, wo, h)
-    B, H, T, d = shape
+        return MhaJob(x, wq, wk, wv, wo, heads=h, causal=True, return_weights=True, encoding="b64")
     q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
-    if kind == "causal, no weights":  # the core skips the keys past each block's diagonal
-        scores = int(B * H * T * T * causal_share(T, T, True))
-        work = Work(4 * scores * d, scores, dtype, T, core.block_count(B * H, T, T, True))
-        return work, lambda: core.attention(q, k, v, causal=True, return_weights=False)
-    score_elements = B * H * T * T
-    return Work(4 * score_elements * d, score_elements, dtype, T, core.block_count(B * H, T, T)), lambda: core.attention(q, k, v)
+    causal, weights = ("top_left", False) if kind == "causal, no weights" else (False, True)
+    return AttentionJob(q, k, v, None, causal=causal, key_lengths=None, scale=None, return_weights=weights, encoding="b64")
 
 
 def _receive_and_parse(body: bytes) -> None:
@@ -239,7 +189,7 @@ def _receive_and_parse(body: bytes) -> None:
             got += receiver.recv_into(view[got:got + 2**20])
         view.release()
         thread.join()
-    codec.decode(codec.loads(buf)["q"])
+    wire.decode(wire.loads(buf)["q"])
 
 
 def median_ms(run, min_runs: int = 3, min_ms: float = 30.0, max_runs: int = 25) -> float:

@@ -1,0 +1,74 @@
+"""Blueprint for the compute endpoints, POST /attention and POST /mha. Thin: load, compute, dump.
+
+run() and cost() are shared with the KServe door: one computation, two envelopes."""
+
+from __future__ import annotations
+
+import numpy as np
+from flask import Blueprint, Response, current_app
+
+from schemas import AttentionRequest, MhaRequest
+from schemas.jobs import AttentionJob, MhaJob
+from service import wire
+
+from . import metrics
+from .admission import admit
+from .http import json_response, phase, phases_ms, read_json
+
+bp = Blueprint("api", __name__)
+
+Job = AttentionJob | MhaJob
+
+
+@bp.post("/attention")
+def attention():
+    """Scaled dot-product attention over any leading axes."""
+    job = load_job(AttentionRequest)
+    return respond_job(job, *run(job))
+
+
+@bp.post("/mha")
+def mha():
+    """Causal multi-head self-attention with projections (the GPT block)."""
+    job = load_job(MhaRequest)
+    return respond_job(job, *run(job))
+
+
+def load_job(schema_cls: type) -> Job:
+    """Read, decode and validate the body into a job, then admit it: 4xx on anything malformed."""
+    doc = read_json()
+    with phase("validate"):
+        job = current_app.extensions["attention.schemas"][schema_cls].load(doc)
+    admit(job)  # 504 if it cannot meet its deadline, 503 if it does not fit; waits for a compute slot
+    return job
+
+
+def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
+    """Compute an admitted job, timed as the compute phase; the measured time refines the cost
+    model and is counted against its prediction. Both front doors compute through here."""
+    model = current_app.extensions["attention.cost"]
+    work = job.work()
+    predicted_ms = model.predict_work(work)
+    with phase("compute") as timer:
+        result = job.compute()
+    metrics.observe_compute(work, timer.ms, predicted_ms)
+    model.observe(work, timer.ms)
+    return result
+
+
+def cost(job: Job) -> dict:
+    """The cost summary of a response: what the job is, and what the cost model predicts."""
+    predicted = current_app.extensions["attention.cost"].predict_work(job.work())
+    return {"flops": job.flops, "score_elements": job.score_elements, "predicted_ms": round(predicted, 3)}
+
+
+def respond_job(job: Job, out: np.ndarray, weights: np.ndarray | None) -> Response:
+    """The 200 body: tensors in the job's encoding, the cost and the phases so far."""
+    timing = phases_ms()
+    with phase("encode"):
+        body = {"out": wire.encode(out, job.encoding, lazy=True)}
+        if weights is not None:
+            body["weights"] = wire.encode(weights, job.encoding, lazy=True)
+        body["cost"] = cost(job)
+        body["timing_ms"] = timing
+        return json_response(body)

@@ -1,0 +1,121 @@
+"""The one place where errors become HTTP: every refusal, from any layer, is a RequestError
+(code, message, field); STATUS maps its code to a status, and the front door that served the
+request (its blueprint) picks the body's shape. No traceback ever leaves the process: unexpected
+exceptions are logged here and answered with a plain 500."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from flask import Blueprint, Flask, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from schemas import RequestError
+from service import wire
+
+log = logging.getLogger("service")
+
+STATUS = {
+    "bad_json": 400,
+    "unauthorized": 401,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "too_long": 413,
+    "too_large": 413,
+    "body_too_large": 413,
+    "unsupported_media_type": 415,
+    "internal": 500,
+    "overloaded": 503,
+    "deadline": 504,
+}  # every other code: 422, the body is JSON but not a valid request
+
+_HTTP_CODES = {400: "bad_json", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large", 415: "unsupported_media_type"}
+
+Shape = Callable[[RequestError, int], dict]
+
+
+class ApiError(RequestError):
+    """A refusal of the web layer itself, with the headers it needs (Retry-After, Allow, ...).
+    status is only ever given for an HTTP error werkzeug raised that no code names."""
+
+    def __init__(self, code: str, message: str, field: str | None = None, *, headers: dict | None = None, status: int | None = None):
+        super().__init__(code, message, field)
+        self.headers = headers or {}
+        self._status = status
+
+    @property
+    def status(self) -> int:
+        return self._status or status_of(self.code)
+
+
+def status_of(code: str) -> int:
+    return STATUS.get(code, 422)
+
+
+def native_body(err: RequestError, status: int) -> dict:
+    """The native API's shape: {"error": {status, code, message, field}}."""
+    return {"error": {"status": status, "code": err.code, "message": err.message, "field": err.field}}
+
+
+def _from_http(exc: HTTPException) -> ApiError:
+    status = exc.code or 500
+    code = _HTTP_CODES.get(status, "http_error")
+    if status == 413:
+        message = f"The request body is larger than the limit of {request.max_content_length} bytes (ATTN_MAX_BODY_BYTES)."
+    elif status == 405:
+        message = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(exc.valid_methods or []))}."
+    elif status == 404:
+        message = f"There is no endpoint at {request.path}; see /openapi.json for the API."
+    else:
+        message = exc.description or exc.name
+    headers = dict(exc.get_headers()) if status == 405 else {}
+    return ApiError(code, message, headers={k: v for k, v in headers.items() if k == "Allow"}, status=status)
+
+
+class Responder:
+    """Renders a RequestError in the shape of the front door that served the request."""
+
+    def __init__(self, app: Flask, shapes: dict[Blueprint, Shape]):
+        self.app = app
+        self.shapes = {bp.name: shape for bp, shape in shapes.items()}
+        self.prefixes = [(bp.url_prefix, shape) for bp, shape in shapes.items() if bp.url_prefix]
+
+    def shape(self) -> Shape:
+        if request.url_rule is not None:
+            return self.shapes.get(request.blueprint, native_body)
+        # No route matched (404, 405): the door is the blueprint whose prefix the path is under.
+        for prefix, shape in self.prefixes:
+            if request.path == prefix or request.path.startswith(prefix + "/"):
+                return shape
+        return native_body
+
+    def respond(self, err: RequestError, headers: dict | None = None, status: int | None = None) -> Response:
+        status = status or status_of(err.code)
+        g.error_code = err.code  # counted by metrics as a rejection
+        resp = Response(wire.dumps(self.shape()(err, status)), status=status, mimetype="application/json")
+        resp.headers.update(headers or {})
+        return resp
+
+
+def register(app: Flask, shapes: dict[Blueprint, Shape]) -> None:
+    """Install the handlers that turn every failure into its door's error shape; shapes gives the
+    blueprints whose shape is not the native one."""
+    responder = Responder(app, shapes)
+
+    @app.errorhandler(RequestError)
+    def _request_error(err: RequestError):
+        return responder.respond(err)
+
+    @app.errorhandler(ApiError)
+    def _api_error(err: ApiError):
+        return responder.respond(err, err.headers, err.status)
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        return _api_error(_from_http(exc))
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return responder.respond(RequestError("internal", "The server failed on this request; it has been logged."))

@@ -1,0 +1,215 @@
+"""The three tensor encodings <-> numpy:
+
+  nested  [[1, 0], [0, 1]]                                  rectangular, row-major
+  flat    {"shape": [2, 2], "data": [1, 0, 0, 1], "dtype"?}  data row-major
+  b64     {"shape": [2], "dtype": "float32", "b64": "..."}   raw little-endian row-major bytes
+
+Decoding converts once and checks the whole array; it never loops over elements in Python.
+Knows nothing of HTTP or of which field a tensor is: errors are TensorError(code, message).
+"""
+
+from __future__ import annotations
+
+import binascii
+import itertools
+import math
+
+import numpy as np
+import pybase64
+
+from .json import Payload
+from .stream import NESTED_CHUNK_ELEMENTS, B64Text, NestedArray
+
+ENCODINGS = ("nested", "flat", "b64")
+WIRE_DTYPES = {
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "bool": np.dtype("?"),
+    "int32": np.dtype("<i4"),
+    "int64": np.dtype("<i8"),
+}
+MAX_ELEMENTS = 2**40  # any shape past this is refused before anything is allocated
+
+
+class TensorError(ValueError):
+    """A tensor value that cannot be decoded: code is one of the contract's 422 codes."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class NestedData:
+    """The "data" of a flat value given nested as its shape (KServe's JSON inputs may be): the
+    native JSON never holds one, since only a door that declares the shape builds it."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list):
+        self.rows = rows
+
+
+def wire_encoding(value) -> str:
+    """Which of the three encodings a (valid) tensor value uses."""
+    if isinstance(value, dict):
+        return "b64" if "b64" in value else "flat"
+    return "nested"
+
+
+def decode(value) -> np.ndarray:
+    """Any encoding -> ndarray of the dtype the wire implies (bool, int64 or float64 for JSON
+    numbers; the declared dtype for flat and b64)."""
+    if isinstance(value, dict):
+        if "b64" in value:
+            return _decode_b64(value)
+        if "data" in value:
+            return _decode_flat(value)
+        raise TensorError("bad_encoding", "must be a nested array, {shape, data} or {shape, dtype, b64}")
+    return _decode_nested(value)
+
+
+def encode(arr: np.ndarray, encoding: str, *, lazy: bool = False):
+    """ndarray -> a JSON-ready value in the given encoding (arrays are left for orjson to write).
+
+    lazy: a b64 value's text is a B64Text, and a large nested array a NestedArray, encoded by
+    dumps() or, chunk by chunk as they are sent, by dump_chunks(); otherwise a str and an ndarray."""
+    arr = np.ascontiguousarray(arr)
+    if encoding == "nested":
+        return NestedArray(arr) if lazy and arr.size > NESTED_CHUNK_ELEMENTS else arr
+    head = {"shape": list(arr.shape), "dtype": arr.dtype.name}
+    if encoding == "flat":
+        return {**head, "data": arr.reshape(-1)}
+    text = B64Text(arr)
+    return {**head, "b64": text if lazy else text.text()}
+
+
+def _decode_nested(value) -> np.ndarray:
+    if isinstance(value, np.ndarray):  # decoded by loads(), rectangular and numeric
+        return _checked_kind(value)
+    if isinstance(value, (str, dict)) or value is None:
+        raise TensorError("bad_type", "must be an array of numbers")
+    try:
+        arr = np.array(value)
+    except (ValueError, OverflowError):
+        raise TensorError("ragged", "is not rectangular: every row of an axis must have the same length") from None
+    if arr.dtype.kind in "iuf" and arr.ndim > 0 and _holds_bool(value, arr.ndim):
+        raise TensorError("bad_type", "mixes booleans with numbers")
+    return _checked_kind(arr)
+
+
+def _holds_bool(value: list, ndim: int) -> bool:
+    """numpy turns [1.5, true] into floats; find a boolean hidden among numbers (C-speed scan)."""
+    flat = value
+    for _ in range(ndim - 1):
+        flat = itertools.chain.from_iterable(flat)
+    return bool in set(map(type, flat))
+
+
+def _checked_kind(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype.kind not in "biuf":
+        raise TensorError("bad_type", "must hold numbers (or booleans for a mask), not strings, objects or nulls")
+    if arr.size == 0:
+        raise TensorError("bad_shape", f"has shape {list(arr.shape)}; every axis must be at least 1")
+    return arr
+
+
+def _shape(value: dict) -> tuple[int, ...]:
+    shape = value.get("shape")
+    if not isinstance(shape, list) or not all(type(n) is int for n in shape):
+        raise TensorError("bad_shape", "needs \"shape\": a list of integers")
+    if any(n < 1 for n in shape):
+        raise TensorError("bad_shape", f"has shape {shape}; every axis must be at least 1")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise TensorError("bad_shape", f"has shape {shape}, whose element count overflows")
+    return tuple(shape)
+
+
+def _dtype(value: dict, default: str | None) -> np.dtype | None:
+    name = value.get("dtype", default)
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in WIRE_DTYPES:
+        raise TensorError("bad_type", f"has dtype {name!r}; use one of {', '.join(WIRE_DTYPES)}")
+    return WIRE_DTYPES[name]
+
+
+def _no_extra_keys(value: dict, allowed: set[str]) -> None:
+    extra = sorted(set(value) - allowed)
+    if extra:
+        raise TensorError("bad_encoding", f"has unexpected keys {extra}; allowed: {sorted(allowed)}")
+
+
+def _decode_flat(value: dict) -> np.ndarray:
+    _no_extra_keys(value, {"shape", "data", "dtype"})
+    shape = _shape(value)
+    dtype = _dtype(value, None)
+    data = value["data"]
+    if isinstance(data, NestedData):
+        arr = _decode_as_shape(data.rows, shape)
+    else:
+        arr = _decode_flat_data(data, shape)
+    if dtype is not None:
+        if dtype.kind != "b" and arr.dtype.kind == "b":
+            raise TensorError("bad_type", f"declares dtype {dtype.name} but holds booleans")
+        if dtype.kind in "iu" and arr.dtype.kind == "f":
+            raise TensorError("bad_type", f"declares dtype {dtype.name} but holds fractional numbers")
+        arr = as_mask(arr) if dtype.kind == "b" else arr.astype(dtype)
+    return arr.reshape(shape)
+
+
+def _decode_flat_data(data, shape: tuple[int, ...]) -> np.ndarray:
+    if not isinstance(data, (list, np.ndarray)):
+        raise TensorError("bad_type", "needs \"data\": a flat list of numbers")
+    if len(data) != math.prod(shape):
+        raise TensorError("bad_shape", f"has {len(data)} data values but shape {list(shape)} needs {math.prod(shape)}")
+    arr = _decode_nested(data)
+    if arr.ndim != 1:
+        raise TensorError("bad_shape", "needs \"data\" flat (one level of list), row-major")
+    return arr
+
+
+def _decode_as_shape(rows: list, shape: tuple[int, ...]) -> np.ndarray:
+    """Data nested as the declared shape (the KServe JSON form) -> the array, flattened."""
+    try:
+        arr = _decode_nested(rows)
+    except TensorError as exc:
+        if exc.code == "ragged":
+            raise TensorError("ragged", "has data that is not rectangular: every row of an axis must have the same length") from None
+        raise
+    if arr.shape != shape:
+        raise TensorError("bad_shape", f"has data nested as {list(arr.shape)} but shape {list(shape)}; nest it as the shape, or send it flat")
+    return arr.reshape(-1)
+
+
+def _decode_b64(value: dict) -> np.ndarray:
+    _no_extra_keys(value, {"shape", "dtype", "b64"})
+    shape = _shape(value)
+    if value.get("dtype") is None:  # absent or null: the bytes cannot be read without it
+        raise TensorError("bad_type", "needs \"dtype\" with \"b64\": float32, float64 or bool")
+    dtype = _dtype(value, None)
+    text = value["b64"]
+    if isinstance(text, Payload):  # decoded by loads() straight from the body
+        raw = text.raw
+    elif not isinstance(text, str):
+        raise TensorError("bad_encoding", "needs \"b64\": a base64 string")
+    else:
+        try:
+            raw = pybase64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise TensorError("bad_encoding", "has \"b64\" that is not valid base64") from None
+    need = math.prod(shape) * dtype.itemsize
+    if len(raw) != need:
+        raise TensorError("bad_shape", f"has {len(raw)} bytes but shape {list(shape)} of {dtype.name} needs {need}")
+    arr = np.frombuffer(raw, dtype=dtype).reshape(shape)
+    if dtype.kind == "b" and arr.view(np.uint8).max() > 1:
+        raise TensorError("bad_type", "has bool bytes other than 0 and 1")
+    return arr
+
+
+def as_mask(arr: np.ndarray) -> np.ndarray:
+    """A decoded mask -> bool: booleans, or numbers that are all 0 or 1."""
+    if arr.dtype.kind == "b":
+        return arr
+    if not ((arr == 0) | (arr == 1)).all():
+        raise TensorError("bad_type", "must hold booleans or 0/1 numbers")
+    return arr.astype(bool)
