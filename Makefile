@@ -19,8 +19,14 @@ $(VENV)/.dev-stamp: requirements.txt requirements-dev.txt
 run: $(VENV)/.run-stamp
 	$(PY) -m service
 
-test: $(VENV)/.dev-stamp
+test: lint
 	$(PY) -m pytest
+
+# Lint and format check (ruff), and the layer contracts (import-linter): configured in pyproject.toml.
+lint: $(VENV)/.dev-stamp
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # Side by side with the textbook service, in one run (~10 min): bench/out/results.md. Not part of
 # `make test`. OPENBLAS_CORETYPE/L2_SIZE, if the machine sets them, are unset for this command only
@@ -33,4 +39,4 @@ loadtest: $(VENV)/.dev-stamp
 	$(PY) -m loadtest $(LOADTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

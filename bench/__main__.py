@@ -13,7 +13,7 @@ deploy/gunicorn.conf.py) on free loopback ports, and measures, with B=1, H=8, d=
             minus its RSS before it, against the raw bytes of the request's tensors (q, k, v, out,
             weights)
 
-Prints markdown tables of medians and the issue's goals, and writes them to bench/out/results.md.
+Prints markdown tables of medians and the goals, and writes them to bench/out/results.md.
 Loops are bounded in count and time (--budget seconds, default 540); cells past the budget are
 reported as skipped. Every address is 127.0.0.1.
 """
@@ -55,7 +55,6 @@ T_ALL = (64, 128, 256, 512, 1024, 2048, 4096)
 T_BASELINE_MAX = 1024
 T_TEXTBOOK_MAX = 2048  # in-process textbook numpy: 8 x 4096 x 4096 float64 scores are 1 GiB per temporary
 MAX_WEIGHTS_T = 2048  # the default ATTN_MAX_WEIGHTS_ELEMENTS (2**25) admits 8 x 2048 x 2048 weights
-GOALS_NOTE = "goals from issue 3"
 
 
 # --- servers ------------------------------------------------------------------------------
@@ -193,11 +192,11 @@ class Bench:
             for T in self.args.sizes:
                 q, k, v = tensors(T)
                 attention(q, k, v, causal=True, return_weights=T <= MAX_WEIGHTS_T)  # warm
-                self.compute[("this, no weights", T)] = statistics.median(timed(lambda: attention(q, k, v, causal=True, return_weights=False), 7, 3))
+                self.compute[("this, no weights", T)] = statistics.median(timed(lambda q=q, k=k, v=v: attention(q, k, v, causal=True, return_weights=False), 7, 3))
                 if T <= MAX_WEIGHTS_T:
-                    self.compute[("this, weights", T)] = statistics.median(timed(lambda: attention(q, k, v, causal=True), 7, 3))
+                    self.compute[("this, weights", T)] = statistics.median(timed(lambda q=q, k=k, v=v: attention(q, k, v, causal=True), 7, 3))
                 if T <= T_TEXTBOOK_MAX and self.left() > 60:
-                    self.compute[("textbook numpy", T)] = statistics.median(timed(lambda: textbook_attention(q, k, v), 5, 4))
+                    self.compute[("textbook numpy", T)] = statistics.median(timed(lambda q=q, k=k, v=v: textbook_attention(q, k, v), 5, 4))
                 if T in torch_times:
                     self.compute[("torch SDPA", T)], self.compute[("this beside torch", T)] = torch_times[T]
 
@@ -322,7 +321,8 @@ def torch_compute(sizes) -> tuple[dict, str]:
         if run.returncode == 0:
             doc = json.loads(run.stdout.strip().splitlines()[-1])
             return ({int(t): (ms, doc["ours"][t]) for t, ms in doc["ms"].items()},
-                    f"torch {doc['version']} ({python}); torch and this core timed alternately in that interpreter")
+                    f"torch {doc['version']} ({'BENCH_TORCH_PYTHON' if python != sys.executable else 'this interpreter'}); "
+                    "torch and this core timed alternately in that interpreter")
     return {}, "torch not installed: no SDPA column (set BENCH_TORCH_PYTHON to an interpreter that has it)"
 
 

@@ -10,7 +10,7 @@ import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import requests
@@ -91,7 +91,7 @@ class AttentionClient:
             self._pool = None
         self.session.close()
 
-    def __enter__(self) -> "AttentionClient":
+    def __enter__(self) -> AttentionClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -325,7 +325,7 @@ class AttentionClient:
                 when = email.utils.parsedate_to_datetime(raw)
             except (TypeError, ValueError):
                 return self._backoff(attempt)
-            seconds = (when - datetime.now(timezone.utc)).total_seconds()
+            seconds = (when - datetime.now(UTC)).total_seconds()
         return min(max(seconds, 0.0), self.max_retry_after)
 
 
@@ -384,7 +384,7 @@ def _flat_mask(mask: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
 def _assemble(parts: list[np.ndarray], blocks: list[Block], shape: tuple[int, ...]) -> np.ndarray:
     """Blocks' results -> one (B, T, ...) array."""
     full = np.empty(shape, dtype=parts[0].dtype)
-    for part, block in zip(parts, blocks):
+    for part, block in zip(parts, blocks, strict=True):
         full[block.b0:block.b1, block.t0:block.t1] = part
     return full
 

@@ -8,8 +8,8 @@ end at row T-1 (bottom_right)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

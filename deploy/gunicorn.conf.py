@@ -24,7 +24,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 # /tmp/prometheus under Kubernetes): service.web.metrics creates it if missing, on_starting empties it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_metrics_dir = tempfile.mkdtemp(prefix="attention-metrics-")
-    atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(_own_metrics_dir, ignore_errors=True))
+    atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(_own_metrics_dir, ignore_errors=True))  # noqa: B008 (the pid now: only the maker removes it)
 
 from service.config import Settings  # noqa: E402  (after the BLAS threads and the metrics directory)
 

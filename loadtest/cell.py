@@ -19,8 +19,8 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import requests
@@ -199,7 +199,7 @@ def run_cell(base_url: str, body: bytes, load: Load,
         threads = [
             threading.Thread(target=_worker, args=(s, url, body, schedule, load.timeout_s, out),
                              daemon=True)
-            for s, out in zip(sessions, outs)
+            for s, out in zip(sessions, outs, strict=True)
         ]
         for thread in threads:
             thread.start()

@@ -10,8 +10,8 @@ import argparse
 import os
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from loadtest.cell import Load
 from loadtest.payload import Workload

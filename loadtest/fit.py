@@ -6,8 +6,8 @@ Pure numpy on arrays of (T, latency in ms); the caller chooses which cells to pa
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -104,7 +104,7 @@ def slo_search(T: Sequence[int], y: Sequence[float], slo_ms: float,
     T_sorted = [int(T[i]) for i in order]
     y_sorted = [float(y[i]) for i in order]
     last, nxt = None, None
-    for i, (t, value) in enumerate(zip(T_sorted, y_sorted)):
+    for i, value in enumerate(y_sorted):
         if not (math.isfinite(value) and value <= slo_ms):
             nxt = i
             break

@@ -11,8 +11,9 @@ from __future__ import annotations
 import datetime as dt
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from loadtest.cell import CellResult, CellRun, Load, run_cell, summarize
 from loadtest.payload import Workload, build_body
@@ -59,7 +60,7 @@ def _loadavg() -> tuple[float, float, float] | None:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
 def stop_reason(cell: CellResult, config: SweepConfig) -> str | None:

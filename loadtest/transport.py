@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import requests
 
-# The phases API.md promises in Server-Timing, in the order the server runs them.
+# The phases the server reports in Server-Timing, in the order it runs them.
 PHASES = ("decode", "validate", "compute", "encode", "total")
 
 
@@ -124,7 +124,7 @@ def describe(exc: BaseException) -> str:
 
 
 def _error_detail(response: requests.Response) -> str:
-    """`"413 too_long: T=8192 is over the maximum 4096"` from an API.md error body."""
+    """`"413 too_long: T=8192 is over the maximum 4096"` from the service's error body."""
     try:
         error = orjson.loads(response.content)["error"]
         return f"{response.status_code} {error['code']}: {error['message']}"

@@ -52,7 +52,7 @@ class Settings:
     warmup: bool = True                    # calibrate the cost model at start-up
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         d = cls()
         return cls(
             host=_env("HOST", d.host, str),

@@ -36,7 +36,7 @@ def attention(q, k, v, mask=None, *, causal=False, key_lengths=None, scale=None)
             top = max(scores)
             exps = [math.exp(x - top) for x in scores]
             total = sum(exps)
-            for s, e in zip(keys, exps):
+            for s, e in zip(keys, exps, strict=True):
                 weights[idx + (t, s)] = e / total
             out[idx + (t,)] = weights[idx + (t,)] @ v[idx]
     return out, weights

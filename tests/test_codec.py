@@ -10,8 +10,7 @@ import orjson
 import pytest
 
 from service import wire as codec
-from service.wire import stream
-from service.wire import TensorError
+from service.wire import TensorError, stream
 
 DTYPES = [np.float32, np.float64, np.bool_]
 
@@ -262,7 +261,7 @@ def test_concurrent_loads_share_the_parser_safely():
     with ThreadPoolExecutor(4) as pool:
         for _ in range(5):
             results = list(pool.map(codec.loads, bodies))
-            for got, want in zip(results, expected):
+            for got, want in zip(results, expected, strict=True):
                 assert isinstance(got["q"], np.ndarray)
                 np.testing.assert_array_equal(got["q"], want)
 

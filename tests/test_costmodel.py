@@ -8,10 +8,8 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from service import core
-from schemas import AttentionRequest
+from schemas import AttentionRequest, Work
 from service.config import Settings
-from schemas import Work
 from service.core import causal_share
 from service.web.costmodel import CostModel, median_ms
 
@@ -68,7 +66,7 @@ def calibrate_and_measure(rng) -> list[tuple[str, float, float]]:
             q, k, v = (b64(rng.standard_normal((1, 8, T, 64))) for _ in range(3))
             for causal, weights in ((False, True), (True, True), (True, False)):
                 job = schema.load({"q": q, "k": k, "v": v, "causal": causal, "return_weights": weights})
-                run = lambda: core.attention(job.q, job.k, job.v, job.mask, causal=job.causal, return_weights=job.return_weights)
+                run = job.compute
                 run()
                 case = f"T={T:5d} {'causal' if causal else 'full'} {'with' if weights else 'without'} weights"
                 rows.append((case, model.predict_job(job), median_ms(run, min_ms=100)))
@@ -79,7 +77,7 @@ def test_predictions_within_2x_of_measured_compute():
     """Within 2x for T in 64..2048. The machine is shared, so a neighbour's burst can slow either
     side of the comparison: one second attempt is allowed; a wrong model fails both."""
     rng = np.random.default_rng(7)
-    for attempt in range(2):
+    for _ in range(2):
         rows = calibrate_and_measure(rng)
         print("\n" + "\n".join(f"{case:34s} predicted {p:8.2f} ms  measured {m:8.2f} ms  ratio {p / m:.2f}" for case, p, m in rows))
         if all(0.5 <= p / m <= 2.0 for _, p, m in rows):

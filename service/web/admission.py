@@ -47,7 +47,7 @@ class Gate:
         self.bytes = 0           # their Content-Length plus estimated working bytes
         self.pending_ms = 0.0    # predicted compute of the admitted jobs that have been validated
 
-    def enter(self, nbytes: int) -> "Ticket":
+    def enter(self, nbytes: int) -> Ticket:
         """Admit one more request of nbytes, or 503 now. A lone request is always admitted."""
         with self._lock:
             if self.admitted >= self.max_inflight + self.max_queue:
@@ -122,7 +122,7 @@ class Ticket:
 def admit(job: AttentionJob | MhaJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
     not fit in memory beside the others (503), then wait for a compute slot."""
-    predicted = current_app.extensions["attention.cost"].predict_work(job.work())
+    predicted = current_app.extensions["attention.cost"].predict_job(job)
     deadline = g.get("deadline_ms")
     if deadline is not None:
         left = deadline - elapsed_ms()

@@ -58,7 +58,7 @@ def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
 
 def cost(job: Job) -> dict:
     """The cost summary of a response: what the job is, and what the cost model predicts."""
-    predicted = current_app.extensions["attention.cost"].predict_work(job.work())
+    predicted = current_app.extensions["attention.cost"].predict_job(job)
     return {"flops": job.flops, "score_elements": job.score_elements, "predicted_ms": round(predicted, 3)}
 
 

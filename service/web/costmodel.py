@@ -31,6 +31,7 @@ import numpy as np
 from schemas import COMPUTE_DTYPES, AttentionJob, MhaJob, Work
 from service import wire
 
+
 class _Fit:
     """Weighted least squares on (GFLOP, M score elements, 1) -> ms with forgetting, a ridge
     towards prior (relative to its size), and θ >= 0."""
@@ -83,7 +84,7 @@ class CostModel:
                  read_ms_per_mb: float = 0.4):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
-        self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0))}
+        self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0), strict=True)}
         self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
         self.calibrated = False
         self.calibration_s = 0.0
@@ -139,7 +140,7 @@ class CostModel:
             self.calibration_s = time.perf_counter() - start
 
     def coefficients(self) -> dict:
-        fits = {name: dict(zip("abc", (round(float(t), 6) for t in fit.theta)), observations=fit.n) for name, fit in self._fits.items()}
+        fits = {name: dict(zip("abc", (round(float(t), 6) for t in fit.theta), strict=True), observations=fit.n) for name, fit in self._fits.items()}
         return {
             "formula": "ms = a*GFLOP + b*M_score_elements + c*blocks",
             **{k: fits["float32"][k] for k in "abc"},

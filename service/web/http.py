@@ -11,6 +11,7 @@ import orjson
 from flask import Flask, Response, g, request
 
 from service import wire
+
 from .errors import ApiError
 
 MAX_JSON_DEPTH = 12  # a rank-6 tensor inside a request object is 8 deep; KServe's envelope adds a few

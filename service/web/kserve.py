@@ -286,26 +286,30 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
             raise RequestError("unknown_field", f"parameter {key!r} is not a parameter of model {model.name}; its parameters are: {known}.", key)
     binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output")}
 
-    requested = None
-    if "outputs" in doc:
-        requested = []
-        for spec in _list(doc["outputs"], "outputs"):
-            spec = _object(spec, "each of outputs")
-            name = spec.get("name")
-            if name not in OUTPUTS:
-                raise RequestError("unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs")
-            if name in requested:
-                raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
-            out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
-            unsupported = sorted(set(out_params) - {"binary_data"})
-            if unsupported:
-                raise RequestError("bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs")
-            if "binary_data" in out_params:
-                binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
-            requested.append(name)
-        if "return_weights" not in native:
-            native["return_weights"] = "weights" in requested
+    requested = _outputs(model, doc["outputs"], binary_default) if "outputs" in doc else None
+    if requested is not None and "return_weights" not in native:
+        native["return_weights"] = "weights" in requested
     return native, requested, binary_default
+
+
+def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
+    """The requested output names, in order; each one's binary_data goes into binary_default."""
+    requested = []
+    for spec in _list(specs, "outputs"):
+        spec = _object(spec, "each of outputs")
+        name = spec.get("name")
+        if name not in OUTPUTS:
+            raise RequestError("unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs")
+        if name in requested:
+            raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
+        out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
+        unsupported = sorted(set(out_params) - {"binary_data"})
+        if unsupported:
+            raise RequestError("bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs")
+        if "binary_data" in out_params:
+            binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
+        requested.append(name)
+    return requested
 
 
 def _inputs(model: Model, specs, blobs: _Blobs) -> dict:

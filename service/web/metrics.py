@@ -15,7 +15,7 @@ import math
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from flask import Blueprint, Flask, Response, g, request
 
@@ -25,7 +25,16 @@ if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # named but perhaps not made (an
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
 from prometheus_client import (  # noqa: E402  (after the directory exists)
-    CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values)
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
 
 MULTIPROCESS = getattr(values.ValueClass, "_multiprocess", False)
 

@@ -18,9 +18,9 @@ from swagger_ui_bundle import swagger_ui_path
 
 from schemas import AttentionRequest, MhaRequest
 from schemas.fields import Tensor
+from service.config import VERSION, Settings
 from service.wire import WIRE_DTYPES
 
-from service.config import VERSION, Settings
 from .errors import ApiError
 from .http import json_response
 
@@ -139,10 +139,46 @@ def _exclusive_minimum(self, field, ret, **kwargs) -> dict:
 
 # --- the document -----------------------------------------------------------------------------
 
+ERROR_DESCRIPTIONS = {
+    400: "body is not strict JSON or not an object",
+    401: "no valid API key",
+    413: "body, T, S or score elements over a limit",
+    415: "not application/json",
+    422: "JSON but not a valid request",
+    503: "overloaded: retry after Retry-After seconds",
+    504: "the X-Deadline-Ms deadline cannot be met",
+}
+TIMING_HEADERS = {
+    "Server-Timing": {"required": True, "schema": {"type": "string"}, "description": "W3C Server-Timing: decode, validate, compute, encode, total (ms)"},
+    "X-Request-Id": {"required": True, "schema": {"type": "string"}, "description": "echoed if the client sent one"},
+}
+# X-Deadline-Ms is described in words, not as a parameter: a deadline too short to meet is
+# answered 504 by design, which a fuzzer sending tiny deadlines would report as a server error.
+COMPUTE_PARAMETERS = [
+    {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
+     "description": "echoed in the response's X-Request-Id if at most 128 characters (else a fresh one is made)"},
+]
+DEADLINE_NOTE = (" Send X-Deadline-Ms (milliseconds, > 0) to have work that cannot finish in time refused with 504"
+                 " before computing; anything but a positive number there is 422 bad_option.")
+
+
 def build(app: Flask) -> dict:
     """The OpenAPI 3.0 document of the routes registered on app."""
     settings: Settings = app.extensions["attention.settings"]
     served = {rule.rule for rule in app.url_map.iter_rules()}
+    spec = _spec(settings)
+    _compute_paths(spec, settings, served)
+    _ops_paths(spec, served)
+    doc = spec.to_dict()
+    for name in ("AttentionRequest", "MhaRequest"):
+        doc["components"]["schemas"][name]["additionalProperties"] = False  # unknown fields are refused
+    if settings.api_keys:
+        doc["security"] = [{"bearer": []}]
+    return doc
+
+
+def _spec(settings: Settings) -> APISpec:
+    """The document's frame: info, and every component schema (tensors, requests, responses)."""
     plugin = MarshmallowPlugin()
     spec = APISpec(
         title="Attention service",
@@ -165,31 +201,22 @@ def build(app: Flask) -> dict:
     spec.components.schema("Limits", _limits_schema(settings))
     if settings.api_keys:
         spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
+    return spec
 
-    def errors(*statuses: int) -> dict:
-        described = {400: "body is not strict JSON or not an object", 401: "no valid API key", 413: "body, T, S or score elements over a limit",
-                     415: "not application/json", 422: "JSON but not a valid request", 503: "overloaded: retry after Retry-After seconds",
-                     504: "the X-Deadline-Ms deadline cannot be met"}
-        if settings.api_keys:
-            statuses = (*statuses, 401)
-        out = {}
-        for status in sorted(set(statuses)):
-            headers = {"Retry-After": {"required": True, "schema": {"type": "integer"}, "description": "seconds"}} if status == 503 else {}
-            out[str(status)] = {"description": described[status], "content": {"application/json": {"schema": "Error"}}, **({"headers": headers} if headers else {})}
-        return out
 
-    timing_headers = {
-        "Server-Timing": {"required": True, "schema": {"type": "string"}, "description": "W3C Server-Timing: decode, validate, compute, encode, total (ms)"},
-        "X-Request-Id": {"required": True, "schema": {"type": "string"}, "description": "echoed if the client sent one"},
-    }
-    # X-Deadline-Ms is described in words, not as a parameter: a deadline too short to meet is
-    # answered 504 by design, which a fuzzer sending tiny deadlines would report as a server error.
-    compute_headers = [
-        {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
-         "description": "echoed in the response's X-Request-Id if at most 128 characters (else a fresh one is made)"},
-    ]
-    deadline_note = (" Send X-Deadline-Ms (milliseconds, > 0) to have work that cannot finish in time refused with 504"
-                     " before computing; anything but a positive number there is 422 bad_option.")
+def _errors(settings: Settings, *statuses: int) -> dict:
+    """The error responses of an operation (401 too when API keys are in force)."""
+    if settings.api_keys:
+        statuses = (*statuses, 401)
+    out = {}
+    for status in sorted(set(statuses)):
+        headers = {"Retry-After": {"required": True, "schema": {"type": "integer"}, "description": "seconds"}} if status == 503 else {}
+        out[str(status)] = {"description": ERROR_DESCRIPTIONS[status], "content": {"application/json": {"schema": "Error"}},
+                            **({"headers": headers} if headers else {})}
+    return out
+
+
+def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
     compute = {
         "/attention": ("attention", "AttentionRequest", "Scaled dot-product attention over any leading axes",
                        "out = softmax(q kᵀ · scale, masked) v. Masked weights are exactly 0; a row with no allowed key gives zeros.",
@@ -204,15 +231,17 @@ def build(app: Flask) -> dict:
         spec.path(path=path, operations={"post": {
             "operationId": op_id,
             "summary": summary,
-            "description": description + deadline_note,
-            "parameters": compute_headers,
+            "description": description + DEADLINE_NOTE,
+            "parameters": COMPUTE_PARAMETERS,
             "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema, "examples": examples}}},
             "responses": {
-                "200": {"description": "the result", "headers": timing_headers, "content": {"application/json": {"schema": "ComputeResponse"}}},
-                **errors(400, 413, 415, 422, 503, 504),
+                "200": {"description": "the result", "headers": TIMING_HEADERS, "content": {"application/json": {"schema": "ComputeResponse"}}},
+                **_errors(settings, 400, 413, 415, 422, 503, 504),
             },
         }})
 
+
+def _ops_paths(spec: APISpec, served: set[str]) -> None:
     ops = {
         "/healthz": ("healthz", "Liveness: 200 while the process lives", {"200": _json("alive", "Status")}),
         "/readyz": ("readyz", "Readiness: 200 when it can serve, 503 while starting or draining",
@@ -223,13 +252,6 @@ def build(app: Flask) -> dict:
     for path, (op_id, summary, responses) in ops.items():
         if path in served:
             spec.path(path=path, operations={"get": {"operationId": op_id, "summary": summary, "responses": responses}})
-
-    doc = spec.to_dict()
-    for name in ("AttentionRequest", "MhaRequest"):
-        doc["components"]["schemas"][name]["additionalProperties"] = False  # unknown fields are refused
-    if settings.api_keys:
-        doc["security"] = [{"bearer": []}]
-    return doc
 
 
 def _json(description: str, schema: str) -> dict:

@@ -8,6 +8,7 @@ import threading
 from flask import Blueprint, Flask, current_app
 
 from service.config import VERSION
+
 from .http import json_response
 
 bp = Blueprint("ops", __name__)

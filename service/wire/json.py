@@ -135,7 +135,7 @@ def _decode_parsed(parsed, skeleton: bytes | bytearray, payloads: dict) -> dict 
     return doc
 
 
-def _items(obj: "simdjson.Object") -> list:
+def _items(obj: simdjson.Object) -> list:
     """(key, value) pairs with arrays and objects left as simdjson proxies (items() converts them
     all to Python). A repeated key raises: orjson keeps the last, simdjson's lookup the first."""
     keys = list(obj)
@@ -182,7 +182,7 @@ def _cut_b64(body: bytes | bytearray) -> tuple[bytes | bytearray, dict[str, Payl
     return b"".join(pieces), payloads
 
 
-def _array(arr: "simdjson.Array") -> tuple[object, int]:
+def _array(arr: simdjson.Array) -> tuple[object, int]:
     """A parsed array as an ndarray if it is a rectangular array of numbers (with the number of
     arrays its text holds, for the caller's check), else as a list (and 0)."""
     shape, node = [], arr
