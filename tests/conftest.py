@@ -13,11 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-
 from hypothesis import settings as hypothesis_settings
 
-from service.web import create_app
 from service.config import Settings
+from service.web import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-
 from . import oracle
 
 Q = [[1, 0], [0, 1], [1, 1]]

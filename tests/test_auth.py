@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from service.web import admission, create_app
 from service.config import Settings
+from service.web import admission, create_app
 
 from .conftest import SMALL
 from .test_api import WORKED

@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 import requests
 
-from client import AttentionClient, AttentionError
-from client import _split
+from client import AttentionClient, AttentionError, _split
 from service import core
-
 from tests.conftest import ROOT, free_port, start_server, stop_server
 
 # Limits 4x (and more) below the requests of the splitting tests.

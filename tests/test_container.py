@@ -115,7 +115,7 @@ def _wait_for(url: str, deadline_s: float, logs) -> float:
     raise AssertionError(f"{url} not 200 after {deadline_s}s (last: {last})\n{logs()}")
 
 
-def _logs(engine: "Engine", name: str) -> str:
+def _logs(engine: Engine, name: str) -> str:
     proc = engine("logs", name, check=False)
     return (proc.stdout + proc.stderr)[-6000:]
 

@@ -11,8 +11,8 @@ from schemathesis.specs.openapi.definitions import OPENAPI_30
 from swagger_ui_bundle import swagger_ui_path
 
 from schemas import AttentionRequest, MhaRequest
-from service.web import create_app
 from service.config import Settings
+from service.web import create_app
 
 
 @pytest.fixture
