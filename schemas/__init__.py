@@ -1,5 +1,6 @@
 """The domain: request schemas (marshmallow) that validate a decoded body into a job, the jobs
 themselves, and RequestError. Imports service.core, service.wire and service.config only."""
+
 from .errors import RequestError
 from .jobs import COMPUTE_DTYPES, AttentionJob, MhaJob, Work
 from .requests import AttentionRequest, MhaRequest

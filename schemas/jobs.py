@@ -142,8 +142,16 @@ class AttentionJob(_Job):
         return self.q.dtype.name
 
     def _compute(self):
-        return core.attention(self.q, self.k, self.v, self.mask, causal=self.causal, key_lengths=self.key_lengths,
-                              scale=self.scale, return_weights=self.return_weights)
+        return core.attention(
+            self.q,
+            self.k,
+            self.v,
+            self.mask,
+            causal=self.causal,
+            key_lengths=self.key_lengths,
+            scale=self.scale,
+            return_weights=self.return_weights,
+        )
 
 
 @dataclass(frozen=True)

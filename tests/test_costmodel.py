@@ -1,5 +1,6 @@
 """The cost model: its fit recovers known coefficients, stays sane on one-shape traffic, and on this
 machine predicts the numeric core's time within 2x for T in 64..2048, causal or not."""
+
 from __future__ import annotations
 
 import time

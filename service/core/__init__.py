@@ -1,6 +1,7 @@
 """The numeric core: attention and the GPT block's multi-head attention, numpy only.
 
 Nothing here knows of HTTP, JSON or schemas; every function is a pure function of arrays."""
+
 from .kernels import ScoreOverflow, attention, block_count, causal_mask, causal_offset, causal_share, mha
 
 __all__ = ["ScoreOverflow", "attention", "block_count", "causal_mask", "causal_offset", "causal_share", "mha"]

@@ -17,6 +17,7 @@ non-negative. Each worker process has its own model.
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -80,8 +81,9 @@ class _Fit:
 class CostModel:
     """Predicts compute milliseconds per dtype; thread-safe (gthread workers share one)."""
 
-    def __init__(self, a: float = 10.0, b: float = 6.0, c: float = 0.1, *, forget: float = 0.99, ridge: float = 1e-3,
-                 read_ms_per_mb: float = 0.4):
+    def __init__(
+        self, a: float = 10.0, b: float = 6.0, c: float = 0.1, *, forget: float = 0.99, ridge: float = 1e-3, read_ms_per_mb: float = 0.4
+    ):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
         self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0), strict=True)}
@@ -140,7 +142,10 @@ class CostModel:
             self.calibration_s = time.perf_counter() - start
 
     def coefficients(self) -> dict:
-        fits = {name: dict(zip("abc", (round(float(t), 6) for t in fit.theta), strict=True), observations=fit.n) for name, fit in self._fits.items()}
+        fits = {
+            name: dict(zip("abc", (round(float(t), 6) for t in fit.theta), strict=True), observations=fit.n)
+            for name, fit in self._fits.items()
+        }
         return {
             "formula": "ms = a*GFLOP + b*M_score_elements + c*blocks",
             **{k: fits["float32"][k] for k in "abc"},
@@ -187,7 +192,7 @@ def _receive_and_parse(body: bytes) -> None:
         buf = bytearray(len(body))
         view, got = memoryview(buf), 0
         while got < len(buf):
-            got += receiver.recv_into(view[got:got + 2**20])
+            got += receiver.recv_into(view[got : got + 2**20])
         view.release()
         thread.join()
     wire.decode(wire.loads(buf)["q"])

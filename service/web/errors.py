@@ -30,7 +30,14 @@ STATUS = {
     "deadline": 504,
 }  # every other code: 422, the body is JSON but not a valid request
 
-_HTTP_CODES = {400: "bad_json", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large", 415: "unsupported_media_type"}
+_HTTP_CODES = {
+    400: "bad_json",
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+}
 
 Shape = Callable[[RequestError, int], dict]
 

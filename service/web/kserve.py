@@ -18,6 +18,7 @@ the JSON header. Errors are {"error": "message"} (error_body, which errors.py us
 blueprint), with the native status; the schemas are built with labels, so their messages say
 "input q ..." or "parameter causal ..." in the protocol's terms.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,7 +79,11 @@ MODELS = {
             "k": (FLOAT, [-1, -1, -1, -1], "keys (..., S, d): q's leading axes"),
             "v": (FLOAT, [-1, -1, -1, -1], "values (..., S, dv): k's leading axes and S"),
             "mask": (("BOOL",), [-1, -1, -1, -1], "optional; true = may attend; broadcasts to (..., T, S)"),
-            "key_lengths": (("INT64", "INT32"), [-1, -1], "optional; key s allowed iff s < key_lengths[...]; broadcasts to the leading axes"),
+            "key_lengths": (
+                ("INT64", "INT32"),
+                [-1, -1],
+                "optional; key s allowed iff s < key_lengths[...]; broadcasts to the leading axes",
+            ),
         },
         optional=frozenset({"mask", "key_lengths"}),
         options=("causal", "scale", "return_weights", "dtype"),
@@ -113,6 +118,7 @@ def error_body(err: RequestError, status: int) -> dict:
 
 # --- health and metadata -----------------------------------------------------------------------
 
+
 @bp.get("")
 def server_metadata():
     """The server's name, version and protocol extensions."""
@@ -137,21 +143,31 @@ def ready():
 def model_metadata(name: str, version: str | None = None):
     """Inputs, outputs, datatypes and shapes (-1: any length) of a model."""
     model = _model(name, version)
-    return json_response({
-        "name": model.name,
-        "versions": [MODEL_VERSION],
-        "platform": "numpy",
-        "inputs": [
-            {"name": n, "datatype": types[0], "shape": shape,
-             "parameters": {"datatypes": ",".join(types), "optional": n in model.optional, "description": doc}}
-            for n, (types, shape, doc) in model.inputs.items()
-        ],
-        "outputs": [
-            {"name": n, "datatype": "FP32", "shape": shape,
-             "parameters": {"datatypes": "FP32,FP64", "description": f"{doc}; FP64 when parameters.dtype is float64"}}
-            for n, (shape, doc) in model.outputs.items()
-        ],
-    })
+    return json_response(
+        {
+            "name": model.name,
+            "versions": [MODEL_VERSION],
+            "platform": "numpy",
+            "inputs": [
+                {
+                    "name": n,
+                    "datatype": types[0],
+                    "shape": shape,
+                    "parameters": {"datatypes": ",".join(types), "optional": n in model.optional, "description": doc},
+                }
+                for n, (types, shape, doc) in model.inputs.items()
+            ],
+            "outputs": [
+                {
+                    "name": n,
+                    "datatype": "FP32",
+                    "shape": shape,
+                    "parameters": {"datatypes": "FP32,FP64", "description": f"{doc}; FP64 when parameters.dtype is float64"},
+                }
+                for n, (shape, doc) in model.outputs.items()
+            ],
+        }
+    )
 
 
 @bp.get("/models/<name>/ready")
@@ -164,6 +180,7 @@ def model_ready(name: str, version: str | None = None):
 
 
 # --- inference ---------------------------------------------------------------------------------
+
 
 @bp.post("/models/<name>/infer")
 @bp.post("/models/<name>/versions/<version>/infer")
@@ -195,7 +212,9 @@ def load_infer(model: Model) -> InferRequest:
     if requested is None:
         requested = ["out", "weights"] if job.return_weights else ["out"]
     elif "weights" in requested and not job.return_weights:
-        raise RequestError("bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights")
+        raise RequestError(
+            "bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights"
+        )
     outputs = [(n, binary_default.get(n, binary_default[None])) for n in requested]
     return InferRequest(job=job, id=doc.get("id"), outputs=outputs)
 
@@ -234,6 +253,7 @@ def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray
 
 # --- the envelope -> the native request -----------------------------------------------------------
 
+
 class _Blobs:
     """The binary tensor data after the JSON header, taken in input order."""
 
@@ -243,14 +263,21 @@ class _Blobs:
     def take(self, name: str, size: int) -> memoryview:
         if self.offset + size > len(self.data):
             left = len(self.data) - self.offset
-            raise RequestError("bad_shape", f"input {name} declares binary_data_size={size} but only {left} bytes of binary data are left after the JSON header.", name)
-        chunk = self.data[self.offset:self.offset + size]
+            raise RequestError(
+                "bad_shape",
+                f"input {name} declares binary_data_size={size} but only {left} bytes of binary data are left after the JSON header.",
+                name,
+            )
+        chunk = self.data[self.offset : self.offset + size]
         self.offset += size
         return chunk
 
     def check_consumed(self) -> None:
         if self.offset != len(self.data):
-            raise RequestError("bad_shape", f"{len(self.data)} bytes of binary data follow the JSON header but the inputs' binary_data_size add up to {self.offset}.")
+            raise RequestError(
+                "bad_shape",
+                f"{len(self.data)} bytes of binary data follow the JSON header but the inputs' binary_data_size add up to {self.offset}.",
+            )
 
 
 def _split_body(body: bytes) -> tuple[bytes, memoryview]:
@@ -263,7 +290,9 @@ def _split_body(body: bytes) -> tuple[bytes, memoryview]:
     except ValueError:
         size = -1
     if not 0 <= size <= len(body):
-        raise ApiError("bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}.")
+        raise ApiError(
+            "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}."
+        )
     return body[:size], memoryview(body)[size:]
 
 
@@ -272,7 +301,9 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
     {output name or None: send as binary})."""
     extra = sorted(set(doc) - REQUEST_KEYS)
     if extra:
-        raise RequestError("unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0])
+        raise RequestError(
+            "unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0]
+        )
     if "id" in doc and not isinstance(doc["id"], str):
         raise RequestError("bad_type", "id must be a string.", "id")
     params = _object(doc.get("parameters", {}), "parameters")
@@ -283,7 +314,9 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
             native[key] = value
         elif key not in IGNORED_PARAMETERS and key != "binary_data_output":
             known = ", ".join((*model.options, "binary_data_output"))
-            raise RequestError("unknown_field", f"parameter {key!r} is not a parameter of model {model.name}; its parameters are: {known}.", key)
+            raise RequestError(
+                "unknown_field", f"parameter {key!r} is not a parameter of model {model.name}; its parameters are: {known}.", key
+            )
     binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output")}
 
     requested = _outputs(model, doc["outputs"], binary_default) if "outputs" in doc else None
@@ -299,13 +332,17 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
         spec = _object(spec, "each of outputs")
         name = spec.get("name")
         if name not in OUTPUTS:
-            raise RequestError("unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs")
+            raise RequestError(
+                "unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
+            )
         if name in requested:
             raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
         out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
         unsupported = sorted(set(out_params) - {"binary_data"})
         if unsupported:
-            raise RequestError("bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs")
+            raise RequestError(
+                "bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs"
+            )
         if "binary_data" in out_params:
             binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
         requested.append(name)
@@ -320,7 +357,9 @@ def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
         name = spec.get("name")
         if name not in model.inputs:
             known = ", ".join(model.inputs)
-            raise RequestError("unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", str(name))
+            raise RequestError(
+                "unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", str(name)
+            )
         if name in native:
             raise RequestError("bad_option", f"input {name} is given twice.", name)
         native[name] = _tensor(model, name, spec, blobs)
@@ -342,7 +381,9 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     params = _object(spec.get("parameters", {}), f"input {name} parameters")
     unsupported = sorted(set(params) - {"binary_data_size"})
     if unsupported:
-        raise RequestError("bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name)
+        raise RequestError(
+            "bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name
+        )
     if "binary_data_size" in params:
         size = params["binary_data_size"]
         if type(size) is not int or size < 0:
@@ -359,6 +400,7 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
 
 
 # --- small helpers ---------------------------------------------------------------------------------
+
 
 def _model(name: str, version: str | None) -> Model:
     model = MODELS.get(name)

@@ -42,7 +42,6 @@ class Payload:
         return f"<{len(self.raw)} bytes of base64>"
 
 
-
 def loads(body: bytes | bytearray):
     """Strict JSON: NaN, Infinity and numbers past float64 are errors (orjson.JSONDecodeError).
 
@@ -153,28 +152,28 @@ def _cut_b64(body: bytes | bytearray) -> tuple[bytes | bytearray, dict[str, Payl
     nonce = os.urandom(8).hex()
     while (key := body.find(b'"b64"', pos)) >= 0:
         at = key + 5
-        while body[at:at + 1] in (b" ", b"\t", b"\n", b"\r"):
+        while body[at : at + 1] in (b" ", b"\t", b"\n", b"\r"):
             at += 1
-        if body[at:at + 1] != b":":
+        if body[at : at + 1] != b":":
             pos = at
             continue
         at += 1
-        while body[at:at + 1] in (b" ", b"\t", b"\n", b"\r"):
+        while body[at : at + 1] in (b" ", b"\t", b"\n", b"\r"):
             at += 1
-        if body[at:at + 1] != b'"':
+        if body[at : at + 1] != b'"':
             pos = at
             continue
         end = body.find(b'"', at + 1)
         if end < 0:
             break
         try:
-            raw = pybase64.b64decode(view[at + 1:end], validate=True)
+            raw = pybase64.b64decode(view[at + 1 : end], validate=True)
         except (binascii.Error, ValueError):
             pos = end
             continue
         marker = f"b64:{nonce}:{len(payloads)}"
         payloads[marker] = Payload(raw)
-        pieces += [view[pos:at + 1], marker.encode()]
+        pieces += [view[pos : at + 1], marker.encode()]
         pos = end
     if not payloads:
         return body, {}
@@ -205,7 +204,7 @@ def _array(arr: simdjson.Array) -> tuple[object, int]:
                 return arr.as_list(), 0
         except TypeError:  # a number where a row should be
             return arr.as_list(), 0
-    for kind, dtype in ((("i", np.int64), ("u", np.uint64), ("d", np.float64)) if type(node) is int else (("d", np.float64),)):
+    for kind, dtype in (("i", np.int64), ("u", np.uint64), ("d", np.float64)) if type(node) is int else (("d", np.float64),):
         try:
             flat = np.frombuffer(arr.as_buffer(of_type=kind), dtype=dtype)
         except (TypeError, ValueError, RuntimeError):  # a boolean, string, null or object; or not int64

@@ -65,7 +65,7 @@ def dump_chunks(obj) -> tuple[bytes | Iterator[bytes], int | None]:
             pos = at + len(mark)
             length -= len(mark) - len(value)
         else:  # an array replaces the marker and its quotes
-            parts += [(skeleton[pos:at - 1],), value.chunks()]
+            parts += [(skeleton[pos : at - 1],), value.chunks()]
             pos = at + len(mark) + 1
             length = None
     parts.append((skeleton[pos:],))

@@ -116,7 +116,7 @@ def _checked_kind(arr: np.ndarray) -> np.ndarray:
 def _shape(value: dict) -> tuple[int, ...]:
     shape = value.get("shape")
     if not isinstance(shape, list) or not all(type(n) is int for n in shape):
-        raise TensorError("bad_shape", "needs \"shape\": a list of integers")
+        raise TensorError("bad_shape", 'needs "shape": a list of integers')
     if any(n < 1 for n in shape):
         raise TensorError("bad_shape", f"has shape {shape}; every axis must be at least 1")
     if math.prod(shape) > MAX_ELEMENTS:
@@ -159,12 +159,12 @@ def _decode_flat(value: dict) -> np.ndarray:
 
 def _decode_flat_data(data, shape: tuple[int, ...]) -> np.ndarray:
     if not isinstance(data, (list, np.ndarray)):
-        raise TensorError("bad_type", "needs \"data\": a flat list of numbers")
+        raise TensorError("bad_type", 'needs "data": a flat list of numbers')
     if len(data) != math.prod(shape):
         raise TensorError("bad_shape", f"has {len(data)} data values but shape {list(shape)} needs {math.prod(shape)}")
     arr = _decode_nested(data)
     if arr.ndim != 1:
-        raise TensorError("bad_shape", "needs \"data\" flat (one level of list), row-major")
+        raise TensorError("bad_shape", 'needs "data" flat (one level of list), row-major')
     return arr
 
 
@@ -177,7 +177,9 @@ def _decode_as_shape(rows: list, shape: tuple[int, ...]) -> np.ndarray:
             raise TensorError("ragged", "has data that is not rectangular: every row of an axis must have the same length") from None
         raise
     if arr.shape != shape:
-        raise TensorError("bad_shape", f"has data nested as {list(arr.shape)} but shape {list(shape)}; nest it as the shape, or send it flat")
+        raise TensorError(
+            "bad_shape", f"has data nested as {list(arr.shape)} but shape {list(shape)}; nest it as the shape, or send it flat"
+        )
     return arr.reshape(-1)
 
 
@@ -185,18 +187,18 @@ def _decode_b64(value: dict) -> np.ndarray:
     _no_extra_keys(value, {"shape", "dtype", "b64"})
     shape = _shape(value)
     if value.get("dtype") is None:  # absent or null: the bytes cannot be read without it
-        raise TensorError("bad_type", "needs \"dtype\" with \"b64\": float32, float64 or bool")
+        raise TensorError("bad_type", 'needs "dtype" with "b64": float32, float64 or bool')
     dtype = _dtype(value, None)
     text = value["b64"]
     if isinstance(text, Payload):  # decoded by loads() straight from the body
         raw = text.raw
     elif not isinstance(text, str):
-        raise TensorError("bad_encoding", "needs \"b64\": a base64 string")
+        raise TensorError("bad_encoding", 'needs "b64": a base64 string')
     else:
         try:
             raw = pybase64.b64decode(text, validate=True)
         except (binascii.Error, ValueError):
-            raise TensorError("bad_encoding", "has \"b64\" that is not valid base64") from None
+            raise TensorError("bad_encoding", 'has "b64" that is not valid base64') from None
     need = math.prod(shape) * dtype.itemsize
     if len(raw) != need:
         raise TensorError("bad_shape", f"has {len(raw)} bytes but shape {list(shape)} of {dtype.name} needs {need}")
