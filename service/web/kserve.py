@@ -43,9 +43,9 @@ SERVER_NAME = "attention-service"
 MODEL_VERSION = "1"
 EXTENSIONS = ["binary_tensor_data"]
 
-DATATYPES = {"FP32": "float32", "FP64": "float64", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}
-OUTPUT_DATATYPES = {wire.WIRE_DTYPES[name]: datatype for datatype, name in DATATYPES.items() if datatype in ("FP32", "FP64")}
+DATATYPES = {"FP32": "float32", "FP64": "float64", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}  # -> wire dtypes
 FLOAT = ("FP32", "FP64")
+OUTPUT_DATATYPES = {wire.WIRE_DTYPES[DATATYPES[datatype]]: datatype for datatype in FLOAT}
 OUTPUTS = ("out", "weights")
 # Scheduling hints Triton's client may send (TRITON_RESERVED_REQUEST_PARAMS); this server has no
 # batcher or sequence scheduler to give them to, so they are accepted and have no effect.

@@ -33,12 +33,14 @@ DOCS_ASSETS = frozenset(
 
 _SHAPE = {"type": "array", "items": {"type": "integer", "minimum": 1}, "description": "the tensor's shape; every axis at least 1"}
 _ALL_DTYPES = list(WIRE_DTYPES)
+_NUMBER_DTYPES = [name for name, dtype in WIRE_DTYPES.items() if dtype.kind in "iuf"]
+_INT_DTYPES = [name for name, dtype in WIRE_DTYPES.items() if dtype.kind in "iu"]
 MAX_NESTING = 6  # the highest rank any tensor field takes
 # Per Tensor kind: its component's name, what it holds, the element types it accepts (one type per
 # tensor: a mask mixing booleans with numbers is refused), the dtypes it accepts (b64 and flat),
 # and whether a bare scalar is a tensor (rank 0, as key_lengths may be).
 _KINDS = {
-    "float": ("Tensor", "numbers", [{"type": "number"}], ["float32", "float64", "int32", "int64"], False),
+    "float": ("Tensor", "numbers", [{"type": "number"}], _NUMBER_DTYPES, False),
     "mask": (
         "MaskTensor",
         "booleans, or the numbers 0 and 1",
@@ -46,7 +48,7 @@ _KINDS = {
         _ALL_DTYPES,
         False,
     ),
-    "int": ("IntTensor", "integers", [{"type": "integer"}], ["int32", "int64"], True),
+    "int": ("IntTensor", "integers", [{"type": "integer"}], _INT_DTYPES, True),
 }
 
 
