@@ -20,14 +20,15 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 # prometheus_client chooses multiprocess mode when it is first imported, which happens as soon
-# as the service is (the next import): the directory must be named before that. Unset: a fresh
+# as the web layer is (the next imports): the directory must be named before that. Unset: a fresh
 # private directory, removed when the process that made it (the arbiter) exits. Set (e.g.
 # /tmp/prometheus under Kubernetes): service.web.metrics creates it if missing, on_starting empties it.
 if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_metrics_dir = tempfile.mkdtemp(prefix="attention-metrics-")
     atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(_own_metrics_dir, ignore_errors=True))  # noqa: B008 (the pid now: only the maker removes it)
 
-from service.config import Settings  # noqa: E402  (after the BLAS threads and the metrics directory)
+import service.web  # noqa: E402, F401  (after the BLAS threads and the metrics directory; the workers fork with it loaded)
+from service.config import Settings  # noqa: E402
 
 _settings = Settings.from_env()
 

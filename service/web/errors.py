@@ -83,8 +83,7 @@ def _from_http(exc: HTTPException) -> ApiError:
 class Responder:
     """Renders a RequestError in the shape of the front door that served the request."""
 
-    def __init__(self, app: Flask, shapes: dict[Blueprint, Shape]):
-        self.app = app
+    def __init__(self, shapes: dict[Blueprint, Shape]):
         self.shapes = {bp.name: shape for bp, shape in shapes.items()}
         self.prefixes = [(bp.url_prefix, shape) for bp, shape in shapes.items() if bp.url_prefix]
 
@@ -108,7 +107,7 @@ class Responder:
 def register(app: Flask, shapes: dict[Blueprint, Shape]) -> None:
     """Install the handlers that turn every failure into its door's error shape; shapes gives the
     blueprints whose shape is not the native one."""
-    responder = Responder(app, shapes)
+    responder = Responder(shapes)
 
     @app.errorhandler(RequestError)
     def _request_error(err: RequestError):
