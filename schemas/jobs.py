@@ -178,7 +178,7 @@ class MhaJob(_Job):
     def T(self) -> int:
         return self.x.shape[-2]
 
-    S = T
+    S = T  # self-attention: the keys are the n positions too
 
     @property
     def head_widths(self) -> tuple[int, int]:

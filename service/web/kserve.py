@@ -6,7 +6,7 @@ option -- so the same validation, limits, error codes, timing phases and numeric
 the envelope differs:
 
   JSON input    {"name": "q", "datatype": "FP32", "shape": [2, 3], "data": [flat or nested]}
-                  -> {"shape": [2, 3], "dtype": "float32", "data": [flat]}
+                  -> {"shape": [2, 3], "dtype": "float32", "data": [flat] or NestedData([nested])}
   binary input  {"name": "q", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}}
                 plus 24 raw little-endian bytes after the JSON header (Inference-Header-Content-Length)
                   -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as the
