@@ -19,7 +19,16 @@ from .errors import RequestError
 class _Coded:
     """Mixin: marshmallow's ValidationErrors become RequestErrors with a code and the field's name."""
 
-    label = ""  # set by the schema when it binds the field
+    _label: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What messages call the field: set by the schema when it binds it, else its name."""
+        return self._label or self.name
+
+    @label.setter
+    def label(self, text: str) -> None:
+        self._label = text
 
     def _error(self, code: str, text: str) -> RequestError:
         return RequestError(code, text, self.name)
