@@ -36,7 +36,7 @@ class Work:
 
 class _Job:
     """What AttentionJob and MhaJob share. A subclass gives the attention's B, T, S, the widths
-    d and dv of one head, the flops beside the attention (projections), and compute()."""
+    d and dv of one head, the flops beside the attention (projections), and _compute()."""
 
     causal: bool | str
     return_weights: bool
