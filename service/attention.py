@@ -228,8 +228,11 @@ def attention(
 
 
 def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1) -> tuple[int, int]:
-    """(tn, nb): the query rows and key/value items (of g query heads each) of one block."""
-    tn = BLOCK_ELEMENTS // (S * g)
+    """(tn, nb): the query rows and key/value items (of g query heads each) of one block.
+
+    The rows do not shrink with g: g matmuls of tn rows each run faster than 4x as many of tn / 4
+    rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache."""
+    tn = BLOCK_ELEMENTS // S
     if upper is not None or lower is not None:
         tn = min(tn, T // CAUSAL_BLOCKS)
     if upper is not None and lower is not None:
