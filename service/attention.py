@@ -11,12 +11,14 @@ buffer that stays in the core's cache: the scores of a block are written by one 
 weights when they are returned, else into a small scratch buffer), masked, exponentiated and
 summed in place, and multiplied by v. Under a causal mask a block only computes the keys up to
 its last row's diagonal, which skips about half the work; under a sliding window it also skips the
-keys before its first row's window, so a window of W keys costs O(T * W), not O(T * S). The
-variants of PyTorch's SDPA (enable_gqa, a float bias) and FlashAttention (window_size,
-alibi_slopes) are computed per block too: grouped query heads share their key/value head through
-a broadcast matmul (no repeat), and no (..., T, S) mask or bias is ever built. Without weights the memory beyond the
-inputs and the output is O(block), not O(T * S), and the output is normalised instead of the
-weights (T * dv divisions, not T * S).
+keys before its first row's window, so a window of W keys costs O(T * W), not O(T * S). Without
+weights the memory beyond the inputs and the output is O(block), not O(T * S), and the output is
+normalised instead of the weights (T * dv divisions, not T * S).
+
+The variants of PyTorch's SDPA (enable_gqa, a float bias) and of FlashAttention (window_size,
+alibi_slopes) are computed per block too, with those references' semantics exactly: grouped query
+heads share their key/value head through a broadcast matmul (no repeat), and no (..., T, S) mask
+or bias is ever built.
 """
 from __future__ import annotations
 
