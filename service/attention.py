@@ -297,7 +297,8 @@ def _small_scores(qs: np.ndarray, kt: np.ndarray, upper: int | None, lower: int 
     limit = EXP_SAFE.get(qs.dtype.type, 0.0)
     q3 = qs.reshape(Bkv * g, T, d)
     q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T)  # inf if it overflows: no shortcut
-    k_norm = np.sqrt(np.einsum("bds,bds->bs", kt[:, 0], kt[:, 0]))  # (Bkv, S)
+    k3 = kt[:, 0]  # (Bkv, d, S)
+    k_norm = np.sqrt(np.einsum("bds,bds->bs", k3, k3))  # (Bkv, S)
     S = kt.shape[-1]
     if upper is None and lower is None:
         return (q_norm * k_norm.max(axis=-1, keepdims=True)[:, None] < limit)[..., None]
@@ -382,9 +383,11 @@ class _Masks:
         return _key_range(t0, t1, S, self.upper, self.lower, self.key_end)
 
     def widest(self, tn: int) -> int:
-        """The most keys one block of tn rows computes."""
-        widths = [hi - lo for lo, hi in (self.keys(t0, min(self.T, t0 + tn), self.S) for t0 in range(0, self.T, tn))]
-        return max(widths, default=0)
+        """At least as many keys as one block of tn rows computes."""
+        width = min(self.S, self.key_end)
+        if self.upper is not None and self.lower is not None:  # a band: tn rows see tn + upper - lower keys
+            width = min(width, max(0, tn + self.upper - self.lower))
+        return width
 
     def add(self, scores: np.ndarray, b0: int, b1: int, t0: int, t1: int, lo: int, hi: int) -> None:
         """Add bias and ALiBi to block (b0:b1, :, t0:t1, lo:hi) of scaled scores, in place."""
