@@ -194,6 +194,20 @@ def test_everything_at_once(blocks, rng):
     np.testing.assert_array_equal(avg, w.mean(-3))
 
 
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_overflow_outside_the_window_is_not_overflow(blocks, return_weights):
+    """A key whose score overflows is harmless where no row's window reaches it, and raises where one does."""
+    q = np.ones((1, 6, 2), np.float32)
+    k = np.ones((1, 9, 2), np.float32)
+    k[0, 0] = np.finfo(np.float32).max  # q . k = 2 * max: query t sees keys t + 3 - left .. t + 3
+    out, w = attention(q, k, k, window=(2, 0), scale=1.0, return_weights=return_weights)
+    assert np.isfinite(out).all()
+    if return_weights:
+        assert (w[..., 0] == 0).all()
+    with pytest.raises(core.ScoreOverflow):
+        attention(q, k, k, window=(3, 0), scale=1.0, return_weights=return_weights)
+
+
 # --- properties ------------------------------------------------------------------------------
 
 @st.composite
