@@ -12,6 +12,7 @@ of T=8192 would be 2 GiB), medians of interleaved runs:
 
 Loops are bounded in count and time (--budget seconds per comparison). Not part of `make test`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -94,8 +95,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per comparison before stopping early")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    print(f"B=1, H={H}, d={D}, float32, one BLAS thread, no weights unless said; load average at start: "
-          f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print(
+        f"B=1, H={H}, d={D}, float32, one BLAS thread, no weights unless said; load average at start: "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
+    )
     with threadpool_limits(1):
         attention(*(tensors(rng, H, 64) for _ in range(3)), window=(8, 0))  # warm-up
         print("\n".join(window_rows(rng, args.reps, args.budget)))

@@ -20,6 +20,7 @@ alibi_slopes) are computed per block too, with those references' semantics exact
 heads share their key/value head through a broadcast matmul (no repeat), and no (..., T, S) mask
 or bias is ever built.
 """
+
 from __future__ import annotations
 
 import math
@@ -110,8 +111,9 @@ def _groups(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) ->
         raise ValueError(f"k {k_shape} and v {v_shape} must agree but for their last axis")
     if not enable_gqa:
         if k_shape[:-2] != q_shape[:-2]:
-            raise ValueError(f"q {q_shape} and k {k_shape} have different leading axes"
-                             " (fewer key/value heads than query heads need enable_gqa)")
+            raise ValueError(
+                f"q {q_shape} and k {k_shape} have different leading axes (fewer key/value heads than query heads need enable_gqa)"
+            )
         return 1
     if len(q_shape) < 3 or len(k_shape) != len(q_shape) or k_shape[:-3] != q_shape[:-3]:
         raise ValueError(f"enable_gqa needs q {q_shape} and k {k_shape} of rank >= 3 and equal but for the heads axis -3")
@@ -245,8 +247,7 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
     return tn, nb
 
 
-def block_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None,
-                groups: int = 1) -> int:
+def block_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, groups: int = 1) -> int:
     """How many blocks attention() computes for B batch items (the product of the leading axes),
     groups query heads per key/value head: each costs a few numpy calls beyond its arithmetic,
     which the cost model counts."""
@@ -277,7 +278,7 @@ def _range_max(x: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
     if width < 1:
         return np.zeros((*x.shape[:-1], len(start)), x.dtype)
     m = np.zeros((*x.shape[:-1], S + 2 * width), x.dtype)
-    m[..., width:width + S] = x  # index i + width holds x[i]
+    m[..., width : width + S] = x  # index i + width holds x[i]
     span = 1
     while 2 * span <= width:
         m = np.maximum(m[..., :-span], m[..., span:])  # m[i] = max over [i, i + 2 span)
@@ -341,7 +342,7 @@ class _PerItem:
         cols = slice(lo, hi) if m.shape[-1] > 1 else slice(None)
         if self.index is None:
             return m[slice(b0, b1) if m.shape[0] > 1 else slice(None), :, rows, cols]
-        items = tuple(i[b0 * self.g:b1 * self.g] for i in self.index)  # the block's query items, in order
+        items = tuple(i[b0 * self.g : b1 * self.g] for i in self.index)  # the block's query items, in order
         part = m[items + (rows, cols)]  # (nb * g, tn|1, keys|1), a block-sized copy
         return part.reshape(b1 - b0, self.g, *part.shape[1:])
 
@@ -403,11 +404,11 @@ class _Masks:
         if self.upper is not None:  # keys from t0 + upper + 1 on are past some row's diagonal
             start = max(lo, t0 + self.upper + 1)
             if start < hi:
-                np.copyto(scores[..., start - lo:], fill, where=_band(rows, hi - start, t0 + self.upper - start))
+                np.copyto(scores[..., start - lo :], fill, where=_band(rows, hi - start, t0 + self.upper - start))
         if self.lower is not None:  # keys before t1 - 1 + lower are before some row's window
             end = min(hi, t1 - 1 + self.lower)
             if lo < end:
-                np.copyto(scores[..., :end - lo], fill, where=_band(rows, end - lo, t0 + self.lower - lo, below=True))
+                np.copyto(scores[..., : end - lo], fill, where=_band(rows, end - lo, t0 + self.lower - lo, below=True))
         if self.mask is not None:
             np.copyto(scores, fill, where=np.logical_not(self.mask.block(b0, b1, t0, t1, lo, hi)))
         if self.lengths is not None and self.lengths[b0:b1].min() < hi:
@@ -452,7 +453,7 @@ def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, b0, b1, t0, 
         np.divide(s, total, out=s)
         np.matmul(s, vb[b0:b1, :, lo:hi, :-1], out=o)
     else:  # v carries a last column of ones, so one matmul gives both exp(s) v and the row sums
-        ov = scratch[-nb * g * tn * vb.shape[-1]:].reshape(nb, g, tn, vb.shape[-1])
+        ov = scratch[-nb * g * tn * vb.shape[-1] :].reshape(nb, g, tn, vb.shape[-1])
         np.matmul(s, vb[b0:b1, :, lo:hi], out=ov)  # (nb, g, tn, dv + 1)
         total = ov[..., -1:]
         total[total == 0] = 1
@@ -508,15 +509,15 @@ def mha(
         raise ValueError(f"kv_heads ({kv_heads}) must divide heads ({heads})")
     dk, dv = wq.shape[-1] // heads, wv.shape[-1] // kv_heads
     if wq.shape[-1] != heads * dk or wk.shape[-1] != kv_heads * dk or wv.shape[-1] != kv_heads * dv:
-        raise ValueError(f"wq {wq.shape}, wk {wk.shape}, wv {wv.shape} must have {heads} * dk, {kv_heads} * dk"
-                         f" and {kv_heads} * dv columns")
+        raise ValueError(f"wq {wq.shape}, wk {wk.shape}, wv {wv.shape} must have {heads} * dk, {kv_heads} * dk and {kv_heads} * dv columns")
 
     def split(t: np.ndarray, h: int) -> np.ndarray:
         return np.swapaxes(t.reshape(*t.shape[:-1], h, t.shape[-1] // h), -2, -3)  # (..., n, h * w) -> (..., h, n, w)
 
     q, k, v = split(x @ wq, heads), split(x @ wk, kv_heads), split(x @ wv, kv_heads)  # (..., h|hkv, n, dk|dv)
     scale = 1.0 / np.sqrt(dk) if scale is None else scale
-    out, weights = attention(q, k, v, causal=causal, scale=scale, return_weights=return_weights,
-                             enable_gqa=kv_heads != heads, window=window)
+    out, weights = attention(
+        q, k, v, causal=causal, scale=scale, return_weights=return_weights, enable_gqa=kv_heads != heads, window=window
+    )
     out = np.swapaxes(out, -2, -3).reshape(*x.shape[:-1], heads * dv)  # (..., h, n, dv) -> (..., n, h * dv)
     return (out if wo is None else out @ wo), weights

@@ -1,5 +1,6 @@
 """The slow, obvious attention: Python loops over every leading index and query row, float64.
 The numeric core is tested against it."""
+
 from __future__ import annotations
 
 import itertools
@@ -27,9 +28,9 @@ def attention(q, k, v, mask=None, *, causal=False, key_lengths=None, scale=None)
     weights = np.zeros((*lead, T, S))
     for idx in itertools.product(*(range(n) for n in lead)):
         for t in range(T):
-            keys = [s for s in range(S)
-                    if full_mask[idx + (t, s)] and allowed(T, S, t, s, causal)
-                    and (lengths is None or s < lengths[idx])]
+            keys = [
+                s for s in range(S) if full_mask[idx + (t, s)] and allowed(T, S, t, s, causal) and (lengths is None or s < lengths[idx])
+            ]
             if not keys:
                 continue
             scores = [scale * sum(q[idx + (t, i)] * k[idx + (s, i)] for i in range(d)) for s in keys]
@@ -57,8 +58,7 @@ def mha(x, wq, wk, wv, wo, heads, causal=True):
     return heads_out @ wo, weights
 
 
-def reference(q, k, v, mask=None, *, causal=False, window=None, bias=None, alibi_slopes=None,
-              enable_gqa=False, scale=None):
+def reference(q, k, v, mask=None, *, causal=False, window=None, bias=None, alibi_slopes=None, enable_gqa=False, scale=None):
     """The published formulas with every (..., T, S) array materialised, in float64.
 
     PyTorch's SDPA: enable_gqa repeats each key/value head H / Hkv times on axis -3 (query head h

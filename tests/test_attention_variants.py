@@ -2,6 +2,7 @@
 float biases, ALiBi slopes and head-averaged weights. Against PyTorch's SDPA and FlashAttention's
 published formulas in float64 (tests/oracle.py's reference), as hypothesis properties, and on the
 textbook's multi-head listing; and the window's cost: O(T * W) scores, not O(T * S)."""
+
 from __future__ import annotations
 
 import tracemalloc
@@ -57,6 +58,7 @@ def both_paths(q, k, v, **kw):
 
 # --- against PyTorch's scaled_dot_product_attention ----------------------------------------------
 
+
 def sdpa(torch, q, k, v, *, causal=False, bias=None, enable_gqa=False):
     """torch's SDPA in float64. is_causal is top-left; bottom_right, and any causal mask beside a
     bias, goes in as an explicit mask (SDPA refuses is_causal with attn_mask)."""
@@ -68,8 +70,7 @@ def sdpa(torch, q, k, v, *, causal=False, bias=None, enable_gqa=False):
         mask = torch.from_numpy(np.where(hidden, -np.inf, bias))
     elif causal == "bottom_right":
         mask = torch.from_numpy(causal_mask(T, S, "bottom_right").copy())
-    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, is_causal=is_causal,
-                                                           enable_gqa=enable_gqa)
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=mask, is_causal=is_causal, enable_gqa=enable_gqa)
     return out.numpy()
 
 
@@ -105,8 +106,16 @@ def test_gqa_equals_sdpa(blocks, rng, torch, T, S, causal, Hkv):
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("bias_shape", ["S", "1S", "T1", "TS", "H1S", "HTS", "B1TS", "BHTS"])
 def test_bias_equals_sdpa_float_mask(blocks, rng, torch, T, S, causal, bias_shape):
-    shape = {"S": (S,), "1S": (1, S), "T1": (T, 1), "TS": (T, S), "H1S": (3, 1, S), "HTS": (3, T, S),
-             "B1TS": (2, 1, T, S), "BHTS": (2, 3, T, S)}[bias_shape]
+    shape = {
+        "S": (S,),
+        "1S": (1, S),
+        "T1": (T, 1),
+        "TS": (T, S),
+        "H1S": (3, 1, S),
+        "HTS": (3, T, S),
+        "B1TS": (2, 1, T, S),
+        "BHTS": (2, 3, T, S),
+    }[bias_shape]
     q, k, v = rng.standard_normal((2, 3, T, 4)), rng.standard_normal((2, 3, S, 4)), rng.standard_normal((2, 3, S, 3))
     bias = rng.standard_normal(shape) * 3
     expect = sdpa(torch, q, k, v, causal=causal, bias=np.broadcast_to(bias, (2, 3, T, S)))
@@ -210,6 +219,7 @@ def test_overflow_outside_the_window_is_not_overflow(blocks, return_weights):
 
 # --- properties ------------------------------------------------------------------------------
 
+
 @st.composite
 def variants(draw, bound: float = 5.0):
     """A random problem with H = Hkv * group query heads and a random window and causal setting."""
@@ -252,7 +262,7 @@ def test_output_unchanged_by_keys_outside_the_window(problem, window, return_wei
     t = data.draw(st.integers(0, T - 1))
     left, right = window
     seen = np.zeros(S, bool)
-    seen[max(0, t + S - T - left): max(0, t + S - T + right + 1)] = True
+    seen[max(0, t + S - T - left) : max(0, t + S - T + right + 1)] = True
     k2, v2 = k.copy(), v.copy()
     k2[..., ~seen, :] = k2[..., ~seen, :] * 1e3 + 1
     v2[..., ~seen, :] += 100
@@ -268,8 +278,7 @@ def test_gqa_equals_plain_attention_with_heads_repeated(problem):
     q, k, v, window, causal = problem
     group = q.shape[-3] // k.shape[-3]
     out, w = attention(q, k, v, causal=causal, window=window, enable_gqa=True)
-    plain_out, plain_w = attention(q, np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3),
-                                   causal=causal, window=window)
+    plain_out, plain_w = attention(q, np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3), causal=causal, window=window)
     np.testing.assert_allclose(out, plain_out, atol=1e-13, rtol=0)
     np.testing.assert_allclose(w, plain_w, atol=1e-14, rtol=0)
 
@@ -297,6 +306,7 @@ def test_variants_equal_reference(problem, data):
 
 # --- mha: general widths, no output projection, scale, kv_heads ---------------------------------
 
+
 def test_textbook_listing():
     """The textbook's multi-head listing: x (3, 4) projected to width 3, scale 1, no wo."""
     x = np.array([[1, 0, 1, 0], [0, 2, 0, 2], [1, 1, 1, 1]], np.float64)
@@ -322,8 +332,7 @@ def test_mha_general_widths_equal_reference(rng, heads, kv_heads, window):
     group = heads // kv_heads
     heads_of = lambda t, h: np.swapaxes(t.reshape(2, n, h, -1), 1, 2)  # (2, n, h * w) -> (2, h, n, w)
     q, k, v = heads_of(x @ wq, heads), heads_of(x @ wk, kv_heads), heads_of(x @ wv, kv_heads)
-    expect, expect_w = oracle.reference(q, np.repeat(k, group, 1), np.repeat(v, group, 1), causal=True,
-                                        window=window, scale=0.7)
+    expect, expect_w = oracle.reference(q, np.repeat(k, group, 1), np.repeat(v, group, 1), causal=True, window=window, scale=0.7)
     expect = np.swapaxes(expect, 1, 2).reshape(2, n, heads * dv)
     np.testing.assert_allclose(concat, expect, atol=1e-12)
     np.testing.assert_allclose(out, expect @ wo, atol=1e-11)
@@ -340,6 +349,7 @@ def test_mha_without_new_arguments_is_the_gpt_block(rng):
 
 
 # --- dtypes, errors, cost ------------------------------------------------------------------------
+
 
 def test_float16_inputs(rng):
     """float16 arrays compute in float16 (no shortcut: EXP_SAFE is 0 there); mixed with float32,
@@ -359,18 +369,31 @@ def test_float16_inputs(rng):
     np.testing.assert_allclose(out, expect, atol=1e-2)
 
 
-@pytest.mark.parametrize("call, words", [
-    (lambda q: attention(q, q[:, :4], q[:, :4], enable_gqa=True), ["4", "6"]),  # 4 kv heads do not divide 6
-    (lambda q: attention(q, q[:, :3], q[:, :3]), ["enable_gqa"]),  # a head mismatch suggests it
-    (lambda q: attention(q[0, 0], q[0, 0], q[0, 0], enable_gqa=True), ["rank"]),
-    (lambda q: attention(q, q, q, window=(-2, 0)), ["window", "-1"]),
-    (lambda q: attention(q, q, q, window=(1.5, 0)), ["window"]),
-    (lambda q: attention(q, q, q, window=3), ["window"]),
-    (lambda q: attention(q[0, 0], q[0, 0], q[0, 0], average_weights=True), ["average_weights", "rank"]),
-    (lambda q: mha(q[0, 0], *[np.ones((4, 6))] * 3, None, 3, kv_heads=2), ["kv_heads", "2", "3"]),
-    (lambda q: mha(q[0, 0], *[np.ones((4, 6))] * 3, None, 4), ["4"]),
-], ids=["gqa does not divide", "head mismatch", "gqa rank 2", "window below -1", "window not int",
-        "window not a pair", "average rank 2", "kv_heads does not divide", "width not heads * dk"])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda q: attention(q, q[:, :4], q[:, :4], enable_gqa=True), ["4", "6"]),  # 4 kv heads do not divide 6
+        (lambda q: attention(q, q[:, :3], q[:, :3]), ["enable_gqa"]),  # a head mismatch suggests it
+        (lambda q: attention(q[0, 0], q[0, 0], q[0, 0], enable_gqa=True), ["rank"]),
+        (lambda q: attention(q, q, q, window=(-2, 0)), ["window", "-1"]),
+        (lambda q: attention(q, q, q, window=(1.5, 0)), ["window"]),
+        (lambda q: attention(q, q, q, window=3), ["window"]),
+        (lambda q: attention(q[0, 0], q[0, 0], q[0, 0], average_weights=True), ["average_weights", "rank"]),
+        (lambda q: mha(q[0, 0], *[np.ones((4, 6))] * 3, None, 3, kv_heads=2), ["kv_heads", "2", "3"]),
+        (lambda q: mha(q[0, 0], *[np.ones((4, 6))] * 3, None, 4), ["4"]),
+    ],
+    ids=[
+        "gqa does not divide",
+        "head mismatch",
+        "gqa rank 2",
+        "window below -1",
+        "window not int",
+        "window not a pair",
+        "average rank 2",
+        "kv_heads does not divide",
+        "width not heads * dk",
+    ],
+)
 def test_bad_arguments_raise_clear_errors(call, words):
     q = np.ones((1, 6, 5, 4))
     with pytest.raises(ValueError) as err:
@@ -393,12 +416,29 @@ def counting_blocks(monkeypatch):
     return scores
 
 
-@pytest.mark.parametrize("B, T, S, causal, window, groups", [
-    (8, 2048, 2048, True, (256, 0), 1), (8, 2048, 2048, False, (64, 64), 1), (3, 100, 700, "bottom_right", (30, -1), 1),
-    (8, 1024, 1024, False, (-1, 0), 1), (8, 512, 512, True, None, 4), (8, 600, 900, False, (100, 3), 2),
-    (2, 50, 50, False, (10, 10), 1), (4, 64, 64, False, (0, -1), 1),
-], ids=["sliding causal", "both sides", "left only, T<S", "right 0 = bottom_right causal", "gqa causal",
-        "gqa window T<S", "tiny", "right open"])
+@pytest.mark.parametrize(
+    "B, T, S, causal, window, groups",
+    [
+        (8, 2048, 2048, True, (256, 0), 1),
+        (8, 2048, 2048, False, (64, 64), 1),
+        (3, 100, 700, "bottom_right", (30, -1), 1),
+        (8, 1024, 1024, False, (-1, 0), 1),
+        (8, 512, 512, True, None, 4),
+        (8, 600, 900, False, (100, 3), 2),
+        (2, 50, 50, False, (10, 10), 1),
+        (4, 64, 64, False, (0, -1), 1),
+    ],
+    ids=[
+        "sliding causal",
+        "both sides",
+        "left only, T<S",
+        "right 0 = bottom_right causal",
+        "gqa causal",
+        "gqa window T<S",
+        "tiny",
+        "right open",
+    ],
+)
 def test_block_and_score_counts_are_what_attention_computes(monkeypatch, B, T, S, causal, window, groups):
     """The cost model counts blocks and scores with block_count() and score_count(); they must be
     what attention() runs."""
