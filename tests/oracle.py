@@ -56,3 +56,47 @@ def mha(x, wq, wk, wv, wo, heads, causal=True):
         heads_out[..., cols] = o
         weights[..., h, :, :] = w
     return heads_out @ wo, weights
+
+
+def reference(q, k, v, mask=None, *, causal=False, window=None, bias=None, alibi_slopes=None, enable_gqa=False, scale=None):
+    """The published formulas with every (..., T, S) array materialised, in float64.
+
+    PyTorch's SDPA: enable_gqa repeats each key/value head H / Hkv times on axis -3 (query head h
+    reads h // (H / Hkv)); a float bias is added to the scaled scores. FlashAttention's
+    window_size (left, right): query t sees keys t + S - T - left <= s <= t + S - T + right, -1
+    unbounded; alibi_slopes adds -slope * |t + S - T - s| to the scaled scores. All ANDed (masks)
+    or added (biases); a row that sees no key gets zero weights and output."""
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    if enable_gqa:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    *lead, T, d = q.shape
+    S = k.shape[-2]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]  # (T, 1), (1, S)
+    scores = scale * (q @ np.swapaxes(k, -1, -2))  # (..., T, S)
+    if bias is not None:
+        scores = scores + np.asarray(bias, np.float64)
+    if alibi_slopes is not None:
+        slopes = np.broadcast_to(np.asarray(alibi_slopes, np.float64), tuple(lead))[..., None, None]
+        scores = scores - slopes * np.abs(t + S - T - s)
+    allowed = np.ones((*lead, T, S), bool)
+    if mask is not None:
+        allowed &= mask
+    if causal in (True, "top_left"):
+        allowed &= s <= t
+    elif causal == "bottom_right":
+        allowed &= s <= t + S - T
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            allowed &= s >= t + S - T - left
+        if right >= 0:
+            allowed &= s <= t + S - T + right
+    scores = np.where(allowed, scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    top[~np.isfinite(top)] = 0
+    e = np.exp(scores - top)
+    total = e.sum(-1, keepdims=True)
+    weights = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return weights @ v, weights

@@ -2,6 +2,6 @@
 
 Nothing here knows of HTTP, JSON or schemas; every function is a pure function of arrays."""
 
-from .kernels import ScoreOverflow, attention, block_count, causal_mask, causal_offset, causal_share, mha
+from .kernels import ScoreOverflow, attention, block_count, causal_mask, causal_offset, causal_share, mha, score_count
 
-__all__ = ["ScoreOverflow", "attention", "block_count", "causal_mask", "causal_offset", "causal_share", "mha"]
+__all__ = ["ScoreOverflow", "attention", "block_count", "causal_mask", "causal_offset", "causal_share", "mha", "score_count"]
