@@ -1,12 +1,12 @@
 """The attention service: create_app() wires settings, blueprints (the native API, the Open
-Inference Protocol, OpenAPI and docs, operations), error handlers, timing, metrics and admission."""
+Inference Protocol, OpenAPI and docs, the playground page, operations), error handlers, timing, metrics and admission."""
 from __future__ import annotations
 
 from flask import Flask
 
 from schemas import AttentionRequest, MhaRequest
 
-from . import admission, api, errors, http, kserve, metrics, openapi, ops
+from . import admission, api, errors, http, kserve, metrics, openapi, ops, playground
 from .config import Settings
 from .costmodel import CostModel
 
@@ -27,4 +27,5 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(ops.bp)
     app.register_blueprint(kserve.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(playground.bp)
     return app
