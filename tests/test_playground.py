@@ -1,5 +1,6 @@
-"""The playground page in a real browser: headless Chromium (Debian's package, installed here
-when missing and we are root with apt-get) driven by Playwright against the real gunicorn.
+"""The playground page: its files (Flask test client), and the page itself in a real browser,
+headless Chromium (Debian's package, installed here when missing and we are root with apt-get)
+driven by Playwright against the real gunicorn.
 
 Each check compares what the page draws with what the API answers to the very body the page
 sent. A screenshot of every preset is saved under $PLAYGROUND_ARTIFACTS (default out/playground);
@@ -7,9 +8,11 @@ the README's docs/playground.png is the multi-head one."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
+from urllib.parse import urljoin
 
 import numpy as np
 import pytest
@@ -23,7 +26,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 TIMEOUT_MS = 30_000  # only stops a hang
 
-pytestmark = pytest.mark.live
+live = pytest.mark.live  # the browser tests; the first tests below need no browser
 
 
 def ensure_chromium() -> Path:
@@ -34,9 +37,9 @@ def ensure_chromium() -> Path:
         pytest.skip(f"the playground's browser test needs Chromium at {CHROMIUM}; it is missing and cannot be "
                     "installed here (that needs root and apt-get): run `apt-get install chromium` as root")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    lock = ["-o", "DPkg::Lock::Timeout=300"]  # another apt run may hold the lock for a while
+    lock = ["-o", "DPkg::Lock::Timeout=120"]  # another apt run may hold the lock for a while
     for cmd in (["apt-get", *lock, "update", "-qq"], ["apt-get", *lock, "install", "-y", "-qq", "chromium"]):
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)  # both within the test timeout
         assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
     assert CHROMIUM.is_file(), f"apt-get installed chromium but {CHROMIUM} is not there"
     return CHROMIUM
@@ -131,9 +134,39 @@ def screenshot(page, name: str) -> Path:
     return path
 
 
-# --- the tests --------------------------------------------------------------------------------
+# --- the page's files, without a browser ------------------------------------------------------
 
 
+def test_the_page_and_its_files_come_from_the_service(client):
+    page = client.get("/playground")
+    assert page.status_code == 200 and page.mimetype == "text/html"
+    html = page.get_data(as_text=True)
+    assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+    local = [a for a in assets if a.startswith("playground/static/")]
+    assert {"playground/static/playground.js", "playground/static/playground.css"} <= set(local)
+    for asset in local:
+        resp = client.get(urljoin("/playground", asset))
+        assert resp.status_code == 200, asset
+        text = resp.get_data(as_text=True)
+        assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/", text), f"{asset} names an outside URL"
+    assert not re.search(r"https?://", html)
+    for link in set(assets) - set(local):  # the icon is data:, the rest are the service's own pages
+        assert link.startswith("data:") or client.get(urljoin("/playground", link)).status_code == 200, link
+
+
+def test_the_landing_page_links_the_playground(client):
+    assert 'href="playground"' in client.get("/").get_data(as_text=True)
+
+
+def test_the_playground_is_a_page_not_an_operation(client):
+    """Like / and /docs it is left out of the OpenAPI document, which lists the API only."""
+    assert not [p for p in client.get("/openapi.json").get_json()["paths"] if p.startswith("/playground")]
+
+
+# --- in the browser ---------------------------------------------------------------------------
+
+
+@live
 def test_the_landing_page_links_to_the_playground(page, live_server):
     page.goto(f"{live_server}/")
     with page.expect_request(is_api_call):
@@ -142,6 +175,7 @@ def test_the_landing_page_links_to_the_playground(page, live_server):
     wait_for_answer(page, None)
 
 
+@live
 def test_the_default_preset_is_the_worked_example_as_the_api_answers_it(page, live_server):
     body = page.first_request.post_data_json
     assert body == {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": "top_left"}
@@ -160,6 +194,7 @@ def test_the_default_preset_is_the_worked_example_as_the_api_answers_it(page, li
     screenshot(page, "worked-example")
 
 
+@live
 def test_every_preset_draws_the_api_weights(page, live_server):
     options = page.eval_on_selector_all("#preset option", "os => os.map(o => o.value)")
     assert options[0] == "worked" and {"lookup", "mha", "custom"} <= set(options)
@@ -176,6 +211,7 @@ def test_every_preset_draws_the_api_weights(page, live_server):
         screenshot(page, f"preset-{preset}")
 
 
+@live
 def test_the_slider_sharpens_the_soft_lookup(page):
     body = choose(page, "lookup")
     assert body["scale"] == 1 and body["causal"] is False and len(body["q"]) == 8
@@ -197,6 +233,7 @@ def test_the_slider_sharpens_the_soft_lookup(page):
     assert page.inner_text("#sharpness-value") == "0.5"
 
 
+@live
 def test_the_colour_scale_reads_in_greyscale(page):
     """Luminance falls as the weight rises, so the order survives printing in grey."""
     choose(page, "lookup")
@@ -215,6 +252,7 @@ def test_the_colour_scale_reads_in_greyscale(page):
     assert lums[0] - lums[-1] > 0.3
 
 
+@live
 def test_the_head_selector_shows_each_head_of_mha(page, live_server):
     before = page.get_attribute("#status", "data-seq")
     with page.expect_request(is_api_call) as sent:
@@ -237,6 +275,7 @@ def test_the_head_selector_shows_each_head_of_mha(page, live_server):
     screenshot(page, "mha")
 
 
+@live
 def test_api_errors_are_shown_as_the_api_words_them(page, live_server):
     choose(page, "custom")
     state, _ = act(page, lambda: (page.fill("#custom-q", "[[1, 0], [1]]"), page.press("#custom-q", "Tab")))
@@ -254,6 +293,7 @@ def test_api_errors_are_shown_as_the_api_words_them(page, live_server):
     screenshot(page, "error-fixed")
 
 
+@live
 def test_json_the_page_cannot_parse_is_not_sent(page):
     choose(page, "custom")
     before = page.get_attribute("#status", "data-seq")
@@ -263,6 +303,7 @@ def test_json_the_page_cannot_parse_is_not_sent(page):
     assert page.inner_text("#error-message").startswith("k is not valid JSON")
 
 
+@live
 def test_the_controls_are_labelled_and_reached_by_keyboard(page):
     unlabelled = page.eval_on_selector_all("select, input, textarea", "els => els.filter(e => !e.labels.length).map(e => e.id)")
     assert not unlabelled
@@ -287,6 +328,7 @@ def test_the_controls_are_labelled_and_reached_by_keyboard(page):
     assert page.inner_text("#readout").startswith("query 2, key 0: weight ")
 
 
+@live
 def test_the_readme_screenshot(page):
     """docs/playground.png in the README is this, copied: the multi-head preset, head 1."""
     choose(page, "mha")
