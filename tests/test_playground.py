@@ -287,6 +287,7 @@ def test_api_errors_are_shown_as_the_api_words_them(page, live_server):
     assert page.is_visible("#error") and page.is_hidden("#result")
     assert page.inner_text("#error-message") == error["message"]
     assert page.inner_text("#error-code").startswith(f"422 {error['code']}")
+    screenshot(page, "error")
     # A fix brings the heatmap back.
     state, _ = act(page, lambda: (page.fill("#custom-q", "[[1, 0], [0, 1]]"), page.press("#custom-q", "Tab")))
     assert state == "done" and page.is_hidden("#error") and drawn(page)[0].shape == (2, 3)
