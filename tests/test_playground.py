@@ -7,6 +7,7 @@ sent. A screenshot of every preset is saved under $PLAYGROUND_ARTIFACTS (default
 the README's docs/playground.png is the multi-head one."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -87,10 +88,11 @@ def is_api_call(request) -> bool:
 
 
 def wait_for_answer(page, before: str | None) -> str:
-    """Wait until the page shows the outcome of a request newer than `before` (its data-seq)."""
+    """Wait until the page shows the outcome of its latest request, newer than `before` (a data-seq)."""
     page.wait_for_function(
         "(before) => { const s = document.getElementById('status');"
-        " return s.dataset.seq !== undefined && s.dataset.seq !== before && s.dataset.state !== 'loading'; }",
+        " return s.dataset.seq !== undefined && s.dataset.seq !== before && s.dataset.seq === s.dataset.sent"
+        " && s.dataset.state !== 'loading'; }",
         arg=before)
     return page.get_attribute("#status", "data-state")
 
@@ -273,6 +275,30 @@ def test_the_head_selector_shows_each_head_of_mha(page, live_server):
         np.testing.assert_array_equal(masked, np.triu(np.ones((6, 6), bool), 1))
     assert not np.array_equal(answer[1], answer[heads - 1])  # so the check above could fail
     screenshot(page, "mha")
+
+
+@live
+def test_pasted_batches_flat_tensors_and_the_bottom_right_mask(page, live_server):
+    """Your own q, k, v: a batch of 2 (a slice selector), T=2 < S=4 with the KV-cache alignment,
+    q in the flat encoding (so the answer comes back flat)."""
+    choose(page, "custom")
+    act(page, lambda: page.select_option("#causal", "bottom_right"))
+    rng = np.random.default_rng(7)
+    q, k = rng.standard_normal((2, 2, 3)).round(3), rng.standard_normal((2, 4, 3)).round(3)
+    page.fill("#custom-q", json.dumps({"shape": [2, 2, 3], "data": q.ravel().tolist()}))
+    page.fill("#custom-k", json.dumps(k.tolist()))
+    page.fill("#custom-v", json.dumps(np.arange(8.0).reshape(2, 4, 1).tolist()))
+    state, body = act(page, lambda: page.press("#custom-v", "Tab"))
+    assert state == "done" and body["causal"] == "bottom_right", page.inner_text("#error")
+    answer = requests.post(f"{live_server}/attention", json=body, timeout=30).json()
+    weights = np.reshape(answer["weights"]["data"], answer["weights"]["shape"])
+    assert page.eval_on_selector_all("#head option", "os => os.map(o => o.textContent)") == ["index [0]", "index [1]"]
+    page.select_option("#head", "1")
+    drawn_weights, masked = drawn(page)
+    np.testing.assert_array_equal(drawn_weights, weights[1])
+    np.testing.assert_array_equal(masked, [[False, False, False, True], [False, False, False, False]])  # s > t + S - T
+    outputs = page.eval_on_selector_all("#outputs tbody td", "tds => tds.map(td => +td.textContent)")
+    np.testing.assert_allclose(outputs, np.reshape(answer["out"]["data"], (2, 2))[1], rtol=1e-3)
 
 
 @live

@@ -119,9 +119,7 @@ function toNested(tensor) {
   let data = tensor.data;
   if (tensor.b64 !== undefined) {
     const bytes = Uint8Array.from(atob(tensor.b64), (c) => c.charCodeAt(0));
-    const Typed = tensor.dtype === "float64" ? Float64Array : tensor.dtype === "float16" ? null : Float32Array;
-    if (!Typed) throw new InputError("float16 responses are not drawn here; send float32 or float64.");
-    data = Array.from(new Typed(bytes.buffer));
+    data = Array.from(new (tensor.dtype === "float64" ? Float64Array : Float32Array)(bytes.buffer));
   }
   const build = (shape, offset) => {
     if (shape.length === 1) return data.slice(offset, offset + shape[0]);
@@ -363,7 +361,7 @@ function showError(title, code, message) {
 }
 
 function setStatus(stateName, text) {
-  // data-seq names the request whose outcome is shown, so a watcher can tell a new answer from the last.
+  // data-seq names the request whose outcome is shown, data-sent the latest one: equal, the page has settled.
   if (stateName !== "loading") $("status").dataset.seq = String(state.seq);
   $("status").dataset.state = stateName;
   $("status").textContent = text;
@@ -373,6 +371,7 @@ function setStatus(stateName, text) {
 
 async function run() {
   const seq = ++state.seq; // only the latest request's answer is drawn
+  $("status").dataset.sent = String(seq);
   let req;
   try {
     req = buildRequest();
