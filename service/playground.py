@@ -2,12 +2,12 @@
 or pasted tensors and draws the returned weights as a heatmap per head. Plain HTML, CSS and JS
 from service/static/playground/, served by this blueprint (no CDN, no build step); the page
 talks to the API with relative URLs only, so it also works behind a path prefix."""
+
 from __future__ import annotations
 
 from flask import Blueprint, Response
 
-bp = Blueprint("playground", __name__, url_prefix="/playground",
-               static_folder="static/playground", static_url_path="/static")
+bp = Blueprint("playground", __name__, url_prefix="/playground", static_folder="static/playground", static_url_path="/static")
 
 
 @bp.get("")

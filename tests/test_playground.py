@@ -5,6 +5,7 @@ driven by Playwright against the real gunicorn.
 Each check compares what the page draws with what the API answers to the very body the page
 sent. A screenshot of every preset is saved under $PLAYGROUND_ARTIFACTS (default out/playground);
 the README's docs/playground.png is the multi-head one."""
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,16 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
 ARTIFACTS = Path(os.environ.get("PLAYGROUND_ARTIFACTS", ROOT / "out" / "playground"))
 # No network beyond the loopback server: no updates, no sync, no QUIC probes.
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TIMEOUT_MS = 30_000  # only stops a hang
 
 live = pytest.mark.live  # the browser tests; the first tests below need no browser
@@ -35,8 +44,10 @@ def ensure_chromium() -> Path:
     if CHROMIUM.is_file():
         return CHROMIUM
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip(f"the playground's browser test needs Chromium at {CHROMIUM}; it is missing and cannot be "
-                    "installed here (that needs root and apt-get): run `apt-get install chromium` as root")
+        pytest.skip(
+            f"the playground's browser test needs Chromium at {CHROMIUM}; it is missing and cannot be "
+            "installed here (that needs root and apt-get): run `apt-get install chromium` as root"
+        )
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     lock = ["-o", "DPkg::Lock::Timeout=120"]  # another apt run may hold the lock for a while
     for cmd in (["apt-get", *lock, "update", "-qq"], ["apt-get", *lock, "install", "-y", "-qq", "chromium"]):
@@ -93,7 +104,8 @@ def wait_for_answer(page, before: str | None) -> str:
         "(before) => { const s = document.getElementById('status');"
         " return s.dataset.seq !== undefined && s.dataset.seq !== before && s.dataset.seq === s.dataset.sent"
         " && s.dataset.state !== 'loading'; }",
-        arg=before)
+        arg=before,
+    )
     return page.get_attribute("#status", "data-state")
 
 
@@ -115,7 +127,8 @@ def api(live_server: str, request) -> requests.Response:
 def drawn(page) -> tuple[np.ndarray, np.ndarray]:
     """The heatmap's data-weight values and masked flags, as (T, S) arrays, read row by row."""
     cells = page.eval_on_selector_all(
-        "#heatmap td[data-weight]", "cells => cells.map(c => [+c.dataset.row, +c.dataset.col, c.dataset.weight, c.dataset.masked])")
+        "#heatmap td[data-weight]", "cells => cells.map(c => [+c.dataset.row, +c.dataset.col, c.dataset.weight, c.dataset.masked])"
+    )
     T, S = max(c[0] for c in cells) + 1, max(c[1] for c in cells) + 1
     assert [(c[0], c[1]) for c in cells] == [(t, s) for t in range(T) for s in range(S)], "cells are not row by row"
     weights = np.array([float(c[2]) for c in cells]).reshape(T, S)
@@ -240,11 +253,12 @@ def test_the_colour_scale_reads_in_greyscale(page):
     """Luminance falls as the weight rises, so the order survives printing in grey."""
     choose(page, "lookup")
     act(page, lambda: page.fill("#sharpness", "1.5"))  # weights spread over (0, 1)
-    cells = page.eval_on_selector_all("#heatmap td[data-masked=false]",
-                                      "tds => tds.map(td => [+td.dataset.weight, getComputedStyle(td).backgroundColor])")
+    cells = page.eval_on_selector_all(
+        "#heatmap td[data-masked=false]", "tds => tds.map(td => [+td.dataset.weight, getComputedStyle(td).backgroundColor])"
+    )
 
     def luminance(css: str) -> float:
-        r, g, b = (int(x) / 255 for x in css[css.index("(") + 1:css.index(")")].split(",")[:3])
+        r, g, b = (int(x) / 255 for x in css[css.index("(") + 1 : css.index(")")].split(",")[:3])
         return 0.2126 * r + 0.7152 * g + 0.0722 * b
 
     pairs = sorted((w, luminance(c)) for w, c in cells)
@@ -337,7 +351,9 @@ def test_the_controls_are_labelled_and_reached_by_keyboard(page):
     reached = []
     page.focus("#preset")
     for _ in range(30):
-        reached.append(page.evaluate("document.activeElement.id || document.activeElement.dataset.row + ',' + document.activeElement.dataset.col"))
+        reached.append(
+            page.evaluate("document.activeElement.id || document.activeElement.dataset.row + ',' + document.activeElement.dataset.col")
+        )
         if reached[-1] == "0,0":
             break
         page.keyboard.press("Tab")
@@ -345,7 +361,9 @@ def test_the_controls_are_labelled_and_reached_by_keyboard(page):
     assert reached[-1] == "0,0", f"Tab never reached the heatmap: {reached}"  # one tab stop into the grid
     page.keyboard.press("ArrowRight")
     page.keyboard.press("ArrowDown")
-    focused = page.evaluate("[document.activeElement.dataset.row, document.activeElement.dataset.col, document.activeElement.dataset.weight]")
+    focused = page.evaluate(
+        "[document.activeElement.dataset.row, document.activeElement.dataset.col, document.activeElement.dataset.weight]"
+    )
     assert focused[:2] == ["1", "1"]
     readout = page.inner_text("#readout")  # the number on focus ...
     assert readout.startswith("query 1, key 1: weight ")
