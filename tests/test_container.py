@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -177,6 +178,16 @@ def test_serves_the_worked_example(container):
     r = requests.get(f"{container['base']}/healthz", timeout=5)
     assert r.status_code == 200 and r.json() == {"status": "ok"}
     _check_worked_example(container["base"])
+
+
+def test_serves_the_playground_and_its_files(container):
+    """The page's HTML, CSS and JS are in the image (COPY service/ brings service/web/static/ along)."""
+    page = requests.get(f"{container['base']}/playground", timeout=5)
+    assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
+    assets = re.findall(r'(?:src|href)="(playground/static/[^"]+)"', page.text)
+    assert len(assets) >= 2
+    for asset in assets:
+        assert requests.get(f"{container['base']}/{asset}", timeout=5).status_code == 200, asset
 
 
 def _assert_clean_log(logs: str) -> None:

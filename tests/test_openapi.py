@@ -181,6 +181,6 @@ def test_landing_page_links_resolve(client):
     resp = client.get("/")
     assert resp.status_code == 200 and resp.mimetype == "text/html"
     urls = asset_urls(resp.get_data(as_text=True))
-    assert {"docs", "openapi.json", "limits", "v2"} <= set(urls)
+    assert {"docs", "openapi.json", "limits", "v2", "playground"} <= set(urls)
     for url in urls:
         assert client.get(urljoin("/", url)).status_code == 200, url

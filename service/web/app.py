@@ -1,5 +1,5 @@
 """create_app(): wires settings, blueprints (the native API, the Open Inference Protocol, OpenAPI
-and docs, operations), error handlers, timing, metrics and admission."""
+and docs, the playground page, operations), error handlers, timing, metrics and admission."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from flask import Flask
 from schemas import AttentionRequest, MhaRequest
 from service.config import Settings
 
-from . import admission, api, errors, http, kserve, metrics, openapi, ops
+from . import admission, api, errors, http, kserve, metrics, openapi, ops, playground
 from .costmodel import CostModel
 
 
@@ -29,4 +29,5 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(ops.bp)
     app.register_blueprint(kserve.bp)
     app.register_blueprint(openapi.bp)
+    app.register_blueprint(playground.bp)
     return app

@@ -444,6 +444,7 @@ LANDING_HTML = """<!doctype html>
   <p>Scaled dot-product attention (<code>POST /attention</code>) and multi-head attention
   (<code>POST /mha</code>) over HTTP, with numpy-exact semantics.</p>
   <ul>
+    <li><a href="playground">playground</a>: see the attention weights of a few cases, or of your own q, k, v</li>
     <li><a href="docs">docs</a>: try the API in the browser</li>
     <li><a href="openapi.json">openapi.json</a>: the OpenAPI 3 document</li>
     <li><a href="limits">limits</a>: the limits in force</li>

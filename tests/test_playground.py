@@ -1,0 +1,384 @@
+"""The playground page: its files (Flask test client), and the page itself in a real browser,
+headless Chromium (Debian's package, installed here when missing and we are root with apt-get)
+driven by Playwright against the real gunicorn.
+
+Each check compares what the page draws with what the API answers to the very body the page
+sent. A screenshot of every preset is saved under $PLAYGROUND_ARTIFACTS (default out/playground);
+the README's docs/playground.png is the multi-head one."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from urllib.parse import urljoin
+
+import numpy as np
+import pytest
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+ARTIFACTS = Path(os.environ.get("PLAYGROUND_ARTIFACTS", ROOT / "out" / "playground"))
+# No network beyond the loopback server: no updates, no sync, no QUIC probes.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+TIMEOUT_MS = 30_000  # only stops a hang
+
+live = pytest.mark.live  # the browser tests; the first tests below need no browser
+
+
+def ensure_chromium() -> Path:
+    """Debian's Chromium, installed with apt-get if it is missing and we may; else skip, saying why."""
+    if CHROMIUM.is_file():
+        return CHROMIUM
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip(
+            f"the playground's browser test needs Chromium at {CHROMIUM}; it is missing and cannot be "
+            "installed here (that needs root and apt-get): run `apt-get install chromium` as root"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    lock = ["-o", "DPkg::Lock::Timeout=120"]  # another apt run may hold the lock for a while
+    for cmd in (["apt-get", *lock, "update", "-qq"], ["apt-get", *lock, "install", "-y", "-qq", "chromium"]):
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)  # both within the test timeout
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert CHROMIUM.is_file(), f"apt-get installed chromium but {CHROMIUM} is not there"
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = ensure_chromium()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in requirements-dev.txt: run make test")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=str(executable), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser, live_server):
+    """The playground, loaded, its default preset answered. Fails the test if the page asked for
+    anything but the service, or logged a script error."""
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, device_scale_factor=1)
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    urls, problems = [], []
+    page.on("request", lambda r: urls.append(r.url))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.on("console", lambda m: m.type == "error" and not m.text.startswith("Failed to load resource") and problems.append(m.text))
+    page.on("response", lambda r: r.status >= 400 and not refused_on_purpose(r) and problems.append(f"{r.status} {r.url}"))
+    with page.expect_request(is_api_call) as sent:
+        page.goto(f"{live_server}/playground")
+    wait_for_answer(page, None)
+    page.first_request = sent.value
+    yield page
+    context.close()
+    assert all(u.startswith(live_server + "/") for u in urls), [u for u in urls if not u.startswith(live_server)]
+    assert not problems, problems
+
+
+def refused_on_purpose(response) -> bool:
+    """The error test's 422, and the favicon that the landing page (not the playground) lacks."""
+    return (response.status == 422 and is_api_call(response.request)) or response.url.endswith("/favicon.ico")
+
+
+def is_api_call(request) -> bool:
+    return request.method == "POST" and request.url.rsplit("/", 1)[-1] in ("attention", "mha")
+
+
+def wait_for_answer(page, before: str | None) -> str:
+    """Wait until the page shows the outcome of its latest request, newer than `before` (a data-seq)."""
+    page.wait_for_function(
+        "(before) => { const s = document.getElementById('status');"
+        " return s.dataset.seq !== undefined && s.dataset.seq !== before && s.dataset.seq === s.dataset.sent"
+        " && s.dataset.state !== 'loading'; }",
+        arg=before,
+    )
+    return page.get_attribute("#status", "data-state")
+
+
+def act(page, action) -> tuple[str, dict]:
+    """Do something that sends a request; (the page's state after the answer, the body it sent)."""
+    before = page.get_attribute("#status", "data-seq")
+    with page.expect_request(is_api_call) as sent:
+        action()
+    state = wait_for_answer(page, before)
+    return state, sent.value.post_data_json
+
+
+def api(live_server: str, request) -> requests.Response:
+    """The same request, sent by requests."""
+    path = request.url.rsplit("/", 1)[-1]
+    return requests.post(f"{live_server}/{path}", data=request.post_data, headers={"Content-Type": "application/json"}, timeout=30)
+
+
+def drawn(page) -> tuple[np.ndarray, np.ndarray]:
+    """The heatmap's data-weight values and masked flags, as (T, S) arrays, read row by row."""
+    cells = page.eval_on_selector_all(
+        "#heatmap td[data-weight]", "cells => cells.map(c => [+c.dataset.row, +c.dataset.col, c.dataset.weight, c.dataset.masked])"
+    )
+    T, S = max(c[0] for c in cells) + 1, max(c[1] for c in cells) + 1
+    assert [(c[0], c[1]) for c in cells] == [(t, s) for t in range(T) for s in range(S)], "cells are not row by row"
+    weights = np.array([float(c[2]) for c in cells]).reshape(T, S)
+    masked = np.array([c[3] == "true" for c in cells]).reshape(T, S)
+    return weights, masked
+
+
+def choose(page, preset: str) -> dict:
+    state, body = act(page, lambda: page.select_option("#preset", preset))
+    assert state == "done", page.inner_text("#error")
+    return body
+
+
+def screenshot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+# --- the page's files, without a browser ------------------------------------------------------
+
+
+def test_the_page_and_its_files_come_from_the_service(client):
+    page = client.get("/playground")
+    assert page.status_code == 200 and page.mimetype == "text/html"
+    html = page.get_data(as_text=True)
+    assets = re.findall(r'(?:src|href)="([^"]+)"', html)
+    local = [a for a in assets if a.startswith("playground/static/")]
+    assert {"playground/static/playground.js", "playground/static/playground.css"} <= set(local)
+    for asset in local:
+        resp = client.get(urljoin("/playground", asset))
+        assert resp.status_code == 200, asset
+        text = resp.get_data(as_text=True)
+        assert not re.search(r"https?://|//[a-z0-9.-]+\.[a-z]{2,}/", text), f"{asset} names an outside URL"
+    assert not re.search(r"https?://", html)
+    for link in set(assets) - set(local):  # the icon is data:, the rest are the service's own pages
+        assert link.startswith("data:") or client.get(urljoin("/playground", link)).status_code == 200, link
+
+
+def test_the_landing_page_links_the_playground(client):
+    assert 'href="playground"' in client.get("/").get_data(as_text=True)
+
+
+def test_the_playground_is_a_page_not_an_operation(client):
+    """Like / and /docs it is left out of the OpenAPI document, which lists the API only."""
+    assert not [p for p in client.get("/openapi.json").get_json()["paths"] if p.startswith("/playground")]
+
+
+# --- in the browser ---------------------------------------------------------------------------
+
+
+@live
+def test_the_landing_page_links_to_the_playground(page, live_server):
+    page.goto(f"{live_server}/")
+    with page.expect_request(is_api_call):
+        page.click("a[href=playground]")
+    assert page.url == f"{live_server}/playground"
+    wait_for_answer(page, None)
+
+
+@live
+def test_the_default_preset_is_the_worked_example_as_the_api_answers_it(page, live_server):
+    body = page.first_request.post_data_json
+    assert body == {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": "top_left"}
+    answer = api(live_server, page.first_request).json()
+    weights, masked = drawn(page)
+    np.testing.assert_array_equal(weights, answer["weights"])
+    np.testing.assert_array_equal(masked, np.triu(np.ones((3, 3), bool), 1))  # key s > query t
+    assert page.inner_text("#heatmap td[data-masked=true]") == "×"  # masked cells look unlike a weight of 0
+    outputs = page.eval_on_selector_all("#outputs tbody td", "tds => tds.map(td => +td.textContent)")
+    np.testing.assert_allclose(np.reshape(outputs, (3, 2)), answer["out"], rtol=1e-3)
+    phases = page.eval_on_selector_all("#timing tbody th", "ths => ths.map(th => th.textContent)")
+    assert {"decode", "validate", "compute", "total"} <= set(phases)
+    cost = dict(page.eval_on_selector_all("#cost tbody tr", "trs => trs.map(tr => [tr.cells[0].textContent, tr.cells[1].textContent])"))
+    assert cost["flops"].replace(",", "") == str(answer["cost"]["flops"])
+    assert cost["score elements"] == str(answer["cost"]["score_elements"])
+    screenshot(page, "worked-example")
+
+
+@live
+def test_every_preset_draws_the_api_weights(page, live_server):
+    options = page.eval_on_selector_all("#preset option", "os => os.map(o => o.value)")
+    assert options[0] == "worked" and {"lookup", "mha", "custom"} <= set(options)
+    for preset in options[1:] + options[:1]:
+        before = page.get_attribute("#status", "data-seq")
+        with page.expect_request(is_api_call) as sent:
+            page.select_option("#preset", preset)
+        assert wait_for_answer(page, before) == "done", (preset, page.inner_text("#error"))
+        answer = api(live_server, sent.value).json()
+        weights, masked = drawn(page)
+        first = np.array(answer["weights"]).reshape(-1, *weights.shape)[0]  # the page opens on head 0
+        np.testing.assert_array_equal(weights, first, err_msg=preset)
+        assert (weights[masked] == 0).all(), preset
+        screenshot(page, f"preset-{preset}")
+
+
+@live
+def test_the_slider_sharpens_the_soft_lookup(page):
+    body = choose(page, "lookup")
+    assert body["scale"] == 1 and body["causal"] is False and len(body["q"]) == 8
+
+    def diagonal_mean(s: str) -> float:
+        state, sent = act(page, lambda: page.fill("#sharpness", s))
+        assert state == "done" and sent["q"][0][0] == float(s)
+        return float(np.diag(drawn(page)[0]).mean())
+
+    means = [diagonal_mean(s) for s in ("0.25", "2", "8")]
+    assert means[0] < 0.2 < means[1] < means[2], means  # uniform (1/8) towards one-hot
+    assert means[2] > 0.99
+    # By keyboard too: one step right sharpens.
+    diagonal_mean("0.25")
+    page.focus("#sharpness")
+    state, sent = act(page, lambda: page.keyboard.press("ArrowRight"))
+    assert state == "done" and sent["q"][0][0] == 0.5
+    assert np.diag(drawn(page)[0]).mean() > means[0]
+    assert page.inner_text("#sharpness-value") == "0.5"
+
+
+@live
+def test_the_colour_scale_reads_in_greyscale(page):
+    """Luminance falls as the weight rises, so the order survives printing in grey."""
+    choose(page, "lookup")
+    act(page, lambda: page.fill("#sharpness", "1.5"))  # weights spread over (0, 1)
+    cells = page.eval_on_selector_all(
+        "#heatmap td[data-masked=false]", "tds => tds.map(td => [+td.dataset.weight, getComputedStyle(td).backgroundColor])"
+    )
+
+    def luminance(css: str) -> float:
+        r, g, b = (int(x) / 255 for x in css[css.index("(") + 1 : css.index(")")].split(",")[:3])
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+    pairs = sorted((w, luminance(c)) for w, c in cells)
+    assert pairs[0][0] < 0.1 and pairs[-1][0] > 0.5
+    lums = [lum for _, lum in pairs]
+    assert all(a >= b for a, b in itertools.pairwise(lums)), pairs
+    assert lums[0] - lums[-1] > 0.3
+
+
+@live
+def test_the_head_selector_shows_each_head_of_mha(page, live_server):
+    before = page.get_attribute("#status", "data-seq")
+    with page.expect_request(is_api_call) as sent:
+        page.select_option("#preset", "mha")
+    assert wait_for_answer(page, before) == "done"
+    body = sent.value.post_data_json
+    assert sent.value.url.endswith("/mha") and body["causal"] is True
+    answer = np.array(api(live_server, sent.value).json()["weights"])
+    heads = body["heads"]
+    assert answer.shape == (heads, 6, 6) and heads > 1
+    assert page.eval_on_selector_all("#head option", "os => os.length") == heads
+    assert page.eval_on_selector_all("#thumbs .thumb", "ts => ts.length") == heads
+    for head in (heads - 1, 1):
+        page.select_option("#head", str(head))
+        assert page.inner_text("#heatmap-title") == f"Weights of head {head}"
+        weights, masked = drawn(page)
+        np.testing.assert_array_equal(weights, answer[head])
+        np.testing.assert_array_equal(masked, np.triu(np.ones((6, 6), bool), 1))
+    assert not np.array_equal(answer[1], answer[heads - 1])  # so the check above could fail
+    screenshot(page, "mha")
+
+
+@live
+def test_pasted_batches_flat_tensors_and_the_bottom_right_mask(page, live_server):
+    """Your own q, k, v: a batch of 2 (a slice selector), T=2 < S=4 with the KV-cache alignment,
+    q in the flat encoding (so the answer comes back flat)."""
+    choose(page, "custom")
+    act(page, lambda: page.select_option("#causal", "bottom_right"))
+    rng = np.random.default_rng(7)
+    q, k = rng.standard_normal((2, 2, 3)).round(3), rng.standard_normal((2, 4, 3)).round(3)
+    page.fill("#custom-q", json.dumps({"shape": [2, 2, 3], "data": q.ravel().tolist()}))
+    page.fill("#custom-k", json.dumps(k.tolist()))
+    page.fill("#custom-v", json.dumps(np.arange(8.0).reshape(2, 4, 1).tolist()))
+    state, body = act(page, lambda: page.press("#custom-v", "Tab"))
+    assert state == "done" and body["causal"] == "bottom_right", page.inner_text("#error")
+    answer = requests.post(f"{live_server}/attention", json=body, timeout=30).json()
+    weights = np.reshape(answer["weights"]["data"], answer["weights"]["shape"])
+    assert page.eval_on_selector_all("#head option", "os => os.map(o => o.textContent)") == ["index [0]", "index [1]"]
+    page.select_option("#head", "1")
+    drawn_weights, masked = drawn(page)
+    np.testing.assert_array_equal(drawn_weights, weights[1])
+    np.testing.assert_array_equal(masked, [[False, False, False, True], [False, False, False, False]])  # s > t + S - T
+    outputs = page.eval_on_selector_all("#outputs tbody td", "tds => tds.map(td => +td.textContent)")
+    np.testing.assert_allclose(outputs, np.reshape(answer["out"]["data"], (2, 2))[1], rtol=1e-3)
+
+
+@live
+def test_api_errors_are_shown_as_the_api_words_them(page, live_server):
+    choose(page, "custom")
+    state, _ = act(page, lambda: (page.fill("#custom-q", "[[1, 0], [1]]"), page.press("#custom-q", "Tab")))
+    assert state == "error"
+    request = {"q": [[1, 0], [1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": "top_left"}
+    answer = requests.post(f"{live_server}/attention", json=request, timeout=30)
+    assert answer.status_code == 422
+    error = answer.json()["error"]
+    assert page.is_visible("#error") and page.is_hidden("#result")
+    assert page.inner_text("#error-message") == error["message"]
+    assert page.inner_text("#error-code").startswith(f"422 {error['code']}")
+    screenshot(page, "error")
+    # A fix brings the heatmap back.
+    state, _ = act(page, lambda: (page.fill("#custom-q", "[[1, 0], [0, 1]]"), page.press("#custom-q", "Tab")))
+    assert state == "done" and page.is_hidden("#error") and drawn(page)[0].shape == (2, 3)
+    screenshot(page, "error-fixed")
+
+
+@live
+def test_json_the_page_cannot_parse_is_not_sent(page):
+    choose(page, "custom")
+    before = page.get_attribute("#status", "data-seq")
+    page.fill("#custom-k", "[[1, 0],")
+    page.press("#custom-k", "Tab")
+    assert wait_for_answer(page, before) == "error"
+    assert page.inner_text("#error-message").startswith("k is not valid JSON")
+
+
+@live
+def test_the_controls_are_labelled_and_reached_by_keyboard(page):
+    unlabelled = page.eval_on_selector_all("select, input, textarea", "els => els.filter(e => !e.labels.length).map(e => e.id)")
+    assert not unlabelled
+    reached = []
+    page.focus("#preset")
+    for _ in range(30):
+        reached.append(
+            page.evaluate("document.activeElement.id || document.activeElement.dataset.row + ',' + document.activeElement.dataset.col")
+        )
+        if reached[-1] == "0,0":
+            break
+        page.keyboard.press("Tab")
+    assert {"preset", "causal", "run"} <= set(reached), reached
+    assert reached[-1] == "0,0", f"Tab never reached the heatmap: {reached}"  # one tab stop into the grid
+    page.keyboard.press("ArrowRight")
+    page.keyboard.press("ArrowDown")
+    focused = page.evaluate(
+        "[document.activeElement.dataset.row, document.activeElement.dataset.col, document.activeElement.dataset.weight]"
+    )
+    assert focused[:2] == ["1", "1"]
+    readout = page.inner_text("#readout")  # the number on focus ...
+    assert readout.startswith("query 1, key 1: weight ")
+    assert float(readout.rsplit(" ", 1)[1]) == pytest.approx(float(focused[2]), rel=1e-5)
+    assert page.get_attribute("#heatmap td[data-row='1'][data-col='1']", "title") == readout  # ... and on hover
+    page.hover("#heatmap td[data-row='2'][data-col='0']")
+    assert page.inner_text("#readout").startswith("query 2, key 0: weight ")
+
+
+@live
+def test_the_readme_screenshot(page):
+    """docs/playground.png in the README is this, copied: the multi-head preset, head 1."""
+    choose(page, "mha")
+    page.select_option("#head", "1")
+    page.focus("#heatmap td[data-row='3'][data-col='1']")
+    path = screenshot(page, "playground")
+    assert path.stat().st_size > 10_000
