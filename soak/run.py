@@ -62,8 +62,10 @@ class Report:
                          f"{_mib(warm)}, at the end {_mib(end)}, idle after {_mib(self.idle_after.get(pid, (None,))[0])}; "
                          f"fds idle before {self.idle_before[pid][1]}, idle after {self.idle_after.get(pid, (None, '?'))[1]}")
         if self.trace:
+            step = max(1, len(self.trace) // 20)  # about 20 points, the last included
+            points = self.trace[::step] + ([self.trace[-1]] if (len(self.trace) - 1) % step else [])
             lines.append("RSS trace (s: MiB per worker): " + "; ".join(
-                f"{t:.0f}: " + "/".join(f"{v[0] / 1024:.0f}" for _, v in sorted(s.items())) for t, s in self.trace))
+                f"{t:.0f}: " + "/".join(f"{v[0] / 1024:.0f}" for _, v in sorted(s.items())) for t, s in points))
         for f in self.failures[:10]:
             lines.append(f"FAILED {f.kind} {f.status}: {f.detail}")
         lines += [f"CHECK FAILED: {p}" for p in self.problems]
