@@ -362,6 +362,40 @@ def test_limits_report_the_output_limit(attack_server):
     assert limits.get("max_output_elements") == 2**24, limits
 
 
+@pytest.mark.parametrize("path, body, status", [
+    ("/attention", {"q": np.zeros((10, 4)), "k": np.zeros((4, 4)), "v": np.zeros((4, 100)), "return_weights": False}, 200),  # out 10*100 = the limit
+    ("/attention", {"q": np.zeros((10, 4)), "k": np.zeros((4, 4)), "v": np.zeros((4, 101)), "return_weights": False}, 413),
+    ("/attention", {"q": np.zeros((2, 5, 4)), "k": np.zeros((2, 1, 4)), "v": np.zeros((2, 1, 101)), "return_weights": False}, 413),  # B counts
+    ("/mha", {"x": np.zeros((25, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False}, 200),  # n*d = 1000
+    ("/mha", {"x": np.zeros((26, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False}, 413),
+    ("/mha", {"x": np.zeros((2, 13, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False}, 413),  # B*n*d
+], ids=["attention-at-the-limit", "attention-over", "attention-batched-over", "mha-at-the-limit", "mha-over", "mha-batched-over"])
+def test_output_limit_counts_out(small_output_server, path, body, status):
+    """ATTN_MAX_OUTPUT_ELEMENTS counts out: B*T*dv for /attention, B*n*d for /mha, on both front doors."""
+    url = small_output_server
+    wire = {k: b64(v) if isinstance(v, np.ndarray) else v for k, v in body.items()}
+    resp = requests.post(f"{url}{path}", json=wire, timeout=30)
+    assert resp.status_code == status, resp.text[:300]
+    if status == 413:
+        err = resp.json()["error"]
+        assert err["code"] == "too_large" and "ATTN_MAX_OUTPUT_ELEMENTS" in err["message"], err
+    model = path.strip("/")
+    inputs = [{"name": k, "datatype": "FP32", "shape": list(v.shape), "data": v.ravel().tolist()} for k, v in body.items() if isinstance(v, np.ndarray)]
+    params = {k: v for k, v in body.items() if not isinstance(v, np.ndarray)}
+    resp = requests.post(f"{url}/v2/models/{model}/infer", json={"inputs": inputs, "parameters": params}, timeout=30)
+    assert resp.status_code == status, resp.text[:300]
+    if status == 413:
+        assert "ATTN_MAX_OUTPUT_ELEMENTS" in resp.json()["error"]
+    assert_seed_answered(url)
+
+
+@pytest.fixture(scope="module")
+def small_output_server():
+    proc, url = start_server({"ATTN_MAX_OUTPUT_ELEMENTS": "1000", "WEB_CONCURRENCY": "1", "ATTN_WARMUP": "0"})
+    yield url
+    stop_server(proc)
+
+
 # --- group 2: headers -------------------------------------------------------------------------------
 
 def http_request(method: str = "POST", path: str = "/attention", headers: dict | list | None = None, body: bytes = b"",
