@@ -46,6 +46,7 @@ class Report:
     idle_before: dict = field(default_factory=dict)
     idle_after: dict = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -68,7 +69,7 @@ class Report:
                 f"{t:.0f}: " + "/".join(f"{v[0] / 1024:.0f}" for _, v in sorted(s.items())) for t, s in points))
         for f in self.failures[:10]:
             lines.append(f"FAILED {f.kind} {f.status}: {f.detail}")
-        lines += [f"CHECK FAILED: {p}" for p in self.problems]
+        lines += self.notes + [f"CHECK FAILED: {p}" for p in self.problems]
         lines.append("soak: OK" if self.ok else "soak: FAILED")
         return "\n".join(lines)
 
@@ -165,16 +166,18 @@ def soak(url: str, arbiter: int | None, *, duration_s: float, warmup_s: float, c
         report.trace.append((report.duration_s, resources.sample(arbiter)))
         time.sleep(settle_s)
         report.idle_after = resources.sample(arbiter)
-    _check(report, warmup_s, window_s, max_growth, arbiter is not None)
+    check(report, warmup_s, window_s, max_growth, arbiter is not None)
     return report
 
 
-def _check(report: Report, warmup_s: float, window_s: float, max_growth: float, measured: bool) -> None:
+def check(report: Report, warmup_s: float, window_s: float, max_growth: float, measured: bool) -> None:
+    """Record in report.problems every check the run fails (see the module docstring)."""
     if report.failure_count:
         report.problems.append(f"{report.failure_count} requests were answered wrongly (see FAILED lines)")
     if not sum(report.statuses.values()):
         report.problems.append("no request was answered")
     if not measured:
+        report.notes.append("memory and fds not measured: pass --pid with --url")
         return
     if set(report.idle_after) != set(report.idle_before):
         report.problems.append(f"workers changed: {sorted(report.idle_before)} at the start, {sorted(report.idle_after)} at the end")
