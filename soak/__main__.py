@@ -1,4 +1,5 @@
 """`python -m soak`: see soak/run.py."""
+
 from .run import main
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Resident memory and open file descriptors of a gunicorn server's workers (Linux /proc)."""
+
 from __future__ import annotations
 
 import os

@@ -11,6 +11,7 @@ Checks (exit status 1 if any fails):
   workers    the same worker processes from start to end (none died and was replaced)
 Memory and fds need the server's arbiter pid: known when the soak starts the server, else --pid.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,20 +54,26 @@ class Report:
         return not self.problems
 
     def text(self, warmup_s: float, window_s: float) -> str:
-        lines = [f"soak: {self.duration_s:.0f} s, {sum(self.statuses.values())} requests, failures {self.failure_count}",
-                 "answers by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items(), key=str))]
+        lines = [
+            f"soak: {self.duration_s:.0f} s, {sum(self.statuses.values())} requests, failures {self.failure_count}",
+            "answers by status: " + ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items(), key=str)),
+        ]
         lines.append("requests by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(self.kinds.items())))
         for pid in sorted(self.idle_before):
             warm = _median(self.trace, pid, warmup_s - window_s, warmup_s, 0)
             end = _median(self.trace, pid, self.duration_s - window_s, self.duration_s + 1, 0)
-            lines.append(f"worker {pid}: RSS idle before {self.idle_before[pid][0] / 1024:.0f} MiB, after warm-up "
-                         f"{_mib(warm)}, at the end {_mib(end)}, idle after {_mib(self.idle_after.get(pid, (None,))[0])}; "
-                         f"fds idle before {self.idle_before[pid][1]}, idle after {self.idle_after.get(pid, (None, '?'))[1]}")
+            lines.append(
+                f"worker {pid}: RSS idle before {self.idle_before[pid][0] / 1024:.0f} MiB, after warm-up "
+                f"{_mib(warm)}, at the end {_mib(end)}, idle after {_mib(self.idle_after.get(pid, (None,))[0])}; "
+                f"fds idle before {self.idle_before[pid][1]}, idle after {self.idle_after.get(pid, (None, '?'))[1]}"
+            )
         if self.trace:
             step = max(1, len(self.trace) // 20)  # about 20 points, the last included
             points = self.trace[::step] + ([self.trace[-1]] if (len(self.trace) - 1) % step else [])
-            lines.append("RSS trace (s: MiB per worker): " + "; ".join(
-                f"{t:.0f}: " + "/".join(f"{v[0] / 1024:.0f}" for _, v in sorted(s.items())) for t, s in points))
+            lines.append(
+                "RSS trace (s: MiB per worker): "
+                + "; ".join(f"{t:.0f}: " + "/".join(f"{v[0] / 1024:.0f}" for _, v in sorted(s.items())) for t, s in points)
+            )
         for f in self.failures[:10]:
             lines.append(f"FAILED {f.kind} {f.status}: {f.detail}")
         lines += self.notes + [f"CHECK FAILED: {p}" for p in self.problems]
@@ -86,13 +93,20 @@ def _median(trace, pid, t0, t1, index):
 def start_server(env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m service` on a free loopback port, ready on every worker."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     log = tempfile.NamedTemporaryFile(prefix="soak-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env={**inherited, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"],
+        cwd=ROOT,
+        env={**inherited, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     proc.log_path = log.name
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -119,9 +133,21 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def soak(url: str, arbiter: int | None, *, duration_s: float, warmup_s: float, clients: int = 4, seed: int = 0,
-         invalid_share: float = 0.2, abandon_share: float = 0.1, sample_s: float = 2.0, window_s: float = 10.0,
-         max_growth: float = 0.10, log=print) -> Report:
+def soak(
+    url: str,
+    arbiter: int | None,
+    *,
+    duration_s: float,
+    warmup_s: float,
+    clients: int = 4,
+    seed: int = 0,
+    invalid_share: float = 0.2,
+    abandon_share: float = 0.1,
+    sample_s: float = 2.0,
+    window_s: float = 10.0,
+    max_growth: float = 0.10,
+    log=print,
+) -> Report:
     """Drive the traffic and check; the Report says what happened."""
     report, lock, stop = Report(), threading.Lock(), threading.Event()
     settle_s = 7.0  # longer than gunicorn's keep-alive (5 s): idle connections are closed by then
@@ -185,8 +211,10 @@ def check(report: Report, warmup_s: float, window_s: float, max_growth: float, m
         warm = _median(report.trace, pid, warmup_s - window_s, warmup_s, 0)
         end = _median(report.trace, pid, report.duration_s - window_s, report.duration_s + 1, 0)
         if warm and end and end > warm * (1 + max_growth):
-            report.problems.append(f"worker {pid} RSS grew {100 * (end / warm - 1):.0f}% after the warm-up "
-                                   f"({warm / 1024:.0f} -> {end / 1024:.0f} MiB), over {100 * max_growth:.0f}%")
+            report.problems.append(
+                f"worker {pid} RSS grew {100 * (end / warm - 1):.0f}% after the warm-up "
+                f"({warm / 1024:.0f} -> {end / 1024:.0f} MiB), over {100 * max_growth:.0f}%"
+            )
         before, after = report.idle_before[pid][1], report.idle_after[pid][1]
         if after > before + FD_SLACK:
             report.problems.append(f"worker {pid} holds {after} fds idle after the run against {before} before")
@@ -215,9 +243,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             proc, url = start_server()
             arbiter = proc.pid
-            print(f"soak: server {url} (arbiter {arbiter}, log {proc.log_path}), {args.duration:.0f} s, {args.clients} clients, warm-up {warmup:.0f} s")
-        report = soak(url, arbiter, duration_s=args.duration, warmup_s=warmup, clients=args.clients, seed=args.seed,
-                      invalid_share=args.invalid_share, abandon_share=args.abandon_share, window_s=window, max_growth=args.max_growth)
+            print(
+                f"soak: server {url} (arbiter {arbiter}, log {proc.log_path}), {args.duration:.0f} s, {args.clients} clients, warm-up {warmup:.0f} s"
+            )
+        report = soak(
+            url,
+            arbiter,
+            duration_s=args.duration,
+            warmup_s=warmup,
+            clients=args.clients,
+            seed=args.seed,
+            invalid_share=args.invalid_share,
+            abandon_share=args.abandon_share,
+            window_s=window,
+            max_growth=args.max_growth,
+        )
     finally:
         if proc is not None:
             stop_server(proc)

@@ -4,6 +4,7 @@ in-process numeric core; everyday invalid ones (each with its exact status and c
 that abandon an upload or a download midway, over raw sockets. The hostile cases live in
 tests/test_attacks.py; the soak is about what steady traffic does to the server over time.
 """
+
 from __future__ import annotations
 
 import base64
@@ -63,7 +64,7 @@ def decode(value) -> np.ndarray:
 
 
 def _close(got: np.ndarray, want: np.ndarray | None) -> str:
-    """"" if got matches want, else why not."""
+    """ "" if got matches want, else why not."""
     if want is None:
         return ""
     if got.shape != want.shape:
@@ -86,11 +87,25 @@ def _invalid_catalogue() -> list[tuple]:
         ("ragged", "/attention", dump({**seed, "q": [[1, 0], [0], [1, 1]]}), JSON, 422, "ragged"),
         ("nan-token", "/attention", dump(seed).replace(b"10", b"NaN"), JSON, 400, "bad_json"),
         ("truncated-json", "/attention", dump(seed)[:-7], JSON, 400, "bad_json"),
-        ("b64-byte-count", "/attention", dump({**seed, "q": {**b64(np.zeros((3, 2), np.float32)), "shape": [3, 3]}}), JSON, 422, "bad_shape"),
+        (
+            "b64-byte-count",
+            "/attention",
+            dump({**seed, "q": {**b64(np.zeros((3, 2), np.float32)), "shape": [3, 3]}}),
+            JSON,
+            422,
+            "bad_shape",
+        ),
         ("missing-v", "/attention", dump({k: v for k, v in seed.items() if k != "v"}), JSON, 422, "missing_field"),
         ("text-plain", "/attention", dump(seed), {"Content-Type": "text/plain"}, 415, "unsupported_media_type"),
         ("T-over-max", "/attention", dump({"q": b64(np.zeros((5000, 1), np.float32)), "k": [[0.0]], "v": [[0.0]]}), JSON, 413, "too_long"),
-        ("mha-heads", "/mha", dump({"x": [[1.0, 0.0]], **{w: [[1.0, 0.0], [0.0, 1.0]] for w in ("wq", "wk", "wv", "wo")}, "heads": 3}), JSON, 422, "bad_option"),
+        (
+            "mha-heads",
+            "/mha",
+            dump({"x": [[1.0, 0.0]], **{w: [[1.0, 0.0], [0.0, 1.0]] for w in ("wq", "wk", "wv", "wo")}, "heads": 3}),
+            JSON,
+            422,
+            "bad_option",
+        ),
         ("v2-missing-input", "/v2/models/attention/infer", dump(v2_missing_v), {}, 422, None),
         ("v2-bad-header-length", "/v2/models/attention/infer", dump(v2_missing_v), {"Inference-Header-Content-Length": "-3"}, 400, None),
     ]
@@ -119,7 +134,9 @@ class Traffic:
                 return self.abandon_upload()
             if x < self.invalid_share + self.abandon_share:
                 return self.abandon_download()
-            kind = self.rng.choice(["attention-b64", "attention-nested", "attention-flat", "mha", "v2-binary"], p=[0.3, 0.2, 0.15, 0.15, 0.2])
+            kind = self.rng.choice(
+                ["attention-b64", "attention-nested", "attention-flat", "mha", "v2-binary"], p=[0.3, 0.2, 0.15, 0.15, 0.2]
+            )
             return getattr(self, kind.replace("-", "_"))(kind)
         except (requests.RequestException, OSError) as exc:
             return Outcome("error", "no-answer", False, f"{type(exc).__name__}: {exc}"[:300])
@@ -158,8 +175,12 @@ class Traffic:
         ws = [(self.rng.standard_normal((MHA_D, MHA_D)) * 0.1).astype(np.float32) for _ in range(4)]
         encoding = str(self.rng.choice(["nested", "b64"]))
         weights = bool(self.rng.integers(2))
-        body = {"x": encode(x, encoding), **{name: encode(w, encoding) for name, w in zip(("wq", "wk", "wv", "wo"), ws)},
-                "heads": MHA_HEADS, "return_weights": weights}
+        body = {
+            "x": encode(x, encoding),
+            **{name: encode(w, encoding) for name, w in zip(("wq", "wk", "wv", "wo"), ws)},
+            "heads": MHA_HEADS,
+            "return_weights": weights,
+        }
         resp = self.session.post(f"{self.url}/mha", data=json.dumps(body), headers=JSON, timeout=120)
         if resp.status_code != 200:
             return self._refused(f"{kind}-n{n}", resp)
@@ -172,18 +193,22 @@ class Traffic:
         T = int(self.rng.choice(T_CHOICES))
         q, k, v = self._qkv(T)
         arrays = {"q": q, "k": k, "v": v}
-        inputs = [{"name": n, "datatype": "FP32", "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}} for n, a in arrays.items()]
-        head = json.dumps({"inputs": inputs, "parameters": {"causal": True, "binary_data_output": True},
-                           "outputs": [{"name": "out"}]}).encode()
+        inputs = [
+            {"name": n, "datatype": "FP32", "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}} for n, a in arrays.items()
+        ]
+        head = json.dumps(
+            {"inputs": inputs, "parameters": {"causal": True, "binary_data_output": True}, "outputs": [{"name": "out"}]}
+        ).encode()
         body = head + b"".join(a.tobytes() for a in arrays.values())
-        resp = self.session.post(f"{self.url}/v2/models/attention/infer", data=body,
-                                 headers={"Inference-Header-Content-Length": str(len(head))}, timeout=120)
+        resp = self.session.post(
+            f"{self.url}/v2/models/attention/infer", data=body, headers={"Inference-Header-Content-Length": str(len(head))}, timeout=120
+        )
         if resp.status_code != 200:
             return self._refused(f"{kind}-T{T}", resp)
         size = int(resp.headers["Inference-Header-Content-Length"])
         doc = json.loads(resp.content[:size])
         (spec,) = doc["outputs"]
-        got = np.frombuffer(resp.content[size:size + spec["parameters"]["binary_data_size"]], dtype=np.float32).reshape(spec["shape"])
+        got = np.frombuffer(resp.content[size : size + spec["parameters"]["binary_data_size"]], dtype=np.float32).reshape(spec["shape"])
         out, _ = self.core.attention(q, k, v, causal=True, return_weights=False)
         why = _close(got, out)
         return Outcome(kind, 200, not why, why)
@@ -232,7 +257,7 @@ class Traffic:
         """Send the headers and part of a valid body, then leave."""
         q, k, v = self._qkv(int(self.rng.choice(T_CHOICES)))
         full = self._request_bytes(json.dumps({"q": b64(q), "k": b64(k), "v": b64(v)}).encode())
-        self._raw(full[:int(len(full) * self.rng.uniform(0.05, 0.95))], 0)
+        self._raw(full[: int(len(full) * self.rng.uniform(0.05, 0.95))], 0)
         return Outcome("abandoned-upload", "abandoned", True)
 
     def abandon_download(self) -> Outcome:

@@ -8,6 +8,7 @@ code the contract (API.md) gives -- native: body["error"]["code"]; /v2: {"error"
 the next valid request on the server is answered correctly. Never a 5xx. A hypothesis fuzz at the
 end mutates valid requests of both front doors. docs/reliability.md maps each case to its class.
 """
+
 from __future__ import annotations
 
 import base64
@@ -23,7 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import requests
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from .conftest import SEED_EXAMPLE, assert_seed_answered, raw_exchange, start_server, stop_server, wait_until
 
@@ -34,6 +36,7 @@ BODY_LIMIT = 32 * 2**20  # the attack server's ATTN_MAX_BODY_BYTES (conftest.att
 
 
 # --- request builders -----------------------------------------------------------------------------
+
 
 def attn(**changes) -> dict:
     """The seed example with fields replaced (DROP removes one)."""
@@ -91,8 +94,10 @@ def v2_binary(header_length: str | None = None, sizes: dict | None = None, extra
     """The /v2 seed with binary inputs: (body, headers). header_length replaces the true
     Inference-Header-Content-Length, sizes the declared binary_data_size of inputs."""
     arrays = {n: np.array(SEED_EXAMPLE[n], dtype=np.float32) for n in ("q", "k", "v")}
-    inputs = [{"name": n, "datatype": "FP32", "shape": list(a.shape), "parameters": {"binary_data_size": (sizes or {}).get(n, a.nbytes)}}
-              for n, a in arrays.items()]
+    inputs = [
+        {"name": n, "datatype": "FP32", "shape": list(a.shape), "parameters": {"binary_data_size": (sizes or {}).get(n, a.nbytes)}}
+        for n, a in arrays.items()
+    ]
     for spec in inputs:
         spec.update(changes.get(spec["name"], {}))
     head = json.dumps({"inputs": inputs, "parameters": {"causal": True}}).encode()
@@ -101,6 +106,7 @@ def v2_binary(header_length: str | None = None, sizes: dict | None = None, extra
 
 
 # --- the runner -------------------------------------------------------------------------------------
+
 
 @dataclass
 class Case:
@@ -174,6 +180,7 @@ def tensor(value) -> np.ndarray:
 def out_is(expected):
     def check(body):
         np.testing.assert_allclose(tensor(body["out"]), expected, rtol=1e-6)
+
     return check
 
 
@@ -181,6 +188,7 @@ def v2_out_is(expected):
     def check(body):
         out = next(o for o in body["outputs"] if o["name"] == "out")
         np.testing.assert_allclose(np.array(out["data"], dtype=np.float64), np.ravel(expected), rtol=1e-5, atol=1e-6)
+
     return check
 
 
@@ -188,6 +196,7 @@ SEED_OUT = [[1.0, 0.0], [0.33023843, 6.6976156], [2.7657044, 5.0]]
 
 
 # --- group 1: bodies --------------------------------------------------------------------------------
+
 
 def seed_text(**replace: str) -> bytes:
     """The seed example as JSON text, with raw text substituted for fields (tokens JSON forbids)."""
@@ -227,10 +236,18 @@ NUMBERS = [
     Case("number-float-where-int-heads", mha(heads=2.0), 422, "bad_type", path="/mha"),
     Case("number-float-where-int-key-lengths", batched(key_lengths=[1.5]), 422, "bad_type"),
     Case("number-key-lengths-2**63", batched(key_lengths=[2**63]), 422, "bad_option"),
-    Case("number-key-lengths-int32-4294967297", batched(key_lengths={"shape": [1], "dtype": "int32", "data": [4294967297]}), 422,
-         frozenset({"bad_option", "bad_type"})),
-    Case("number-key-lengths-int32-minus-2**32-plus-2", batched(key_lengths={"shape": [1], "dtype": "int32", "data": [-4294967294]}), 422,
-         frozenset({"bad_option", "bad_type"})),
+    Case(
+        "number-key-lengths-int32-4294967297",
+        batched(key_lengths={"shape": [1], "dtype": "int32", "data": [4294967297]}),
+        422,
+        frozenset({"bad_option", "bad_type"}),
+    ),
+    Case(
+        "number-key-lengths-int32-minus-2**32-plus-2",
+        batched(key_lengths={"shape": [1], "dtype": "int32", "data": [-4294967294]}),
+        422,
+        frozenset({"bad_option", "bad_type"}),
+    ),
     Case("number-scale-1e300-float32", attn(scale=1e300), 422, "non_finite"),
     Case("number-scale-zero", attn(scale=0), 422, "bad_option"),
     Case("number-scale-negative", attn(scale=-1.0), 422, "bad_option"),
@@ -258,23 +275,50 @@ NESTING = [
 
 # Every field of /attention and /mha with a value of the wrong type.
 WRONG_TYPES = [
-    ("q", "abc", "bad_type"), ("q", 5, "bad_rank"), ("q", None, "bad_type"), ("q", {}, "bad_encoding"),
-    ("k", "abc", "bad_type"), ("k", {"shape": [3, 2]}, "bad_encoding"),
-    ("v", True, "bad_type"), ("v", [[True, False], [False, True], [True, True]], "bad_type"),
-    ("mask", "all", "bad_type"), ("mask", 1.5, "bad_type"),
-    ("causal", "yes", "bad_option"), ("causal", 1, "bad_option"), ("causal", [True], "bad_option"),
-    ("key_lengths", "3", "bad_type"), ("key_lengths", {"3": 3}, "bad_encoding"),
-    ("scale", "1", "bad_type"), ("scale", True, "bad_type"), ("scale", [1.0], "bad_type"),
-    ("return_weights", "false", "bad_type"), ("return_weights", 0, "bad_type"), ("return_weights", None, "bad_type"),
-    ("dtype", "float16", "bad_option"), ("dtype", 32, "bad_option"), ("dtype", None, None),
-    ("response_encoding", "xml", "bad_option"), ("response_encoding", ["b64"], "bad_option"),
+    ("q", "abc", "bad_type"),
+    ("q", 5, "bad_rank"),
+    ("q", None, "bad_type"),
+    ("q", {}, "bad_encoding"),
+    ("k", "abc", "bad_type"),
+    ("k", {"shape": [3, 2]}, "bad_encoding"),
+    ("v", True, "bad_type"),
+    ("v", [[True, False], [False, True], [True, True]], "bad_type"),
+    ("mask", "all", "bad_type"),
+    ("mask", 1.5, "bad_type"),
+    ("causal", "yes", "bad_option"),
+    ("causal", 1, "bad_option"),
+    ("causal", [True], "bad_option"),
+    ("key_lengths", "3", "bad_type"),
+    ("key_lengths", {"3": 3}, "bad_encoding"),
+    ("scale", "1", "bad_type"),
+    ("scale", True, "bad_type"),
+    ("scale", [1.0], "bad_type"),
+    ("return_weights", "false", "bad_type"),
+    ("return_weights", 0, "bad_type"),
+    ("return_weights", None, "bad_type"),
+    ("dtype", "float16", "bad_option"),
+    ("dtype", 32, "bad_option"),
+    ("dtype", None, None),
+    ("response_encoding", "xml", "bad_option"),
+    ("response_encoding", ["b64"], "bad_option"),
 ]
 MHA_WRONG_TYPES = [
-    ("x", "abc", "bad_type"), ("x", [[True, False]], "bad_type"),
-    ("wq", 1, "bad_rank"), ("wk", None, "bad_type"), ("wv", {"shape": [2, 2]}, "bad_encoding"), ("wo", [["1", "0"], ["0", "1"]], "bad_type"),
-    ("heads", "2", "bad_type"), ("heads", True, "bad_type"), ("heads", 0, "bad_option"), ("heads", 3, "bad_option"), ("heads", [2], "bad_type"),
-    ("causal", "top_left", "bad_type"), ("causal", 1, "bad_type"),
-    ("return_weights", "yes", "bad_type"), ("dtype", "int8", "bad_option"), ("response_encoding", 5, "bad_option"),
+    ("x", "abc", "bad_type"),
+    ("x", [[True, False]], "bad_type"),
+    ("wq", 1, "bad_rank"),
+    ("wk", None, "bad_type"),
+    ("wv", {"shape": [2, 2]}, "bad_encoding"),
+    ("wo", [["1", "0"], ["0", "1"]], "bad_type"),
+    ("heads", "2", "bad_type"),
+    ("heads", True, "bad_type"),
+    ("heads", 0, "bad_option"),
+    ("heads", 3, "bad_option"),
+    ("heads", [2], "bad_type"),
+    ("causal", "top_left", "bad_type"),
+    ("causal", 1, "bad_type"),
+    ("return_weights", "yes", "bad_type"),
+    ("dtype", "int8", "bad_option"),
+    ("response_encoding", 5, "bad_option"),
 ]
 
 
@@ -296,8 +340,18 @@ FIELDS = [
     Case("fields-body-empty", b"", 400, "bad_json"),
     Case("fields-body-bom", b"\xef\xbb\xbf" + json.dumps(SEED_EXAMPLE).encode(), 400, "bad_json"),
     # A repeated key: the last one counts, on every parsing path (as in Python's json and orjson).
-    Case("fields-duplicate-v-last-wins", seed_text(v='[[1, 0], [0, 10], [5, 5]], "v": [[0, 0], [0, 0], [0, 0]]'), 200, check=out_is(np.zeros((3, 2)))),
-    Case("fields-duplicate-data-in-flat-last-wins", seed_text(q='{"shape": [3, 2], "data": [0, 0, 0, 0, 0, 0], "data": [1, 0, 0, 1, 1, 1]}'), 200, check=out_is(SEED_OUT)),
+    Case(
+        "fields-duplicate-v-last-wins",
+        seed_text(v='[[1, 0], [0, 10], [5, 5]], "v": [[0, 0], [0, 0], [0, 0]]'),
+        200,
+        check=out_is(np.zeros((3, 2))),
+    ),
+    Case(
+        "fields-duplicate-data-in-flat-last-wins",
+        seed_text(q='{"shape": [3, 2], "data": [0, 0, 0, 0, 0, 0], "data": [1, 0, 0, 1, 1, 1]}'),
+        200,
+        check=out_is(SEED_OUT),
+    ),
     *(_wrong("/attention", attn, *row) for row in WRONG_TYPES),
     *(_wrong("/mha", mha, *row) for row in MHA_WRONG_TYPES),
 ]
@@ -314,7 +368,12 @@ ENCODINGS = [
     Case("encoding-b64-wrong-byte-count", attn(q=b64(np.zeros(5), shape=[3, 2])), 422, "bad_shape"),
     Case("encoding-b64-dtype-missing", attn(q={k: v for k, v in b64(np.zeros((3, 2))).items() if k != "dtype"}), 422, "bad_type"),
     Case("encoding-b64-dtype-unknown", attn(q=b64(np.zeros((3, 2))) | {"dtype": "float128"}), 422, "bad_type"),
-    Case("encoding-b64-bool-bytes-not-0-1", attn(mask={"shape": [3, 3], "dtype": "bool", "b64": base64.b64encode(bytes([2] * 9)).decode()}), 422, "bad_type"),
+    Case(
+        "encoding-b64-bool-bytes-not-0-1",
+        attn(mask={"shape": [3, 3], "dtype": "bool", "b64": base64.b64encode(bytes([2] * 9)).decode()}),
+        422,
+        "bad_type",
+    ),
     Case("encoding-flat-dtype-unknown", attn(q={"shape": [3, 2], "data": [1, 0, 0, 1, 1, 1], "dtype": "complex64"}), 422, "bad_type"),
     Case("encoding-flat-extra-key", attn(q={"shape": [3, 2], "data": [1, 0, 0, 1, 1, 1], "order": "F"}), 422, "bad_encoding"),
     Case("encoding-flat-data-not-list", attn(q={"shape": [3, 2], "data": "101011"}), 422, "bad_type"),
@@ -335,20 +394,60 @@ ENCODINGS = [
 OVERFLOW = [
     Case("overflow-no-weights-exp63-times-1e12", overflow_body(False), 200, check=out_is([[1e12]])),
     Case("overflow-with-weights-exp63-times-1e12", overflow_body(True), 200, check=out_is([[1e12]])),
-    Case("overflow-no-weights-batched-causal", {"q": [[[63.0], [60.0]]], "k": [[[1.0], [1.0]]], "v": [[[1e12], [1e12]]], "scale": 1.0,
-                                                  "causal": True, "return_weights": False}, 200, check=out_is([[[1e12], [1e12]]])),
+    Case(
+        "overflow-no-weights-batched-causal",
+        {"q": [[[63.0], [60.0]]], "k": [[[1.0], [1.0]]], "v": [[[1e12], [1e12]]], "scale": 1.0, "causal": True, "return_weights": False},
+        200,
+        check=out_is([[[1e12], [1e12]]]),
+    ),
     # The output of /mha passes through wo: 1e19 * 1e19 * 1e19 is past float32, so no 200 can be honest.
-    Case("overflow-mha-output-non-finite", mha(x=[[1e19, 0.0]], wq=[[0.0, 0.0], [0.0, 0.0]], wk=[[0.0, 0.0], [0.0, 0.0]],
-                                               wv=[[1e19, 0.0], [0.0, 0.0]], wo=[[1e19, 0.0], [0.0, 0.0]], heads=1), 422, "non_finite", path="/mha"),
+    Case(
+        "overflow-mha-output-non-finite",
+        mha(
+            x=[[1e19, 0.0]],
+            wq=[[0.0, 0.0], [0.0, 0.0]],
+            wk=[[0.0, 0.0], [0.0, 0.0]],
+            wv=[[1e19, 0.0], [0.0, 0.0]],
+            wo=[[1e19, 0.0], [0.0, 0.0]],
+            heads=1,
+        ),
+        422,
+        "non_finite",
+        path="/mha",
+    ),
     Case("overflow-mha-projection-scores", mha(x=[[1e19, 1e19]], wq=[[1e19, 0.0], [0.0, 1e19]], heads=1), 422, "non_finite", path="/mha"),
     # out is B*T*dv = 4*4096*4096 = 67M elements from an 88 KB request: refused before computing.
-    Case("limits-output-too-large-b64", {"q": b64(np.zeros((4, 4096, 1))), "k": b64(np.zeros((4, 1, 1))), "v": b64(np.zeros((4, 1, 4096))),
-                                          "return_weights": False}, 413, "too_large", message_has="ATTN_MAX_OUTPUT_ELEMENTS"),
-    Case("limits-output-too-large-nested-weights", lambda: {"q": [[[0.0]] * 4096] * 4, "k": [[[0.0]]] * 4, "v": [[[0.0] * 4096]] * 4},
-         413, "too_large", message_has="ATTN_MAX_OUTPUT_ELEMENTS"),
-    Case("limits-T-over-max", lambda: {"q": b64(np.zeros((4097, 1))), "k": b64(np.zeros((1, 1))), "v": b64(np.zeros((1, 1)))}, 413, "too_long"),
-    Case("limits-scores-over-max", lambda: {"q": b64(np.zeros((16, 4096, 1))), "k": b64(np.zeros((16, 4096, 1))), "v": b64(np.zeros((16, 4096, 1))),
-                                            "return_weights": False}, 413, "too_large"),
+    Case(
+        "limits-output-too-large-b64",
+        {"q": b64(np.zeros((4, 4096, 1))), "k": b64(np.zeros((4, 1, 1))), "v": b64(np.zeros((4, 1, 4096))), "return_weights": False},
+        413,
+        "too_large",
+        message_has="ATTN_MAX_OUTPUT_ELEMENTS",
+    ),
+    Case(
+        "limits-output-too-large-nested-weights",
+        lambda: {"q": [[[0.0]] * 4096] * 4, "k": [[[0.0]]] * 4, "v": [[[0.0] * 4096]] * 4},
+        413,
+        "too_large",
+        message_has="ATTN_MAX_OUTPUT_ELEMENTS",
+    ),
+    Case(
+        "limits-T-over-max",
+        lambda: {"q": b64(np.zeros((4097, 1))), "k": b64(np.zeros((1, 1))), "v": b64(np.zeros((1, 1)))},
+        413,
+        "too_long",
+    ),
+    Case(
+        "limits-scores-over-max",
+        lambda: {
+            "q": b64(np.zeros((16, 4096, 1))),
+            "k": b64(np.zeros((16, 4096, 1))),
+            "v": b64(np.zeros((16, 4096, 1))),
+            "return_weights": False,
+        },
+        413,
+        "too_large",
+    ),
 ]
 
 
@@ -362,14 +461,34 @@ def test_limits_report_the_output_limit(attack_server):
     assert limits.get("max_output_elements") == 2**24, limits
 
 
-@pytest.mark.parametrize("path, body, status", [
-    ("/attention", {"q": np.zeros((10, 4)), "k": np.zeros((4, 4)), "v": np.zeros((4, 100)), "return_weights": False}, 200),  # out 10*100 = the limit
-    ("/attention", {"q": np.zeros((10, 4)), "k": np.zeros((4, 4)), "v": np.zeros((4, 101)), "return_weights": False}, 413),
-    ("/attention", {"q": np.zeros((2, 5, 4)), "k": np.zeros((2, 1, 4)), "v": np.zeros((2, 1, 101)), "return_weights": False}, 413),  # B counts
-    ("/mha", {"x": np.zeros((25, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False}, 200),  # n*d = 1000
-    ("/mha", {"x": np.zeros((26, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False}, 413),
-    ("/mha", {"x": np.zeros((2, 13, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False}, 413),  # B*n*d
-], ids=["attention-at-the-limit", "attention-over", "attention-batched-over", "mha-at-the-limit", "mha-over", "mha-batched-over"])
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        (
+            "/attention",
+            {"q": np.zeros((10, 4)), "k": np.zeros((4, 4)), "v": np.zeros((4, 100)), "return_weights": False},
+            200,
+        ),  # out 10*100 = the limit
+        ("/attention", {"q": np.zeros((10, 4)), "k": np.zeros((4, 4)), "v": np.zeros((4, 101)), "return_weights": False}, 413),
+        (
+            "/attention",
+            {"q": np.zeros((2, 5, 4)), "k": np.zeros((2, 1, 4)), "v": np.zeros((2, 1, 101)), "return_weights": False},
+            413,
+        ),  # B counts
+        (
+            "/mha",
+            {"x": np.zeros((25, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False},
+            200,
+        ),  # n*d = 1000
+        ("/mha", {"x": np.zeros((26, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False}, 413),
+        (
+            "/mha",
+            {"x": np.zeros((2, 13, 40)), **{w: np.eye(40) for w in ("wq", "wk", "wv", "wo")}, "heads": 4, "return_weights": False},
+            413,
+        ),  # B*n*d
+    ],
+    ids=["attention-at-the-limit", "attention-over", "attention-batched-over", "mha-at-the-limit", "mha-over", "mha-batched-over"],
+)
 def test_output_limit_counts_out(small_output_server, path, body, status):
     """ATTN_MAX_OUTPUT_ELEMENTS counts out: B*T*dv for /attention, B*n*d for /mha, on both front doors."""
     url = small_output_server
@@ -380,7 +499,11 @@ def test_output_limit_counts_out(small_output_server, path, body, status):
         err = resp.json()["error"]
         assert err["code"] == "too_large" and "ATTN_MAX_OUTPUT_ELEMENTS" in err["message"], err
     model = path.strip("/")
-    inputs = [{"name": k, "datatype": "FP32", "shape": list(v.shape), "data": v.ravel().tolist()} for k, v in body.items() if isinstance(v, np.ndarray)]
+    inputs = [
+        {"name": k, "datatype": "FP32", "shape": list(v.shape), "data": v.ravel().tolist()}
+        for k, v in body.items()
+        if isinstance(v, np.ndarray)
+    ]
     params = {k: v for k, v in body.items() if not isinstance(v, np.ndarray)}
     resp = requests.post(f"{url}/v2/models/{model}/infer", json={"inputs": inputs, "parameters": params}, timeout=30)
     assert resp.status_code == status, resp.text[:300]
@@ -398,8 +521,15 @@ def small_output_server():
 
 # --- group 2: headers -------------------------------------------------------------------------------
 
-def http_request(method: str = "POST", path: str = "/attention", headers: dict | list | None = None, body: bytes = b"",
-                 length: bool = True, version: str = "HTTP/1.1") -> bytes:
+
+def http_request(
+    method: str = "POST",
+    path: str = "/attention",
+    headers: dict | list | None = None,
+    body: bytes = b"",
+    length: bool = True,
+    version: str = "HTTP/1.1",
+) -> bytes:
     """Raw request bytes; headers as given (a list keeps repeats), Content-Length added unless
     length is False or already given."""
     pairs = list(headers.items()) if isinstance(headers, dict) else list(headers or [])
@@ -417,7 +547,7 @@ JSON = {"Content-Type": "application/json"}
 
 
 def chunked(body: bytes, size: int = 2**20) -> bytes:
-    parts = [b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size]) for i in range(0, len(body), size)]
+    parts = [b"%x\r\n%s\r\n" % (len(body[i : i + size]), body[i : i + size]) for i in range(0, len(body), size)]
     return b"".join(parts) + b"0\r\n\r\n"
 
 
@@ -445,7 +575,11 @@ HEADERS = [
     Raw("header-9KB-value", http_request(headers={**JSON, "X-Filler": "a" * 9000}, body=SEED_BYTES), 431),
     Raw("header-500-headers", http_request(headers=[*JSON.items(), *((f"X-H{i}", "1") for i in range(500))], body=SEED_BYTES), 431),
     Raw("header-request-line-10KB", http_request("GET", "/healthz?" + "a" * 10_000), 414),
-    Raw("header-no-colon", http_request(headers=[*JSON.items()], body=SEED_BYTES).replace(b"Content-Type: application/json", b"Content-Type application/json"), 400),
+    Raw(
+        "header-no-colon",
+        http_request(headers=[*JSON.items()], body=SEED_BYTES).replace(b"Content-Type: application/json", b"Content-Type application/json"),
+        400,
+    ),
     Raw("method-made-up-on-healthz", http_request("FROBNICATE", "/healthz"), 405, "method_not_allowed"),
     Raw("method-made-up-on-attention", http_request("BREW", "/attention", headers=JSON, body=SEED_BYTES), 405, "method_not_allowed"),
     Raw("method-get-on-attention", http_request("GET", "/attention"), 405, "method_not_allowed"),
@@ -454,21 +588,53 @@ HEADERS = [
     Raw("path-nul-escape", http_request("GET", "/healthz%00"), 404, "not_found"),
     Raw("content-type-absent", http_request(body=SEED_BYTES), 415, "unsupported_media_type"),
     Raw("content-type-text-plain", http_request(headers={"Content-Type": "text/plain"}, body=SEED_BYTES), 415, "unsupported_media_type"),
-    Raw("content-type-form", http_request(headers={"Content-Type": "application/x-www-form-urlencoded"}, body=b"q=1"), 415, "unsupported_media_type"),
-    Raw("content-type-multipart", http_request(headers={"Content-Type": "multipart/form-data; boundary=x"}, body=b"--x--"), 415, "unsupported_media_type"),
+    Raw(
+        "content-type-form",
+        http_request(headers={"Content-Type": "application/x-www-form-urlencoded"}, body=b"q=1"),
+        415,
+        "unsupported_media_type",
+    ),
+    Raw(
+        "content-type-multipart",
+        http_request(headers={"Content-Type": "multipart/form-data; boundary=x"}, body=b"--x--"),
+        415,
+        "unsupported_media_type",
+    ),
     Raw("content-type-jsonp", http_request(headers={"Content-Type": "application/jsonp"}, body=SEED_BYTES), 415, "unsupported_media_type"),
     Raw("content-type-json-charset-ok", http_request(headers={"Content-Type": "application/json; charset=utf-8"}, body=SEED_BYTES), 200),
-    Raw("content-encoding-gzip", http_request(headers={**JSON, "Content-Encoding": "gzip"}, body=gzip.compress(SEED_BYTES)), 415, "unsupported_media_type"),
+    Raw(
+        "content-encoding-gzip",
+        http_request(headers={**JSON, "Content-Encoding": "gzip"}, body=gzip.compress(SEED_BYTES)),
+        415,
+        "unsupported_media_type",
+    ),
     Raw("content-encoding-br", http_request(headers={**JSON, "Content-Encoding": "br"}, body=SEED_BYTES), 415, "unsupported_media_type"),
     Raw("content-encoding-identity-ok", http_request(headers={**JSON, "Content-Encoding": "identity"}, body=SEED_BYTES), 200),
     Raw("content-length-shorter-than-body", http_request(headers={**JSON, "Content-Length": "10"}, body=SEED_BYTES), 400, "bad_json"),
-    Raw("content-length-longer-than-body-then-eof", http_request(headers={**JSON, "Content-Length": str(len(SEED_BYTES) + 100)}, body=SEED_BYTES),
-        400, shut_write=True),  # an incomplete request is not computed, however valid its first bytes
-    Raw("content-length-over-the-limit-no-body", http_request(headers={**JSON, "Content-Length": str(BODY_LIMIT + 1)}), 413, "body_too_large"),
+    Raw(
+        "content-length-longer-than-body-then-eof",
+        http_request(headers={**JSON, "Content-Length": str(len(SEED_BYTES) + 100)}, body=SEED_BYTES),
+        400,
+        shut_write=True,
+    ),  # an incomplete request is not computed, however valid its first bytes
+    Raw(
+        "content-length-over-the-limit-no-body",
+        http_request(headers={**JSON, "Content-Length": str(BODY_LIMIT + 1)}),
+        413,
+        "body_too_large",
+    ),
     Raw("content-length-negative", http_request(headers={**JSON, "Content-Length": "-5"}, body=SEED_BYTES), 400),
     Raw("content-length-not-a-number", http_request(headers={**JSON, "Content-Length": "lots"}, body=SEED_BYTES), 400),
-    Raw("content-length-twice-differing", http_request(headers=[*JSON.items(), ("Content-Length", str(len(SEED_BYTES))), ("Content-Length", "5")], body=SEED_BYTES), 400),
-    Raw("content-length-and-chunked", http_request(headers={**JSON, "Content-Length": "5", "Transfer-Encoding": "chunked"}, body=chunked(SEED_BYTES)), 400),
+    Raw(
+        "content-length-twice-differing",
+        http_request(headers=[*JSON.items(), ("Content-Length", str(len(SEED_BYTES))), ("Content-Length", "5")], body=SEED_BYTES),
+        400,
+    ),
+    Raw(
+        "content-length-and-chunked",
+        http_request(headers={**JSON, "Content-Length": "5", "Transfer-Encoding": "chunked"}, body=chunked(SEED_BYTES)),
+        400,
+    ),
     Raw("transfer-encoding-unknown", http_request(headers={**JSON, "Transfer-Encoding": "gzip, chunked"}, body=chunked(SEED_BYTES)), 501),
     Raw("chunked-valid", http_request(headers={**JSON, "Transfer-Encoding": "chunked"}, body=chunked(SEED_BYTES, 7)), 200),
     Raw("chunked-over-the-limit", chunked_over_limit, 413, "body_too_large"),
@@ -481,14 +647,32 @@ HEADERS = [
     Raw("deadline-infinity", http_request(headers={**JSON, "X-Deadline-Ms": "inf"}, body=SEED_BYTES), 422, "bad_option"),
     Raw("deadline-1e999", http_request(headers={**JSON, "X-Deadline-Ms": "1e999"}, body=SEED_BYTES), 422, "bad_option"),
     Raw("deadline-empty", http_request(headers={**JSON, "X-Deadline-Ms": ""}, body=SEED_BYTES), 422, "bad_option"),
-    Raw("request-id-over-long-not-echoed", http_request(headers={**JSON, "X-Request-Id": "r" * 1000}, body=SEED_BYTES), 200,
-        check=lambda h: h["x-request-id"] != "r" * 1000 and 0 < len(h["x-request-id"]) <= 128),
-    Raw("request-id-control-chars-refused", http_request(headers={**JSON, "X-Request-Id": "abc\x01\x1b[31mdef"}, body=SEED_BYTES), 400),  # gunicorn's
-    Raw("request-id-latin1-not-echoed", http_request(headers={**JSON, "X-Request-Id": "caf\xe9"}, body=SEED_BYTES), 200,
-        check=lambda h: h["x-request-id"].isascii()),
-    Raw("request-id-plain-echoed", http_request(headers={**JSON, "X-Request-Id": "trace-42"}, body=SEED_BYTES), 200,
-        check=lambda h: h["x-request-id"] == "trace-42"),
-    Raw("expect-100-continue", [http_request(headers={**JSON, "Expect": "100-continue", "Content-Length": str(len(SEED_BYTES))}), SEED_BYTES], 200),
+    Raw(
+        "request-id-over-long-not-echoed",
+        http_request(headers={**JSON, "X-Request-Id": "r" * 1000}, body=SEED_BYTES),
+        200,
+        check=lambda h: h["x-request-id"] != "r" * 1000 and 0 < len(h["x-request-id"]) <= 128,
+    ),
+    Raw(
+        "request-id-control-chars-refused", http_request(headers={**JSON, "X-Request-Id": "abc\x01\x1b[31mdef"}, body=SEED_BYTES), 400
+    ),  # gunicorn's
+    Raw(
+        "request-id-latin1-not-echoed",
+        http_request(headers={**JSON, "X-Request-Id": "caf\xe9"}, body=SEED_BYTES),
+        200,
+        check=lambda h: h["x-request-id"].isascii(),
+    ),
+    Raw(
+        "request-id-plain-echoed",
+        http_request(headers={**JSON, "X-Request-Id": "trace-42"}, body=SEED_BYTES),
+        200,
+        check=lambda h: h["x-request-id"] == "trace-42",
+    ),
+    Raw(
+        "expect-100-continue",
+        [http_request(headers={**JSON, "Expect": "100-continue", "Content-Length": str(len(SEED_BYTES))}), SEED_BYTES],
+        200,
+    ),
     Raw("http-1.0-no-host", b"GET /healthz HTTP/1.0\r\n\r\n", 200),
     Raw("http-version-2.0-text", b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 400),  # gunicorn's
     Raw("tls-client-hello-bytes", bytes.fromhex("16030100a5010000a10303") + bytes(range(32)), 400, shut_write=True),
@@ -526,6 +710,7 @@ def test_made_up_methods_do_not_grow_metrics(attack_server):
 
 # --- group 3: connections ---------------------------------------------------------------------------
 
+
 def test_pipelined_requests_are_answered_in_order(attack_server):
     url = attack_server[1]
     first = http_request(headers={**JSON, "X-Request-Id": "first"}, body=SEED_BYTES)
@@ -540,7 +725,9 @@ def test_pipelined_requests_are_answered_in_order(attack_server):
 
 def test_pipelined_error_then_valid_on_v2(attack_server):
     url = attack_server[1]
-    bad = http_request(path="/v2/models/attention/infer", headers={"Inference-Header-Content-Length": "-1"}, body=json.dumps(V2_SEED).encode())
+    bad = http_request(
+        path="/v2/models/attention/infer", headers={"Inference-Header-Content-Length": "-1"}, body=json.dumps(V2_SEED).encode()
+    )
     good = http_request(path="/v2/models/attention/infer", headers={"Connection": "close"}, body=json.dumps(V2_SEED).encode())
     answers = raw_exchange(url, bad + good, responses=2)
     assert [a[0] for a in answers] == [400, 200]
@@ -563,8 +750,13 @@ CLOSES = {
     "close-mid-headers": [b"POST /attention HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"],
     "close-mid-request-line": [b"POST /atten"],
     "close-before-anything": [],
-    "close-mid-v2-binary": [http_request(path="/v2/models/attention/infer", headers={"Content-Length": "100000", "Inference-Header-Content-Length": "300"},
-                                         body=b'{"inputs": [')],
+    "close-mid-v2-binary": [
+        http_request(
+            path="/v2/models/attention/infer",
+            headers={"Content-Length": "100000", "Inference-Header-Content-Length": "300"},
+            body=b'{"inputs": [',
+        )
+    ],
 }
 
 
@@ -592,8 +784,13 @@ def test_close_before_reading_a_large_response(attack_server):
 
 V2 = "/v2/models/attention/infer"
 V2_MHA = "/v2/models/mha/infer"
-MHA_V2 = {"inputs": [{"name": n, "datatype": "FP32", "shape": [2, 2] if n != "x" else [3, 2],
-                      "data": sum(MHA[n], [])} for n in ("x", "wq", "wk", "wv", "wo")], "parameters": {"heads": 2}}
+MHA_V2 = {
+    "inputs": [
+        {"name": n, "datatype": "FP32", "shape": [2, 2] if n != "x" else [3, 2], "data": sum(MHA[n], [])}
+        for n in ("x", "wq", "wk", "wv", "wo")
+    ],
+    "parameters": {"heads": 2},
+}
 
 PROTOCOL = [
     Case("v2-seed-json", v2(), 200, path=V2, check=v2_out_is(SEED_OUT)),
@@ -667,13 +864,29 @@ PROTOCOL = [
     Case("v2-body-deep", b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, path=V2),
     Case("v2-content-encoding-gzip", (gzip.compress(json.dumps(V2_SEED).encode()), {"Content-Encoding": "gzip"}), 415, path=V2),
     Case("v2-content-length-over-the-limit", lambda: (b"{" + b" " * (BODY_LIMIT + 1) + b"}", {}), 413, path=V2),
-    Case("v2-key-lengths-int32-wraps", v2(inputs=[{"name": n, "datatype": "FP32", "shape": [1, 3, 2], "data": d["data"]} for n, d in
-                                                  zip("qkv", V2_SEED["inputs"])] + [{"name": "key_lengths", "datatype": "INT32", "shape": [1], "data": [4294967297]}]),
-         422, path=V2),
-    Case("v2-overflow-no-weights", {"inputs": [{"name": "q", "datatype": "FP32", "shape": [1, 1], "data": [63.0]},
-                                               {"name": "k", "datatype": "FP32", "shape": [1, 1], "data": [1.0]},
-                                               {"name": "v", "datatype": "FP32", "shape": [1, 1], "data": [1e12]}],
-                                    "parameters": {"scale": 1.0, "return_weights": False}}, 200, path=V2, check=v2_out_is([[1e12]])),
+    Case(
+        "v2-key-lengths-int32-wraps",
+        v2(
+            inputs=[{"name": n, "datatype": "FP32", "shape": [1, 3, 2], "data": d["data"]} for n, d in zip("qkv", V2_SEED["inputs"])]
+            + [{"name": "key_lengths", "datatype": "INT32", "shape": [1], "data": [4294967297]}]
+        ),
+        422,
+        path=V2,
+    ),
+    Case(
+        "v2-overflow-no-weights",
+        {
+            "inputs": [
+                {"name": "q", "datatype": "FP32", "shape": [1, 1], "data": [63.0]},
+                {"name": "k", "datatype": "FP32", "shape": [1, 1], "data": [1.0]},
+                {"name": "v", "datatype": "FP32", "shape": [1, 1], "data": [1e12]},
+            ],
+            "parameters": {"scale": 1.0, "return_weights": False},
+        },
+        200,
+        path=V2,
+        check=v2_out_is([[1e12]]),
+    ),
     Case("v2-mha-seed", MHA_V2, 200, path=V2_MHA),
     Case("v2-mha-heads-string", {**MHA_V2, "parameters": {"heads": "2"}}, 422, path=V2_MHA),
     Case("v2-mha-name-is-a-list", {**MHA_V2, "inputs": [{**MHA_V2["inputs"][0], "name": ["x"]}, *MHA_V2["inputs"][1:]]}, 422, path=V2_MHA),
@@ -700,10 +913,13 @@ def test_v2_readiness_follows_draining():
         # ~2**27 scores without weights: seconds of compute, a small answer
         slow = json.dumps({**{n: b64(rng.standard_normal((8, 4096, 64))) for n in ("q", "k", "v")}, "return_weights": False}).encode()
         done = {}
-        client = threading.Thread(target=lambda: done.update(status=requests.post(
-            f"{url}/attention", data=slow, headers=JSON, timeout=120).status_code))
+        client = threading.Thread(
+            target=lambda: done.update(status=requests.post(f"{url}/attention", data=slow, headers=JSON, timeout=120).status_code)
+        )
         client.start()
-        wait_until(lambda: "attention_admission_running_requests 1.0" in requests.get(f"{url}/metrics", timeout=5).text, timeout=60, interval=0.02)
+        wait_until(
+            lambda: "attention_admission_running_requests 1.0" in requests.get(f"{url}/metrics", timeout=5).text, timeout=60, interval=0.02
+        )
         os.kill(proc.pid, signal.SIGTERM)
         wait_until(lambda: sessions["/readyz"].get(f"{url}/readyz", timeout=5).status_code == 503, timeout=10, interval=0.05)
         for path in ("/v2/health/ready", "/v2/models/attention/ready"):
@@ -716,22 +932,46 @@ def test_v2_readiness_follows_draining():
 
 # --- the fuzz: mutated valid requests of both front doors ---------------------------------------------
 
+
 def _valid_native() -> list[tuple[str, dict]]:
     rng = np.random.default_rng(7)
     q, k, v = (rng.standard_normal((2, 5, 4)).astype(np.float32) for _ in range(3))
     return [
         ("/attention", {"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "causal": True}),
-        ("/attention", {"q": b64(q), "k": b64(k), "v": b64(v), "mask": b64(np.tril(np.ones((5, 5), bool)), "bool"), "return_weights": False}),
-        ("/attention", {"q": {"shape": [2, 5, 4], "data": q.ravel().tolist()}, "k": k.tolist(), "v": v.tolist(),
-                        "key_lengths": [3, 5], "scale": 0.5, "dtype": "float64", "response_encoding": "flat"}),
-        ("/mha", {"x": q[0].tolist(), "wq": np.eye(4).tolist(), "wk": np.eye(4).tolist(), "wv": b64(np.eye(4)), "wo": np.eye(4).tolist(), "heads": 2}),
+        (
+            "/attention",
+            {"q": b64(q), "k": b64(k), "v": b64(v), "mask": b64(np.tril(np.ones((5, 5), bool)), "bool"), "return_weights": False},
+        ),
+        (
+            "/attention",
+            {
+                "q": {"shape": [2, 5, 4], "data": q.ravel().tolist()},
+                "k": k.tolist(),
+                "v": v.tolist(),
+                "key_lengths": [3, 5],
+                "scale": 0.5,
+                "dtype": "float64",
+                "response_encoding": "flat",
+            },
+        ),
+        (
+            "/mha",
+            {
+                "x": q[0].tolist(),
+                "wq": np.eye(4).tolist(),
+                "wk": np.eye(4).tolist(),
+                "wv": b64(np.eye(4)),
+                "wo": np.eye(4).tolist(),
+                "heads": 2,
+            },
+        ),
         (V2, copy.deepcopy(V2_SEED)),
         (V2_MHA, copy.deepcopy(MHA_V2)),
     ]
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
@@ -794,7 +1034,7 @@ def mutated_requests(draw):
         at = body.index(b'"b64": "') + 8 + draw(st.integers(0, 20))
         body = body[:at] + draw(st.sampled_from([b"!", b"=", b"\\u0041", b"A", b"\xff"])) + body[at:]
     elif tail == "cut":
-        body = body[:draw(st.integers(0, max(0, len(body) - 1)))]
+        body = body[: draw(st.integers(0, max(0, len(body) - 1)))]
     elif tail == "binary" and path.startswith("/v2"):
         blob = draw(st.binary(max_size=64))
         headers["Inference-Header-Content-Length"] = str(draw(st.integers(-5, len(body) + len(blob) + 5)))
@@ -811,7 +1051,7 @@ def test_fuzz_mutated_requests_never_5xx(attack_server, mutated):
     assert resp.status_code < 500 or resp.status_code in (503, 504), (resp.status_code, resp.text[:300], body[:300])
     head = resp.content
     if "Inference-Header-Content-Length" in resp.headers:  # binary outputs follow the JSON header
-        head = head[:int(resp.headers["Inference-Header-Content-Length"])]
+        head = head[: int(resp.headers["Inference-Header-Content-Length"])]
     doc = json.loads(head)  # strict JSON either way
     if resp.status_code >= 400 and path.startswith("/v2"):
         assert set(doc) == {"error"} and isinstance(doc["error"], str)

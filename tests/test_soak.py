@@ -2,6 +2,7 @@
 valid requests across T and encodings checked against the core, 20% invalid, some abandoned mid-
 upload or mid-download -- then no 5xx but 503/504, every answer right, worker memory flat after
 the warm-up (under 10% growth) and file descriptors flat."""
+
 from __future__ import annotations
 
 import pytest
