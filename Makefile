@@ -4,7 +4,7 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test bench loadtest lint clean
+.PHONY: run test bench loadtest soak lint clean
 
 $(VENV)/.run-stamp: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ bench: $(VENV)/.dev-stamp
 # The latency-limit sweep against a running server: make loadtest LOADTEST_ARGS="--url http://127.0.0.1:8000 --slo-ms 250"
 loadtest: $(VENV)/.dev-stamp
 	$(PY) -m loadtest $(LOADTEST_ARGS)
+
+# Mixed traffic against a server it starts on 127.0.0.1 (10 min by default; not part of `make test`, which
+# runs a 40 s version): make soak SOAK_ARGS="--duration 1800"; --url/--pid soak a running server.
+SOAK_ARGS ?= --duration 600
+soak: $(VENV)/.dev-stamp
+	$(PY) -m soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache

@@ -3,6 +3,8 @@ that runs the real gunicorn (python -m service) on a free loopback port."""
 
 from __future__ import annotations
 
+import http.client
+import io
 import os
 import socket
 import subprocess
@@ -124,3 +126,84 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1):
             return value
         time.sleep(interval)
     raise AssertionError(f"not true within {timeout} s: {predicate.__doc__ or predicate}")
+
+
+# --- shared by the attack suite and the soak test ------------------------------------------------
+
+
+def numeric_core():
+    """The in-process numeric core (attention, mha), wherever the layout keeps it."""
+    try:
+        from service import core  # the layout after the structure refactor
+    except ImportError:
+        from service import attention as core  # the layout before it
+    return core
+
+
+SEED_EXAMPLE = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": True}
+
+
+def assert_seed_answered(url: str, session: requests.Session | None = None) -> None:
+    """The seed example gets 200 and the in-process core's answer: the server took no harm."""
+    r = (session or requests).post(f"{url}/attention", json=SEED_EXAMPLE, timeout=30)
+    assert r.status_code == 200, r.text[:500]
+    body = r.json()
+    q, k, v = (np.array(SEED_EXAMPLE[n], dtype=np.float32) for n in ("q", "k", "v"))
+    out, weights = numeric_core().attention(q, k, v, causal=True)
+    np.testing.assert_allclose(np.array(body["out"]), out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(body["weights"]), weights, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="session")
+def attack_server():
+    """(process, base URL) of a real gunicorn server for the attack suite: default limits, but a
+    32 MiB body limit (so that over-limit bodies stay cheap to send) and a 2**24-element output
+    limit, both pinned so the cases do not depend on future defaults."""
+    proc, url = start_server({"ATTN_MAX_BODY_BYTES": str(32 * 2**20), "ATTN_MAX_OUTPUT_ELEMENTS": str(2**24)})
+    yield proc, url
+    stop_server(proc)
+
+
+class _KeepOpen(io.BufferedReader):
+    """One buffered reader for several responses on one socket (http.client closes its reader
+    after each response; pipelined answers share the buffer)."""
+
+    def close(self) -> None:
+        pass
+
+
+class _OneReader:
+    def __init__(self, reader):
+        self.reader = reader
+
+    def makefile(self, *args, **kwargs):
+        return self.reader
+
+
+def raw_exchange(
+    url: str, data: bytes | list[bytes], *, responses: int = 1, shut_write: bool = False, timeout: float = 30.0
+) -> list[tuple[int | None, dict, bytes]]:
+    """Send bytes as they are on a fresh connection (a list: one write each); read up to
+    `responses` HTTP responses. Each is (status, headers lower-cased, body); status None where the
+    server closed the connection instead of answering."""
+    host, port = url.removeprefix("http://").split(":")
+    out = []
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        for part in [data] if isinstance(data, bytes) else data:
+            try:
+                sock.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        if shut_write:
+            sock.shutdown(socket.SHUT_WR)
+        reader = _OneReader(_KeepOpen(socket.SocketIO(sock, "rb")))
+        for _ in range(responses):
+            resp = http.client.HTTPResponse(reader)
+            try:
+                resp.begin()
+                body = resp.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, http.client.IncompleteRead):
+                out.append((None, {}, b""))
+                break
+            out.append((resp.status, {k.lower(): v for k, v in resp.getheaders()}, body))
+    return out
