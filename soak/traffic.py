@@ -23,11 +23,9 @@ RTOL, ATOL = 2e-4, 2e-5  # float32, the same core on both sides; BLAS blocking m
 
 
 def numeric_core():
-    """The in-process numeric core (attention, mha), wherever the layout keeps it."""
-    try:
-        from service import core  # the layout after the structure refactor
-    except ImportError:
-        from service import attention as core  # the layout before it
+    """The in-process numeric core (attention, mha), imported when the first answer is checked."""
+    from service import core
+
     return core
 
 
@@ -177,7 +175,7 @@ class Traffic:
         weights = bool(self.rng.integers(2))
         body = {
             "x": encode(x, encoding),
-            **{name: encode(w, encoding) for name, w in zip(("wq", "wk", "wv", "wo"), ws)},
+            **{name: encode(w, encoding) for name, w in zip(("wq", "wk", "wv", "wo"), ws, strict=True)},
             "heads": MHA_HEADS,
             "return_weights": weights,
         }

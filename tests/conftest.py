@@ -132,11 +132,9 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1):
 
 
 def numeric_core():
-    """The in-process numeric core (attention, mha), wherever the layout keeps it."""
-    try:
-        from service import core  # the layout after the structure refactor
-    except ImportError:
-        from service import attention as core  # the layout before it
+    """The in-process numeric core (attention, mha)."""
+    from service import core
+
     return core
 
 

@@ -867,7 +867,10 @@ PROTOCOL = [
     Case(
         "v2-key-lengths-int32-wraps",
         v2(
-            inputs=[{"name": n, "datatype": "FP32", "shape": [1, 3, 2], "data": d["data"]} for n, d in zip("qkv", V2_SEED["inputs"])]
+            inputs=[
+                {"name": n, "datatype": "FP32", "shape": [1, 3, 2], "data": d["data"]}
+                for n, d in zip("qkv", V2_SEED["inputs"], strict=True)
+            ]
             + [{"name": "key_lengths", "datatype": "INT32", "shape": [1], "data": [4294967297]}]
         ),
         422,
