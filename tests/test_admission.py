@@ -11,7 +11,6 @@ from service import admission, create_app
 from service.costmodel import CostModel
 from service.errors import ApiError
 
-from .conftest import SMALL
 from .helpers import WORKED, b64, big_body
 
 
@@ -102,8 +101,8 @@ def test_past_the_request_bound_is_503_with_retry_after(app, client):
     assert post(client).status_code == 200
 
 
-def test_bytes_in_flight_are_bounded_before_the_body_is_read(rng):
-    app = create_app(replace(SMALL, max_inflight_bytes=50_000))
+def test_bytes_in_flight_are_bounded_before_the_body_is_read(settings, rng):
+    app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
     gate = app.extensions["attention.gate"]
     held = gate.enter(40_000)
@@ -138,8 +137,8 @@ def test_a_lone_request_is_always_admitted():
     assert (gate.admitted, gate.bytes) == (0, 0)
 
 
-def test_working_bytes_are_reserved_after_validation(rng):
-    app = create_app(replace(SMALL, max_inflight_bytes=50_000))
+def test_working_bytes_are_reserved_after_validation(settings, rng):
+    app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
     gate = app.extensions["attention.gate"]
     held = gate.enter(10_000)
