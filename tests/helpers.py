@@ -138,7 +138,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 def all_ready(url: str) -> bool:
     """every worker answers /readyz with 200 (warm-up done)"""
-    return all(requests.get(f"{url}/readyz", timeout=5).status_code == 200 for _ in range(8))
+    return all(requests.get(f"{url}/readyz", timeout=30).status_code == 200 for _ in range(8))
 
 
 def worker_pids(proc: subprocess.Popen) -> set[int]:

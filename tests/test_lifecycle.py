@@ -47,7 +47,7 @@ def test_draining_is_not_ready(app, client):
 
 def running(url: str) -> bool:
     """a compute request holds a compute slot"""
-    text = requests.get(f"{url}/metrics", timeout=5).text
+    text = requests.get(f"{url}/metrics", timeout=30).text
     return any(line.startswith("attention_admission_running_requests ") and float(line.split()[1]) >= 1 for line in text.splitlines())
 
 
