@@ -1,13 +1,13 @@
 """Shared fixtures: an app with small limits, its test client, a seeded rng, and a live_server
 that runs the real gunicorn (python -m service) on a free loopback port. Plain helpers (the
 worked example, tensor encodings, starting a server): helpers.py."""
+
 from __future__ import annotations
 
 import os
 
 import numpy as np
 import pytest
-
 from hypothesis import settings as hypothesis_settings
 
 from service import create_app

@@ -3,6 +3,7 @@ example, the three wire encodings of a tensor and their decoding, and a real ser
 (`python -m service`) on a free loopback port, with the waits that go with it.
 
 Nothing here imports the service's packages: a server is a subprocess, a tensor is JSON."""
+
 from __future__ import annotations
 
 import base64
@@ -31,6 +32,7 @@ WORKED_OUT = [[1, 0], [0.33, 6.70], [2.77, 5]]
 
 
 # --- tensors on the wire -----------------------------------------------------------------------
+
 
 def b64(arr, dtype: str = "float32") -> dict:
     """{"shape", "dtype", "b64"}: arr cast to dtype, its raw little-endian bytes in base64."""
@@ -79,6 +81,7 @@ def big_body(T: int, weights: bool = True, seed: int = 0) -> bytes:
 
 # --- a real server on loopback -----------------------------------------------------------------
 
+
 def free_port() -> int:
     """A loopback port nothing listens on (at the time of asking)."""
     with socket.socket() as s:
@@ -104,8 +107,9 @@ def start_server(env: dict | None = None, timeout: float = 120.0):
     inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}  # each server its own
     full_env = {**inherited, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
     log = tempfile.NamedTemporaryFile(prefix="attention-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=full_env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     proc.log_path = log.name  # read by tests that inspect the server's log
     url = f"http://127.0.0.1:{port}"
 
@@ -148,8 +152,10 @@ def worker_pids(proc: subprocess.Popen) -> set[int]:
 
 def wait_for_workers(proc: subprocess.Popen, n: int = 2, gone: int | None = None) -> set[int]:
     """Wait until the arbiter has n workers (and none is the pid gone); their pids."""
+
     def workers():
         """the arbiter has its workers"""
         pids = worker_pids(proc)
         return pids if len(pids) == n and gone not in pids else None
+
     return wait_until(workers, timeout=60)

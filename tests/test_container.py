@@ -29,7 +29,7 @@ import pytest
 import requests
 import yaml
 
-from .helpers import ROOT, Q, V, WORKED_OUT, WORKED_WEIGHTS, free_port
+from .helpers import ROOT, WORKED_OUT, WORKED_WEIGHTS, Q, V, free_port
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(900)]
 
@@ -82,7 +82,7 @@ def _find_engine() -> Engine:
         proc = _sandbox_env(env)
         for line in proc.stdout.splitlines():
             if line.startswith("export ") and "=" in line:
-                key, _, value = line[len("export "):].partition("=")
+                key, _, value = line[len("export ") :].partition("=")
                 env[key.strip()] = value.strip().strip("'\"")
         return Engine("podman", env, via_sandbox=True)
     if shutil.which("podman") and _answers(["podman", "info"]):

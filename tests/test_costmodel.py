@@ -2,6 +2,7 @@
 calibrated predicts finite, positive times that grow with T. How close the predictions come to
 the measured compute on this machine is a figure, not a test: it is printed beside them
 (`pytest -s tests/test_costmodel.py -k calibrated`)."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from service import attention as core
 from schemas import AttentionRequest
+from service import attention as core
 from service.config import Settings
 from service.costmodel import CostModel, Work, causal_share, median_ms
 

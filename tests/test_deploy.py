@@ -72,7 +72,6 @@ def exposed_port() -> int:
     return int(port.split("/")[0])
 
 
-
 @pytest.fixture(scope="module")
 def docs() -> dict[str, dict]:
     return manifests()
@@ -155,9 +154,7 @@ def test_dockerfile_copies_what_the_app_imports():
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_manifests_validate_strict(version):
     files = sorted(str(p) for p in K8S.glob("*.yaml"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, *files], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, *files], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("passed") == len(files), proc.stdout
 
@@ -166,7 +163,9 @@ def test_strict_validation_rejects_a_typo(tmp_path):
     """So that the test above can fail: an unknown field in the Deployment is refused."""
     bad = (K8S / "deployment.yaml").read_text().replace("imagePullPolicy:", "imagePulPolicy:")
     (tmp_path / "bad.yaml").write_text(bad)
-    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", str(tmp_path / "bad.yaml")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", str(tmp_path / "bad.yaml")], capture_output=True, text=True
+    )
     assert proc.returncode != 0 and "imagePulPolicy" in proc.stdout + proc.stderr
 
 
@@ -293,6 +292,7 @@ def test_manifest_settings_are_accepted(docs, monkeypatch):
 
 # --- compose ----------------------------------------------------------------------------------
 
+
 def test_compose_structure_and_agreement(docs, routes):
     services = yaml.safe_load(COMPOSE.read_text())["services"]
     assert set(services) == {"attention", "prometheus"}
@@ -322,8 +322,12 @@ def test_compose_structure_and_agreement(docs, routes):
 
 def check_compose(path: Path) -> subprocess.CompletedProcess:
     """check-jsonschema with the Compose Specification's JSON schema, which it ships: offline."""
-    return subprocess.run([sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_compose_validates_against_the_compose_spec():
