@@ -3,13 +3,8 @@ overload gate's bounds on requests and bytes. API keys: test_auth.py; a real bur
 
 from __future__ import annotations
 
-import base64
-import json
-import statistics
-import time
 from dataclasses import replace
 
-import numpy as np
 import pytest
 import requests
 
@@ -17,8 +12,7 @@ from service.web import admission, create_app
 from service.web.costmodel import CostModel
 from service.web.errors import ApiError
 
-from .conftest import SMALL
-from .test_api import WORKED, b64
+from .helpers import WORKED, b64, big_body
 
 
 def post(client, body=WORKED, **headers):
@@ -53,16 +47,15 @@ def test_a_deadline_shorter_than_the_prediction_is_504_before_compute(app, clien
 
 
 def test_waiting_for_a_slot_counts_against_the_deadline(app, client):
+    app.extensions["attention.cost"] = CostModel(a=0, b=0, c=0)  # predicted at 0 ms: only the wait can miss the deadline
     gate = app.extensions["attention.gate"]
     for _ in range(gate.max_inflight):
         gate._slots.acquire()  # every compute slot busy
     try:
-        t0 = time.perf_counter()
-        r = post(client, **{"X-Deadline-Ms": "150"})
-        waited = time.perf_counter() - t0
+        r = post(client, **{"X-Deadline-Ms": "500"})
         assert r.status_code == 504 and r.json["error"]["code"] == "deadline"
-        assert 0.1 < waited < 1.0
-        assert "queue" in r.headers["Server-Timing"]
+        assert "waiting for a compute slot" in r.json["error"]["message"]
+        assert "queue" in r.headers["Server-Timing"] and "compute" not in r.headers["Server-Timing"]
     finally:
         for _ in range(gate.max_inflight):
             gate._slots.release()
@@ -71,26 +64,20 @@ def test_waiting_for_a_slot_counts_against_the_deadline(app, client):
 
 
 @pytest.mark.live
-def test_deadline_1ms_for_T2048_is_refused_fast(live_server, rng):
-    q = rng.standard_normal((1, 8, 2048, 64)).astype(np.float32)
-    enc = {"shape": list(q.shape), "dtype": "float32", "b64": base64.b64encode(q.tobytes()).decode()}
-    body = json.dumps({"q": enc, "k": enc, "v": enc}).encode()
+def test_a_deadline_too_short_for_the_upload_is_refused_before_parsing(live_server):
+    """X-Deadline-Ms: 1 on a 16.8 MB body (T=2048, B=1, H=8, d=64): refused on its Content-Length,
+    before the body is parsed; the same body with a generous deadline is served. How long the
+    refusal took is printed, not asserted."""
+    body = big_body(2048, weights=False)
     headers = {"Content-Type": "application/json", "X-Deadline-Ms": "1"}
-    with requests.Session() as s:
-        s.get(f"{live_server}/healthz", timeout=5)  # connection open: time the request, not the handshake
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            r = s.post(f"{live_server}/attention", data=body, headers=headers, timeout=30)
-            times.append((time.perf_counter() - t0) * 1000)
-            assert r.status_code == 504 and r.json()["error"]["code"] == "deadline"
-            assert "decode" not in r.headers["Server-Timing"]  # refused on Content-Length, before parsing
-    print(f"\nX-Deadline-Ms: 1, T=2048 ({len(body) / 1e6:.1f} MB body): 504 in {', '.join(f'{t:.0f}' for t in times)} ms")
-    assert statistics.median(times) < 100  # the time to upload the body and for the server to discard it
-    with requests.Session() as s:  # time to parse it, not to compute it (~200 ms predicted): refused after validation
-        r = s.post(f"{live_server}/attention", data=body, headers={**headers, "X-Deadline-Ms": "120"}, timeout=30)
-    assert r.status_code == 504 and "predicted compute time" in r.json()["error"]["message"]
-    assert "validate" in r.headers["Server-Timing"] and "compute" not in r.headers["Server-Timing"]
+    r = requests.post(f"{live_server}/attention", data=body, headers=headers, timeout=120)
+    print(f"\nX-Deadline-Ms: 1, T=2048 ({len(body) / 1e6:.1f} MB body): 504 in {r.elapsed.total_seconds() * 1000:.0f} ms")
+    assert r.status_code == 504 and r.json()["error"]["code"] == "deadline"
+    assert "receiving and parsing" in r.json()["error"]["message"]
+    assert "decode" not in r.headers["Server-Timing"]  # refused on Content-Length, before parsing
+    r = requests.post(f"{live_server}/attention", data=body, headers={**headers, "X-Deadline-Ms": "600000"}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+    assert "compute" in r.headers["Server-Timing"] and "weights" not in r.json()
 
 
 def test_the_kserve_infer_route_is_admitted_the_same_way(app, client):
@@ -119,8 +106,8 @@ def test_past_the_request_bound_is_503_with_retry_after(app, client):
     assert post(client).status_code == 200
 
 
-def test_bytes_in_flight_are_bounded_before_the_body_is_read(rng):
-    app = create_app(replace(SMALL, max_inflight_bytes=50_000))
+def test_bytes_in_flight_are_bounded_before_the_body_is_read(settings, rng):
+    app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
     gate = app.extensions["attention.gate"]
     held = gate.enter(40_000)
@@ -155,8 +142,8 @@ def test_a_lone_request_is_always_admitted():
     assert (gate.admitted, gate.bytes) == (0, 0)
 
 
-def test_working_bytes_are_reserved_after_validation(rng):
-    app = create_app(replace(SMALL, max_inflight_bytes=50_000))
+def test_working_bytes_are_reserved_after_validation(settings, rng):
+    app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
     gate = app.extensions["attention.gate"]
     held = gate.enter(10_000)

@@ -3,7 +3,6 @@ encoding, the response's promises, and the accept/reject catalogue of every erro
 
 from __future__ import annotations
 
-import base64
 import json
 
 import numpy as np
@@ -13,29 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from . import oracle
+from .helpers import WORKED, WORKED_OUT, WORKED_WEIGHTS, Q, V, b64, encoding_of, flat, tensor
 
-Q = [[1, 0], [0, 1], [1, 1]]
-V = [[1, 0], [0, 10], [5, 5]]
-WORKED = {"q": Q, "k": Q, "v": V, "causal": True}
-
-
-def b64(arr, dtype="float32"):
-    arr = np.asarray(arr, dtype=dtype)
-    return {"shape": list(arr.shape), "dtype": dtype, "b64": base64.b64encode(arr.tobytes()).decode()}
-
-
-def flat(arr):
-    arr = np.asarray(arr)
-    return {"shape": list(arr.shape), "data": arr.reshape(-1).tolist()}
-
-
-def tensor(value) -> np.ndarray:
-    """Decode a response tensor in any encoding."""
-    if isinstance(value, list):
-        return np.array(value)
-    if "b64" in value:
-        return np.frombuffer(base64.b64decode(value["b64"]), dtype=value["dtype"]).reshape(value["shape"])
-    return np.array(value["data"], dtype=value.get("dtype")).reshape(value["shape"])
+# Each encoding of a tensor a client may send, by the name response_encoding gives it.
+ENCODE = {"nested": lambda a: np.asarray(a).tolist(), "flat": flat, "b64": b64}
 
 
 def post(client, body, path="/attention", **kwargs):
@@ -47,16 +27,51 @@ def post(client, body, path="/attention", **kwargs):
 # --- what a client relies on ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("encode", [lambda a: a, flat, b64], ids=["nested", "flat", "b64"])
-def test_worked_example_in_every_encoding(client, encode):
+@pytest.mark.parametrize("encoding", list(ENCODE))
+def test_worked_example_in_every_encoding(client, encoding):
+    encode = ENCODE[encoding]
     r = post(client, {"q": encode(Q), "k": encode(Q), "v": encode(V), "causal": True})
     assert r.status_code == 200, r.json
     body = r.json
     w, out = tensor(body["weights"]), tensor(body["out"])
-    np.testing.assert_allclose(w, [[1, 0, 0], [0.33, 0.67, 0], [0.25, 0.25, 0.50]], atol=0.01)
-    np.testing.assert_allclose(out, [[1, 0], [0.33, 6.70], [2.77, 5]], atol=0.01)
+    np.testing.assert_allclose(w, WORKED_WEIGHTS, atol=0.01)
+    np.testing.assert_allclose(out, WORKED_OUT, atol=0.01)
     assert w[0, 1] == 0 and w[0, 2] == 0 and w[1, 2] == 0
-    assert type(body["out"]) is type(encode(Q))  # answered in the encoding it was asked in
+    assert encoding_of(body["out"]) == encoding_of(body["weights"]) == encoding  # answered as asked in
+
+
+@pytest.mark.parametrize("asked", [None, "nested", "flat", "b64"], ids=["default", "nested", "flat", "b64"])
+@pytest.mark.parametrize("sent", list(ENCODE), ids=[f"q-{e}" for e in ENCODE])
+def test_response_encoding_is_the_one_asked_for(client, sent, asked):
+    """Every returned tensor is in response_encoding; by default in q's encoding (k and v are
+    sent in another one, so that only q's can be the default)."""
+    other = ENCODE["b64" if sent != "b64" else "flat"]
+    body = {"q": ENCODE[sent](Q), "k": other(Q), "v": other(V), "causal": True}
+    if asked:
+        body["response_encoding"] = asked
+    r = post(client, body)
+    assert r.status_code == 200, r.json
+    assert encoding_of(r.json["out"]) == encoding_of(r.json["weights"]) == (asked or sent)
+    np.testing.assert_allclose(tensor(r.json["weights"]), WORKED_WEIGHTS, atol=0.01)
+    np.testing.assert_allclose(tensor(r.json["out"]), WORKED_OUT, atol=0.01)
+
+
+@pytest.mark.parametrize("asked", [None, "nested", "flat", "b64"], ids=["default", "nested", "flat", "b64"])
+@pytest.mark.parametrize("sent", list(ENCODE), ids=[f"x-{e}" for e in ENCODE])
+def test_mha_response_encoding_is_the_one_asked_for(client, rng, sent, asked):
+    """The same for /mha, where x's encoding is the default."""
+    x = rng.standard_normal((4, 8)).astype(np.float32)
+    ws = {name: (rng.standard_normal((8, 8)) / 4).astype(np.float32) for name in ("wq", "wk", "wv", "wo")}
+    other = ENCODE["b64" if sent != "b64" else "flat"]
+    body = {"x": ENCODE[sent](x), **{name: other(w) for name, w in ws.items()}, "heads": 2}
+    if asked:
+        body["response_encoding"] = asked
+    r = post(client, body, path="/mha")
+    assert r.status_code == 200, r.json
+    assert encoding_of(r.json["out"]) == encoding_of(r.json["weights"]) == (asked or sent)
+    expect_out, expect_w = oracle.mha(x, *ws.values(), 2)
+    np.testing.assert_allclose(tensor(r.json["out"]), expect_out, atol=1e-5)
+    np.testing.assert_allclose(tensor(r.json["weights"]), expect_w, atol=1e-5)
 
 
 def test_response_carries_cost_timing_and_headers(client):
@@ -87,6 +102,7 @@ def test_response_encoding_and_float64(client, rng, encoding):
         },
     )
     assert r.status_code == 200
+    assert encoding_of(r.json["out"]) == encoding_of(r.json["weights"]) == encoding
     expect_out, expect_w = oracle.attention(q, k, v, causal="bottom_right")
     np.testing.assert_allclose(tensor(r.json["out"]), expect_out, atol=1e-12)
     np.testing.assert_allclose(tensor(r.json["weights"]), expect_w, atol=1e-12)
@@ -145,6 +161,33 @@ def test_mha_batched_b64(client, rng):
     assert r.status_code == 200
     assert r.json["out"]["shape"] == [2, 5, 8] and r.json["weights"]["shape"] == [2, 2, 5, 5]
     assert r.json["out"]["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_mha_matches_the_oracle(client, rng, causal, weights):
+    """Batched, float64, with causal and return_weights either way: out (and weights) as the
+    float64 oracle computes them."""
+    x = rng.standard_normal((2, 5, 8))
+    ws = {name: rng.standard_normal((8, 8)) / 4 for name in ("wq", "wk", "wv", "wo")}
+    body = {
+        "x": b64(x, "float64"),
+        **{n: b64(w, "float64") for n, w in ws.items()},
+        "heads": 2,
+        "causal": causal,
+        "return_weights": weights,
+        "dtype": "float64",
+    }
+    r = post(client, body, path="/mha")
+    assert r.status_code == 200, r.json
+    expect_out, expect_w = oracle.mha(x, *ws.values(), 2, causal=causal)
+    np.testing.assert_allclose(tensor(r.json["out"]), expect_out, atol=1e-12)
+    if weights:
+        w = tensor(r.json["weights"])
+        np.testing.assert_allclose(w, expect_w, atol=1e-12)
+        assert (w[..., 0, 1:] > 0).all() != causal  # the first query sees later keys only without causal
+    else:
+        assert "weights" not in r.json
 
 
 def test_limits_endpoint(client, settings):

@@ -27,7 +27,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import SEED_EXAMPLE, assert_seed_answered, raw_exchange, start_server, stop_server, wait_until
+from .helpers import WORKED, assert_seed_answered, raw_exchange, start_server, stop_server, wait_until
 
 pytestmark = pytest.mark.live
 
@@ -40,13 +40,13 @@ BODY_LIMIT = 32 * 2**20  # the attack server's ATTN_MAX_BODY_BYTES (conftest.att
 
 def attn(**changes) -> dict:
     """The seed example with fields replaced (DROP removes one)."""
-    body = {**copy.deepcopy(SEED_EXAMPLE), **changes}
+    body = {**copy.deepcopy(WORKED), **changes}
     return {k: v for k, v in body.items() if v is not DROP}
 
 
 def batched(**changes) -> dict:
     """The seed example with a leading axis of 1, so key_lengths may have shape [1]."""
-    body = {"q": [SEED_EXAMPLE["q"]], "k": [SEED_EXAMPLE["k"]], "v": [SEED_EXAMPLE["v"]], **changes}
+    body = {"q": [WORKED["q"]], "k": [WORKED["k"]], "v": [WORKED["v"]], **changes}
     return {k: v for k, v in body.items() if v is not DROP}
 
 
@@ -93,7 +93,7 @@ def v2_input(which: str, **changes) -> dict:
 def v2_binary(header_length: str | None = None, sizes: dict | None = None, extra: bytes = b"", **changes) -> tuple[bytes, dict]:
     """The /v2 seed with binary inputs: (body, headers). header_length replaces the true
     Inference-Header-Content-Length, sizes the declared binary_data_size of inputs."""
-    arrays = {n: np.array(SEED_EXAMPLE[n], dtype=np.float32) for n in ("q", "k", "v")}
+    arrays = {n: np.array(WORKED[n], dtype=np.float32) for n in ("q", "k", "v")}
     inputs = [
         {"name": n, "datatype": "FP32", "shape": list(a.shape), "parameters": {"binary_data_size": (sizes or {}).get(n, a.nbytes)}}
         for n, a in arrays.items()
@@ -200,13 +200,13 @@ SEED_OUT = [[1.0, 0.0], [0.33023843, 6.6976156], [2.7657044, 5.0]]
 
 def seed_text(**replace: str) -> bytes:
     """The seed example as JSON text, with raw text substituted for fields (tokens JSON forbids)."""
-    parts = {k: json.dumps(v) for k, v in SEED_EXAMPLE.items()}
+    parts = {k: json.dumps(v) for k, v in WORKED.items()}
     parts.update(replace)
     return ("{" + ", ".join(f'"{k}": {v}' for k, v in parts.items()) + "}").encode()
 
 
 def many_unknown_fields(n: int = 50_000) -> bytes:
-    return json.dumps({**SEED_EXAMPLE, **{f"f{i}": i for i in range(n)}}).encode()
+    return json.dumps({**WORKED, **{f"f{i}": i for i in range(n)}}).encode()
 
 
 def b64_garbage(size: int = 8 * 2**20) -> bytes:
@@ -338,7 +338,7 @@ FIELDS = [
     Case("fields-body-is-array", b"[1, 2, 3]", 400, "bad_json"),
     Case("fields-body-is-string", b'"q"', 400, "bad_json"),
     Case("fields-body-empty", b"", 400, "bad_json"),
-    Case("fields-body-bom", b"\xef\xbb\xbf" + json.dumps(SEED_EXAMPLE).encode(), 400, "bad_json"),
+    Case("fields-body-bom", b"\xef\xbb\xbf" + json.dumps(WORKED).encode(), 400, "bad_json"),
     # A repeated key: the last one counts, on every parsing path (as in Python's json and orjson).
     Case(
         "fields-duplicate-v-last-wins",
@@ -542,7 +542,7 @@ def http_request(
     return head.encode("latin-1") + body
 
 
-SEED_BYTES = json.dumps(SEED_EXAMPLE).encode()
+SEED_BYTES = json.dumps(WORKED).encode()
 JSON = {"Content-Type": "application/json"}
 
 

@@ -11,17 +11,16 @@ from hypothesis.extra import numpy as hnp
 from service.core import ScoreOverflow, attention, causal_mask, mha
 
 from . import oracle
+from .helpers import WORKED_OUT, WORKED_WEIGHTS, Q, V
 
 # --- the seed's worked examples ----------------------------------------------------------
 
-Q = np.array([[1, 0], [0, 1], [1, 1]], dtype=np.float64)
-V = np.array([[1, 0], [0, 10], [5, 5]], dtype=np.float64)
-
 
 def test_worked_example_causal():
-    out, w = attention(Q, Q, V, causal=True)
-    np.testing.assert_allclose(w, [[1, 0, 0], [0.33, 0.67, 0], [0.25, 0.25, 0.50]], atol=0.01)
-    np.testing.assert_allclose(out, [[1, 0], [0.33, 6.70], [2.77, 5]], atol=0.01)
+    q, v = np.array(Q, dtype=np.float64), np.array(V, dtype=np.float64)
+    out, w = attention(q, q, v, causal=True)
+    np.testing.assert_allclose(w, WORKED_WEIGHTS, atol=0.01)
+    np.testing.assert_allclose(out, WORKED_OUT, atol=0.01)
     assert (w[np.triu_indices(3, 1)] == 0).all()  # masked weights exactly 0
 
 

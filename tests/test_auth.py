@@ -11,16 +11,15 @@ import pytest
 from service.config import Settings
 from service.web import admission, create_app
 
-from .conftest import SMALL
-from .test_api import WORKED
+from .helpers import WORKED
 
 KEYS = ("k-one", "k-two")
 MHA = {"x": [[1.0, 0.0], [0.0, 1.0]], **{w: [[1.0, 0.0], [0.0, 1.0]] for w in ("wq", "wk", "wv", "wo")}, "heads": 1}
 
 
 @pytest.fixture
-def settings() -> Settings:
-    return replace(SMALL, api_keys=KEYS)
+def settings(settings) -> Settings:
+    return replace(settings, api_keys=KEYS)
 
 
 @pytest.mark.parametrize(
@@ -66,8 +65,8 @@ def test_keys_are_compared_in_constant_time(client, monkeypatch):
     assert len(calls) == len(KEYS)  # every key compared, not only until the first match
 
 
-def test_without_keys_nothing_is_asked():
-    client = create_app(SMALL).test_client()
+def test_without_keys_nothing_is_asked(settings):
+    client = create_app(replace(settings, api_keys=())).test_client()
     assert client.post("/attention", json=WORKED).status_code == 200
 
 

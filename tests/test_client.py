@@ -15,7 +15,8 @@ import requests
 
 from client import AttentionClient, AttentionError, _split
 from service import core
-from tests.conftest import ROOT, free_port, start_server, stop_server
+
+from .helpers import ROOT, Q, V, free_port, start_server, stop_server
 
 # Limits 4x (and more) below the requests of the splitting tests.
 SMALL_LIMITS = {
@@ -49,8 +50,8 @@ def small_api(small_server):
 
 @pytest.mark.live
 def test_seed_worked_example(api):
-    q = k = np.array([[1, 0], [0, 1], [1, 1]], dtype=np.float32)
-    v = np.array([[1, 0], [0, 10], [5, 5]], dtype=np.float32)
+    q = k = np.array(Q, dtype=np.float32)
+    v = np.array(V, dtype=np.float32)
     out, weights = api.attention(q, k, v, causal=True)
     want_out, want_w = core.attention(q, k, v, causal=True)
     assert out.shape == (3, 2) and weights.shape == (3, 3) and out.dtype == np.float32

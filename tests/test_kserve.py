@@ -13,6 +13,8 @@ from tritonclient.utils import InferenceServerException
 
 from service import core
 
+from .helpers import Q, V, b64, tensor
+
 # --- the official client against the live server ------------------------------------------------
 
 
@@ -25,23 +27,11 @@ def triton_client(live_server):
 
 def native(live_server: str, path: str, body: dict) -> dict[str, np.ndarray]:
     """POST the native endpoint with b64 tensors; the response's tensors as arrays."""
-    wire = {k: b64(v) if isinstance(v, np.ndarray) else v for k, v in body.items()}
+    wire = {k: b64(v, v.dtype.name) if isinstance(v, np.ndarray) else v for k, v in body.items()}
     resp = requests.post(f"{live_server}{path}", json=wire, timeout=60)
     assert resp.status_code == 200, resp.text
     doc = resp.json()
-    return {name: unb64(doc[name]) for name in ("out", "weights") if name in doc}
-
-
-def b64(a: np.ndarray) -> dict:
-    import base64
-
-    return {"shape": list(a.shape), "dtype": a.dtype.name, "b64": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
-
-
-def unb64(t: dict) -> np.ndarray:
-    import base64
-
-    return np.frombuffer(base64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
+    return {name: tensor(doc[name]) for name in ("out", "weights") if name in doc}
 
 
 def triton_inputs(arrays: dict[str, np.ndarray], binary: bool) -> list:
@@ -188,7 +178,7 @@ def test_infer_sets_server_timing(live_server):
 
 SEED = {
     "inputs": [
-        {"name": "q", "datatype": "FP32", "shape": [3, 2], "data": [[1, 0], [0, 1], [1, 1]]},
+        {"name": "q", "datatype": "FP32", "shape": [3, 2], "data": Q},
         {"name": "k", "datatype": "FP32", "shape": [3, 2], "data": [1, 0, 0, 1, 1, 1]},
         {"name": "v", "datatype": "FP32", "shape": [3, 2], "data": [1, 0, 0, 10, 5, 5]},
     ],
@@ -231,8 +221,8 @@ def test_seed_example_without_content_type(client):
     assert resp.status_code == 200, resp.get_json()
     doc = resp.get_json()
     out = {o["name"]: np.array(o["data"], dtype=np.float32).reshape(o["shape"]) for o in doc["outputs"]}
-    q = np.array([[1, 0], [0, 1], [1, 1]], np.float32)
-    want_out, want_w = core.attention(q, q, np.array([[1, 0], [0, 10], [5, 5]], np.float32), causal="top_left")
+    q = np.array(Q, np.float32)
+    want_out, want_w = core.attention(q, q, np.array(V, np.float32), causal="top_left")
     np.testing.assert_array_equal(out["out"], want_out)
     np.testing.assert_array_equal(out["weights"], want_w)
     assert doc["model_name"] == "attention" and doc["model_version"] == "1"
@@ -263,7 +253,7 @@ def test_binary_in_and_out_round_trip(client, rng):
 
 
 def test_binary_and_json_inputs_mix(client):
-    v = np.array([[1, 0], [0, 10], [5, 5]], np.float32)
+    v = np.array(V, np.float32)
     header = json.loads(json.dumps(SEED))
     header["inputs"][2] = {"name": "v", "datatype": "FP32", "shape": [3, 2], "parameters": {"binary_data_size": v.nbytes}}
     head = json.dumps(header).encode()

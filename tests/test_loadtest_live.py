@@ -6,16 +6,13 @@ Everything here talks to 127.0.0.1 only.
 
 import csv
 import http.server
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import orjson
-import pybase64
 import pytest
 
 from loadtest.cell import Load, run_cell, summarize
@@ -23,14 +20,7 @@ from loadtest.cli import main
 from loadtest.payload import Workload, build_body
 from loadtest.transport import parse_server_timing
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _decode(tensor):
-    if isinstance(tensor, dict):
-        raw = pybase64.b64decode(tensor["b64"])
-        return np.frombuffer(raw, dtype="<f4").reshape(tensor["shape"])
-    return np.asarray(tensor, dtype=np.float32)
+from .helpers import ROOT, free_port, tensor
 
 
 def test_bodies_carry_the_same_tensors_in_both_encodings():
@@ -41,8 +31,8 @@ def test_bodies_carry_the_same_tensors_in_both_encodings():
     assert b64["causal"] is True and b64["return_weights"] is False
     assert b64["q"]["dtype"] == "float32" and b64["q"]["shape"] == [2, 3, 16, 8]
     for name in ("q", "k", "v"):
-        np.testing.assert_array_equal(_decode(b64[name]), _decode(nested[name]))
-    assert not np.array_equal(_decode(b64["q"]), _decode(b64["k"]))
+        np.testing.assert_array_equal(tensor(b64[name]), tensor(nested[name]).astype(np.float32))  # nested: float32 in its shortest repr
+    assert not np.array_equal(tensor(b64["q"]), tensor(b64["k"]))
     assert build_body(wl, 16) == build_body(wl, 16)  # the same body run to run
 
 
@@ -53,14 +43,8 @@ def test_server_timing_parsing():
     assert parse_server_timing(None) == {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_connection_failure_is_one_line_and_exit_status_1(tmp_path):
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proc = subprocess.run(
         [
             sys.executable,
@@ -131,23 +115,30 @@ def slow_server():
 
 
 def test_open_loop_counts_the_queue_a_closed_loop_hides(slow_server):
-    # The server takes 40 ms; arrivals every 20 ms. The closed loop politely waits and
-    # sees 40 ms; the open loop measures from the scheduled time, so the n-th request has
-    # waited about 20*n ms more. This is coordinated omission, and the open loop shows it.
+    # The server takes at least 40 ms; arrivals are scheduled every 20 ms, one connection. The
+    # closed loop politely waits and measures each request from its send: at least 40 ms each, no
+    # queue. The open loop measures from the scheduled time: request n cannot be sent before n-1
+    # is answered, so it waited at least 20 ms more than n-1 did. That is coordinated omission,
+    # and the open loop shows it. (Lower bounds only: a busy machine makes every figure larger.)
     body = b'{"q":[]}'
-    closed = summarize(1, 1, len(body), [run_cell(slow_server, body, Load(1, requests=12))])
-    opened = summarize(1, 1, len(body), [run_cell(slow_server, body, Load(1, requests=12, rate=50.0))])
-    assert closed.ok == opened.ok == 12
-    assert 35 < closed.p50_ms < 120
-    assert opened.p50_ms > closed.p50_ms + 60
-    assert opened.max_ms > 200  # the last one waited about 11 * 20 ms
-    assert closed.phases_ms["compute"] == pytest.approx(40.0)
+    closed = run_cell(slow_server, body, Load(1, requests=12))
+    opened = run_cell(slow_server, body, Load(1, requests=12, rate=50.0))
+    assert [s.status for s in closed.samples] == [s.status for s in opened.samples] == [200] * 12
+    closed_ms = [s.latency_s * 1e3 for s in closed.samples]
+    opened_ms = [s.latency_s * 1e3 for s in opened.samples]  # in the order sent
+    print(f"\nclosed loop {[round(ms) for ms in closed_ms]} ms\nopen loop   {[round(ms) for ms in opened_ms]} ms")
+    assert min(closed_ms) >= 40
+    assert all(later >= earlier + 20 for earlier, later in zip(opened_ms, opened_ms[1:], strict=False)), opened_ms
+    assert opened_ms[-1] >= 40 + 11 * 20  # the last one waited 11 schedule steps behind
+    summary = summarize(1, 1, len(body), [closed])
+    assert summary.ok == 12 and summary.phases_ms["compute"] == pytest.approx(40.0)
 
 
 def test_hard_bounds_stop_a_cell(slow_server):
     run = run_cell(slow_server, b"{}", Load(2, requests=1000, max_seconds=0.3))
     assert "0.3 s" in run.capped
-    assert run.unsent > 900 and 2 <= len(run.samples) < 30
+    # Each worker sends at most one request per 40 ms before the 0.3 s bound: at most 2 x 8.
+    assert len(run.samples) <= 16 and run.unsent == 1000 - len(run.samples)
     run = run_cell(slow_server, b"{}", Load(1, duration_s=5.0, max_requests=3))
     assert "3 requests" in run.capped and len(run.samples) == 3
 
@@ -202,7 +193,7 @@ def test_tiny_sweep_against_the_live_service(live_server, tmp_path):
             "--encoding",
             "b64",
             "--slo-ms",
-            "5000",
+            "600000",
             "--fit-min-T",
             "16",
             "--out",
@@ -222,7 +213,7 @@ def test_tiny_sweep_against_the_live_service(live_server, tmp_path):
         assert (r["sent"], r["ok"], r["errors"], r["rounds"]) == ("6", "6", "", "2")
         assert len(r["p50_by_round_ms"].split()) == 2
         p50, p90, p99, top = (float(r[k]) for k in ("p50_ms", "p90_ms", "p99_ms", "max_ms"))
-        assert 0 < p50 <= p90 <= p99 <= top < 5000
+        assert 0 < p50 <= p90 <= p99 <= top
         assert float(r["throughput_rps"]) > 0
         assert 0 < float(r["server_compute_ms"]) <= float(r["server_total_ms"]) <= top
         assert r["causal"] == "True" and r["weights"] == "False" and r["encoding"] == "b64"

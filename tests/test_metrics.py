@@ -15,8 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.web.metrics import t_bucket
 
-from .conftest import start_server, stop_server, wait_for_workers, wait_until
-from .test_api import WORKED, b64
+from .helpers import WORKED, b64, start_server, stop_server, wait_for_workers, wait_until
 
 
 def families(text: str) -> dict:

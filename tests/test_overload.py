@@ -9,7 +9,6 @@ Requests are B=1, H=8, d=64, float32 b64, with weights returned unless W=0."""
 
 from __future__ import annotations
 
-import base64
 import json
 import statistics
 import sys
@@ -17,24 +16,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 import requests
 
-from .conftest import start_server, stop_server, wait_for_workers, wait_until
-
-
-def body_for(T: int, weights: bool = True, seed: int = 0) -> bytes:
-    """B=1, H=8, d=64 float32 q, k, v in b64; with weights, 8.4 MB up and 47 MB down at T=1024."""
-    rng = np.random.default_rng(seed)
-    enc = lambda a: {"shape": list(a.shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode()}
-    doc = {name: enc(rng.standard_normal((1, 8, T, 64)).astype(np.float32)) for name in ("q", "k", "v")}
-    return json.dumps({**doc, "return_weights": weights}).encode()
-
-
-def all_ready(url: str) -> bool:
-    """every worker answers /readyz with 200 (warm-up done)"""
-    return all(requests.get(f"{url}/readyz", timeout=5).status_code == 200 for _ in range(8))
+from .helpers import all_ready, big_body, start_server, stop_server, wait_for_workers, wait_until
 
 
 def burst(url: str, body: bytes, n: int, pids: set[int] = frozenset()) -> dict:
@@ -46,7 +31,7 @@ def burst(url: str, body: bytes, n: int, pids: set[int] = frozenset()) -> dict:
         while not stop.is_set():
             t0 = time.perf_counter()
             try:
-                status = requests.get(f"{url}/healthz", timeout=10).status_code
+                status = requests.get(f"{url}/healthz", timeout=30).status_code
             except requests.RequestException as exc:
                 status = type(exc).__name__
             health.append((status, (time.perf_counter() - t0) * 1000))
@@ -107,7 +92,7 @@ def test_a_burst_of_48_T1024_gets_only_200s_and_503s():
     proc, url = start_server({"WEB_CONCURRENCY": "2"})
     try:
         wait_until(lambda: all_ready(url), timeout=30)
-        result = burst(url, body_for(1024), 48, wait_for_workers(proc))
+        result = burst(url, big_body(1024), 48, wait_for_workers(proc))
         print("\n" + summary(result))
         assert set(result["statuses"]) <= {200, 503}, result["statuses"]
         assert result["statuses"].get(200, 0) >= 2 and result["statuses"].get(503, 0) >= 1
@@ -116,7 +101,7 @@ def test_a_burst_of_48_T1024_gets_only_200s_and_503s():
                 assert code == "overloaded" and int(retry_after) >= 1
         assert len(result["healthz"]) >= 5 and all(status == 200 for status, _ in result["healthz"])
         assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
-        r = requests.post(f"{url}/attention", data=body_for(256), headers={"Content-Type": "application/json"}, timeout=30)
+        r = requests.post(f"{url}/attention", data=big_body(256), headers={"Content-Type": "application/json"}, timeout=30)
         assert r.status_code == 200  # and it serves as before
     finally:
         stop_server(proc)
@@ -167,11 +152,11 @@ if __name__ == "__main__":
         pids = wait_for_workers(proc, int(args.get("WEB_CONCURRENCY", 2)))
         if mode == "burst":
             n, T = int(opts.get("N", 48)), int(opts.get("T", 1024))
-            print(json.dumps({"env": args, "N": n, "T": T}), summary(burst(url, body_for(T), n, pids)))
+            print(json.dumps({"env": args, "N": n, "T": T}), summary(burst(url, big_body(T), n, pids)))
         else:
             for T in map(int, opts.get("T", "256,1024,2048").split(",")):
                 for clients in map(int, opts.get("C", "1,2,4").split(",")):
-                    body = body_for(T, weights=opts.get("W", "1") == "1")
+                    body = big_body(T, weights=opts.get("W", "1") == "1")
                     print(
                         json.dumps(
                             {

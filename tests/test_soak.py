@@ -9,7 +9,7 @@ import pytest
 
 from soak.run import Report, check, soak
 
-from .conftest import start_server, stop_server
+from .helpers import start_server, stop_server
 
 DURATION_S, WARMUP_S = 40.0, 15.0
 

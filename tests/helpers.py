@@ -1,0 +1,230 @@
+"""Plain helpers shared by the test modules (fixtures live in conftest.py): the seed's worked
+example, the three wire encodings of a tensor and their decoding, and a real server
+(`python -m service`) on a free loopback port, with the waits that go with it.
+
+Nothing here imports the service's packages at import time: a server is a subprocess, a tensor
+is JSON (numeric_core() imports the core when an answer is checked against it)."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# --- the seed's worked example -----------------------------------------------------------------
+
+Q = [[1, 0], [0, 1], [1, 1]]  # q = k, (T=3, d=2)
+V = [[1, 0], [0, 10], [5, 5]]
+WORKED = {"q": Q, "k": Q, "v": V, "causal": True}
+# Its answer to two decimals (default scale 1/sqrt(2)); the masked weights are exactly 0.
+WORKED_WEIGHTS = [[1, 0, 0], [0.33, 0.67, 0], [0.25, 0.25, 0.50]]
+WORKED_OUT = [[1, 0], [0.33, 6.70], [2.77, 5]]
+
+
+# --- tensors on the wire -----------------------------------------------------------------------
+
+
+def b64(arr, dtype: str = "float32") -> dict:
+    """{"shape", "dtype", "b64"}: arr cast to dtype, its raw little-endian bytes in base64."""
+    arr = np.ascontiguousarray(arr, dtype=dtype)
+    return {"shape": list(arr.shape), "dtype": dtype, "b64": base64.b64encode(arr.tobytes()).decode()}
+
+
+def flat(arr) -> dict:
+    """{"shape", "data"}: data row-major."""
+    arr = np.asarray(arr)
+    return {"shape": list(arr.shape), "data": arr.reshape(-1).tolist()}
+
+
+def encoding_of(value) -> str:
+    """The wire encoding a tensor is written in: "nested", "flat" or "b64"; fails on anything else."""
+    if isinstance(value, list):
+        return "nested"
+    if isinstance(value, dict) and "b64" in value:
+        assert set(value) == {"shape", "dtype", "b64"} and isinstance(value["b64"], str), value.keys()
+        return "b64"
+    if isinstance(value, dict) and "data" in value:
+        assert set(value) <= {"shape", "dtype", "data"} and isinstance(value["data"], list), value.keys()
+        return "flat"
+    raise AssertionError(f"not a tensor in any wire encoding: {str(value)[:200]}")
+
+
+def tensor(value) -> np.ndarray:
+    """Decode a tensor in any wire encoding; nested arrays must be rectangular."""
+    encoding = encoding_of(value)
+    if encoding == "nested":
+        arr = np.array(value)
+        assert arr.dtype != object, "ragged nested array"
+        return arr
+    if encoding == "b64":
+        return np.frombuffer(base64.b64decode(value["b64"]), dtype=value["dtype"]).reshape(value["shape"])
+    return np.array(value["data"], dtype=value.get("dtype")).reshape(value["shape"])
+
+
+def big_body(T: int, weights: bool = True, seed: int = 0) -> bytes:
+    """A /attention body of B=1, H=8, d=64 float32 q, k, v in b64: 8.4 MB at T=1024 (and 47 MB of
+    weights back, if asked for)."""
+    rng = np.random.default_rng(seed)
+    doc = {name: b64(rng.standard_normal((1, 8, T, 64))) for name in ("q", "k", "v")}
+    return json.dumps({**doc, "return_weights": weights}).encode()
+
+
+# --- a real server on loopback -----------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (at the time of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1):
+    """Poll predicate() until it returns a true value (returned), or fail after timeout seconds.
+    The timeout only stops a hang: callers wait for an event, never for a time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"not true within {timeout} s: {predicate.__doc__ or predicate}")
+
+
+def start_server(env: dict | None = None, timeout: float = 120.0):
+    """Start `python -m service` on a free loopback port; returns (process, base_url) once ready."""
+    port = free_port()
+    inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}  # each server its own
+    full_env = {**inherited, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
+    log = tempfile.NamedTemporaryFile(prefix="attention-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    proc.log_path = log.name  # read by tests that inspect the server's log
+    url = f"http://127.0.0.1:{port}"
+
+    def ready():
+        """the server answers /readyz with 200"""
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {Path(log.name).read_text()[-2000:]}")
+        try:
+            return requests.get(f"{url}/readyz", timeout=5).status_code == 200
+        except requests.RequestException:
+            return False
+
+    try:
+        wait_until(ready, timeout=timeout)
+    except AssertionError:
+        stop_server(proc)
+        raise RuntimeError(f"server not ready within {timeout} s: {Path(log.name).read_text()[-2000:]}") from None
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=35)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def all_ready(url: str) -> bool:
+    """every worker answers /readyz with 200 (warm-up done)"""
+    return all(requests.get(f"{url}/readyz", timeout=30).status_code == 200 for _ in range(8))
+
+
+def worker_pids(proc: subprocess.Popen) -> set[int]:
+    """The gunicorn arbiter's children: its workers (Linux /proc)."""
+    return {int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()}
+
+
+def wait_for_workers(proc: subprocess.Popen, n: int = 2, gone: int | None = None) -> set[int]:
+    """Wait until the arbiter has n workers (and none is the pid gone); their pids."""
+
+    def workers():
+        """the arbiter has its workers"""
+        pids = worker_pids(proc)
+        return pids if len(pids) == n and gone not in pids else None
+
+    return wait_until(workers, timeout=60)
+
+
+# --- the attack suite and the soak: raw exchanges, and the check that the server took no harm ---
+
+
+def numeric_core():
+    """The in-process numeric core (attention, mha)."""
+    from service import core
+
+    return core
+
+
+def assert_seed_answered(url: str, session: requests.Session | None = None) -> None:
+    """The seed example gets 200 and the in-process core's answer: the server took no harm."""
+    r = (session or requests).post(f"{url}/attention", json=WORKED, timeout=30)
+    assert r.status_code == 200, r.text[:500]
+    body = r.json()
+    q, k, v = (np.array(WORKED[n], dtype=np.float32) for n in ("q", "k", "v"))
+    out, weights = numeric_core().attention(q, k, v, causal=True)
+    np.testing.assert_allclose(np.array(body["out"]), out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.array(body["weights"]), weights, rtol=1e-5, atol=1e-6)
+
+
+class _KeepOpen(io.BufferedReader):
+    """One buffered reader for several responses on one socket (http.client closes its reader
+    after each response; pipelined answers share the buffer)."""
+
+    def close(self) -> None:
+        pass
+
+
+class _OneReader:
+    def __init__(self, reader):
+        self.reader = reader
+
+    def makefile(self, *args, **kwargs):
+        return self.reader
+
+
+def raw_exchange(
+    url: str, data: bytes | list[bytes], *, responses: int = 1, shut_write: bool = False, timeout: float = 30.0
+) -> list[tuple[int | None, dict, bytes]]:
+    """Send bytes as they are on a fresh connection (a list: one write each); read up to
+    `responses` HTTP responses. Each is (status, headers lower-cased, body); status None where the
+    server closed the connection instead of answering."""
+    host, port = url.removeprefix("http://").split(":")
+    out = []
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        for part in [data] if isinstance(data, bytes) else data:
+            try:
+                sock.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        if shut_write:
+            sock.shutdown(socket.SHUT_WR)
+        reader = _OneReader(_KeepOpen(socket.SocketIO(sock, "rb")))
+        for _ in range(responses):
+            resp = http.client.HTTPResponse(reader)
+            try:
+                resp.begin()
+                body = resp.read()
+            except (http.client.RemoteDisconnected, ConnectionResetError, http.client.IncompleteRead):
+                out.append((None, {}, b""))
+                break
+            out.append((resp.status, {k.lower(): v for k, v in resp.getheaders()}, body))
+    return out
