@@ -47,6 +47,7 @@ RECV_BYTES = 256 * 1024        # one read from a client in the event loop
 MAX_HEAD_BYTES = 64 * 1024     # request line and headers (431 past it)
 LINGER_S = 2.0                 # after an error answer: how long the client may still send before the close
 LINGER_BYTES = 1 << 20         # ... and how much of it is read and thrown away
+SWEEP_S = 0.25                 # how often deadlines are checked (run() wakes at least once a second)
 FILE_LIMIT = 65536             # the worker raises its soft open-files limit up to this (one per connection)
 
 _REASONS = {408: "Request Timeout", 413: "Content Too Large", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
@@ -213,6 +214,7 @@ class FrontWorker(ThreadWorker):
         self.budget = SendBudget(self.settings.send_buffer_bytes)
         self.conns: dict[Conn, None] = {}
         self.stopping_at: float | None = None
+        self.next_sweep = 0.0
 
     def init_process(self):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -394,6 +396,7 @@ class FrontWorker(ThreadWorker):
             self._close(conn)
             return
         conn.keep = keep
+        conn.parser = None  # it holds the request's buffer (up to ATTN_MAX_BODY_BYTES): not while idle
         conn.sock.setblocking(False)
         self._write(conn)
 
@@ -449,6 +452,9 @@ class FrontWorker(ThreadWorker):
     def murder_pending(self):
         super().murder_pending()
         now = time.monotonic()
+        if now < self.next_sweep:  # deadlines are kept to the second: no need to look at every event
+            return
+        self.next_sweep = now + SWEEP_S
         if not self.alive and self.stopping_at is None:
             self.stopping_at = now
         for conn in [c for c in self.conns if c.state != Conn.IN_THREAD]:
