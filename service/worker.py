@@ -61,9 +61,11 @@ def error_response(status: int, code: str, message: str, path: str) -> bytes:
     else:
         doc = {"error": {"status": status, "code": code, "message": message, "field": None}}
     body = json.dumps(doc).encode()
-    head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
-    return head.encode() + body
+    headers = [f"HTTP/1.1 {status} {_REASONS[status]}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    if status == 503:
+        headers.append("Retry-After: 1")
+    headers.append("Connection: close")
+    return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
 
 
 class SendBudget:
@@ -215,6 +217,7 @@ class FrontWorker(ThreadWorker):
         self.conns: dict[Conn, None] = {}
         self.stopping_at: float | None = None
         self.next_sweep = 0.0
+        self.received = 0  # bytes of requests being read, in all connections' buffers
 
     def init_process(self):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -262,6 +265,7 @@ class FrontWorker(ThreadWorker):
         if conn not in self.conns:
             return
         del self.conns[conn]
+        self._release_buf(conn)
         self._unwatch(conn)
         self.budget.give(conn.sock.drop_outbox())
         self.nr_conns -= 1
@@ -271,11 +275,16 @@ class FrontWorker(ThreadWorker):
 
     # -- receiving --------------------------------------------------------------------------------
 
+    def _release_buf(self, conn: Conn) -> None:
+        self.received -= len(conn.buf)
+        conn.buf = bytearray()
+
     def _start_request(self, conn: Conn, pending: bytes, new: bool = False) -> None:
         """Wait for (the rest of) the next request; pending is what already arrived of it."""
         now = time.monotonic()
         conn.state = Conn.READING
         conn.buf = bytearray(pending)
+        self.received += len(pending)
         conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
         conn.close_after = False
         conn.sock.setblocking(False)
@@ -302,6 +311,12 @@ class FrontWorker(ThreadWorker):
             conn.started = time.monotonic()
             conn.deadline = conn.started + self.settings.header_timeout_s
         conn.buf += data
+        self.received += len(data)
+        if self.received > self.settings.max_inflight_bytes:
+            # Bodies being read count against the worker's memory budget like admitted ones: a
+            # client must send the bytes to hold them, and the one that goes past it is refused.
+            self._answer(conn, 503, "overloaded", f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={self.settings.max_inflight_bytes}); retry shortly.", conn.scanner.path)
+            return
         self._advance(conn)
 
     def _advance(self, conn: Conn) -> None:
@@ -348,12 +363,13 @@ class FrontWorker(ThreadWorker):
         conn.parser = http.get_parser(self.cfg, conn.sock, conn.client)
         conn.parser.unreader = BufferedUnreader(segments)
         conn.state = Conn.IN_THREAD
-        conn.buf = bytearray()  # the thread's segments keep the old buffer alive until it is parsed
+        self._release_buf(conn)  # the thread's segments keep the old buffer alive until it is parsed
         self.enqueue_req(conn)
 
     def _answer(self, conn: Conn, status: int, code: str, message: str, path: str) -> None:
         """Answer with an error from here, and close."""
         self.log.info("%s %s: %s (%s)", conn.client, status, code, message)
+        self._release_buf(conn)
         conn.keep = False
         answer = error_response(status, code, message, path)
         self.budget.charge(len(answer))

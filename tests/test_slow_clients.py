@@ -7,6 +7,7 @@ Waits are bounded by generous hang guards; nothing asserts how long anything too
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -49,14 +50,14 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def server():
+@contextlib.contextmanager
+def serving(**extra: str):
     """`python -m service` (deploy/gunicorn.conf.py, as `make run`) on a free loopback port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update(ENV, HOST="127.0.0.1", PORT=str(port))
+    env.update(ENV, HOST="127.0.0.1", PORT=str(port), **extra)
     log = tempfile.NamedTemporaryFile(prefix="attention-slow-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     srv = Server(proc, port, Path(log.name))
@@ -71,6 +72,12 @@ def server():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving() as srv:
+        yield srv
 
 
 def wait_until(predicate, what: str, timeout: float = HANG):
@@ -242,6 +249,21 @@ def test_slow_but_steady_body_is_served(server):
     (status, _, out), (second, _, _) = responses(data)
     assert status == 200 and json.loads(out)["out"]["shape"] == [1, 2, 64, 8]
     assert second == 200
+
+
+def test_bodies_being_read_count_against_the_memory_budget():
+    """Past ATTN_MAX_INFLIGHT_BYTES of bodies being read, the upload that goes over gets 503
+    overloaded and is closed; the others go on."""
+    with serving(ATTN_MAX_INFLIGHT_BYTES="300000") as srv:
+        first, second = connect(srv), connect(srv)
+        first.sendall(post_head(1_000_000) + b" " * 200_000)
+        wait_until(lambda: get(srv, "/healthz") == 200, "first upload read")  # same worker: its bytes are in
+        second.sendall(post_head(1_000_000) + b" " * 200_000)
+        data, _ = read_to_end(second)
+        assert_error(data, 503, "overloaded")
+        assert b"Retry-After: 1" in data
+        assert valid_request_ok(srv)
+        first.close()
 
 
 def test_body_over_the_limit_is_refused_at_once(server):
