@@ -12,7 +12,9 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   the head within ATTN_HEADER_TIMEOUT_S, the body within ATTN_BODY_TIMEOUT_S plus one second per
   ATTN_BODY_MIN_RATE bytes received (Apache's mod_reqtimeout rule). Past a deadline the client gets
   408 `timeout` and the connection closes. Only a complete request reaches a thread, already in
-  memory; the thread never reads the socket. A body over ATTN_MAX_BODY_BYTES gets 413 from here.
+  memory; the thread never reads the socket. A body over ATTN_MAX_BODY_BYTES gets 413 from here;
+  the bytes of requests being read count against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the
+  upload that goes past it).
 - Send: a thread writes what the socket takes at once; a client that does not read fast enough
   leaves the rest of its response in memory (up to ATTN_SEND_BUFFER_BYTES per worker in all), and
   the thread goes on: the response is finished (its compute slot freed) and the event loop sends
