@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     ms = [t * 1000 for t in times]
     print(f"held open: {args.uploads} stalled uploads, {args.downloads} stalled downloads, {args.idle} idle connections")
     print()
-    print("| /healthz polls | p50 ms | p99 ms | max ms | failed (timeout {:.0f} s or error) |".format(args.probe_timeout))
+    print(f"| /healthz polls | p50 ms | p99 ms | max ms | failed (timeout {args.probe_timeout:.0f} s or error) |")
     print("|---|---|---|---|---|")
     print(f"| {len(ms)} | {percentile(ms, 50):.1f} | {percentile(ms, 99):.1f} | {max(ms, default=float('nan')):.1f} | {failures} |")
     print()

@@ -4,7 +4,14 @@ from __future__ import annotations
 import pytest
 
 from service import framing
-from service.framing import BODY_TOO_LARGE, COMPLETE, HEAD_TOO_LARGE, MALFORMED, NEED_MORE, RequestScanner
+from service.framing import (
+    BODY_TOO_LARGE,
+    COMPLETE,
+    HEAD_TOO_LARGE,
+    MALFORMED,
+    NEED_MORE,
+    RequestScanner,
+)
 
 GET = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -75,5 +82,5 @@ def test_limits():
 def test_a_trickled_chunked_body_is_scanned_once():
     """Resuming where it stopped: 2,000 one-byte chunks fed one chunk at a time stay linear."""
     data = chunked(*[b"x"] * 2000)
-    verdict, scanner = scan_growing(data, 6)
+    verdict, _ = scan_growing(data, 6)
     assert verdict.kind == COMPLETE and verdict.end == len(data)
