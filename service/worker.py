@@ -207,6 +207,7 @@ class Conn(TConn):
         self.registered = False
         self.lingered = 0
         self.pending = b""        # bytes received after the request in a thread (pipelined)
+        self.dropped = False      # the thread gave up on a client that did not read
 
 
 class FrontWorker(ThreadWorker):
@@ -391,6 +392,7 @@ class FrontWorker(ThreadWorker):
             keep = self.handle_request(req, conn)
             return bool(keep and not conn.close_after and conn.parser.finish_body())
         except TimeoutError:
+            conn.dropped = True  # part of a response is lost: nothing more may be sent on it
             self.log.info("%s read nothing of its response for %s s: dropped", conn.client, self.settings.send_timeout_s)
         except (http.errors.NoMoreData, StopIteration):
             pass
@@ -410,7 +412,7 @@ class FrontWorker(ThreadWorker):
             keep = bool(fs.result()) if not fs.cancelled() else False
         except Exception:
             keep = False
-        if conn.sock.fileno() < 0:  # closed in the thread (an error after the headers were sent)
+        if conn.sock.fileno() < 0 or conn.dropped:  # closed in the thread, or its client dropped
             self._close(conn)
             return
         conn.keep = keep

@@ -350,6 +350,19 @@ def test_stalled_download_is_dropped(server):
     assert valid_request_ok(server)
 
 
+def test_stalled_download_past_the_buffer_budget_is_dropped_by_its_thread():
+    """With no memory to hold a slow reader's response (ATTN_SEND_BUFFER_BYTES=1), the thread
+    sends it itself, each send bounded by ATTN_SEND_TIMEOUT_S: the client is dropped all the same."""
+    with serving(ATTN_SEND_BUFFER_BYTES="1") as srv:
+        s = connect(srv, rcvbuf=4096)
+        s.sendall(large_response_request())
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        wait_until(lambda: "of its response" in srv.log_text(), "the stalled download dropped")
+        data, _ = read_to_end(s)
+        assert not data.endswith(b"0\r\n\r\n")
+        assert valid_request_ok(srv)
+
+
 # --- nobody starves -----------------------------------------------------------------------------
 
 def test_stalled_clients_do_not_starve_others(server):
