@@ -216,6 +216,20 @@ def test_report_size_and_start_time(image, container, capsys):
     assert container["healthy_s"] < 60
 
 
+def test_stalled_request_gets_408(container):
+    """The container runs the slow-client defence (service/worker.py): a request head that stalls
+    gets 408 after ATTN_HEADER_TIMEOUT_S (10 s by default) and the connection closes."""
+    assert "Using worker: service.worker.FrontWorker" in container["logs"]()
+    port = int(container["base"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"POST /attention HTTP/1.1\r\nHost: x\r\nContent-")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "timeout"
+
+
 def test_stops_gracefully_on_sigterm(engine, container):
     """`stop` sends SIGTERM to PID 1: gunicorn must get it and exit 0, well before the SIGKILL,
     having logged no error in its life."""
