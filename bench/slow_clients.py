@@ -4,10 +4,10 @@ Against a running server (`--url`, e.g. `make run`'s http://127.0.0.1:8000), or,
 against `python -m service` started here on a free loopback port with the defaults of `make run`
 (`--cwd DIR` serves another checkout, e.g. an older commit, with this interpreter):
 
-  1. opens --uploads stalled uploads: headers with Content-Length: 1000000 and `{"q": [`, then
+  1. opens --downloads stalled downloads: sends a complete valid request for a large response
+     (T=1024 with weights, b64, ~45 MB) from a socket with a 4 KiB receive buffer, never read;
+  2. opens --uploads stalled uploads: headers with Content-Length: 1000000 and `{"q": [`, then
      nothing;
-  2. opens --downloads stalled downloads: a complete valid request for a large response (T=1024
-     with weights, b64, ~45 MB), from a socket with a 4 KiB receive buffer that is never read;
   3. optionally (--idle N) opens N connections that send nothing;
   4. while they are all held open: polls GET /healthz --polls times, one new connection each as a
      probe does (each with a --probe-timeout; a timeout counts at that value), then sends
@@ -135,17 +135,19 @@ def main(argv: list[str] | None = None) -> None:
         assert probe(url, "/attention", 30, valid)[0] == 200, "a valid T=256 request fails before the test"
         big = request_bytes("/attention", attention_body(rng, 1024, weights=True))
         stalled_upload = request_bytes("/attention", b'{"q": [', length=1_000_000)
+        downloads_sent = 0
+        for _ in range(args.downloads):  # first, while the server still reads requests
+            s = connect(url, rcvbuf=4096)
+            s.settimeout(30)
+            try:
+                s.sendall(big)
+                downloads_sent += 1
+            except OSError:
+                pass  # the server stopped reading it
+            held.append(s)
         for _ in range(args.uploads):
             s = connect(url)
             s.sendall(stalled_upload)
-            held.append(s)
-        for _ in range(args.downloads):
-            s = connect(url, rcvbuf=4096)
-            s.settimeout(0)  # the request may not all fit in the buffers: send what goes, keep going
-            try:
-                s.send(big)
-            except BlockingIOError:
-                pass
             held.append(s)
         for _ in range(args.idle):
             held.append(connect(url))
@@ -159,13 +161,21 @@ def main(argv: list[str] | None = None) -> None:
             status, took = probe(url, "/healthz", args.probe_timeout)
             times.append(took)
             failures += status != 200
-        statuses, valid_times = [], []
+        statuses, valid_times, downloads, downloads_sent = [], [], {}, 0
         for i in range(args.valid):
             if i and time.monotonic() > deadline:  # at least one, whatever the polls took
                 break
             status, took = probe(url, "/attention", 30, valid)
             statuses.append(status)
             valid_times.append(took)
+        downloads = {}  # what the stalled downloads were answered (200 responses left unread, or 503s)
+        for s in held[:args.downloads]:
+            s.settimeout(1.0)
+            try:
+                line = s.recv(64).split(b"\r\n", 1)[0].decode("latin-1")
+            except OSError:
+                line = "no answer yet"
+            downloads[line] = downloads.get(line, 0) + 1
     finally:
         for s in held:
             s.close()
@@ -175,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
 
     ms = [t * 1000 for t in times]
     print(f"held open: {args.uploads} stalled uploads, {args.downloads} stalled downloads, {args.idle} idle connections")
+    print(f"stalled downloads: {downloads_sent} of {args.downloads} requests sent whole; their answers: {downloads}")
     print()
     print(f"| /healthz polls | p50 ms | p99 ms | max ms | failed (timeout {args.probe_timeout:.0f} s or error) |")
     print("|---|---|---|---|---|")

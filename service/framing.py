@@ -32,14 +32,14 @@ class Verdict:
 class RequestScanner:
     """Scans one request; make a new one for the next request on the connection.
 
-    After the head is complete, head_end, path, expects_continue and body_length (None for chunked)
-    describe it; body_received() is how many body bytes have arrived."""
+    After the head is complete, head_end, method, path, expects_continue and body_length (None
+    for chunked) describe it; body_received() is how many body bytes have arrived."""
 
     def __init__(self, max_head_bytes: int, max_body_bytes: int):
         self.max_head = max_head_bytes
         self.max_body = max_body_bytes
         self.head_end: int | None = None     # offset of the first body byte
-        self.path = ""
+        self.method = self.path = ""
         self.expects_continue = False
         self.expect_line: tuple[int, int] | None = None  # (start, end) of the Expect header line
         self.body_length: int | None = None  # Content-Length; None when chunked
@@ -63,6 +63,7 @@ class RequestScanner:
         offset = len(head) - len(stripped)
         lines = stripped.split(b"\r\n")
         parts = lines[0].split(b" ")
+        self.method = parts[0].decode("latin-1")
         self.path = parts[1].decode("latin-1") if len(parts) == 3 else ""
         lengths, codings = [], []
         for i, line in enumerate(lines):

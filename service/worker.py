@@ -15,11 +15,11 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   memory; the thread never reads the socket. A body over ATTN_MAX_BODY_BYTES gets 413 from here;
   the bytes of requests being read count against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the
   upload that goes past it).
-- Send: a thread writes what the socket takes at once; a client that does not read fast enough
-  leaves the rest of its response in memory (up to ATTN_SEND_BUFFER_BYTES per worker in all), and
-  the thread goes on: the response is finished (its compute slot freed) and the event loop sends
-  the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is dropped.
-  Past the memory budget, the thread itself sends, each send bounded by ATTN_SEND_TIMEOUT_S.
+- Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
+  and the thread goes on: the response is finished (its compute slot freed) and the event loop
+  sends the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is
+  dropped. While more than ATTN_SEND_BUFFER_BYTES are held, new POST requests get 503
+  overloaded from here (memory stays bounded; no thread ever waits to send).
 - Idle: a new connection must send a request head within ATTN_HEADER_TIMEOUT_S; a kept-alive
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
   and no thread.
@@ -71,21 +71,20 @@ def error_response(status: int, code: str, message: str, path: str) -> bytes:
 
 
 class SendBudget:
-    """Bytes of responses held for slow readers, shared by a worker's threads."""
+    """Bytes of responses held for slow readers, shared by a worker's threads and its event loop.
+
+    A soft limit: a response being written is always held (its request was admitted; admission
+    bounds how many there are), but while the limit is passed no new compute request is let in."""
 
     def __init__(self, limit: int):
         self.limit, self.used = limit, 0
         self._lock = threading.Lock()
 
-    def take(self, n: int) -> bool:
-        with self._lock:
-            if self.used + n > self.limit:
-                return False
-            self.used += n
-            return True
+    @property
+    def full(self) -> bool:
+        return self.used >= self.limit
 
     def charge(self, n: int) -> None:
-        """Count n bytes whatever the limit (a small error answer must go out)."""
         with self._lock:
             self.used += n
 
@@ -95,11 +94,8 @@ class SendBudget:
 
 
 class ClientSocket(socket.socket):
-    """A client connection whose sendall() never blocks a thread for long.
-
-    What the kernel does not take at once goes to `outbox` while the budget allows (the event loop
-    sends it later); otherwise sendall() sends itself, each send() waiting at most the socket's
-    timeout (the send timeout) for the client to read something."""
+    """A client connection whose sendall() never blocks: what the kernel does not take at once
+    goes to `outbox`, which the event loop sends as the client reads."""
 
     def __init__(self, *args, budget: SendBudget, **kwargs):
         super().__init__(*args, **kwargs)
@@ -120,28 +116,13 @@ class ClientSocket(socket.socket):
                 self.settimeout(timeout)
             if not view:
                 return
-        if self.budget.take(len(view)):
-            self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
-            return
-        self.flush()
-        self._send_blocking(view, flags)
+        self.budget.charge(len(view))
+        self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
 
     def queue(self, data) -> None:
-        """Hold data for the event loop to send (its bytes already taken from the budget)."""
+        """Hold data for the event loop to send (its bytes already charged to the budget)."""
         self.outbox.append(memoryview(data).cast("B"))
         self.outbox_bytes += len(self.outbox[-1])
-
-    def flush(self) -> None:
-        """Send the outbox from this thread (bounded by the socket's timeout per send)."""
-        while self.outbox:
-            self._send_blocking(self.outbox[0])
-            n = len(self.outbox.popleft())
-            self.outbox_bytes -= n
-            self.budget.give(n)
-
-    def _send_blocking(self, view: memoryview, flags: int = 0) -> None:
-        while view:  # unlike socket.sendall, the timeout is per send: the client must read, not hurry
-            view = view[self.send(view, flags):]
 
     def send_some(self) -> int:
         """Event loop, non-blocking socket: send what the kernel takes from the outbox; bytes sent."""
@@ -336,6 +317,10 @@ class FrontWorker(ThreadWorker):
                 received = conn.scanner.body_received(len(conn.buf))
                 conn.deadline = conn.body_started + self.settings.body_timeout_s + received / self.settings.body_min_rate
         elif verdict.kind == framing.COMPLETE:
+            if self.budget.full and conn.scanner.method == "POST":
+                limit = self.settings.send_buffer_bytes
+                self._answer(conn, 503, "overloaded", f"The server holds more response bytes that clients have not read than it allows (ATTN_SEND_BUFFER_BYTES={limit}); retry shortly.", path)
+                return
             self._dispatch(conn, verdict.end)
         elif verdict.kind == framing.MALFORMED:
             conn.close_after = True

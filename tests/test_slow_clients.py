@@ -350,13 +350,24 @@ def test_stalled_download_is_dropped(server):
     assert valid_request_ok(server)
 
 
-def test_stalled_download_past_the_buffer_budget_is_dropped_by_its_thread():
-    """With no memory to hold a slow reader's response (ATTN_SEND_BUFFER_BYTES=1), the thread
-    sends it itself, each send bounded by ATTN_SEND_TIMEOUT_S: the client is dropped all the same."""
-    with serving(ATTN_SEND_BUFFER_BYTES="1") as srv:
+def test_past_the_send_buffer_new_posts_get_503_until_slow_readers_go():
+    """While more response bytes wait for slow readers than ATTN_SEND_BUFFER_BYTES (1 here), new
+    POSTs get 503 overloaded from the worker (health checks still pass); once the stalled client
+    is dropped, they are served again."""
+    with serving(ATTN_SEND_BUFFER_BYTES="1", ATTN_SEND_TIMEOUT_S="10") as srv:
         s = connect(srv, rcvbuf=4096)
         s.sendall(large_response_request())
         assert s.recv(4096).startswith(b"HTTP/1.1 200")
+
+        def refused():
+            """a POST refused (once the response being written has filled the budget)"""
+            r = requests.post(srv.url + "/attention", data=body_of(16), headers={"Content-Type": "application/json"}, timeout=HANG)
+            return [r] if r.status_code == 503 else None  # (a Response is false when not ok)
+
+        [r] = wait_until(refused, "a POST refused")
+        assert r.json()["error"]["code"] == "overloaded" and r.headers["Retry-After"] == "1"
+        assert "of its response" not in srv.log_text()  # refused while the slow reader was held
+        assert get(srv, "/healthz") == 200
         wait_until(lambda: "of its response" in srv.log_text(), "the stalled download dropped")
         data, _ = read_to_end(s)
         assert not data.endswith(b"0\r\n\r\n")
