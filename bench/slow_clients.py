@@ -5,7 +5,8 @@ against `python -m service` started here on a free loopback port with the defaul
 (`--cwd DIR` serves another checkout, e.g. an older commit, with this interpreter):
 
   1. opens --downloads stalled downloads: sends a complete valid request for a large response
-     (T=1024 with weights, b64, ~45 MB) from a socket with a 4 KiB receive buffer, never read;
+     (T=--download-t with weights, b64: ~45 MB at 1024) from a socket with a 4 KiB receive buffer,
+     never read;
   2. opens --uploads stalled uploads: headers with Content-Length: 1000000 and `{"q": [`, then
      nothing;
   3. optionally (--idle N) opens N connections that send nothing;
@@ -52,13 +53,13 @@ def request_bytes(path: str, body: bytes, length: int | None = None) -> bytes:
             f"Content-Length: {length}\r\n\r\n").encode() + body
 
 
-def start_service(cwd: Path) -> tuple[subprocess.Popen, str]:
-    """`python -m service` in cwd with make run's defaults, on a free port; once /healthz answers."""
+def start_service(cwd: Path, settings: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """`python -m service` in cwd with make run's defaults but settings, on a free port; once ready."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith("ATTN_")}
-    env.update(HOST="127.0.0.1", PORT=str(port))
+    env.update(settings, HOST="127.0.0.1", PORT=str(port))
     log = tempfile.NamedTemporaryFile(prefix="slow-clients-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--uploads", type=int, default=200)
     ap.add_argument("--downloads", type=int, default=20)
     ap.add_argument("--idle", type=int, default=0)
+    ap.add_argument("--download-t", type=int, default=1024, help="T of the downloads' requests (with weights)")
+    ap.add_argument("--set", action="append", default=[], metavar="ATTN_X=V", help="a setting for the server started here")
     ap.add_argument("--polls", type=int, default=200)
     ap.add_argument("--valid", type=int, default=5)
     ap.add_argument("--probe-timeout", type=float, default=2.0)
@@ -127,13 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.url:
         url = args.url
     else:
-        proc, url = start_service(args.cwd)
+        proc, url = start_service(args.cwd, dict(kv.split("=", 1) for kv in args.set))
     rng = np.random.default_rng(0)
     held: list[socket.socket] = []
     try:
         valid = attention_body(rng, 256, weights=False)
         assert probe(url, "/attention", 30, valid)[0] == 200, "a valid T=256 request fails before the test"
-        big = request_bytes("/attention", attention_body(rng, 1024, weights=True))
+        big = request_bytes("/attention", attention_body(rng, args.download_t, weights=True))
         stalled_upload = request_bytes("/attention", b'{"q": [', length=1_000_000)
         downloads_sent = 0
         for _ in range(args.downloads):  # first, while the server still reads requests
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             status, took = probe(url, "/healthz", args.probe_timeout)
             times.append(took)
             failures += status != 200
-        statuses, valid_times, downloads, downloads_sent = [], [], {}, 0
+        statuses, valid_times, downloads = [], [], {}
         for i in range(args.valid):
             if i and time.monotonic() > deadline:  # at least one, whatever the polls took
                 break
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.wait(timeout=40)
 
     ms = [t * 1000 for t in times]
-    print(f"held open: {args.uploads} stalled uploads, {args.downloads} stalled downloads, {args.idle} idle connections")
+    print(f"held open: {args.uploads} stalled uploads, {args.downloads} stalled downloads (T={args.download_t} with weights), {args.idle} idle connections; settings {args.set or 'defaults'}")
     print(f"stalled downloads: {downloads_sent} of {args.downloads} requests sent whole; their answers: {downloads}")
     print()
     print(f"| /healthz polls | p50 ms | p99 ms | max ms | failed (timeout {args.probe_timeout:.0f} s or error) |")
