@@ -17,6 +17,7 @@ Prints markdown tables of medians and the issue's goals, and writes them to benc
 Loops are bounded in count and time (--budget seconds, default 540); cells past the budget are
 reported as skipped. Every address is 127.0.0.1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,6 +60,7 @@ GOALS_NOTE = "goals from issue 3"
 
 
 # --- servers ------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -139,6 +141,7 @@ class Client:
 
 # --- workloads -------------------------------------------------------------------------------
 
+
 def tensors(T: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     return [rng.standard_normal((1, H, T, D)).astype(np.float32) for _ in range(3)]  # q, k, v
@@ -150,7 +153,9 @@ def request_body(T: int, encoding: str, weights: bool) -> bytes:
         enc = lambda a: {"shape": list(a.shape), "dtype": "float32", "b64": pybase64.b64encode(a.tobytes()).decode()}  # noqa: E731
     else:
         enc = lambda a: a  # noqa: E731  orjson writes the nested lists
-    return orjson.dumps({"q": enc(q), "k": enc(k), "v": enc(v), "causal": True, "return_weights": weights}, option=orjson.OPT_SERIALIZE_NUMPY)
+    return orjson.dumps(
+        {"q": enc(q), "k": enc(k), "v": enc(v), "causal": True, "return_weights": weights}, option=orjson.OPT_SERIALIZE_NUMPY
+    )
 
 
 def raw_bytes(T: int, weights: bool) -> int:
@@ -174,6 +179,7 @@ def timed(fn, reps: int, budget_s: float) -> list[float]:
 
 # --- the benchmark -------------------------------------------------------------------------------
 
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -193,7 +199,9 @@ class Bench:
             for T in self.args.sizes:
                 q, k, v = tensors(T)
                 attention(q, k, v, causal=True, return_weights=T <= MAX_WEIGHTS_T)  # warm
-                self.compute[("this, no weights", T)] = statistics.median(timed(lambda: attention(q, k, v, causal=True, return_weights=False), 7, 3))
+                self.compute[("this, no weights", T)] = statistics.median(
+                    timed(lambda: attention(q, k, v, causal=True, return_weights=False), 7, 3)
+                )
                 if T <= MAX_WEIGHTS_T:
                     self.compute[("this, weights", T)] = statistics.median(timed(lambda: attention(q, k, v, causal=True), 7, 3))
                 if T <= T_TEXTBOOK_MAX and self.left() > 60:
@@ -246,7 +254,11 @@ class Bench:
         """The response is the core's answer: a benchmark of wrong answers measures nothing."""
         doc = orjson.loads(data)
         out = doc["out"]
-        got = np.frombuffer(pybase64.b64decode(out["b64"]), np.float32).reshape(out["shape"]) if encoding == "b64" else np.array(out, np.float32)
+        got = (
+            np.frombuffer(pybase64.b64decode(out["b64"]), np.float32).reshape(out["shape"])
+            if encoding == "b64"
+            else np.array(out, np.float32)
+        )
         q, k, v = tensors(T)
         expect, _ = attention(q, k, v, causal=True, return_weights=False)
         np.testing.assert_allclose(got, expect, atol=1e-5)
@@ -277,8 +289,19 @@ class Bench:
         if status != 200:
             self.notes.append(f"{label}: HTTP {status}")
             return
-        self.memory.append({"service": name, "encoding": encoding, "weights": weights, "T": T, "peak": peak,
-                            "raw": raw_bytes(T, weights), "body": len(body), "rss_before": before * 1024, "rss_after": after})
+        self.memory.append(
+            {
+                "service": name,
+                "encoding": encoding,
+                "weights": weights,
+                "T": T,
+                "peak": peak,
+                "raw": raw_bytes(T, weights),
+                "body": len(body),
+                "rss_before": before * 1024,
+                "rss_after": after,
+            }
+        )
         print(f"  {label}: {peak / 2**20:.0f} MiB peak for {raw_bytes(T, weights) / 2**20:.0f} MiB of tensors", flush=True)
 
 
@@ -321,12 +344,15 @@ def torch_compute(sizes) -> tuple[dict, str]:
         run = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=600, env=env)
         if run.returncode == 0:
             doc = json.loads(run.stdout.strip().splitlines()[-1])
-            return ({int(t): (ms, doc["ours"][t]) for t, ms in doc["ms"].items()},
-                    f"torch {doc['version']} ({python}); torch and this core timed alternately in that interpreter")
+            return (
+                {int(t): (ms, doc["ours"][t]) for t, ms in doc["ms"].items()},
+                f"torch {doc['version']} ({python}); torch and this core timed alternately in that interpreter",
+            )
     return {}, "torch not installed: no SDPA column (set BENCH_TORCH_PYTHON to an interpreter that has it)"
 
 
 # --- report ------------------------------------------------------------------------------------------
+
 
 def fmt(x, digits=1) -> str:
     if x is None:
@@ -344,16 +370,25 @@ def report(b: Bench, torch_note: str, env_note: list[str]) -> str:
     lines = ["# Benchmark: this service against the textbook one", ""]
     lines += [f"Made by `make bench` (`python -m bench`) on {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}.", ""]
     lines += [f"- {n}" for n in env_note] + [f"- {torch_note}", ""]
-    lines += ["B=1, H=8, d=64, causal, float32. Medians; n = requests measured per cell. End to end = first byte of the",
-              "request sent to last byte of the response read, over loopback, concurrency 1. Phases are this service's",
-              "Server-Timing (ms); a b64 response is encoded while it is sent, so its encoding shows in end to end only.",
-              "In-process compute, beside: the same attention in the benchmark's process, timed right after each request", "of the cell (so under the same load); the goals' end to end / in-process ratios use it.", ""]
+    lines += [
+        "B=1, H=8, d=64, causal, float32. Medians; n = requests measured per cell. End to end = first byte of the",
+        "request sent to last byte of the response read, over loopback, concurrency 1. Phases are this service's",
+        "Server-Timing (ms); a b64 response is encoded while it is sent, so its encoding shows in end to end only.",
+        "In-process compute, beside: the same attention in the benchmark's process, timed right after each request",
+        "of the cell (so under the same load); the goals' end to end / in-process ratios use it.",
+        "",
+    ]
 
     # compute
     impls = ["textbook numpy", "this, weights", "this, no weights", "torch SDPA"]
-    lines += ["## Compute in-process (ms, one BLAS thread as in a worker)", "",
-              "| T | " + " | ".join(impls) + " | textbook / this (weights) | textbook / this (no weights) | this (no weights) / torch, timed alternately |",
-              "|---:|" + "---:|" * (len(impls) + 3)]
+    lines += [
+        "## Compute in-process (ms, one BLAS thread as in a worker)",
+        "",
+        "| T | "
+        + " | ".join(impls)
+        + " | textbook / this (weights) | textbook / this (no weights) | this (no weights) / torch, timed alternately |",
+        "|---:|" + "---:|" * (len(impls) + 3),
+    ]
     for T in b.args.sizes:
         c = {i: b.compute.get((i, T)) for i in impls}
         r1 = c["textbook numpy"] / c["this, weights"] if c["textbook numpy"] and c["this, weights"] else None
@@ -364,9 +399,12 @@ def report(b: Bench, torch_note: str, env_note: list[str]) -> str:
     lines.append("")
 
     # end to end
-    lines += ["## End to end (ms)", "",
-              "| encoding | weights | T | textbook | this | textbook / this | decode | validate | compute | encode | total (server) | in-process compute, beside | this / in-process | response bytes | n |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "## End to end (ms)",
+        "",
+        "| encoding | weights | T | textbook | this | textbook / this | decode | validate | compute | encode | total (server) | in-process compute, beside | this / in-process | response bytes | n |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for encoding in ("b64", "nested"):
         for weights in (True, False):
             for T in b.args.sizes:
@@ -380,18 +418,25 @@ def report(b: Bench, torch_note: str, env_note: list[str]) -> str:
                     f"| {encoding} | {'yes' if weights else 'no'} | {T} | {fmt(base['ms']) if base else '–'} | {fmt(this['ms']) if this else '–'} | "
                     f"{fmt(base['ms'] / this['ms']) + 'x' if base and this else '–'} | "
                     + " | ".join(fmt(ph.get(p), 2) for p in ("decode", "validate", "compute", "encode", "total"))
-                    + f" | {fmt(comp, 2)} | {fmt(this['ms'] / comp, 2) if this and comp else '–'} | {this['bytes'] if this else '–'} | {this['n'] if this else '–'} |")
+                    + f" | {fmt(comp, 2)} | {fmt(this['ms'] / comp, 2) if this and comp else '–'} | {this['bytes'] if this else '–'} | {this['n'] if this else '–'} |"
+                )
     lines.append("")
 
     # memory
     if b.memory:
-        lines += ["## Peak worker memory for one request", "",
-                  "One request on a fresh one-worker server, after a T=64 warm-up of the same kind: VmHWM over the request",
-                  "minus VmRSS before it.", "",
-                  "| service | encoding | weights | T | raw tensor bytes (MiB) | request body (MiB) | worker RSS before (MiB) | peak over it (MiB) | peak / raw | RSS after (MiB) |",
-                  "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "## Peak worker memory for one request",
+            "",
+            "One request on a fresh one-worker server, after a T=64 warm-up of the same kind: VmHWM over the request",
+            "minus VmRSS before it.",
+            "",
+            "| service | encoding | weights | T | raw tensor bytes (MiB) | request body (MiB) | worker RSS before (MiB) | peak over it (MiB) | peak / raw | RSS after (MiB) |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for m in b.memory:
-            lines.append(f"| {m['service']} | {m['encoding']} | {'yes' if m['weights'] else 'no'} | {m['T']} | {mib(m['raw'])} | {mib(m['body'])} | {mib(m['rss_before'])} | {mib(m['peak'])} | {m['peak'] / m['raw']:.2f} | {mib(m['rss_after'])} |")
+            lines.append(
+                f"| {m['service']} | {m['encoding']} | {'yes' if m['weights'] else 'no'} | {m['T']} | {mib(m['raw'])} | {mib(m['body'])} | {mib(m['rss_before'])} | {mib(m['peak'])} | {m['peak'] / m['raw']:.2f} | {mib(m['rss_after'])} |"
+            )
         lines.append("")
 
     lines += ["## Goals", "", "| figure | measured | goal | |", "|---|---:|---:|---|"]
@@ -419,24 +464,57 @@ def goals(b: Bench):
         row = b.e2e.get(("this", "b64", w, 1024))
         this, comp = (row["ms"], row["beside"]) if row else (None, None)
         r = this / comp if this and comp else None
-        rows.append((f"b64, T=1024, {'with' if w else 'no'} weights: end to end / in-process compute", fmt(r, 2) if r else "–", f"<= {goal}", r <= goal if r else None))
+        rows.append(
+            (
+                f"b64, T=1024, {'with' if w else 'no'} weights: end to end / in-process compute",
+                fmt(r, 2) if r else "–",
+                f"<= {goal}",
+                r <= goal if r else None,
+            )
+        )
     tb, this = b.compute.get(("textbook numpy", 1024)), b.compute.get(("this, weights", 1024))
     r = tb / this if tb and this else None
-    rows.append(("compute, T=1024, textbook numpy / this (both returning weights)", fmt(r) + "x" if r else "–", ">= 3.5x", r >= 3.5 if r else None))
+    rows.append(
+        ("compute, T=1024, textbook numpy / this (both returning weights)", fmt(r) + "x" if r else "–", ">= 3.5x", r >= 3.5 if r else None)
+    )
     tb_nw = b.compute.get(("this, no weights", 1024))
     if tb and tb_nw:
         rows.append(("compute, T=1024, textbook numpy / this without weights (for reference)", fmt(tb / tb_nw) + "x", "", True))
-    ratios = [b.compute[("this beside torch", T)] / b.compute[("torch SDPA", T)] for T in b.args.sizes
-              if T >= 256 and ("torch SDPA", T) in b.compute]
+    ratios = [
+        b.compute[("this beside torch", T)] / b.compute[("torch SDPA", T)]
+        for T in b.args.sizes
+        if T >= 256 and ("torch SDPA", T) in b.compute
+    ]
     worst = max(ratios) if ratios else None
-    rows.append(("compute, no weights, causal, T=256..4096: this / torch SDPA (worst T)", fmt(worst, 2) if worst else "–", "<= 1.5", worst <= 1.5 if worst else None))
+    rows.append(
+        (
+            "compute, no weights, causal, T=256..4096: this / torch SDPA (worst T)",
+            fmt(worst, 2) if worst else "–",
+            "<= 1.5",
+            worst <= 1.5 if worst else None,
+        )
+    )
     for w, goal in ((True, 2048), (False, 4096)):
         ok_T = [T for T in b.args.sizes if (e2e("this", "b64", w, T) or math.inf) <= 1000]
         best = max(ok_T) if ok_T else None
-        rows.append((f"largest T within 1 s (b64, concurrency 1), {'with' if w else 'without'} weights", str(best) if best else "–", f">= {goal}", best >= goal if best else None))
+        rows.append(
+            (
+                f"largest T within 1 s (b64, concurrency 1), {'with' if w else 'without'} weights",
+                str(best) if best else "–",
+                f">= {goal}",
+                best >= goal if best else None,
+            )
+        )
     mem = [m["peak"] / m["raw"] for m in b.memory if m["service"] == "this"]
     worst_mem = max(mem) if mem else None
-    rows.append(("peak worker memory for one request / raw bytes of its tensors (b64, worst measured)", fmt(worst_mem, 2) if worst_mem else "–", "<= 2", worst_mem <= 2 if worst_mem else None))
+    rows.append(
+        (
+            "peak worker memory for one request / raw bytes of its tensors (b64, worst measured)",
+            fmt(worst_mem, 2) if worst_mem else "–",
+            "<= 2",
+            worst_mem <= 2 if worst_mem else None,
+        )
+    )
     return rows
 
 
@@ -451,16 +529,32 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers started here on the way out
 
     b = Bench(args)
-    blas = [f"{i['internal_api']} {i.get('version')} {i.get('architecture')} ({i['num_threads']} threads by default)" for i in threadpool_info()]
+    blas = [
+        f"{i['internal_api']} {i.get('version')} {i.get('architecture')} ({i['num_threads']} threads by default)" for i in threadpool_info()
+    ]
     load = os.getloadavg()
     env_note = [
         f"machine: {os.cpu_count()} cores, {platform.processor() or platform.machine()}, Python {platform.python_version()}, numpy {np.__version__}, BLAS: {'; '.join(blas)}",
         f"load average at start: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} (other work on the machine makes absolute times noisy: read the ratios)",
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'unset')}, OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', 'unset')}",
     ]
-    argv = {"this": [sys.executable, "-m", "service"],
-            "textbook": [sys.executable, "-m", "gunicorn", "--bind", "127.0.0.1:{port}", "--workers", "1", "--timeout", "300",
-                         "--log-level", "warning", "bench.baseline_service:app"]}
+    argv = {
+        "this": [sys.executable, "-m", "service"],
+        "textbook": [
+            sys.executable,
+            "-m",
+            "gunicorn",
+            "--bind",
+            "127.0.0.1:{port}",
+            "--workers",
+            "1",
+            "--timeout",
+            "300",
+            "--log-level",
+            "warning",
+            "bench.baseline_service:app",
+        ],
+    }
     envs = {"this": {"ATTN_WARMUP": "false"}, "textbook": {}}
     servers = {name: Server(name, argv[name], envs[name]) for name in (("this",) if args.no_baseline else ("this", "textbook"))}
     try:

@@ -8,6 +8,7 @@ its worker's memory are compared.
 
 Run by `python -m bench` as `gunicorn bench.baseline_service:app` (one sync worker, the default).
 """
+
 from __future__ import annotations
 
 import base64

@@ -8,6 +8,7 @@ the same server, interleaved (b64, binary, b64, ...) so drift from other load hi
 End to end means from numpy arrays in the client to numpy arrays in the client: encoding, HTTP,
 the server's whole work, and decoding. Reported: median, min and max over the runs, the bytes on
 the wire, and the server's own Server-Timing phases (median), which show where the time goes."""
+
 from __future__ import annotations
 
 import argparse
@@ -45,12 +46,19 @@ def b64_request(session: requests.Session, url: str, q, k, v) -> tuple[np.ndarra
 
 def binary_request(session: requests.Session, url: str, q, k, v) -> tuple[np.ndarray, np.ndarray, requests.Response, int]:
     arrays = {"q": q, "k": k, "v": v}
-    header = json.dumps({
-        "inputs": [{"name": n, "datatype": "FP32", "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}} for n, a in arrays.items()],
-        "parameters": {"causal": True, "binary_data_output": True},
-    }).encode()
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": n, "datatype": "FP32", "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
+                for n, a in arrays.items()
+            ],
+            "parameters": {"causal": True, "binary_data_output": True},
+        }
+    ).encode()
     body = b"".join([header, *(a.tobytes() for a in arrays.values())])
-    resp = session.post(f"{url}/v2/models/attention/infer", data=body, headers={"Inference-Header-Content-Length": str(len(header))}, timeout=120)
+    resp = session.post(
+        f"{url}/v2/models/attention/infer", data=body, headers={"Inference-Header-Content-Length": str(len(header))}, timeout=120
+    )
     resp.raise_for_status()
     size = int(resp.headers["Inference-Header-Content-Length"])
     head = json.loads(resp.content[:size])
@@ -103,14 +111,21 @@ def main() -> None:
         assert np.array_equal(o1, o2) and np.array_equal(w1, w2), "the two paths disagree"
 
         load = os.getloadavg()
-        print(f"q, k, v ({args.B}, {args.H}, {args.T}, {args.d}) float32, causal, weights returned; {args.runs} runs each after {args.warmup} warm-up, interleaved")
+        print(
+            f"q, k, v ({args.B}, {args.H}, {args.T}, {args.d}) float32, causal, weights returned; {args.runs} runs each after {args.warmup} warm-up, interleaved"
+        )
         print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
         print(f"{'path':36} {'median ms':>10} {'min':>8} {'max':>8} {'sent MB':>8} {'recv MB':>8}   server phases (median ms)")
         for name in paths:
             ts = times[name]
-            server = {key: statistics.median(ph.get(key, 0.0) for ph in phases[name]) for key in ("decode", "validate", "compute", "encode", "total")}
+            server = {
+                key: statistics.median(ph.get(key, 0.0) for ph in phases[name])
+                for key in ("decode", "validate", "compute", "encode", "total")
+            }
             srv = " ".join(f"{key}={val:.1f}" for key, val in server.items())
-            print(f"{name:36} {statistics.median(ts):10.1f} {min(ts):8.1f} {max(ts):8.1f} {wire[name][0] / 1e6:8.2f} {wire[name][1] / 1e6:8.2f}   {srv}")
+            print(
+                f"{name:36} {statistics.median(ts):10.1f} {min(ts):8.1f} {max(ts):8.1f} {wire[name][0] / 1e6:8.2f} {wire[name][1] / 1e6:8.2f}   {srv}"
+            )
         b64_ms, bin_ms = (statistics.median(times[name]) for name in paths)
         print(f"ratio b64 / binary (median end to end): {b64_ms / bin_ms:.2f}x")
     finally:

@@ -16,6 +16,7 @@ against `python -m service` started here on a free loopback port with the defaul
 
 Prints the /healthz latencies (p50, p99, max, failures) and the T=256 statuses and times, as
 markdown. Every address is 127.0.0.1; loops are bounded in count and in time (--budget)."""
+
 from __future__ import annotations
 
 import argparse
@@ -43,14 +44,16 @@ def tensor(rng, *shape) -> dict:
 
 
 def attention_body(rng, T: int, weights: bool) -> bytes:
-    return json.dumps({"q": tensor(rng, 1, 8, T, 64), "k": tensor(rng, 1, 8, T, 64), "v": tensor(rng, 1, 8, T, 64),
-                       "return_weights": weights}).encode()
+    return json.dumps(
+        {"q": tensor(rng, 1, 8, T, 64), "k": tensor(rng, 1, 8, T, 64), "v": tensor(rng, 1, 8, T, 64), "return_weights": weights}
+    ).encode()
 
 
 def request_bytes(path: str, body: bytes, length: int | None = None) -> bytes:
     length = len(body) if length is None else length
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {length}\r\n\r\n").encode() + body
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode() + body
 
 
 def start_service(cwd: Path, settings: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -61,7 +64,9 @@ def start_service(cwd: Path, settings: dict[str, str]) -> tuple[subprocess.Popen
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith("ATTN_")}
     env.update(settings, HOST="127.0.0.1", PORT=str(port))
     log = tempfile.NamedTemporaryFile(prefix="slow-clients-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             statuses.append(status)
             valid_times.append(took)
         downloads = {}  # what the stalled downloads were answered (200 responses left unread, or 503s)
-        for s in held[:args.downloads]:
+        for s in held[: args.downloads]:
             s.settimeout(1.0)
             try:
                 line = s.recv(64).split(b"\r\n", 1)[0].decode("latin-1")
@@ -187,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
             proc.wait(timeout=40)
 
     ms = [t * 1000 for t in times]
-    print(f"held open: {args.uploads} stalled uploads, {args.downloads} stalled downloads (T={args.download_t} with weights), {args.idle} idle connections; settings {args.set or 'defaults'}")
+    print(
+        f"held open: {args.uploads} stalled uploads, {args.downloads} stalled downloads (T={args.download_t} with weights), {args.idle} idle connections; settings {args.set or 'defaults'}"
+    )
     print(f"stalled downloads: {downloads_sent} of {args.downloads} requests sent whole; their answers: {downloads}")
     print()
     print(f"| /healthz polls | p50 ms | p99 ms | max ms | failed (timeout {args.probe_timeout:.0f} s or error) |")

@@ -2,6 +2,7 @@
 workers x BLAS threads = 2x1, 1x2 and 2x2 and sends b64 T=1024 requests (with and without
 weights) at concurrency 1 and 2; prints median latency and requests per second. The choice in
 deploy/gunicorn.conf.py rests on this table. Loopback only, bounded counts."""
+
 from __future__ import annotations
 
 import statistics

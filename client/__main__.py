@@ -7,6 +7,7 @@
 
 The result file holds `out` and, unless --no-weights, `weights`. Exit status: 0 on success, 1 when
 the service refuses (its status, code and message on stderr), 2 for bad arguments."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,9 @@ from ._client import AttentionClient, AttentionError
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m client", description="Call the attention service with .npy files.")
-    p.add_argument("--url", default=os.environ.get("ATTN_URL", "http://127.0.0.1:8000"), help="service base URL (default $ATTN_URL or %(default)s)")
+    p.add_argument(
+        "--url", default=os.environ.get("ATTN_URL", "http://127.0.0.1:8000"), help="service base URL (default $ATTN_URL or %(default)s)"
+    )
     p.add_argument("--api-key", default=os.environ.get("ATTN_API_KEY"), help="bearer key (default $ATTN_API_KEY)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
     p.add_argument("--retries", type=int, default=3, help="retries on connection errors and 503")
@@ -33,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("v")
     a.add_argument("--mask", help=".npy bool mask broadcasting to (..., T, S); true = attend")
     a.add_argument("--key-lengths", help=".npy ints broadcasting to the leading axes")
-    a.add_argument("--causal", nargs="?", const="top_left", choices=["top_left", "bottom_right"], help="causal mask (default alignment top_left)")
+    a.add_argument(
+        "--causal", nargs="?", const="top_left", choices=["top_left", "bottom_right"], help="causal mask (default alignment top_left)"
+    )
     a.add_argument("--scale", type=float)
 
     m = sub.add_parser("mha", help="multi-head self-attention with projections")
@@ -75,13 +80,24 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if args.command == "attention":
                 out, weights = api.attention(
-                    _load(args.q), _load(args.k), _load(args.v), _load(args.mask),
+                    _load(args.q),
+                    _load(args.k),
+                    _load(args.v),
+                    _load(args.mask),
                     causal=args.causal or False,
                     key_lengths=_load(args.key_lengths),
-                    scale=args.scale, return_weights=args.weights, dtype=args.dtype)
+                    scale=args.scale,
+                    return_weights=args.weights,
+                    dtype=args.dtype,
+                )
             else:
-                out, weights = api.mha(*(_load(getattr(args, n)) for n in ("x", "wq", "wk", "wv", "wo")), args.heads,
-                                       causal=args.causal, return_weights=args.weights, dtype=args.dtype)
+                out, weights = api.mha(
+                    *(_load(getattr(args, n)) for n in ("x", "wq", "wk", "wv", "wo")),
+                    args.heads,
+                    causal=args.causal,
+                    return_weights=args.weights,
+                    dtype=args.dtype,
+                )
         except AttentionError as err:
             print(f"error: {err.status or '-'} {err.code}: {err.message}", file=sys.stderr)
             return 1

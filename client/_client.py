@@ -1,6 +1,7 @@
 """AttentionClient: the service's endpoints as numpy functions, over one pooled requests.Session.
 
 Shape legend: ... leading axes (batch, heads), T queries, S keys, d width, dv value width."""
+
 from __future__ import annotations
 
 import base64
@@ -27,6 +28,7 @@ try:  # orjson writes numpy arrays and long strings much faster; the standard li
 
     _loads = orjson.loads
 except ImportError:  # pragma: no cover
+
     def _dumps(obj) -> bytes:
         return json.dumps(obj, default=lambda a: a.tolist()).encode()
 
@@ -137,8 +139,11 @@ class AttentionClient:
         key_lengths = None if key_lengths is None else np.asarray(key_lengths)
         causal = "top_left" if causal is True else causal
         dtype = dtype or _float64_if_any(q, k, v)
-        options = {"return_weights": return_weights, **({"scale": scale} if scale is not None else {}),
-                   **({"dtype": dtype} if dtype is not None else {})}
+        options = {
+            "return_weights": return_weights,
+            **({"scale": scale} if scale is not None else {}),
+            **({"dtype": dtype} if dtype is not None else {}),
+        }
 
         def send(q, k, v, mask, key_lengths, causal):
             body = {"q": q, "k": k, "v": v, **options}
@@ -207,13 +212,19 @@ class AttentionClient:
             wbytes = sum(w.size for w in ws.values()) * _wire_itemsize(x)
 
             def fits(b, _rows):
-                return self._fits(lim, rows=n, keys=n, scores=b * heads * n * n, return_weights=return_weights,
-                                  nbytes=b * n * d * _wire_itemsize(x) + wbytes)
+                return self._fits(
+                    lim,
+                    rows=n,
+                    keys=n,
+                    scores=b * heads * n * n,
+                    return_weights=return_weights,
+                    nbytes=b * n * d * _wire_itemsize(x) + wbytes,
+                )
 
             blocks = _split.plan(x.shape[0], 1, fits)
         if blocks is None or len(blocks) == 1:
             return send(x)
-        results = self._map(lambda block: send(x[block.b0:block.b1]), blocks)
+        results = self._map(lambda block: send(x[block.b0 : block.b1]), blocks)
         out = np.concatenate([r[0] for r in results])
         weights = np.concatenate([r[1] for r in results]) if return_weights else None
         return out, weights
@@ -257,9 +268,13 @@ class AttentionClient:
     def _fits(self, lim: dict, *, rows: int, keys: int, scores: int, return_weights: bool, nbytes: int) -> bool:
         """Would a request of this size pass the server's limits? nbytes: raw tensor bytes."""
         wire = _split.b64_len(nbytes) if self.encoding == "b64" else nbytes * 6  # flat/nested: ~24 JSON chars per float32
-        return (rows <= lim["max_t"] and keys <= lim["max_s"] and scores <= lim["max_score_elements"]
-                and (not return_weights or scores <= lim["max_weights_elements"])
-                and wire + BODY_SLACK <= lim["max_body_bytes"])
+        return (
+            rows <= lim["max_t"]
+            and keys <= lim["max_s"]
+            and scores <= lim["max_score_elements"]
+            and (not return_weights or scores <= lim["max_weights_elements"])
+            and wire + BODY_SLACK <= lim["max_body_bytes"]
+        )
 
     def _map(self, fn, blocks: list[Block]) -> list:
         """fn over the blocks, concurrently; the first failure is raised."""
@@ -275,8 +290,10 @@ class AttentionClient:
     # --- the wire ---
 
     def _compute(self, path: str, body: dict) -> tuple[np.ndarray, np.ndarray | None]:
-        wire = {key: encode_tensor(_wire_array(key, value), self.encoding) if isinstance(value, np.ndarray) else value
-                for key, value in body.items()}
+        wire = {
+            key: encode_tensor(_wire_array(key, value), self.encoding) if isinstance(value, np.ndarray) else value
+            for key, value in body.items()
+        }
         wire["response_encoding"] = self.encoding
         doc = self._call("POST", path, _dumps(wire))
         weights = doc.get("weights")
@@ -300,7 +317,9 @@ class AttentionClient:
                 resp = self.session.request(method, self.base_url + path, data=body, headers=headers, timeout=self.timeout)
             except requests.ConnectionError as exc:  # refused, reset, DNS, connect timeout
                 if last:
-                    raise AttentionError(None, "connection_error", f"{method} {self.base_url}{path} failed after {attempt + 1} attempts: {exc}") from exc
+                    raise AttentionError(
+                        None, "connection_error", f"{method} {self.base_url}{path} failed after {attempt + 1} attempts: {exc}"
+                    ) from exc
                 self._sleep(self._backoff(attempt))
                 continue
             except requests.Timeout as exc:
@@ -330,6 +349,7 @@ class AttentionClient:
 
 
 # --- helpers ---------------------------------------------------------------------------------------
+
 
 def _float64_if_any(*arrays: np.ndarray) -> str | None:
     """numpy in, numpy out: float64 inputs are computed, and answered, in float64."""
@@ -385,7 +405,7 @@ def _assemble(parts: list[np.ndarray], blocks: list[Block], shape: tuple[int, ..
     """Blocks' results -> one (B, T, ...) array."""
     full = np.empty(shape, dtype=parts[0].dtype)
     for part, block in zip(parts, blocks):
-        full[block.b0:block.b1, block.t0:block.t1] = part
+        full[block.b0 : block.b1, block.t0 : block.t1] = part
     return full
 
 

@@ -5,6 +5,7 @@ every key but on no other query. So a request splits exactly into blocks of (lea
 query rows), each sent with all its keys and with its own share of the mask; a causal mask is
 sent as the explicit slice of rows, since a block's rows no longer start at row 0 (top_left) nor
 end at row T-1 (bottom_right)."""
+
 from __future__ import annotations
 
 import math

@@ -3,6 +3,7 @@
 Where it listens comes from the service's Settings (HOST, PORT): configuration lives in one place.
 The server hooks at the end give every worker its share of the metrics, a warm-up before it is
 ready, and a graceful drain on SIGTERM."""
+
 import atexit
 import os
 import shutil
@@ -41,8 +42,8 @@ bind = f"{_settings.host}:{_settings.port}"
 # measurable gain (page faults on a fresh 32 MiB of weights cost ~4 ms of ~150) and kept up to
 # 200 MiB per idle worker after a T=2048 request.
 workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
-timeout = 60              # a worker silent this long is killed and replaced
-graceful_timeout = 30     # SIGTERM: in-flight requests get this long to finish
+timeout = 60  # a worker silent this long is killed and replaced
+graceful_timeout = 30  # SIGTERM: in-flight requests get this long to finish
 keepalive = 5
 accesslog = "-"
 errorlog = "-"
@@ -88,6 +89,7 @@ sendfile = False  # every byte goes through the worker's sendall, which never bl
 
 # --- server hooks -------------------------------------------------------------------------------
 
+
 def on_starting(server):
     """Arbiter start: empty the metrics directory, so a previous run's counts do not come back."""
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
@@ -121,7 +123,9 @@ def worker_int(worker):
 def worker_abort(worker):
     """SIGABRT: the arbiter's timeout fired. Log where every thread was, to find what hung."""
     names = {t.ident: t.name for t in threading.enumerate()}
-    stacks = [f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)) for ident, frame in sys._current_frames().items()]
+    stacks = [
+        f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)) for ident, frame in sys._current_frames().items()
+    ]
     worker.log.error("worker %s timed out after %s s; its threads:\n%s", worker.pid, timeout, "\n".join(stacks))
 
 

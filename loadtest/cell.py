@@ -150,8 +150,7 @@ class _Schedule:
             return at
 
 
-def _worker(session: requests.Session, url: str, body: bytes, schedule: _Schedule,
-            timeout_s: float, out: list[Sample]) -> None:
+def _worker(session: requests.Session, url: str, body: bytes, schedule: _Schedule, timeout_s: float, out: list[Sample]) -> None:
     while (at := schedule.take()) is not None:
         delay = at - time.perf_counter()
         if delay > 0:
@@ -160,8 +159,7 @@ def _worker(session: requests.Session, url: str, body: bytes, schedule: _Schedul
         out.append(Sample(reply.done_at - at, reply.status, reply.error, reply.phases))
 
 
-def _warm_up(sessions: list[requests.Session], url: str, base_url: str, body: bytes,
-             load: Load) -> Reply | None:
+def _warm_up(sessions: list[requests.Session], url: str, base_url: str, body: bytes, load: Load) -> Reply | None:
     """Open each session's connection; send the real body `load.warmup` times on the first.
 
     Returns the reply if the server refuses the body with a 4xx (too long, unauthorized...:
@@ -182,8 +180,7 @@ def _warm_up(sessions: list[requests.Session], url: str, base_url: str, body: by
     return None
 
 
-def run_cell(base_url: str, body: bytes, load: Load,
-             stop: threading.Event | None = None) -> CellRun:
+def run_cell(base_url: str, body: bytes, load: Load, stop: threading.Event | None = None) -> CellRun:
     """Send `body` to `{base_url}/attention` under `load`; raise ConnectionFailure if unreachable."""
     url = f"{base_url}/attention"
     stop = stop or threading.Event()
@@ -197,8 +194,7 @@ def run_cell(base_url: str, body: bytes, load: Load,
         t0 = time.perf_counter()
         schedule = _Schedule(load, t0, stop)
         threads = [
-            threading.Thread(target=_worker, args=(s, url, body, schedule, load.timeout_s, out),
-                             daemon=True)
+            threading.Thread(target=_worker, args=(s, url, body, schedule, load.timeout_s, out), daemon=True)
             for s, out in zip(sessions, outs)
         ]
         for thread in threads:
@@ -220,8 +216,7 @@ def run_cell(base_url: str, body: bytes, load: Load,
     return CellRun(samples, elapsed, unsent=unsent, capped=schedule.capped)
 
 
-def summarize(T: int, concurrency: int, body_bytes: int,
-              runs: Sequence[CellRun]) -> CellResult:
+def summarize(T: int, concurrency: int, body_bytes: int, runs: Sequence[CellRun]) -> CellResult:
     """Pool the samples of one or more runs (rounds) of a cell into its summary.
 
     Percentiles are over the successful (200) responses; every other outcome is an error,
@@ -231,8 +226,7 @@ def summarize(T: int, concurrency: int, body_bytes: int,
     samples = [s for run in runs for s in run.samples]
     elapsed = sum(run.elapsed_s for run in runs)
     ok = [s for s in samples if s.status == 200]
-    errors = Counter(str(s.status) if s.status is not None else s.error or "unknown"
-                     for s in samples if s.status != 200)
+    errors = Counter(str(s.status) if s.status is not None else s.error or "unknown" for s in samples if s.status != 200)
     lat_ms = np.array([s.latency_s * 1e3 for s in ok])
     if lat_ms.size:
         p50, p90, p99 = np.percentile(lat_ms, [50, 90, 99])
@@ -244,16 +238,30 @@ def summarize(T: int, concurrency: int, body_bytes: int,
         values = [s.phases[name] for s in ok if name in s.phases]
         if values:
             phases[name] = float(np.median(values))
-    round_p50s = [float(np.median([s.latency_s * 1e3 for s in run.samples if s.status == 200]))
-                  for run in runs if any(s.status == 200 for s in run.samples)]
+    round_p50s = [
+        float(np.median([s.latency_s * 1e3 for s in run.samples if s.status == 200]))
+        for run in runs
+        if any(s.status == 200 for s in run.samples)
+    ]
     notes = [run.refused or run.capped for run in runs if run.refused or run.capped]
     return CellResult(
-        T=T, concurrency=concurrency, body_bytes=body_bytes,
-        sent=len(samples), ok=len(ok), errors=dict(sorted(errors.items())),
-        p50_ms=float(p50), p90_ms=float(p90), p99_ms=float(p99),
-        max_ms=float(top), mean_ms=float(mean),
+        T=T,
+        concurrency=concurrency,
+        body_bytes=body_bytes,
+        sent=len(samples),
+        ok=len(ok),
+        errors=dict(sorted(errors.items())),
+        p50_ms=float(p50),
+        p90_ms=float(p90),
+        p99_ms=float(p99),
+        max_ms=float(top),
+        mean_ms=float(mean),
         throughput_rps=len(ok) / elapsed if elapsed > 0 else 0.0,
-        elapsed_s=elapsed, phases_ms=phases, unsent=sum(run.unsent for run in runs),
-        rounds=len(runs), round_p50s_ms=round_p50s,
-        refused=any(run.refused for run in runs), note="; ".join(dict.fromkeys(notes)),
+        elapsed_s=elapsed,
+        phases_ms=phases,
+        unsent=sum(run.unsent for run in runs),
+        rounds=len(runs),
+        round_p50s_ms=round_p50s,
+        refused=any(run.refused for run in runs),
+        note="; ".join(dict.fromkeys(notes)),
     )

@@ -53,6 +53,7 @@ def _positive(kind: type):
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be positive, got {text}")
         return value
+
     convert.__name__ = kind.__name__
     return convert
 
@@ -61,57 +62,82 @@ def build_parser() -> argparse.ArgumentParser:
     """Every option, with the defaults the README documents."""
     p = argparse.ArgumentParser(
         prog="python -m loadtest",
-        description="Sweep T x concurrency against POST /attention; write report.md, "
-                    "results.csv and latency.png.")
-    p.add_argument("--url", default="http://127.0.0.1:8000",
-                   help="base URL of the service (default %(default)s)")
-    p.add_argument("--T", type=_T_list, default=parse_Ts("64..4096"), metavar="LIST",
-                   help="sequence lengths, e.g. 64,128,256 or 256..4096 doubling (default 64..4096)")
-    p.add_argument("--concurrency", type=_T_list, default=(1, 2, 4, 8), metavar="LIST",
-                   help="worker counts, same syntax (default 1,2,4,8)")
+        description="Sweep T x concurrency against POST /attention; write report.md, results.csv and latency.png.",
+    )
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the service (default %(default)s)")
+    p.add_argument(
+        "--T",
+        type=_T_list,
+        default=parse_Ts("64..4096"),
+        metavar="LIST",
+        help="sequence lengths, e.g. 64,128,256 or 256..4096 doubling (default 64..4096)",
+    )
+    p.add_argument("--concurrency", type=_T_list, default=(1, 2, 4, 8), metavar="LIST", help="worker counts, same syntax (default 1,2,4,8)")
     amount = p.add_mutually_exclusive_group()
-    amount.add_argument("--duration", type=_positive(float), metavar="S",
-                        help="seconds per cell (default 5 unless --requests)")
-    amount.add_argument("--requests", type=_positive(int), metavar="N",
-                        help="requests per cell")
-    p.add_argument("--rounds", type=_positive(int), default=1, metavar="N",
-                   help="run the whole sweep N times, one round after the other, pooling each "
-                        "cell's samples; the report shows each cell's p50 spread across rounds "
-                        "(default 1)")
-    p.add_argument("--rate", type=_positive(float), metavar="RPS",
-                   help="open loop: this many arrivals per second per cell, latency measured "
-                        "from the scheduled send time; --concurrency caps requests in flight")
+    amount.add_argument("--duration", type=_positive(float), metavar="S", help="seconds per cell (default 5 unless --requests)")
+    amount.add_argument("--requests", type=_positive(int), metavar="N", help="requests per cell")
+    p.add_argument(
+        "--rounds",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="run the whole sweep N times, one round after the other, pooling each "
+        "cell's samples; the report shows each cell's p50 spread across rounds "
+        "(default 1)",
+    )
+    p.add_argument(
+        "--rate",
+        type=_positive(float),
+        metavar="RPS",
+        help="open loop: this many arrivals per second per cell, latency measured "
+        "from the scheduled send time; --concurrency caps requests in flight",
+    )
     wl = p.add_argument_group("workload")
     wl.add_argument("--batch", type=_positive(int), default=1)
     wl.add_argument("--heads", type=_positive(int), default=1)
     wl.add_argument("--d", type=_positive(int), default=64, help="head dimension (default 64)")
     wl.add_argument("--causal", action=argparse.BooleanOptionalAction, default=False)
-    wl.add_argument("--weights", action=argparse.BooleanOptionalAction, default=True,
-                    help="ask for the (T, S) weights (return_weights; default yes, as the API)")
+    wl.add_argument(
+        "--weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for the (T, S) weights (return_weights; default yes, as the API)",
+    )
     wl.add_argument("--encoding", choices=("b64", "nested"), default="b64")
     wl.add_argument("--seed", type=int, default=0)
     slo = p.add_argument_group("SLO and fits")
     slo.add_argument("--slo-ms", type=_positive(float), metavar="MS")
     slo.add_argument("--slo-percentile", choices=("p50", "p90", "p99"), default="p99")
-    slo.add_argument("--early-stop-factor", type=_positive(float), default=4.0, metavar="X",
-                     help="skip a concurrency's larger T once a cell's p50 > X x SLO (default 4)")
-    slo.add_argument("--max-error-rate", type=float, default=0.01, metavar="FRACTION",
-                     help="a cell with more errors fails the SLO (default 0.01)")
-    slo.add_argument("--fit-min-T", type=int, default=512, metavar="T",
-                     help="fit the power-law exponent on cells with T >= this (default 512)")
+    slo.add_argument(
+        "--early-stop-factor",
+        type=_positive(float),
+        default=4.0,
+        metavar="X",
+        help="skip a concurrency's larger T once a cell's p50 > X x SLO (default 4)",
+    )
+    slo.add_argument(
+        "--max-error-rate", type=float, default=0.01, metavar="FRACTION", help="a cell with more errors fails the SLO (default 0.01)"
+    )
+    slo.add_argument(
+        "--fit-min-T", type=int, default=512, metavar="T", help="fit the power-law exponent on cells with T >= this (default 512)"
+    )
     bounds = p.add_argument_group("bounds")
     bounds.add_argument("--max-requests-per-cell", type=_positive(int), default=10_000)
     bounds.add_argument("--max-cell-seconds", type=_positive(float), default=60.0)
-    bounds.add_argument("--timeout", type=_positive(float), default=30.0,
-                        help="seconds per request (default 30)")
-    bounds.add_argument("--warmup", type=int, default=1,
-                        help="untimed requests before each cell, at least 1: the first one also checks "
-                             "the server accepts the body (default 1)")
-    p.add_argument("--api-key", default=os.environ.get("LOADTEST_API_KEY"), metavar="KEY",
-                   help="sent as Authorization: Bearer KEY (default $LOADTEST_API_KEY); "
-                        "never written to the report")
-    p.add_argument("--out", type=Path, default=Path("loadtest-out"),
-                   help="output directory (default %(default)s)")
+    bounds.add_argument("--timeout", type=_positive(float), default=30.0, help="seconds per request (default 30)")
+    bounds.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed requests before each cell, at least 1: the first one also checks the server accepts the body (default 1)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("LOADTEST_API_KEY"),
+        metavar="KEY",
+        help="sent as Authorization: Bearer KEY (default $LOADTEST_API_KEY); never written to the report",
+    )
+    p.add_argument("--out", type=Path, default=Path("loadtest-out"), help="output directory (default %(default)s)")
     return p
 
 
@@ -132,17 +158,31 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConf
     base_url = args.url.rstrip("/").removesuffix("/attention")
     duration = args.duration if args.duration is not None or args.requests else 5.0
     load = Load(
-        concurrency=1, requests=args.requests, duration_s=duration, rate=args.rate,
-        max_requests=args.max_requests_per_cell, max_seconds=args.max_cell_seconds,
-        timeout_s=args.timeout, warmup=max(args.warmup, 1), api_key=args.api_key,
+        concurrency=1,
+        requests=args.requests,
+        duration_s=duration,
+        rate=args.rate,
+        max_requests=args.max_requests_per_cell,
+        max_seconds=args.max_cell_seconds,
+        timeout_s=args.timeout,
+        warmup=max(args.warmup, 1),
+        api_key=args.api_key,
     )
-    workload = Workload(batch=args.batch, heads=args.heads, d=args.d, causal=args.causal,
-                        weights=args.weights, encoding=args.encoding, seed=args.seed)
+    workload = Workload(
+        batch=args.batch, heads=args.heads, d=args.d, causal=args.causal, weights=args.weights, encoding=args.encoding, seed=args.seed
+    )
     return SweepConfig(
-        base_url=base_url, Ts=args.T, concurrencies=args.concurrency, workload=workload,
-        load=load, slo_ms=args.slo_ms, slo_percentile=args.slo_percentile,
-        early_stop_factor=args.early_stop_factor, max_error_rate=args.max_error_rate,
-        fit_min_T=args.fit_min_T, rounds=args.rounds,
+        base_url=base_url,
+        Ts=args.T,
+        concurrencies=args.concurrency,
+        workload=workload,
+        load=load,
+        slo_ms=args.slo_ms,
+        slo_percentile=args.slo_percentile,
+        early_stop_factor=args.early_stop_factor,
+        max_error_rate=args.max_error_rate,
+        fit_min_T=args.fit_min_T,
+        rounds=args.rounds,
         command=shlex.join(["python", "-m", "loadtest", *_redact(argv)]),
     )
 
@@ -174,6 +214,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{len(sweep.cells)} cells written to {args.out}/ ({', '.join(p.name for p in paths)})"
     else:
         where = "nothing measured"
-    print(f"loadtest: {failure}; {where}" if failure else f"loadtest: {where}",
-          file=sys.stderr, flush=True)
+    print(f"loadtest: {failure}; {where}" if failure else f"loadtest: {where}", file=sys.stderr, flush=True)
     return status

@@ -94,8 +94,7 @@ class SloAnswer:
     all_met: bool
 
 
-def slo_search(T: Sequence[int], y: Sequence[float], slo_ms: float,
-               fit: QuadraticFit | None = None) -> SloAnswer:
+def slo_search(T: Sequence[int], y: Sequence[float], slo_ms: float, fit: QuadraticFit | None = None) -> SloAnswer:
     """Search measured (T, latency ms) for the largest T with latency <= slo_ms.
 
     A cell whose y is NaN or inf (no successful responses, too many errors) fails the SLO.

@@ -48,28 +48,52 @@ def analyze(sweep: Sweep) -> list[ConcurrencyFit]:
         big = [c for c in good if c.T >= cfg.fit_min_T]
         slo = None
         if cfg.slo_ms is not None:
-            metric = [c.percentile(cfg.slo_percentile)
-                      if c.ok > 0 and c.error_rate <= cfg.max_error_rate else math.inf
-                      for c in cells]
+            metric = [c.percentile(cfg.slo_percentile) if c.ok > 0 and c.error_rate <= cfg.max_error_rate else math.inf for c in cells]
             slo_fit = fit_quadratic([c.T for c in good], [c.percentile(cfg.slo_percentile) for c in good])
             slo = slo_search([c.T for c in cells], metric, cfg.slo_ms, slo_fit)
-        fits.append(ConcurrencyFit(
-            concurrency=concurrency,
-            quadratic=fit_quadratic([c.T for c in good], [c.p50_ms for c in good]),
-            power=fit_power([c.T for c in big], [c.p50_ms for c in big]),
-            power_Ts=tuple(c.T for c in big),
-            compute_power=fit_power([c.T for c in big],
-                                    [c.phases_ms.get("compute", math.nan) for c in big]),
-            slo=slo,
-        ))
+        fits.append(
+            ConcurrencyFit(
+                concurrency=concurrency,
+                quadratic=fit_quadratic([c.T for c in good], [c.p50_ms for c in good]),
+                power=fit_power([c.T for c in big], [c.p50_ms for c in big]),
+                power_Ts=tuple(c.T for c in big),
+                compute_power=fit_power([c.T for c in big], [c.phases_ms.get("compute", math.nan) for c in big]),
+                slo=slo,
+            )
+        )
     return fits
 
 
 CSV_FIELDS = (
-    ["T", "concurrency", "mode", "rate", "batch", "heads", "d", "causal", "weights", "encoding",
-     "body_bytes", "sent", "ok", "errors_503", "errors_504", "errors_other", "errors", "unsent",
-     "p50_ms", "p90_ms", "p99_ms", "max_ms", "mean_ms", "throughput_rps", "elapsed_s",
-     "rounds", "p50_by_round_ms"]
+    [
+        "T",
+        "concurrency",
+        "mode",
+        "rate",
+        "batch",
+        "heads",
+        "d",
+        "causal",
+        "weights",
+        "encoding",
+        "body_bytes",
+        "sent",
+        "ok",
+        "errors_503",
+        "errors_504",
+        "errors_other",
+        "errors",
+        "unsent",
+        "p50_ms",
+        "p90_ms",
+        "p99_ms",
+        "max_ms",
+        "mean_ms",
+        "throughput_rps",
+        "elapsed_s",
+        "rounds",
+        "p50_by_round_ms",
+    ]
     + [f"server_{name}_ms" for name in PHASES]
     + ["note"]
 )
@@ -87,23 +111,39 @@ def write_csv(sweep: Sweep, path: Path) -> None:
         writer.writeheader()
         for c in sweep.cells:
             other = {k: v for k, v in c.errors.items() if k not in ("503", "504")}
-            writer.writerow({
-                "T": c.T, "concurrency": c.concurrency,
-                "mode": "open" if cfg.load.rate else "closed", "rate": cfg.load.rate or "",
-                "batch": wl.batch, "heads": wl.heads, "d": wl.d, "causal": wl.causal,
-                "weights": wl.weights, "encoding": wl.encoding, "body_bytes": c.body_bytes,
-                "sent": c.sent, "ok": c.ok,
-                "errors_503": c.errors.get("503", 0), "errors_504": c.errors.get("504", 0),
-                "errors_other": sum(other.values()),
-                "errors": " ".join(f"{k}:{v}" for k, v in c.errors.items()),
-                "unsent": c.unsent,
-                "p50_ms": _num(c.p50_ms), "p90_ms": _num(c.p90_ms), "p99_ms": _num(c.p99_ms),
-                "max_ms": _num(c.max_ms), "mean_ms": _num(c.mean_ms),
-                "throughput_rps": _num(c.throughput_rps), "elapsed_s": _num(c.elapsed_s),
-                "rounds": c.rounds, "p50_by_round_ms": " ".join(_num(v) for v in c.round_p50s_ms),
-                **{f"server_{n}_ms": _num(c.phases_ms.get(n, math.nan)) for n in PHASES},
-                "note": c.note,
-            })
+            writer.writerow(
+                {
+                    "T": c.T,
+                    "concurrency": c.concurrency,
+                    "mode": "open" if cfg.load.rate else "closed",
+                    "rate": cfg.load.rate or "",
+                    "batch": wl.batch,
+                    "heads": wl.heads,
+                    "d": wl.d,
+                    "causal": wl.causal,
+                    "weights": wl.weights,
+                    "encoding": wl.encoding,
+                    "body_bytes": c.body_bytes,
+                    "sent": c.sent,
+                    "ok": c.ok,
+                    "errors_503": c.errors.get("503", 0),
+                    "errors_504": c.errors.get("504", 0),
+                    "errors_other": sum(other.values()),
+                    "errors": " ".join(f"{k}:{v}" for k, v in c.errors.items()),
+                    "unsent": c.unsent,
+                    "p50_ms": _num(c.p50_ms),
+                    "p90_ms": _num(c.p90_ms),
+                    "p99_ms": _num(c.p99_ms),
+                    "max_ms": _num(c.max_ms),
+                    "mean_ms": _num(c.mean_ms),
+                    "throughput_rps": _num(c.throughput_rps),
+                    "elapsed_s": _num(c.elapsed_s),
+                    "rounds": c.rounds,
+                    "p50_by_round_ms": " ".join(_num(v) for v in c.round_p50s_ms),
+                    **{f"server_{n}_ms": _num(c.phases_ms.get(n, math.nan)) for n in PHASES},
+                    "note": c.note,
+                }
+            )
 
 
 def _ms(value: float | None) -> str:
@@ -118,24 +158,29 @@ def _T(value: float | None) -> str:
 
 def _load_line(sweep: Sweep) -> str:
     load = sweep.config.load
-    amount = (f"{load.requests} requests" if load.requests is not None
-              else f"{load.duration_s:g} s")
-    loop = (f"open loop at {load.rate:g} req/s (latency from the scheduled send time)"
-            if load.rate else "closed loop (each worker sends when its last reply is read)")
-    rounds = (f" in each of {sweep.config.rounds} rounds (the sweep run {sweep.config.rounds} "
-              f"times over, samples pooled per cell)" if sweep.config.rounds > 1 else "")
-    return (f"{loop}, {amount} per cell{rounds} after {load.warmup} warm-up request(s); hard bounds "
-            f"{load.max_requests} requests and {load.max_seconds:g} s per cell, "
-            f"{load.timeout_s:g} s per request")
+    amount = f"{load.requests} requests" if load.requests is not None else f"{load.duration_s:g} s"
+    loop = (
+        f"open loop at {load.rate:g} req/s (latency from the scheduled send time)"
+        if load.rate
+        else "closed loop (each worker sends when its last reply is read)"
+    )
+    rounds = (
+        f" in each of {sweep.config.rounds} rounds (the sweep run {sweep.config.rounds} times over, samples pooled per cell)"
+        if sweep.config.rounds > 1
+        else ""
+    )
+    return (
+        f"{loop}, {amount} per cell{rounds} after {load.warmup} warm-up request(s); hard bounds "
+        f"{load.max_requests} requests and {load.max_seconds:g} s per cell, "
+        f"{load.timeout_s:g} s per request"
+    )
 
 
 def _cells_table(cells: list[CellResult], rounds: int) -> list[str]:
     lines = [
         "| T | conc. | ok/sent | 503 | 504 | other errors | p50 ms | p90 ms | p99 ms | max ms "
-        "| req/s | server decode | validate | compute | encode | total | compute / p50 |"
-        + (" p50 by round, ms |" if rounds > 1 else ""),
-        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-        + ("---|" if rounds > 1 else ""),
+        "| req/s | server decode | validate | compute | encode | total | compute / p50 |" + (" p50 by round, ms |" if rounds > 1 else ""),
+        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---|" if rounds > 1 else ""),
     ]
     for c in sorted(cells, key=lambda c: (c.concurrency, c.T)):
         other = " ".join(f"{k}:{v}" for k, v in c.errors.items() if k not in ("503", "504"))
@@ -144,7 +189,8 @@ def _cells_table(cells: list[CellResult], rounds: int) -> list[str]:
         lines.append(
             f"| {c.T} | {c.concurrency} | {c.ok}/{c.sent} | {c.errors.get('503', 0)} "
             f"| {c.errors.get('504', 0)} | {other or '–'} | {_ms(c.p50_ms)} | {_ms(c.p90_ms)} "
-            f"| {_ms(c.p99_ms)} | {_ms(c.max_ms)} | {c.throughput_rps:.1f} | " + " | ".join(ph)
+            f"| {_ms(c.p99_ms)} | {_ms(c.max_ms)} | {c.throughput_rps:.1f} | "
+            + " | ".join(ph)
             + f" | {f'{share:.0%}' if math.isfinite(share) else '–'} |"
             + (f" {', '.join(_ms(v) for v in c.round_p50s_ms)} |" if rounds > 1 else "")
         )
@@ -170,11 +216,9 @@ def _fit_table(fits: list[ConcurrencyFit], fit_min_T: int) -> list[str]:
 def _slo_table(fits: list[ConcurrencyFit], sweep: Sweep) -> list[str]:
     cfg = sweep.config
     lines = [
-        f"SLO: {cfg.slo_percentile} ≤ {cfg.slo_ms:g} ms with at most "
-        f"{cfg.max_error_rate:.0%} errors.",
+        f"SLO: {cfg.slo_percentile} ≤ {cfg.slo_ms:g} ms with at most {cfg.max_error_rate:.0%} errors.",
         "",
-        "| conc. | last measured T that met it | interpolated T (log-log) "
-        f"| T where the a + b·T² fit of {cfg.slo_percentile} crosses it |",
+        f"| conc. | last measured T that met it | interpolated T (log-log) | T where the a + b·T² fit of {cfg.slo_percentile} crosses it |",
         "|---:|---:|---:|---:|",
     ]
     for f in fits:
@@ -187,8 +231,7 @@ def _slo_table(fits: list[ConcurrencyFit], sweep: Sweep) -> list[str]:
     return lines
 
 
-def write_markdown(sweep: Sweep, fits: list[ConcurrencyFit], path: Path,
-                   plot_name: str | None = "latency.png") -> None:
+def write_markdown(sweep: Sweep, fits: list[ConcurrencyFit], path: Path, plot_name: str | None = "latency.png") -> None:
     """The human report: setup, one row per cell, the fits, the SLO answer, notes, plot."""
     cfg = sweep.config
     version = (sweep.limits or {}).get("version", "unknown")
@@ -240,25 +283,21 @@ def plot(sweep: Sweep, fits: list[ConcurrencyFit], path: Path) -> None:
     by_conc = {f.concurrency: f for f in fits}
     for i, concurrency in enumerate(sorted(by_conc)):
         color = colors[i % len(colors)]
-        cells = sorted((c for c in sweep.cells if c.concurrency == concurrency and c.ok > 0),
-                       key=lambda c: c.T)
+        cells = sorted((c for c in sweep.cells if c.concurrency == concurrency and c.ok > 0), key=lambda c: c.T)
         if not cells:
             continue
         T = np.array([c.T for c in cells], dtype=float)
         for name, style in (("p50", "o-"), ("p90", "s--"), ("p99", "^:")):
-            ax.plot(T, [c.percentile(name) for c in cells], style, color=color, ms=4,
-                    label=f"c={concurrency} {name}")
+            ax.plot(T, [c.percentile(name) for c in cells], style, color=color, ms=4, label=f"c={concurrency} {name}")
         fit = by_conc[concurrency]
         if fit.quadratic is not None:
             grid = np.geomspace(T.min(), T.max(), 100)
             label = f"c={concurrency} fit {fit.quadratic.a:.1f} + {fit.quadratic.b:.2g}·T²"
             if fit.power is not None:
                 label += f" (exponent {fit.power.exponent:.2f})"
-            ax.plot(grid, fit.quadratic.predict(grid), "-", color=color, alpha=0.35, lw=3,
-                    label=label)
+            ax.plot(grid, fit.quadratic.predict(grid), "-", color=color, alpha=0.35, lw=3, label=label)
     if cfg.slo_ms is not None:
-        ax.axhline(cfg.slo_ms, color="crimson", lw=1.2,
-                   label=f"SLO {cfg.slo_percentile} ≤ {cfg.slo_ms:g} ms")
+        ax.axhline(cfg.slo_ms, color="crimson", lw=1.2, label=f"SLO {cfg.slo_percentile} ≤ {cfg.slo_ms:g} ms")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     Ts = sorted({c.T for c in sweep.cells if c.ok > 0})
@@ -291,8 +330,7 @@ def write_all(sweep: Sweep, out_dir: Path) -> list[Path]:
     try:
         plot(sweep, fits, png_path)
     except ImportError:
-        sweep.notes.append("no latency.png: matplotlib is not installed "
-                           "(pip install -r requirements-dev.txt)")
+        sweep.notes.append("no latency.png: matplotlib is not installed (pip install -r requirements-dev.txt)")
         png_path = None
     write_markdown(sweep, fits, md_path, plot_name=png_path.name if png_path else None)
     return [p for p in (csv_path, md_path, png_path) if p is not None]

@@ -69,8 +69,7 @@ def stop_reason(cell: CellResult, config: SweepConfig) -> str | None:
     if cell.ok == 0:
         return "no successful response"
     if config.slo_ms is not None and cell.p50_ms > config.early_stop_factor * config.slo_ms:
-        return (f"p50 {cell.p50_ms:.0f} ms is over {config.early_stop_factor:g} x "
-                f"the SLO of {config.slo_ms:g} ms")
+        return f"p50 {cell.p50_ms:.0f} ms is over {config.early_stop_factor:g} x the SLO of {config.slo_ms:g} ms"
     return None
 
 
@@ -81,13 +80,13 @@ def format_cell(cell: CellResult) -> str:
         return f"ok 0/{cell.sent}, errors {errors}" + (f" ({cell.note})" if cell.note else "")
     compute = cell.phases_ms.get("compute")
     server = f", server compute p50 {compute:.1f} ms" if compute is not None else ""
-    return (f"ok {cell.ok}/{cell.sent}, p50 {cell.p50_ms:.1f} ms, p99 {cell.p99_ms:.1f} ms, "
-            f"{cell.throughput_rps:.1f} req/s, errors {errors}{server}"
-            + (f" ({cell.note})" if cell.note else ""))
+    return (
+        f"ok {cell.ok}/{cell.sent}, p50 {cell.p50_ms:.1f} ms, p99 {cell.p99_ms:.1f} ms, "
+        f"{cell.throughput_rps:.1f} req/s, errors {errors}{server}" + (f" ({cell.note})" if cell.note else "")
+    )
 
 
-def run_sweep(config: SweepConfig, into: Sweep, log: Callable[[str], None],
-              stop: threading.Event | None = None) -> Sweep:
+def run_sweep(config: SweepConfig, into: Sweep, log: Callable[[str], None], stop: threading.Event | None = None) -> Sweep:
     """Run every cell of `config` into `into`; raises ConnectionFailure if the server is gone.
 
     With `rounds` > 1 the whole sweep runs that many times, one round after the other, and
@@ -114,8 +113,7 @@ def run_sweep(config: SweepConfig, into: Sweep, log: Callable[[str], None],
                     tag = f"[{done}/{total}]" + (f" round {rnd}" if config.rounds > 1 else "")
                     if T not in bodies:
                         bodies[T] = build_body(config.workload, T)
-                    log(f"{tag} T={T} concurrency={concurrency} "
-                        f"({len(bodies[T]) / 1e6:.2f} MB body) ...")
+                    log(f"{tag} T={T} concurrency={concurrency} ({len(bodies[T]) / 1e6:.2f} MB body) ...")
                     run = run_cell(config.base_url, bodies[T], load, stop)
                     runs.setdefault((T, concurrency), []).append(run)
                     this_round = summarize(T, concurrency, len(bodies[T]), [run])
@@ -125,9 +123,11 @@ def run_sweep(config: SweepConfig, into: Sweep, log: Callable[[str], None],
                     if reason is not None and T < min(stopped.get(concurrency, T + 1), config.Ts[-1]):
                         stopped[concurrency] = T  # the larger T of this concurrency are skipped
                         skipped = ",".join(str(t) for t in config.Ts if t > T)
-                        note = (f"concurrency {concurrency}: stopped after T={T}"
-                                + (f" in round {rnd}" if config.rounds > 1 else "")
-                                + f" ({reason}); skipped T={skipped}")
+                        note = (
+                            f"concurrency {concurrency}: stopped after T={T}"
+                            + (f" in round {rnd}" if config.rounds > 1 else "")
+                            + f" ({reason}); skipped T={skipped}"
+                        )
                         into.notes.append(note)
                         log(note)
     finally:

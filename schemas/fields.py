@@ -1,6 +1,7 @@
 """Fields that raise the contract's error codes. Each knows its name, so every error names its
 field: a type error is bad_type, a failed validator bad_option, an absent required field
 missing_field. The Tensor field converts once with numpy and checks the whole array."""
+
 from __future__ import annotations
 
 import math
@@ -127,7 +128,9 @@ class Tensor(_Coded, fields.Field):
             raise invalid(exc.code, f"{self.name} {exc}.", self.name) from None
         lo, hi = self.ranks
         if not lo <= arr.ndim <= hi:
-            raise invalid("bad_rank", f"{self.name} has rank {arr.ndim} (shape {list(arr.shape)}); it must have rank {lo} to {hi}.", self.name)
+            raise invalid(
+                "bad_rank", f"{self.name} has rank {arr.ndim} (shape {list(arr.shape)}); it must have rank {lo} to {hi}.", self.name
+            )
         return arr
 
     def _as_kind(self, arr: np.ndarray) -> np.ndarray:

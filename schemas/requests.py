@@ -1,6 +1,7 @@
 """The request bodies of POST /attention and POST /mha. Fields check themselves; the one
 @validates_schema per request checks the rules across fields (d, S, dv agree, the mask
 broadcasts, the limits hold), and @post_load casts to the compute dtype and builds the job."""
+
 from __future__ import annotations
 
 import math
@@ -74,7 +75,9 @@ class _Request(Schema):
 
     return_weights = Bool(load_default=True, metadata={"description": "return the attention weights"})
     dtype = Choice(DTYPES, load_default=None, metadata={"description": "compute and output precision (default float32)"})
-    response_encoding = Choice(codec.ENCODINGS, load_default=None, metadata={"description": "encoding of the response tensors; default: as the input was encoded"})
+    response_encoding = Choice(
+        codec.ENCODINGS, load_default=None, metadata={"description": "encoding of the response tensors; default: as the input was encoded"}
+    )
 
     def __init__(self, settings: Settings | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -95,9 +98,18 @@ class _Request(Schema):
     def _check_scores(self, score_elements: int, return_weights: bool, what: str) -> None:
         s = self.settings
         if score_elements > s.max_score_elements:
-            raise ApiError(413, "too_large", f"{what} is {score_elements} score elements, over the limit of {s.max_score_elements} (ATTN_MAX_SCORE_ELEMENTS); split the batch or shorten the sequence.")
+            raise ApiError(
+                413,
+                "too_large",
+                f"{what} is {score_elements} score elements, over the limit of {s.max_score_elements} (ATTN_MAX_SCORE_ELEMENTS); split the batch or shorten the sequence.",
+            )
         if return_weights and score_elements > s.max_weights_elements:
-            raise ApiError(413, "too_large", f"{what} would return {score_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send \"return_weights\": false.", "return_weights")
+            raise ApiError(
+                413,
+                "too_large",
+                f'{what} would return {score_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send "return_weights": false.',
+                "return_weights",
+            )
 
     def _check_length(self, field: str, axis: str, n: int, limit: int, env: str) -> None:
         if n > limit:
@@ -125,7 +137,12 @@ class AttentionRequest(_Request):
     v = Tensor(required=True, metadata={"description": "values (..., S, dv): the same leading axes and S as k"})
     mask = Tensor(kind="mask", ranks=(1, 6), load_default=None, metadata={"description": "true = may attend; broadcasts to (..., T, S)"})
     causal = Choice(CAUSAL, load_default=False, metadata={"description": 'true = "top_left" (s <= t); "bottom_right": s <= t + S - T'})
-    key_lengths = Tensor(kind="int", ranks=(0, 5), load_default=None, metadata={"description": "key s allowed iff s < key_lengths[...]; broadcasts to the leading axes"})
+    key_lengths = Tensor(
+        kind="int",
+        ranks=(0, 5),
+        load_default=None,
+        metadata={"description": "key s allowed iff s < key_lengths[...]; broadcasts to the leading axes"},
+    )
     scale = PositiveFloat(load_default=None, metadata={"description": "multiplies the scores; default 1/sqrt(d)"})
 
     @validates_schema
@@ -140,7 +157,9 @@ class AttentionRequest(_Request):
         if k.shape[-1] != d:
             raise invalid("shape_mismatch", f"k has d={k.shape[-1]} but q has d={d}.", "k")
         if v.shape[:-1] != k.shape[:-1]:
-            raise invalid("shape_mismatch", f"v has shape {list(v.shape)}; it needs k's leading axes and S, {list(k.shape[:-1])}, then dv.", "v")
+            raise invalid(
+                "shape_mismatch", f"v has shape {list(v.shape)}; it needs k's leading axes and S, {list(k.shape[:-1])}, then dv.", "v"
+            )
         self._check_length("q", "T", T, s.max_t, "ATTN_MAX_T")
         self._check_length("k", "S", S, s.max_s, "ATTN_MAX_S")
         self._check_width("q", d)
@@ -148,13 +167,23 @@ class AttentionRequest(_Request):
         self._check_scores(math.prod(lead) * T * S, data["return_weights"], f"q {list(q.shape)} against k {list(k.shape)}")
         mask = data["mask"]
         if mask is not None and not _broadcasts(mask.shape, (*lead, T, S)):
-            raise invalid("mask_not_broadcastable", f"mask has shape {list(mask.shape)}, which does not broadcast to (..., T, S) = {list((*lead, T, S))}.", "mask")
+            raise invalid(
+                "mask_not_broadcastable",
+                f"mask has shape {list(mask.shape)}, which does not broadcast to (..., T, S) = {list((*lead, T, S))}.",
+                "mask",
+            )
         lengths = data["key_lengths"]
         if lengths is not None:
             if not _broadcasts(lengths.shape, lead):
-                raise invalid("shape_mismatch", f"key_lengths has shape {list(lengths.shape)}, which does not broadcast to the leading axes {list(lead)}.", "key_lengths")
+                raise invalid(
+                    "shape_mismatch",
+                    f"key_lengths has shape {list(lengths.shape)}, which does not broadcast to the leading axes {list(lead)}.",
+                    "key_lengths",
+                )
             if lengths.min() < 0 or lengths.max() > S:
-                raise invalid("bad_option", f"key_lengths must lie in 0..S = 0..{S}; got {int(lengths.min())}..{int(lengths.max())}.", "key_lengths")
+                raise invalid(
+                    "bad_option", f"key_lengths must lie in 0..S = 0..{S}; got {int(lengths.min())}..{int(lengths.max())}.", "key_lengths"
+                )
         scale = data["scale"]
         if scale is not None and not np.isfinite(self._dtype(data).type(scale)):
             raise invalid("non_finite", f"scale={scale} is not finite in {self._dtype(data).name}.", "scale")
@@ -191,7 +220,9 @@ class MhaRequest(_Request):
         n, d = x.shape[-2:]
         for name in ("wq", "wk", "wv", "wo"):
             if data[name].shape != (d, d):
-                raise invalid("shape_mismatch", f"{name} has shape {list(data[name].shape)}; it must be (d, d) = {[d, d]} for x of width d={d}.", name)
+                raise invalid(
+                    "shape_mismatch", f"{name} has shape {list(data[name].shape)}; it must be (d, d) = {[d, d]} for x of width d={d}.", name
+                )
         heads = data["heads"]
         if d % heads:
             raise invalid("bad_option", f"heads={heads} does not divide the width d={d}.", "heads")
@@ -203,7 +234,13 @@ class MhaRequest(_Request):
     def _job(self, data, original, **kwargs) -> MhaJob:
         dtype = self._dtype(data)
         arrays = {name: self._cast(name, data[name], dtype) for name in ("x", "wq", "wk", "wv", "wo")}
-        return MhaJob(**arrays, heads=data["heads"], causal=data["causal"], return_weights=data["return_weights"], encoding=self._encoding(data, original, "x"))
+        return MhaJob(
+            **arrays,
+            heads=data["heads"],
+            causal=data["causal"],
+            return_weights=data["return_weights"],
+            encoding=self._encoding(data, original, "x"),
+        )
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -1,5 +1,6 @@
 """The attention service: create_app() wires settings, blueprints (the native API, the Open
 Inference Protocol, OpenAPI and docs, operations), error handlers, timing, metrics and admission."""
+
 from __future__ import annotations
 
 from flask import Flask

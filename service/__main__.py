@@ -1,4 +1,5 @@
 """`python -m service`: serve with gunicorn, configured by deploy/gunicorn.conf.py."""
+
 import os
 import sys
 from pathlib import Path

@@ -15,6 +15,7 @@ by its deadline). The slot is held until the response has been sent. Every 503 c
 
 All counts are per worker process: the bounds multiply by the number of workers.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -32,7 +33,7 @@ from .http import phase
 
 COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
 MAX_WAIT_S = 30.0  # longest a job waits for a compute slot without a deadline: then 503
-DRAIN_S = 5.0      # longest spent reading and discarding the body of a refused request
+DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
 
 
 class Gate:
@@ -42,17 +43,21 @@ class Gate:
         self.max_inflight, self.max_queue, self.max_bytes = max_inflight, max_queue, max_bytes
         self._lock = threading.Lock()
         self._slots = threading.Semaphore(max_inflight)
-        self.admitted = 0        # requests past the gate, until their response has been sent
-        self.bytes = 0           # their Content-Length plus estimated working bytes
-        self.pending_ms = 0.0    # predicted compute of the admitted jobs that have been validated
+        self.admitted = 0  # requests past the gate, until their response has been sent
+        self.bytes = 0  # their Content-Length plus estimated working bytes
+        self.pending_ms = 0.0  # predicted compute of the admitted jobs that have been validated
 
     def enter(self, nbytes: int) -> "Ticket":
         """Admit one more request of nbytes, or 503 now. A lone request is always admitted."""
         with self._lock:
             if self.admitted >= self.max_inflight + self.max_queue:
-                raise self._overloaded(f"this worker already holds {self.admitted} compute requests (ATTN_MAX_INFLIGHT={self.max_inflight} + ATTN_MAX_QUEUE={self.max_queue})")
+                raise self._overloaded(
+                    f"this worker already holds {self.admitted} compute requests (ATTN_MAX_INFLIGHT={self.max_inflight} + ATTN_MAX_QUEUE={self.max_queue})"
+                )
             if self.bytes and self.bytes + nbytes > self.max_bytes:
-                raise self._overloaded(f"a body of {nbytes} bytes would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)")
+                raise self._overloaded(
+                    f"a body of {nbytes} bytes would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)"
+                )
             self.admitted += 1
             self._add_bytes(nbytes)
         return Ticket(self, nbytes)
@@ -80,7 +85,9 @@ class Ticket:
         with gate._lock:
             others = gate.bytes - self.bytes
             if others and gate.bytes + nbytes > gate.max_bytes:
-                raise gate._overloaded(f"this job needs about {nbytes} working bytes and this worker holds {gate.bytes} of {gate.max_bytes} (ATTN_MAX_INFLIGHT_BYTES)")
+                raise gate._overloaded(
+                    f"this job needs about {nbytes} working bytes and this worker holds {gate.bytes} of {gate.max_bytes} (ATTN_MAX_INFLIGHT_BYTES)"
+                )
             gate._add_bytes(nbytes)
             self.bytes += nbytes
             gate.pending_ms += predicted_ms
@@ -128,7 +135,9 @@ def admit(job) -> None:
     if deadline is not None:
         left = deadline - elapsed_ms()
         if predicted > left:
-            raise _deadline(f"the predicted compute time is {predicted:.3g} ms but {max(left, 0):.3g} ms of X-Deadline-Ms={deadline:g} remain")
+            raise _deadline(
+                f"the predicted compute time is {predicted:.3g} ms but {max(left, 0):.3g} ms of X-Deadline-Ms={deadline:g} remain"
+            )
     ticket = g.get("admission")
     if ticket is None:
         return
@@ -173,8 +182,12 @@ def _check_key(keys: tuple[str, ...]) -> None:
     for key in keys:  # compare with every key: the time taken does not tell which one came close
         ok |= hmac.compare_digest(given_b, key.encode())
     if scheme.lower() != "bearer" or not given_b or not ok:
-        raise ApiError(401, "unauthorized", "This endpoint needs an API key: send the header Authorization: Bearer <key>.",
-                       headers={"WWW-Authenticate": 'Bearer realm="attention"' + (', error="invalid_token"' if given_b else "")})
+        raise ApiError(
+            401,
+            "unauthorized",
+            "This endpoint needs an API key: send the header Authorization: Bearer <key>.",
+            headers={"WWW-Authenticate": 'Bearer realm="attention"' + (', error="invalid_token"' if given_b else "")},
+        )
 
 
 def _parse_deadline() -> float | None:
@@ -214,7 +227,9 @@ def install(app: Flask) -> None:
             if g.deadline_ms is not None and nbytes:
                 floor = app.extensions["attention.cost"].read_floor_ms(nbytes)
                 if floor > g.deadline_ms - elapsed_ms():
-                    raise _deadline(f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={g.deadline_ms:g}")
+                    raise _deadline(
+                        f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={g.deadline_ms:g}"
+                    )
             if nbytes is None or nbytes > settings.max_body_bytes:
                 nbytes = settings.max_body_bytes  # chunked, or about to be refused with 413
             g.admission = app.extensions["attention.gate"].enter(nbytes)

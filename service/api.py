@@ -1,4 +1,5 @@
 """Blueprint for the compute endpoints, POST /attention and POST /mha. Thin: load, compute, dump."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,8 +35,16 @@ def compute(job: AttentionJob | MhaJob) -> tuple[np.ndarray, np.ndarray | None]:
     with phase("compute"):
         if isinstance(job, MhaJob):
             return core.mha(job.x, job.wq, job.wk, job.wv, job.wo, job.heads, causal=job.causal, return_weights=job.return_weights)
-        return core.attention(job.q, job.k, job.v, job.mask, causal=job.causal, key_lengths=job.key_lengths,
-                              scale=job.scale, return_weights=job.return_weights)
+        return core.attention(
+            job.q,
+            job.k,
+            job.v,
+            job.mask,
+            causal=job.causal,
+            key_lengths=job.key_lengths,
+            scale=job.scale,
+            return_weights=job.return_weights,
+        )
 
 
 def load(schema_cls):

@@ -12,6 +12,7 @@ its last row's diagonal, which skips about half the work. Without weights the me
 inputs and the output is O(block), not O(T * S), and the output is normalised instead of the
 weights (T * dv divisions, not T * S).
 """
+
 from __future__ import annotations
 
 import math
@@ -260,7 +261,7 @@ def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, b0, b1, t0, 
         np.divide(s, total, out=s)
         np.matmul(s, vb[b0:b1, :hi, :-1], out=o)
     else:  # v carries a last column of ones, so one matmul gives both exp(s) v and the row sums
-        ov = scratch[-nb * tn * vb.shape[-1]:].reshape(nb, tn, vb.shape[-1])
+        ov = scratch[-nb * tn * vb.shape[-1] :].reshape(nb, tn, vb.shape[-1])
         np.matmul(s, vb[b0:b1, :hi], out=ov)  # (nb, tn, dv + 1)
         total = ov[..., -1:]
         total[total == 0] = 1

@@ -14,6 +14,7 @@ simdjson's tape into numpy in C, after checking that it is exactly rectangular. 
 path cannot vouch for is parsed again by orjson, as before, so the answer (and every error) is
 the same either way. Responses are written once: b64 payloads are encoded while they are sent.
 """
+
 from __future__ import annotations
 
 import binascii
@@ -44,7 +45,9 @@ FAST_MIN_ELEMENTS = 64  # smaller arrays stay Python lists: nothing to gain, and
 # is reused for bodies up to this size, so an idle worker holds at most a few times this much.
 PARSER_REUSE_MAX_BYTES = 32 * 2**20
 B64_CHUNK = 3 * 2**20
-NESTED_CHUNK_ELEMENTS = 2**18  # numbers per block of a streamed nested array (~2.5 MB of float32 text)  # raw bytes per streamed b64 chunk (4 MiB of text): a multiple of 3, so chunks join
+NESTED_CHUNK_ELEMENTS = (
+    2**18
+)  # numbers per block of a streamed nested array (~2.5 MB of float32 text)  # raw bytes per streamed b64 chunk (4 MiB of text): a multiple of 3, so chunks join
 
 
 class TensorError(ValueError):
@@ -81,13 +84,14 @@ class B64Text:
     def chunks(self):
         raw = memoryview(self.arr.reshape(-1)).cast("B")
         for start in range(0, len(raw), B64_CHUNK):
-            yield pybase64.b64encode(raw[start:start + B64_CHUNK])
+            yield pybase64.b64encode(raw[start : start + B64_CHUNK])
 
     def text(self) -> str:
         return pybase64.b64encode(memoryview(self.arr.reshape(-1)).cast("B")).decode("ascii")
 
 
 # --- JSON documents -------------------------------------------------------------------------
+
 
 def loads(body: bytes | bytearray):
     """Strict JSON: NaN, Infinity and numbers past float64 are errors (orjson.JSONDecodeError).
@@ -134,7 +138,7 @@ def dump_chunks(obj) -> tuple[bytes | Iterator[bytes], int | None]:
             pos = at + len(mark)
             length -= len(mark) - len(value)
         else:  # an array replaces the marker and its quotes
-            parts += [(skeleton[pos:at - 1],), value.chunks()]
+            parts += [(skeleton[pos : at - 1],), value.chunks()]
             pos = at + len(mark) + 1
             length = None
     parts.append((skeleton[pos:],))
@@ -168,7 +172,7 @@ class NestedArray:
             for i in range(0, n, step):
                 if i:
                     yield b","
-                yield dumps(arr[i:i + step])[1:-1]
+                yield dumps(arr[i : i + step])[1:-1]
         yield b"]"
 
 
@@ -271,28 +275,28 @@ def _cut_b64(body: bytes | bytearray) -> tuple[bytes | bytearray, dict[str, Payl
     nonce = os.urandom(8).hex()
     while (key := body.find(b'"b64"', pos)) >= 0:
         at = key + 5
-        while body[at:at + 1] in (b" ", b"\t", b"\n", b"\r"):
+        while body[at : at + 1] in (b" ", b"\t", b"\n", b"\r"):
             at += 1
-        if body[at:at + 1] != b":":
+        if body[at : at + 1] != b":":
             pos = at
             continue
         at += 1
-        while body[at:at + 1] in (b" ", b"\t", b"\n", b"\r"):
+        while body[at : at + 1] in (b" ", b"\t", b"\n", b"\r"):
             at += 1
-        if body[at:at + 1] != b'"':
+        if body[at : at + 1] != b'"':
             pos = at
             continue
         end = body.find(b'"', at + 1)
         if end < 0:
             break
         try:
-            raw = pybase64.b64decode(view[at + 1:end], validate=True)
+            raw = pybase64.b64decode(view[at + 1 : end], validate=True)
         except (binascii.Error, ValueError):
             pos = end
             continue
         marker = f"b64:{nonce}:{len(payloads)}"
         payloads[marker] = Payload(raw)
-        pieces += [view[pos:at + 1], marker.encode()]
+        pieces += [view[pos : at + 1], marker.encode()]
         pos = end
     if not payloads:
         return body, {}
@@ -323,7 +327,7 @@ def _array(arr: "simdjson.Array") -> tuple[object, int]:
                 return arr.as_list(), 0
         except TypeError:  # a number where a row should be
             return arr.as_list(), 0
-    for kind, dtype in ((("i", np.int64), ("u", np.uint64), ("d", np.float64)) if type(node) is int else (("d", np.float64),)):
+    for kind, dtype in (("i", np.int64), ("u", np.uint64), ("d", np.float64)) if type(node) is int else (("d", np.float64),):
         try:
             flat = np.frombuffer(arr.as_buffer(of_type=kind), dtype=dtype)
         except (TypeError, ValueError, RuntimeError):  # a boolean, string, null or object; or not int64
@@ -349,6 +353,7 @@ def _brackets(obj) -> int:
 
 
 # --- tensors ------------------------------------------------------------------------------
+
 
 def wire_encoding(value) -> str:
     """Which of the three encodings a (valid) tensor value uses."""
@@ -417,7 +422,7 @@ def _checked_kind(arr: np.ndarray) -> np.ndarray:
 def _shape(value: dict) -> tuple[int, ...]:
     shape = value.get("shape")
     if not isinstance(shape, list) or not all(type(n) is int for n in shape):
-        raise TensorError("bad_shape", "needs \"shape\": a list of integers")
+        raise TensorError("bad_shape", 'needs "shape": a list of integers')
     if any(n < 1 for n in shape):
         raise TensorError("bad_shape", f"has shape {shape}; every axis must be at least 1")
     if math.prod(shape) > MAX_ELEMENTS:
@@ -446,12 +451,12 @@ def _decode_flat(value: dict) -> np.ndarray:
     dtype = _dtype(value, None)
     data = value["data"]
     if not isinstance(data, (list, np.ndarray)):
-        raise TensorError("bad_type", "needs \"data\": a flat list of numbers")
+        raise TensorError("bad_type", 'needs "data": a flat list of numbers')
     if len(data) != math.prod(shape):
         raise TensorError("bad_shape", f"has {len(data)} data values but shape {list(shape)} needs {math.prod(shape)}")
     arr = _decode_nested(data)
     if arr.ndim != 1:
-        raise TensorError("bad_shape", "needs \"data\" flat (one level of list), row-major")
+        raise TensorError("bad_shape", 'needs "data" flat (one level of list), row-major')
     if dtype is not None:
         if dtype.kind != "b" and arr.dtype.kind == "b":
             raise TensorError("bad_type", f"declares dtype {dtype.name} but holds booleans")
@@ -465,18 +470,18 @@ def _decode_b64(value: dict) -> np.ndarray:
     _no_extra_keys(value, {"shape", "dtype", "b64"})
     shape = _shape(value)
     if value.get("dtype") is None:  # absent or null: the bytes cannot be read without it
-        raise TensorError("bad_type", "needs \"dtype\" with \"b64\": float32, float64 or bool")
+        raise TensorError("bad_type", 'needs "dtype" with "b64": float32, float64 or bool')
     dtype = _dtype(value, None)
     text = value["b64"]
     if isinstance(text, Payload):  # decoded by loads() straight from the body
         raw = text.raw
     elif not isinstance(text, str):
-        raise TensorError("bad_encoding", "needs \"b64\": a base64 string")
+        raise TensorError("bad_encoding", 'needs "b64": a base64 string')
     else:
         try:
             raw = pybase64.b64decode(text, validate=True)
         except (binascii.Error, ValueError):
-            raise TensorError("bad_encoding", "has \"b64\" that is not valid base64") from None
+            raise TensorError("bad_encoding", 'has "b64" that is not valid base64') from None
     need = math.prod(shape) * dtype.itemsize
     if len(raw) != need:
         raise TensorError("bad_shape", f"has {len(raw)} bytes but shape {list(shape)} of {dtype.name} needs {need}")

@@ -1,4 +1,5 @@
 """Settings: every knob of the service, read once from the environment. The only reader of os.environ."""
+
 from __future__ import annotations
 
 import os
@@ -37,26 +38,26 @@ class Settings:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    max_t: int = 4096                      # query positions per request
-    max_s: int = 4096                      # key positions per request
-    max_score_elements: int = 2**27        # B*T*S computed (134M: 8 heads at T=S=4096)
-    max_weights_elements: int = 2**25      # B*T*S returned as weights (33.5M: 8 heads at T=S=2048, 134 MB f32)
-    max_body_bytes: int = 128 * 2**20      # request body, refused before it is parsed
-    max_rank: int = 6                      # rank of q, k, v
-    max_d: int = 4096                      # head dimension / model width
+    max_t: int = 4096  # query positions per request
+    max_s: int = 4096  # key positions per request
+    max_score_elements: int = 2**27  # B*T*S computed (134M: 8 heads at T=S=4096)
+    max_weights_elements: int = 2**25  # B*T*S returned as weights (33.5M: 8 heads at T=S=2048, 134 MB f32)
+    max_body_bytes: int = 128 * 2**20  # request body, refused before it is parsed
+    max_rank: int = 6  # rank of q, k, v
+    max_d: int = 4096  # head dimension / model width
     default_dtype: str = "float32"
-    api_keys: tuple[str, ...] = ()         # empty: no authentication
-    max_inflight: int = 2                  # computing requests per worker; the rest wait or get 503
-    max_queue: int = 4                     # requests allowed to wait per worker before 503
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    max_inflight: int = 2  # computing requests per worker; the rest wait or get 503
+    max_queue: int = 4  # requests allowed to wait per worker before 503
     max_inflight_bytes: int = 512 * 2**20  # bodies + estimated working bytes per worker before 503
-    warmup: bool = True                    # calibrate the cost model at start-up
+    warmup: bool = True  # calibrate the cost model at start-up
     # Slow and stalled clients (service/worker.py): a request is read by the event loop, under
     # these deadlines, before a thread sees it; a response a client does not read is held here.
-    header_timeout_s: int = 10             # a request line and headers must arrive within this (408 past it)
-    body_timeout_s: int = 30               # a body gets this long, plus 1 s per body_min_rate bytes received
-    body_min_rate: int = 64 * 2**10        # bytes/s a body must average beyond body_timeout_s (408 below)
-    send_timeout_s: int = 30               # a client that reads nothing of its response this long is dropped
-    send_buffer_bytes: int = 256 * 2**20   # unread response bytes held per worker; past it new POSTs get 503
+    header_timeout_s: int = 10  # a request line and headers must arrive within this (408 past it)
+    body_timeout_s: int = 30  # a body gets this long, plus 1 s per body_min_rate bytes received
+    body_min_rate: int = 64 * 2**10  # bytes/s a body must average beyond body_timeout_s (408 below)
+    send_timeout_s: int = 30  # a client that reads nothing of its response this long is dropped
+    send_buffer_bytes: int = 256 * 2**20  # unread response bytes held per worker; past it new POSTs get 503
 
     @classmethod
     def from_env(cls) -> "Settings":

@@ -17,6 +17,7 @@ non-negative. Each worker process has its own model.
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -122,8 +123,9 @@ class _Fit:
 class CostModel:
     """Predicts compute milliseconds per dtype; thread-safe (gthread workers share one)."""
 
-    def __init__(self, a: float = 10.0, b: float = 6.0, c: float = 0.1, *, forget: float = 0.99, ridge: float = 1e-3,
-                 read_ms_per_mb: float = 0.4):
+    def __init__(
+        self, a: float = 10.0, b: float = 6.0, c: float = 0.1, *, forget: float = 0.99, ridge: float = 1e-3, read_ms_per_mb: float = 0.4
+    ):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
         self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in (("float32", 1.0), ("float64", 2.0))}
@@ -236,7 +238,7 @@ def _receive_and_parse(body: bytes) -> None:
         buf = bytearray(len(body))
         view, got = memoryview(buf), 0
         while got < len(buf):
-            got += receiver.recv_into(view[got:got + 2**20])
+            got += receiver.recv_into(view[got : got + 2**20])
         view.release()
         thread.join()
     codec.decode(codec.loads(buf)["q"])

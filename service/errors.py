@@ -1,5 +1,6 @@
 """One JSON error shape for every status, and the exception that carries it. No traceback ever
 leaves the process: unexpected exceptions are logged here and answered with a plain 500."""
+
 from __future__ import annotations
 
 import logging
@@ -7,8 +8,8 @@ import logging
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from .attention import ScoreOverflow
 from . import codec
+from .attention import ScoreOverflow
 
 log = logging.getLogger("service")
 
@@ -77,7 +78,13 @@ def register(app: Flask) -> None:
 
     @app.errorhandler(ScoreOverflow)
     def _overflow(exc: ScoreOverflow):
-        return respond_error(invalid("non_finite", f"The scores q·kᵀ·scale overflow {exc.dtype}; send \"dtype\": \"float64\", smaller values or a smaller scale.", "q"))
+        return respond_error(
+            invalid(
+                "non_finite",
+                f'The scores q·kᵀ·scale overflow {exc.dtype}; send "dtype": "float64", smaller values or a smaller scale.',
+                "q",
+            )
+        )
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):

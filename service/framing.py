@@ -9,13 +9,14 @@ hands the bytes over as they are, gunicorn answers 400, and the connection close
 
 Pure: no sockets, no clocks. A scanner is fed the same growing buffer again and again and resumes
 where it stopped, so scanning a body costs O(bytes) in total, however it trickles in."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-NEED_MORE = "need_more"          # the request is not complete yet
-COMPLETE = "complete"            # buffer[:end] is one whole request
-MALFORMED = "malformed"          # unframeable: hand it to the parser as is, then close
+NEED_MORE = "need_more"  # the request is not complete yet
+COMPLETE = "complete"  # buffer[:end] is one whole request
+MALFORMED = "malformed"  # unframeable: hand it to the parser as is, then close
 BODY_TOO_LARGE = "body_too_large"  # the body is over the limit (413)
 HEAD_TOO_LARGE = "head_too_large"  # no end of head within the limit (431)
 
@@ -38,14 +39,14 @@ class RequestScanner:
     def __init__(self, max_head_bytes: int, max_body_bytes: int):
         self.max_head = max_head_bytes
         self.max_body = max_body_bytes
-        self.head_end: int | None = None     # offset of the first body byte
+        self.head_end: int | None = None  # offset of the first body byte
         self.method = self.path = ""
         self.expects_continue = False
         self.expect_line: tuple[int, int] | None = None  # (start, end) of the Expect header line
         self.body_length: int | None = None  # Content-Length; None when chunked
-        self._searched = 0                   # where the next search for the end of head resumes
-        self._chunk_pos = 0                  # chunked: start of the next chunk-size line
-        self._chunk_total = 0                # chunked: decoded bytes so far
+        self._searched = 0  # where the next search for the end of head resumes
+        self._chunk_pos = 0  # chunked: start of the next chunk-size line
+        self._chunk_total = 0  # chunked: decoded bytes so far
 
     # -- the head -------------------------------------------------------------------------------
 
@@ -110,7 +111,7 @@ class RequestScanner:
             if size == 0:  # the last chunk, then trailer lines and an empty line
                 if len(buf) < data + 2:
                     return Verdict(NEED_MORE)
-                if buf[data:data + 2] == b"\r\n":
+                if buf[data : data + 2] == b"\r\n":
                     return Verdict(COMPLETE, data + 2)
                 end = buf.find(b"\r\n\r\n", data)
                 if end < 0:
@@ -118,7 +119,7 @@ class RequestScanner:
                 return Verdict(COMPLETE, end + 4)
             if len(buf) < data + size + 2:
                 return Verdict(NEED_MORE)
-            if buf[data + size:data + size + 2] != b"\r\n":
+            if buf[data + size : data + size + 2] != b"\r\n":
                 return Verdict(MALFORMED)
             pos = self._chunk_pos = data + size + 2
             self._chunk_total += size

@@ -1,6 +1,7 @@
 """Request and response plumbing shared by every blueprint: reading a JSON body (media type,
 size and strictness checks), writing JSON, the per-phase clock behind Server-Timing and
 timing_ms, and the request id."""
+
 from __future__ import annotations
 
 import time
@@ -49,7 +50,7 @@ def read_body() -> bytes | bytearray:
         return request.get_data(cache=False)
     stream, body = request.stream, bytearray(length)
     view, got = memoryview(body), 0
-    while got < length and (n := stream.readinto(view[got:got + 2**20])):
+    while got < length and (n := stream.readinto(view[got : got + 2**20])):
         got += n
     view.release()
     if got < length:
@@ -62,7 +63,9 @@ def parse_json(body: bytes) -> dict:
     try:
         doc = codec.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(400, "bad_json", f"The body is not valid strict JSON ({exc}); NaN, Infinity and out-of-range numbers are not JSON.") from None
+        raise ApiError(
+            400, "bad_json", f"The body is not valid strict JSON ({exc}); NaN, Infinity and out-of-range numbers are not JSON."
+        ) from None
     if not isinstance(doc, dict):
         raise ApiError(400, "bad_json", f"The body must be a JSON object, not a {type(doc).__name__}.")
     if codec.depth(doc, MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH:

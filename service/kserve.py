@@ -16,6 +16,7 @@ Outputs are `out` and `weights`, as JSON `data` (flat, row-major) or, per output
 the JSON header. Errors are {"error": "message"} (errors.py renders that shape under /v2), with the
 native status; messages say "input q ..." or "parameter causal ..." so the protocol's names appear.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -73,7 +74,11 @@ MODELS = {
             "k": (FLOAT, [-1, -1, -1, -1], "keys (..., S, d): q's leading axes"),
             "v": (FLOAT, [-1, -1, -1, -1], "values (..., S, dv): k's leading axes and S"),
             "mask": (("BOOL",), [-1, -1, -1, -1], "optional; true = may attend; broadcasts to (..., T, S)"),
-            "key_lengths": (("INT64", "INT32"), [-1, -1], "optional; key s allowed iff s < key_lengths[...]; broadcasts to the leading axes"),
+            "key_lengths": (
+                ("INT64", "INT32"),
+                [-1, -1],
+                "optional; key s allowed iff s < key_lengths[...]; broadcasts to the leading axes",
+            ),
         },
         optional=frozenset({"mask", "key_lengths"}),
         options=("causal", "scale", "return_weights", "dtype"),
@@ -97,6 +102,7 @@ MODELS = {
 
 
 # --- health and metadata -----------------------------------------------------------------------
+
 
 @bp.get("")
 def server_metadata():
@@ -122,21 +128,31 @@ def ready():
 def model_metadata(name: str, version: str | None = None):
     """Inputs, outputs, datatypes and shapes (-1: any length) of a model."""
     model = _model(name, version)
-    return json_response({
-        "name": model.name,
-        "versions": [MODEL_VERSION],
-        "platform": "numpy",
-        "inputs": [
-            {"name": n, "datatype": types[0], "shape": shape,
-             "parameters": {"datatypes": ",".join(types), "optional": n in model.optional, "description": doc}}
-            for n, (types, shape, doc) in model.inputs.items()
-        ],
-        "outputs": [
-            {"name": n, "datatype": "FP32", "shape": shape,
-             "parameters": {"datatypes": "FP32,FP64", "description": f"{doc}; FP64 when parameters.dtype is float64"}}
-            for n, (shape, doc) in model.outputs.items()
-        ],
-    })
+    return json_response(
+        {
+            "name": model.name,
+            "versions": [MODEL_VERSION],
+            "platform": "numpy",
+            "inputs": [
+                {
+                    "name": n,
+                    "datatype": types[0],
+                    "shape": shape,
+                    "parameters": {"datatypes": ",".join(types), "optional": n in model.optional, "description": doc},
+                }
+                for n, (types, shape, doc) in model.inputs.items()
+            ],
+            "outputs": [
+                {
+                    "name": n,
+                    "datatype": "FP32",
+                    "shape": shape,
+                    "parameters": {"datatypes": "FP32,FP64", "description": f"{doc}; FP64 when parameters.dtype is float64"},
+                }
+                for n, (shape, doc) in model.outputs.items()
+            ],
+        }
+    )
 
 
 @bp.get("/models/<name>/ready")
@@ -149,6 +165,7 @@ def model_ready(name: str, version: str | None = None):
 
 
 # --- inference ---------------------------------------------------------------------------------
+
 
 @bp.post("/models/<name>/infer")
 @bp.post("/models/<name>/versions/<version>/infer")
@@ -180,7 +197,9 @@ def load(model: Model) -> InferRequest:
     if requested is None:
         requested = ["out", "weights"] if job.return_weights else ["out"]
     elif "weights" in requested and not job.return_weights:
-        raise invalid("bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights")
+        raise invalid(
+            "bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights"
+        )
     outputs = [(n, binary_default.get(n, binary_default[None])) for n in requested]
     return InferRequest(job=job, id=doc.get("id"), outputs=outputs)
 
@@ -219,6 +238,7 @@ def respond(model: Model, req: InferRequest, results: dict[str, np.ndarray | Non
 
 # --- the envelope -> the native request -----------------------------------------------------------
 
+
 class _Blobs:
     """The binary tensor data after the JSON header, taken in input order."""
 
@@ -228,14 +248,21 @@ class _Blobs:
     def take(self, name: str, size: int) -> bytes:
         if self.offset + size > len(self.data):
             left = len(self.data) - self.offset
-            raise invalid("bad_shape", f"input {name} declares binary_data_size={size} but only {left} bytes of binary data are left after the JSON header.", name)
-        chunk = self.data[self.offset:self.offset + size]
+            raise invalid(
+                "bad_shape",
+                f"input {name} declares binary_data_size={size} but only {left} bytes of binary data are left after the JSON header.",
+                name,
+            )
+        chunk = self.data[self.offset : self.offset + size]
         self.offset += size
         return chunk
 
     def check_consumed(self) -> None:
         if self.offset != len(self.data):
-            raise invalid("bad_shape", f"{len(self.data)} bytes of binary data follow the JSON header but the inputs' binary_data_size add up to {self.offset}.")
+            raise invalid(
+                "bad_shape",
+                f"{len(self.data)} bytes of binary data follow the JSON header but the inputs' binary_data_size add up to {self.offset}.",
+            )
 
 
 def _split_body(body: bytes) -> tuple[bytes, memoryview]:
@@ -248,7 +275,9 @@ def _split_body(body: bytes) -> tuple[bytes, memoryview]:
     except ValueError:
         size = -1
     if not 0 <= size <= len(body):
-        raise ApiError(400, "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}.")
+        raise ApiError(
+            400, "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}."
+        )
     return body[:size], memoryview(body)[size:]
 
 
@@ -257,7 +286,9 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
     {output name or None: send as binary})."""
     extra = sorted(set(doc) - REQUEST_KEYS)
     if extra:
-        raise invalid("unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0])
+        raise invalid(
+            "unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0]
+        )
     if "id" in doc and not isinstance(doc["id"], str):
         raise invalid("bad_type", "id must be a string.", "id")
     params = _object(doc.get("parameters", {}), "parameters")
@@ -278,13 +309,17 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
             spec = _object(spec, "each of outputs")
             name = spec.get("name")
             if name not in OUTPUTS:
-                raise invalid("unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs")
+                raise invalid(
+                    "unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
+                )
             if name in requested:
                 raise invalid("bad_option", f"output {name} is requested twice.", "outputs")
             out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
             unsupported = sorted(set(out_params) - {"binary_data"})
             if unsupported:
-                raise invalid("bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs")
+                raise invalid(
+                    "bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs"
+                )
             if "binary_data" in out_params:
                 binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
             requested.append(name)
@@ -323,7 +358,9 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     params = _object(spec.get("parameters", {}), f"input {name} parameters")
     unsupported = sorted(set(params) - {"binary_data_size"})
     if unsupported:
-        raise invalid("bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name)
+        raise invalid(
+            "bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name
+        )
     if "binary_data_size" in params:
         size = params["binary_data_size"]
         if type(size) is not int or size < 0:
@@ -350,7 +387,9 @@ def _flatten(name: str, data, shape):
     if nested:
         nested.append(len(data) // math.prod(nested))
         if nested != shape:
-            raise invalid("bad_shape", f"input {name} has data nested as {nested} but shape {shape}; nest it as the shape, or send it flat.", name)
+            raise invalid(
+                "bad_shape", f"input {name} has data nested as {nested} but shape {shape}; nest it as the shape, or send it flat.", name
+            )
     return data
 
 
@@ -364,7 +403,7 @@ def _load_native(model: Model, native: dict):
 
 
 def _renamed(model: Model, err: ApiError) -> ApiError:
-    """"q has d=3 ..." -> "input q has d=3 ...", "causal must ..." -> "parameter causal must ..."."""
+    """ "q has d=3 ..." -> "input q has d=3 ...", "causal must ..." -> "parameter causal must ..."."""
     field = err.field
     if field in model.inputs:
         kind = "input"
@@ -381,6 +420,7 @@ def _renamed(model: Model, err: ApiError) -> ApiError:
 
 
 # --- small helpers ---------------------------------------------------------------------------------
+
 
 def _model(name: str, version: str | None) -> Model:
     model = MODELS.get(name)

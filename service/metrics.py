@@ -9,6 +9,7 @@ single process) the ordinary in-process registry is used.
 Label values are bounded: endpoint is the route's rule ("unmatched" for 404/405), T is bucketed
 to a power of two, code is one of the contract's error codes.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,24 +24,73 @@ if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # named but perhaps not made (an
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
 
 from prometheus_client import (  # noqa: E402  (after the directory exists)
-    CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess, values)
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    values,
+)
 
 MULTIPROCESS = getattr(values.ValueClass, "_multiprocess", False)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
-REQUESTS = Counter("attention_http_requests_total", "HTTP requests answered, by endpoint, method and status.", ["endpoint", "method", "status"])
-LATENCY = Histogram("attention_http_request_duration_seconds", "Time from the request reaching the app to its response's last byte, by endpoint, method and status.", ["endpoint", "method", "status"], buckets=LATENCY_BUCKETS)
-PHASES = Histogram("attention_phase_duration_seconds", "Time per request phase (queue, decode, validate, compute, encode), by endpoint.", ["endpoint", "phase"], buckets=LATENCY_BUCKETS)
-COMPUTE = Histogram("attention_compute_duration_seconds", "Compute time by endpoint and sequence length T rounded up to a power of two (at least 64).", ["endpoint", "t_bucket"], buckets=LATENCY_BUCKETS)
-PREDICTION = Histogram("attention_cost_prediction_ratio", "Measured compute time over the cost model's prediction, per computed request.", ["endpoint"], buckets=RATIO_BUCKETS)
-REJECTIONS = Counter("attention_rejections_total", "Requests answered with an error body, by endpoint and error code (the contract's codes).", ["endpoint", "code"])
+REQUESTS = Counter(
+    "attention_http_requests_total", "HTTP requests answered, by endpoint, method and status.", ["endpoint", "method", "status"]
+)
+LATENCY = Histogram(
+    "attention_http_request_duration_seconds",
+    "Time from the request reaching the app to its response's last byte, by endpoint, method and status.",
+    ["endpoint", "method", "status"],
+    buckets=LATENCY_BUCKETS,
+)
+PHASES = Histogram(
+    "attention_phase_duration_seconds",
+    "Time per request phase (queue, decode, validate, compute, encode), by endpoint.",
+    ["endpoint", "phase"],
+    buckets=LATENCY_BUCKETS,
+)
+COMPUTE = Histogram(
+    "attention_compute_duration_seconds",
+    "Compute time by endpoint and sequence length T rounded up to a power of two (at least 64).",
+    ["endpoint", "t_bucket"],
+    buckets=LATENCY_BUCKETS,
+)
+PREDICTION = Histogram(
+    "attention_cost_prediction_ratio",
+    "Measured compute time over the cost model's prediction, per computed request.",
+    ["endpoint"],
+    buckets=RATIO_BUCKETS,
+)
+REJECTIONS = Counter(
+    "attention_rejections_total",
+    "Requests answered with an error body, by endpoint and error code (the contract's codes).",
+    ["endpoint", "code"],
+)
 IN_FLIGHT = Gauge("attention_requests_in_flight", "Requests being handled now, summed over live workers.", multiprocess_mode="livesum")
-IN_FLIGHT_MAX = Gauge("attention_requests_in_flight_worker_max", "Requests being handled now by the busiest live worker.", multiprocess_mode="livemax")
-QUEUED = Gauge("attention_admission_queued_requests", "Admitted compute requests waiting for a compute slot, summed over live workers.", multiprocess_mode="livesum")
-RUNNING = Gauge("attention_admission_running_requests", "Admitted compute requests holding a compute slot, summed over live workers.", multiprocess_mode="livesum")
-BYTES = Gauge("attention_admission_inflight_bytes", "Request and estimated working bytes held by admitted requests, summed over live workers.", multiprocess_mode="livesum")
+IN_FLIGHT_MAX = Gauge(
+    "attention_requests_in_flight_worker_max", "Requests being handled now by the busiest live worker.", multiprocess_mode="livemax"
+)
+QUEUED = Gauge(
+    "attention_admission_queued_requests",
+    "Admitted compute requests waiting for a compute slot, summed over live workers.",
+    multiprocess_mode="livesum",
+)
+RUNNING = Gauge(
+    "attention_admission_running_requests",
+    "Admitted compute requests holding a compute slot, summed over live workers.",
+    multiprocess_mode="livesum",
+)
+BYTES = Gauge(
+    "attention_admission_inflight_bytes",
+    "Request and estimated working bytes held by admitted requests, summed over live workers.",
+    multiprocess_mode="livesum",
+)
 
 bp = Blueprint("metrics", __name__)
 

@@ -5,6 +5,7 @@ offline); and a small landing page at GET /.
 
 The document is built once per app from the routes actually registered, so an endpoint appears
 in it exactly when the service serves it."""
+
 from __future__ import annotations
 
 import copy
@@ -25,7 +26,9 @@ from .http import json_response
 
 bp = Blueprint("openapi", __name__)
 
-DOCS_ASSETS = frozenset({"swagger-ui.css", "swagger-ui-bundle.js", "swagger-ui-standalone-preset.js", "favicon-16x16.png", "favicon-32x32.png"})
+DOCS_ASSETS = frozenset(
+    {"swagger-ui.css", "swagger-ui-bundle.js", "swagger-ui-standalone-preset.js", "favicon-16x16.png", "favicon-32x32.png"}
+)
 
 _SHAPE = {"type": "array", "items": {"type": "integer", "minimum": 1}, "description": "the tensor's shape; every axis at least 1"}
 _ALL_DTYPES = ["float32", "float64", "bool", "int32", "int64"]
@@ -35,7 +38,13 @@ MAX_NESTING = 6  # the highest rank any tensor field takes
 # and whether a bare scalar is a tensor (rank 0, as key_lengths may be).
 _KINDS = {
     "float": ("Tensor", "numbers", [{"type": "number"}], ["float32", "float64", "int32", "int64"], False),
-    "mask": ("MaskTensor", "booleans, or the numbers 0 and 1", [{"type": "boolean"}, {"type": "number", "enum": [0, 1]}], _ALL_DTYPES, False),
+    "mask": (
+        "MaskTensor",
+        "booleans, or the numbers 0 and 1",
+        [{"type": "boolean"}, {"type": "number", "enum": [0, 1]}],
+        _ALL_DTYPES,
+        False,
+    ),
     "int": ("IntTensor", "integers", [{"type": "integer"}], ["int32", "int64"], True),
 }
 
@@ -61,7 +70,12 @@ def _tensor_schema(kind: str) -> dict:
         "properties": {
             "shape": _SHAPE,
             "data": {**_one_of([_nested(e, 1) for e in elements]), "description": "prod(shape) values, row-major"},
-            "dtype": {"type": "string", "enum": [*dtypes, None], "nullable": True, "description": "how to read data; null or absent: as JSON gives"},
+            "dtype": {
+                "type": "string",
+                "enum": [*dtypes, None],
+                "nullable": True,
+                "description": "how to read data; null or absent: as JSON gives",
+            },
         },
     }
     b64 = {
@@ -85,9 +99,12 @@ def _tensor_schema(kind: str) -> dict:
 
 # --- the response bodies, as marshmallow schemas (documentation only: responses are built by the views) ---
 
+
 class ErrorDetail(Schema):
     status = fields.Integer(required=True, metadata={"description": "the HTTP status"})
-    code = fields.String(required=True, metadata={"description": "machine-readable: bad_json, missing_field, shape_mismatch, too_large, ..."})
+    code = fields.String(
+        required=True, metadata={"description": "machine-readable: bad_json, missing_field, shape_mismatch, too_large, ..."}
+    )
     message = fields.String(required=True, metadata={"description": "one sentence naming the field and the shapes or limit involved"})
     field = fields.String(required=True, allow_none=True, metadata={"description": "the request field concerned, or null"})
 
@@ -106,7 +123,12 @@ class ComputeResponse(Schema):
     out = Tensor(required=True, metadata={"description": "(..., T, dv) for /attention; (n, d) or (B, n, d) for /mha"})
     weights = Tensor(metadata={"description": "(..., T, S) for /attention; (h, n, n) or (B, h, n, n) for /mha; only when return_weights"})
     cost = fields.Nested(Cost, required=True)
-    timing_ms = fields.Dict(keys=fields.String(), values=fields.Float(), required=True, metadata={"description": "milliseconds per phase so far: decode, validate, compute"})
+    timing_ms = fields.Dict(
+        keys=fields.String(),
+        values=fields.Float(),
+        required=True,
+        metadata={"description": "milliseconds per phase so far: decode, validate, compute"},
+    )
 
 
 class Status(Schema):
@@ -138,6 +160,7 @@ def _exclusive_minimum(self, field, ret, **kwargs) -> dict:
 
 # --- the document -----------------------------------------------------------------------------
 
+
 def build(app: Flask) -> dict:
     """The OpenAPI 3.0 document of the routes registered on app."""
     settings: Settings = app.extensions["attention.settings"]
@@ -148,8 +171,10 @@ def build(app: Flask) -> dict:
         version=VERSION,
         openapi_version="3.0.3",
         plugins=[plugin],
-        info={"description": "Scaled dot-product attention and multi-head attention over HTTP. The same "
-              "computations are served under the Open Inference Protocol (KServe v2) at /v2; see its own specification."},
+        info={
+            "description": "Scaled dot-product attention and multi-head attention over HTTP. The same "
+            "computations are served under the Open Inference Protocol (KServe v2) at /v2; see its own specification."
+        },
     )
     plugin.converter.add_attribute_function(_tensor_property)
     plugin.converter.add_attribute_function(_nullable_enum)
@@ -166,58 +191,107 @@ def build(app: Flask) -> dict:
         spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
 
     def errors(*statuses: int) -> dict:
-        described = {400: "body is not strict JSON or not an object", 401: "no valid API key", 413: "body, T, S or score elements over a limit",
-                     415: "not application/json", 422: "JSON but not a valid request", 503: "overloaded: retry after Retry-After seconds",
-                     504: "the X-Deadline-Ms deadline cannot be met"}
+        described = {
+            400: "body is not strict JSON or not an object",
+            401: "no valid API key",
+            413: "body, T, S or score elements over a limit",
+            415: "not application/json",
+            422: "JSON but not a valid request",
+            503: "overloaded: retry after Retry-After seconds",
+            504: "the X-Deadline-Ms deadline cannot be met",
+        }
         if settings.api_keys:
             statuses = (*statuses, 401)
         out = {}
         for status in sorted(set(statuses)):
             headers = {"Retry-After": {"required": True, "schema": {"type": "integer"}, "description": "seconds"}} if status == 503 else {}
-            out[str(status)] = {"description": described[status], "content": {"application/json": {"schema": "Error"}}, **({"headers": headers} if headers else {})}
+            out[str(status)] = {
+                "description": described[status],
+                "content": {"application/json": {"schema": "Error"}},
+                **({"headers": headers} if headers else {}),
+            }
         return out
 
     timing_headers = {
-        "Server-Timing": {"required": True, "schema": {"type": "string"}, "description": "W3C Server-Timing: decode, validate, compute, encode, total (ms)"},
+        "Server-Timing": {
+            "required": True,
+            "schema": {"type": "string"},
+            "description": "W3C Server-Timing: decode, validate, compute, encode, total (ms)",
+        },
         "X-Request-Id": {"required": True, "schema": {"type": "string"}, "description": "echoed if the client sent one"},
     }
     # X-Deadline-Ms is described in words, not as a parameter: a deadline too short to meet is
     # answered 504 by design, which a fuzzer sending tiny deadlines would report as a server error.
     compute_headers = [
-        {"name": "X-Request-Id", "in": "header", "required": False, "schema": {"type": "string"},
-         "description": "echoed in the response's X-Request-Id if at most 128 characters (else a fresh one is made)"},
+        {
+            "name": "X-Request-Id",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "echoed in the response's X-Request-Id if at most 128 characters (else a fresh one is made)",
+        },
     ]
-    deadline_note = (" Send X-Deadline-Ms (milliseconds, > 0) to have work that cannot finish in time refused with 504"
-                     " before computing; anything but a positive number there is 422 bad_option.")
+    deadline_note = (
+        " Send X-Deadline-Ms (milliseconds, > 0) to have work that cannot finish in time refused with 504"
+        " before computing; anything but a positive number there is 422 bad_option."
+    )
     compute = {
-        "/attention": ("attention", "AttentionRequest", "Scaled dot-product attention over any leading axes",
-                       "out = softmax(q kᵀ · scale, masked) v. Masked weights are exactly 0; a row with no allowed key gives zeros.",
-                       _attention_examples()),
-        "/mha": ("mha", "MhaRequest", "Multi-head self-attention with projections (the GPT block)",
-                 "Q,K,V = x Wq, x Wk, x Wv, split into heads, attention scaled by 1/sqrt(d/h), heads concatenated, then @ Wo.",
-                 _mha_examples()),
+        "/attention": (
+            "attention",
+            "AttentionRequest",
+            "Scaled dot-product attention over any leading axes",
+            "out = softmax(q kᵀ · scale, masked) v. Masked weights are exactly 0; a row with no allowed key gives zeros.",
+            _attention_examples(),
+        ),
+        "/mha": (
+            "mha",
+            "MhaRequest",
+            "Multi-head self-attention with projections (the GPT block)",
+            "Q,K,V = x Wq, x Wk, x Wv, split into heads, attention scaled by 1/sqrt(d/h), heads concatenated, then @ Wo.",
+            _mha_examples(),
+        ),
     }
     for path, (op_id, request_schema, summary, description, examples) in compute.items():
         if path not in served:
             continue
-        spec.path(path=path, operations={"post": {
-            "operationId": op_id,
-            "summary": summary,
-            "description": description + deadline_note,
-            "parameters": compute_headers,
-            "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema, "examples": examples}}},
-            "responses": {
-                "200": {"description": "the result", "headers": timing_headers, "content": {"application/json": {"schema": "ComputeResponse"}}},
-                **errors(400, 413, 415, 422, 503, 504),
+        spec.path(
+            path=path,
+            operations={
+                "post": {
+                    "operationId": op_id,
+                    "summary": summary,
+                    "description": description + deadline_note,
+                    "parameters": compute_headers,
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema, "examples": examples}}},
+                    "responses": {
+                        "200": {
+                            "description": "the result",
+                            "headers": timing_headers,
+                            "content": {"application/json": {"schema": "ComputeResponse"}},
+                        },
+                        **errors(400, 413, 415, 422, 503, 504),
+                    },
+                }
             },
-        }})
+        )
 
     ops = {
         "/healthz": ("healthz", "Liveness: 200 while the process lives", {"200": _json("alive", "Status")}),
-        "/readyz": ("readyz", "Readiness: 200 when it can serve, 503 while starting or draining",
-                    {"200": _json("ready", "Status"), "503": _json("starting or draining", "Status")}),
-        "/limits": ("limits", "The limits in force, the default dtype, the cost model and the version", {"200": _json("the limits", "Limits")}),
-        "/metrics": ("metrics", "Prometheus metrics", {"200": {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}}),
+        "/readyz": (
+            "readyz",
+            "Readiness: 200 when it can serve, 503 while starting or draining",
+            {"200": _json("ready", "Status"), "503": _json("starting or draining", "Status")},
+        ),
+        "/limits": (
+            "limits",
+            "The limits in force, the default dtype, the cost model and the version",
+            {"200": _json("the limits", "Limits")},
+        ),
+        "/metrics": (
+            "metrics",
+            "Prometheus metrics",
+            {"200": {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        ),
     }
     for path, (op_id, summary, responses) in ops.items():
         if path in served:
@@ -247,23 +321,38 @@ def _attention_examples() -> dict:
     seed = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": True}
     return {
         "worked_example": {"summary": "the seed's worked example, causal", "value": seed},
-        "flat_batched": {"summary": "flat encoding, batch of 2, key padding", "value": {
-            "q": {"shape": [2, 2, 2], "data": [1, 0, 0, 1, 1, 1, 0, 1]},
-            "k": {"shape": [2, 3, 2], "data": [1, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]},
-            "v": {"shape": [2, 3, 1], "data": [1, 2, 3, 4, 5, 6]},
-            "key_lengths": [3, 2], "return_weights": False}},
-        "b64": {"summary": "b64 encoding, bottom-right causal, float64", "value": {
-            "q": {"shape": [1, 2], "dtype": "float32", "b64": "AACAPwAAAAA="},
-            "k": {"shape": [2, 2], "dtype": "float32", "b64": "AACAPwAAAAAAAAAAAACAPw=="},
-            "v": {"shape": [2, 1], "dtype": "float32", "b64": "AACAPwAAAEA="},
-            "causal": "bottom_right", "dtype": "float64"}},
+        "flat_batched": {
+            "summary": "flat encoding, batch of 2, key padding",
+            "value": {
+                "q": {"shape": [2, 2, 2], "data": [1, 0, 0, 1, 1, 1, 0, 1]},
+                "k": {"shape": [2, 3, 2], "data": [1, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1]},
+                "v": {"shape": [2, 3, 1], "data": [1, 2, 3, 4, 5, 6]},
+                "key_lengths": [3, 2],
+                "return_weights": False,
+            },
+        },
+        "b64": {
+            "summary": "b64 encoding, bottom-right causal, float64",
+            "value": {
+                "q": {"shape": [1, 2], "dtype": "float32", "b64": "AACAPwAAAAA="},
+                "k": {"shape": [2, 2], "dtype": "float32", "b64": "AACAPwAAAAAAAAAAAACAPw=="},
+                "v": {"shape": [2, 1], "dtype": "float32", "b64": "AACAPwAAAEA="},
+                "causal": "bottom_right",
+                "dtype": "float64",
+            },
+        },
     }
 
 
 def _mha_examples() -> dict:
     eye = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
     x = [[1, 0, 0, 1], [0, 1, 1, 0], [1, 1, 0, 0]]
-    return {"identity_projections": {"summary": "identity projections, 2 heads", "value": {"x": x, "wq": eye, "wk": eye, "wv": eye, "wo": eye, "heads": 2}}}
+    return {
+        "identity_projections": {
+            "summary": "identity projections, 2 heads",
+            "value": {"x": x, "wq": eye, "wk": eye, "wv": eye, "wo": eye, "heads": 2},
+        }
+    }
 
 
 def document() -> dict:
@@ -275,6 +364,7 @@ def document() -> dict:
 
 
 # --- routes ---------------------------------------------------------------------------------
+
 
 @bp.get("/openapi.json")
 def openapi_json():

@@ -1,5 +1,6 @@
 """Operations endpoints (liveness, readiness, the limits in force) and the worker's lifecycle:
 warm-up before it is ready, draining after SIGTERM. /metrics lives in metrics.py."""
+
 from __future__ import annotations
 
 import logging
@@ -34,11 +35,13 @@ def readyz():
 def limits():
     """The limits in force, the default dtype, the cost model's coefficients, the version."""
     settings = current_app.extensions["attention.settings"]
-    return json_response({
-        **settings.limits(),
-        "cost_model": current_app.extensions["attention.cost"].coefficients(),
-        "version": VERSION,
-    })
+    return json_response(
+        {
+            **settings.limits(),
+            "cost_model": current_app.extensions["attention.cost"].coefficients(),
+            "version": VERSION,
+        }
+    )
 
 
 def warm_up(app: Flask) -> None:

@@ -26,6 +26,7 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
 
 Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is gunicorn's. Not
 for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
+
 from __future__ import annotations
 
 import errno
@@ -45,12 +46,12 @@ from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 from . import framing
 from .config import Settings
 
-RECV_BYTES = 256 * 1024        # one read from a client in the event loop
-MAX_HEAD_BYTES = 64 * 1024     # request line and headers (431 past it)
-LINGER_S = 2.0                 # after an error answer: how long the client may still send before the close
-LINGER_BYTES = 1 << 20         # ... and how much of it is read and thrown away
-SWEEP_S = 0.25                 # how often deadlines are checked (run() wakes at least once a second)
-FILE_LIMIT = 65536             # the worker raises its soft open-files limit up to this (one per connection)
+RECV_BYTES = 256 * 1024  # one read from a client in the event loop
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
+LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
+LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
+SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a second)
+FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
 _REASONS = {408: "Request Timeout", 413: "Content Too Large", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
@@ -109,7 +110,7 @@ class ClientSocket(socket.socket):
             timeout = self.gettimeout()
             self.setblocking(False)
             try:
-                view = view[self.send(view, flags):]
+                view = view[self.send(view, flags) :]
             except (BlockingIOError, InterruptedError):
                 pass
             finally:
@@ -183,12 +184,12 @@ class Conn(TConn):
         self.scanner = framing.RequestScanner(MAX_HEAD_BYTES, settings.max_body_bytes)
         self.started = self.body_started = 0.0
         self.deadline = 0.0
-        self.keep = False         # after the response: keep-alive (True) or close
+        self.keep = False  # after the response: keep-alive (True) or close
         self.close_after = False  # the request was handed over unframed: close after it
         self.registered = False
         self.lingered = 0
-        self.pending = b""        # bytes received after the request in a thread (pipelined)
-        self.dropped = False      # the thread gave up on a client that did not read
+        self.pending = b""  # bytes received after the request in a thread (pipelined)
+        self.dropped = False  # the thread gave up on a client that did not read
 
 
 class FrontWorker(ThreadWorker):
@@ -299,7 +300,13 @@ class FrontWorker(ThreadWorker):
         if self.received > self.settings.max_inflight_bytes:
             # Bodies being read count against the worker's memory budget like admitted ones: a
             # client must send the bytes to hold them, and the one that goes past it is refused.
-            self._answer(conn, 503, "overloaded", f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={self.settings.max_inflight_bytes}); retry shortly.", conn.scanner.path)
+            self._answer(
+                conn,
+                503,
+                "overloaded",
+                f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={self.settings.max_inflight_bytes}); retry shortly.",
+                conn.scanner.path,
+            )
             return
         self._advance(conn)
 
@@ -319,7 +326,13 @@ class FrontWorker(ThreadWorker):
         elif verdict.kind == framing.COMPLETE:
             if self.budget.full and conn.scanner.method == "POST":
                 limit = self.settings.send_buffer_bytes
-                self._answer(conn, 503, "overloaded", f"The server holds more response bytes that clients have not read than it allows (ATTN_SEND_BUFFER_BYTES={limit}); retry shortly.", path)
+                self._answer(
+                    conn,
+                    503,
+                    "overloaded",
+                    f"The server holds more response bytes that clients have not read than it allows (ATTN_SEND_BUFFER_BYTES={limit}); retry shortly.",
+                    path,
+                )
                 return
             self._dispatch(conn, verdict.end)
         elif verdict.kind == framing.MALFORMED:
@@ -327,7 +340,9 @@ class FrontWorker(ThreadWorker):
             self._dispatch(conn, len(conn.buf))
         elif verdict.kind == framing.BODY_TOO_LARGE:
             limit = self.settings.max_body_bytes
-            self._answer(conn, 413, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).", path)
+            self._answer(
+                conn, 413, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).", path
+            )
         elif verdict.kind == framing.HEAD_TOO_LARGE:
             self._answer(conn, 431, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.", path)
 
@@ -470,8 +485,11 @@ class FrontWorker(ThreadWorker):
                 continue
             if conn.state == Conn.READING and conn.buf:
                 what = "request head" if conn.scanner.head_end is None else "request body"
-                limit = (f"{self.settings.header_timeout_s} s (ATTN_HEADER_TIMEOUT_S)" if conn.scanner.head_end is None else
-                         f"{self.settings.body_timeout_s} s plus 1 s per {self.settings.body_min_rate} bytes (ATTN_BODY_TIMEOUT_S, ATTN_BODY_MIN_RATE)")
+                limit = (
+                    f"{self.settings.header_timeout_s} s (ATTN_HEADER_TIMEOUT_S)"
+                    if conn.scanner.head_end is None
+                    else f"{self.settings.body_timeout_s} s plus 1 s per {self.settings.body_min_rate} bytes (ATTN_BODY_TIMEOUT_S, ATTN_BODY_MIN_RATE)"
+                )
                 self._unwatch(conn)
                 self._answer(conn, 408, "timeout", f"The {what} did not arrive in time: the limit is {limit}.", conn.scanner.path)
             else:

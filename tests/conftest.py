@@ -1,5 +1,6 @@
 """Shared fixtures: an app with small limits, its test client, a seeded rng, and a live_server
 that runs the real gunicorn (python -m service) on a free loopback port."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-
 from hypothesis import settings as hypothesis_settings
 
 from service import create_app
@@ -63,8 +63,9 @@ def start_server(env: dict | None = None, timeout: float = 60.0):
     inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}  # each server its own
     full_env = {**inherited, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
     log = tempfile.NamedTemporaryFile(prefix="attention-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=full_env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     proc.log_path = log.name  # read by tests that inspect the server's log
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
@@ -106,9 +107,11 @@ def worker_pids(proc: subprocess.Popen) -> set[int]:
 
 def wait_for_workers(proc: subprocess.Popen, n: int = 2, gone: int | None = None) -> set[int]:
     """Wait until the arbiter has n workers (and none is the pid gone); their pids."""
+
     def workers():
         pids = worker_pids(proc)
         return pids if len(pids) == n and gone not in pids else None
+
     return wait_until(workers, timeout=30)
 
 

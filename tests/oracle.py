@@ -1,5 +1,6 @@
 """The slow, obvious attention: Python loops over every leading index and query row, float64.
 The numeric core is tested against it."""
+
 from __future__ import annotations
 
 import itertools
@@ -27,9 +28,9 @@ def attention(q, k, v, mask=None, *, causal=False, key_lengths=None, scale=None)
     weights = np.zeros((*lead, T, S))
     for idx in itertools.product(*(range(n) for n in lead)):
         for t in range(T):
-            keys = [s for s in range(S)
-                    if full_mask[idx + (t, s)] and allowed(T, S, t, s, causal)
-                    and (lengths is None or s < lengths[idx])]
+            keys = [
+                s for s in range(S) if full_mask[idx + (t, s)] and allowed(T, S, t, s, causal) and (lengths is None or s < lengths[idx])
+            ]
             if not keys:
                 continue
             scores = [scale * sum(q[idx + (t, i)] * k[idx + (s, i)] for i in range(d)) for s in keys]

@@ -1,5 +1,6 @@
 """Admission control: deadlines (X-Deadline-Ms against the cost model's prediction) and the
 overload gate's bounds on requests and bytes. API keys: test_auth.py; a real burst: test_overload.py."""
+
 from __future__ import annotations
 
 import base64
@@ -25,6 +26,7 @@ def post(client, body=WORKED, **headers):
 
 
 # --- deadlines ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("raw", ["abc", "", "0", "-5", "nan", "inf", "1e999", "10ms"])
 def test_malformed_deadline_is_bad_option(client, raw):
@@ -101,6 +103,7 @@ def test_the_kserve_infer_route_is_admitted_the_same_way(app, client):
 
 
 # --- overload ----------------------------------------------------------------------------------
+
 
 def test_past_the_request_bound_is_503_with_retry_after(app, client):
     gate = app.extensions["attention.gate"]

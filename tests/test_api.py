@@ -1,5 +1,6 @@
 """POST /attention and POST /mha through the Flask test client: the worked examples in every
 encoding, the response's promises, and the accept/reject catalogue of every error code."""
+
 from __future__ import annotations
 
 import base64
@@ -10,7 +11,6 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 
 from . import oracle
 
@@ -46,6 +46,7 @@ def post(client, body, path="/attention", **kwargs):
 
 # --- what a client relies on ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("encode", [lambda a: a, flat, b64], ids=["nested", "flat", "b64"])
 def test_worked_example_in_every_encoding(client, encode):
     r = post(client, {"q": encode(Q), "k": encode(Q), "v": encode(V), "causal": True})
@@ -74,8 +75,17 @@ def test_response_carries_cost_timing_and_headers(client):
 @pytest.mark.parametrize("encoding", ["nested", "flat", "b64"])
 def test_response_encoding_and_float64(client, rng, encoding):
     q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))
-    r = post(client, {"q": b64(q, "float64"), "k": b64(k, "float64"), "v": b64(v, "float64"),
-                      "dtype": "float64", "response_encoding": encoding, "causal": "bottom_right"})
+    r = post(
+        client,
+        {
+            "q": b64(q, "float64"),
+            "k": b64(k, "float64"),
+            "v": b64(v, "float64"),
+            "dtype": "float64",
+            "response_encoding": encoding,
+            "causal": "bottom_right",
+        },
+    )
     assert r.status_code == 200
     expect_out, expect_w = oracle.attention(q, k, v, causal="bottom_right")
     np.testing.assert_allclose(tensor(r.json["out"]), expect_out, atol=1e-12)
@@ -85,8 +95,15 @@ def test_response_encoding_and_float64(client, rng, encoding):
 def test_mask_key_lengths_scale_and_no_weights(client, rng):
     q, k, v = rng.standard_normal((2, 4, 3)), rng.standard_normal((2, 6, 3)), rng.standard_normal((2, 6, 2))
     mask = rng.random((4, 6)) < 0.6
-    body = {"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "mask": mask.astype(int).tolist(),
-            "key_lengths": [5, 3], "scale": 0.7, "dtype": "float64"}
+    body = {
+        "q": q.tolist(),
+        "k": k.tolist(),
+        "v": v.tolist(),
+        "mask": mask.astype(int).tolist(),
+        "key_lengths": [5, 3],
+        "scale": 0.7,
+        "dtype": "float64",
+    }
     r = post(client, body)
     expect_out, expect_w = oracle.attention(q, k, v, mask, key_lengths=np.array([5, 3]), scale=0.7)
     np.testing.assert_allclose(tensor(r.json["out"]), expect_out, atol=1e-12)
@@ -145,6 +162,7 @@ def test_health_and_ready(client):
 
 # --- the accept/reject catalogue -----------------------------------------------------------------
 
+
 def with_(**changes):
     body = {**WORKED, **changes}
     return {k: v for k, v in body.items() if v is not DROP}
@@ -197,7 +215,13 @@ REJECT = [
     ("key_lengths floats", with_(key_lengths=2.5), 422, "bad_type", "key_lengths"),
     ("T over max", with_(q=[[1, 0]] * 65), 413, "too_long", "q"),
     ("S over max", with_(k=[[1, 0]] * 65, v=[[1, 0]] * 65), 413, "too_long", "k"),
-    ("score elements", with_(q=[[[1, 0]] * 64] * 5, k=[[[1, 0]] * 64] * 5, v=[[[1, 0]] * 64] * 5, return_weights=False), 413, "too_large", None),
+    (
+        "score elements",
+        with_(q=[[[1, 0]] * 64] * 5, k=[[[1, 0]] * 64] * 5, v=[[[1, 0]] * 64] * 5, return_weights=False),
+        413,
+        "too_large",
+        None,
+    ),
     ("returned weights", with_(q=[[[1, 0]] * 64] * 3, k=[[[1, 0]] * 64] * 3, v=[[[1, 0]] * 64] * 3), 413, "too_large", "return_weights"),
 ]
 
@@ -222,11 +246,15 @@ def test_float64_accepts_what_float32_cannot(client):
     assert post(client, with_(v=[[1e39, 0], [0, 10], [5, 5]], dtype="float64")).status_code == 200
 
 
-@pytest.mark.parametrize("headers, content_type", [
-    ({}, "text/plain"),
-    ({}, None),
-    ({"Content-Encoding": "gzip"}, "application/json"),
-], ids=["text/plain", "no content type", "gzip"])
+@pytest.mark.parametrize(
+    "headers, content_type",
+    [
+        ({}, "text/plain"),
+        ({}, None),
+        ({"Content-Encoding": "gzip"}, "application/json"),
+    ],
+    ids=["text/plain", "no content type", "gzip"],
+)
 def test_unsupported_media_type(client, headers, content_type):
     r = client.post("/attention", data=orjson.dumps(WORKED), headers=headers, content_type=content_type)
     assert r.status_code == 415 and r.json["error"]["code"] == "unsupported_media_type"
@@ -246,14 +274,48 @@ def test_not_found_and_method_not_allowed(client):
     assert "POST" in r.headers["Allow"]
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 3] * 4, "heads": 2}, "wo"),
-    ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": 3}, "heads"),
-    ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": 0}, "heads"),
-    ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": True}, "heads"),
-    ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": 2, "causal": "top_left"}, "causal"),
-    ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "heads": 2}, "wo"),
-], ids=["wo shape", "heads divides", "heads zero", "heads bool", "causal bool only", "missing wo"])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        (
+            {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 3] * 4, "heads": 2},
+            "wo",
+        ),
+        (
+            {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": 3},
+            "heads",
+        ),
+        (
+            {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": 0},
+            "heads",
+        ),
+        (
+            {
+                "x": [[1.0] * 4] * 3,
+                "wq": [[1.0] * 4] * 4,
+                "wk": [[1.0] * 4] * 4,
+                "wv": [[1.0] * 4] * 4,
+                "wo": [[1.0] * 4] * 4,
+                "heads": True,
+            },
+            "heads",
+        ),
+        (
+            {
+                "x": [[1.0] * 4] * 3,
+                "wq": [[1.0] * 4] * 4,
+                "wk": [[1.0] * 4] * 4,
+                "wv": [[1.0] * 4] * 4,
+                "wo": [[1.0] * 4] * 4,
+                "heads": 2,
+                "causal": "top_left",
+            },
+            "causal",
+        ),
+        ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "heads": 2}, "wo"),
+    ],
+    ids=["wo shape", "heads divides", "heads zero", "heads bool", "causal bool only", "missing wo"],
+)
 def test_mha_rejects(client, body, field):
     r = post(client, body, path="/mha")
     assert r.status_code == 422 and r.json["error"]["field"] == field
@@ -262,14 +324,37 @@ def test_mha_rejects(client, body, field):
 # --- nothing malformed ever produces a 500 -------------------------------------------------------
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.sampled_from(["q", "k", "v", "shape", "data", "b64", "dtype", "mask", "x"]), children, max_size=4),
+    st.none() | st.booleans() | st.integers(-(10**20), 10**20) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=5),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.sampled_from(["q", "k", "v", "shape", "data", "b64", "dtype", "mask", "x"]), children, max_size=4)
+    ),
     max_leaves=30,
 )
-fields = st.fixed_dictionaries({}, optional={
-    name: json_values | st.sampled_from([Q, V, flat(Q), b64(Q)])
-    for name in ("q", "k", "v", "mask", "causal", "key_lengths", "scale", "dtype", "response_encoding", "return_weights", "x", "wq", "wk", "wv", "wo", "heads")
-})
+fields = st.fixed_dictionaries(
+    {},
+    optional={
+        name: json_values | st.sampled_from([Q, V, flat(Q), b64(Q)])
+        for name in (
+            "q",
+            "k",
+            "v",
+            "mask",
+            "causal",
+            "key_lengths",
+            "scale",
+            "dtype",
+            "response_encoding",
+            "return_weights",
+            "x",
+            "wq",
+            "wk",
+            "wv",
+            "wo",
+            "heads",
+        )
+    },
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # the client is stateless

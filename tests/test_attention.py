@@ -1,4 +1,5 @@
 """The numeric core against a float64 loop oracle, its worked examples, and its laws as properties."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -70,8 +71,18 @@ CASES = [
     ((3,), 6, 9, 4, 4, (1, 9), "bottom_right", (3,)),
     ((2, 1, 2), 3, 4, 2, 3, (3, 4), True, ()),
 ]
-IDS = ["plain", "T<S dv<d", "causal", "bottom_right T<S", "bottom_right T>S", "mask 2d",
-       "mask broadcast + causal", "key_lengths", "all three", "rank 5"]
+IDS = [
+    "plain",
+    "T<S dv<d",
+    "causal",
+    "bottom_right T<S",
+    "bottom_right T>S",
+    "mask 2d",
+    "mask broadcast + causal",
+    "key_lengths",
+    "all three",
+    "rank 5",
+]
 
 
 @pytest.mark.parametrize("lead, T, S, d, dv, mask_shape, causal, lengths_shape", CASES, ids=IDS)
@@ -141,6 +152,7 @@ def test_mha_batched_equals_per_item(rng):
 
 # --- laws, as properties ---------------------------------------------------------------------
 
+
 @st.composite
 def problems(draw, bound: float = 10.0, dtype=np.float64):
     lead = tuple(draw(st.lists(st.integers(1, 3), min_size=0, max_size=2)))
@@ -187,9 +199,9 @@ def test_past_unchanged_by_future(problem, data):
     # the last key query t may see; everything after it (and every later query) is the future
     last_seen = t if causal == "top_left" else t + S - T
     q2, k2, v2 = q.copy(), k.copy(), v.copy()
-    q2[..., t + 1:, :] += 5
-    k2[..., max(last_seen + 1, 0):, :] -= 3
-    v2[..., max(last_seen + 1, 0):, :] *= 7
+    q2[..., t + 1 :, :] += 5
+    k2[..., max(last_seen + 1, 0) :, :] -= 3
+    v2[..., max(last_seen + 1, 0) :, :] *= 7
     out2, _ = attention(q2, k2, v2, causal=causal)
     np.testing.assert_array_equal(out2[..., : t + 1, :], out[..., : t + 1, :])
 

@@ -1,6 +1,7 @@
 """The blocked fast path of the numeric core: every block size, causal alignment, mask,
 key_lengths and T != S gives what the straightforward whole-matrix softmax and the float64 loop
 oracle give, with and without weights, and the small-score shortcut changes no guarantee."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -59,8 +60,20 @@ CASES = [
     ((4,), 9, 9, None, "top_left", (4,)),
     ((2, 2), 9, 6, (9, 6), "bottom_right", (2, 1)),
 ]
-IDS = ["plain", "causal", "causal T<S", "causal T>S", "bottom_right T<S", "bottom_right T>S",
-       "mask + causal", "mask per batch", "key mask + bottom_right", "query mask", "key_lengths", "all three"]
+IDS = [
+    "plain",
+    "causal",
+    "causal T<S",
+    "causal T>S",
+    "bottom_right T<S",
+    "bottom_right T>S",
+    "mask + causal",
+    "mask per batch",
+    "key mask + bottom_right",
+    "query mask",
+    "key_lengths",
+    "all three",
+]
 
 
 @pytest.mark.parametrize("lead, T, S, mask_shape, causal, lengths_shape", CASES, ids=IDS)
@@ -186,8 +199,11 @@ def test_cached_masks_are_read_only():
         core._band(3, 3, 0)[0, 0] = True
 
 
-@pytest.mark.parametrize("B, T, S, causal", [(8, 128, 128, True), (8, 2048, 2048, False), (3, 100, 700, "bottom_right"), (1, 5, 3, False)],
-                         ids=["small causal", "large full", "T < S bottom_right", "tiny"])
+@pytest.mark.parametrize(
+    "B, T, S, causal",
+    [(8, 128, 128, True), (8, 2048, 2048, False), (3, 100, 700, "bottom_right"), (1, 5, 3, False)],
+    ids=["small causal", "large full", "T < S bottom_right", "tiny"],
+)
 def test_block_count_is_what_attention_computes(monkeypatch, B, T, S, causal):
     """The cost model counts blocks with block_count(); it must be the number attention() runs."""
     import service.attention as core

@@ -1,5 +1,6 @@
 """Optional API keys: with ATTN_API_KEYS set, the compute endpoints need Authorization: Bearer
 <key> (compared in constant time); health, readiness, limits and metrics stay open."""
+
 from __future__ import annotations
 
 import hmac
@@ -22,8 +23,11 @@ def settings() -> Settings:
     return replace(SMALL, api_keys=KEYS)
 
 
-@pytest.mark.parametrize("header", [None, "", "Bearer", "Bearer ", "Bearer k-three", "Bearer k-one2", "Basic k-one", "k-one", "Bearer K-ONE"],
-                         ids=["none", "empty", "no key", "blank key", "unknown", "prefix", "basic", "no scheme", "wrong case"])
+@pytest.mark.parametrize(
+    "header",
+    [None, "", "Bearer", "Bearer ", "Bearer k-three", "Bearer k-one2", "Basic k-one", "k-one", "Bearer K-ONE"],
+    ids=["none", "empty", "no key", "blank key", "unknown", "prefix", "basic", "no scheme", "wrong case"],
+)
 def test_compute_needs_a_valid_key(client, header):
     headers = {} if header is None else {"Authorization": header}
     for path, body in (("/attention", WORKED), ("/mha", MHA)):

@@ -1,5 +1,6 @@
 """The Python client: round trips against the live server, exact splitting of over-limit
 requests against a server with small limits, retries (against a local stub), errors, the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,19 @@ import numpy as np
 import pytest
 import requests
 
-from client import AttentionClient, AttentionError
-from client import _split
+from client import AttentionClient, AttentionError, _split
 from service import attention as core
-
 from tests.conftest import ROOT, free_port, start_server, stop_server
 
 # Limits 4x (and more) below the requests of the splitting tests.
-SMALL_LIMITS = {"ATTN_MAX_T": "32", "ATTN_MAX_S": "128", "ATTN_MAX_SCORE_ELEMENTS": "4096", "ATTN_MAX_WEIGHTS_ELEMENTS": "4096",
-                "ATTN_MAX_BODY_BYTES": "200000", "ATTN_WARMUP": "0"}
+SMALL_LIMITS = {
+    "ATTN_MAX_T": "32",
+    "ATTN_MAX_S": "128",
+    "ATTN_MAX_SCORE_ELEMENTS": "4096",
+    "ATTN_MAX_WEIGHTS_ELEMENTS": "4096",
+    "ATTN_MAX_BODY_BYTES": "200000",
+    "ATTN_WARMUP": "0",
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +113,7 @@ def test_refusal_is_attention_error_with_code(api, rng):
 
 # --- splitting over the limits -------------------------------------------------------------------
 
+
 def spy_threads(client: AttentionClient) -> list[str]:
     """Record the thread of every compute request the client sends."""
     seen, compute = [], client._compute
@@ -147,8 +153,7 @@ def test_over_limit_request_is_split_exactly(small_api, small_server, rng, case)
         kwargs["key_lengths"] = rng.integers(0, S + 1, size=(lead[0], 1))
     assert np.prod(shape[:-1]) * S >= 4 * 4096  # at least 4x over ATTN_MAX_SCORE_ELEMENTS
 
-    unsplit = requests.post(f"{small_server}/attention", timeout=30, json={
-        "q": q.tolist(), "k": k.tolist(), "v": v.tolist()})
+    unsplit = requests.post(f"{small_server}/attention", timeout=30, json={"q": q.tolist(), "k": k.tolist(), "v": v.tolist()})
     assert unsplit.status_code == 413  # the server would refuse it whole
 
     threads = spy_threads(small_api)
@@ -213,6 +218,7 @@ def test_causal_rows_are_the_full_masks_rows(align):
 
 # --- retries, against a stub that answers 503 first -------------------------------------------------
 
+
 class Stub(BaseHTTPRequestHandler):
     """POST /attention: `busy` 503s with Retry-After, then the seed's answer."""
 
@@ -225,7 +231,9 @@ class Stub(BaseHTTPRequestHandler):
         self.rfile.read(int(self.headers["Content-Length"]))
         if type(self).busy > 0:
             type(self).busy -= 1
-            self._send(503, {"error": {"status": 503, "code": "overloaded", "message": "busy", "field": None}}, {"Retry-After": self.retry_after})
+            self._send(
+                503, {"error": {"status": 503, "code": "overloaded", "message": "busy", "field": None}}, {"Retry-After": self.retry_after}
+            )
         else:
             self._send(200, {"out": {"shape": [1, 1], "dtype": "float32", "data": [4.0]}, "cost": {}, "timing_ms": {}})
 
@@ -295,6 +303,7 @@ def test_connection_errors_are_retried_with_backoff():
 
 # --- the CLI ----------------------------------------------------------------------------------------
 
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
@@ -306,8 +315,19 @@ def test_cli_attention(live_server, tmp_path, rng):
     for name, arr in {"q": q, "k": k, "v": v, "m": mask}.items():
         np.save(tmp_path / f"{name}.npy", arr)
     result = tmp_path / "result.npz"
-    proc = run_cli("--url", live_server, "attention", str(tmp_path / "q.npy"), str(tmp_path / "k.npy"), str(tmp_path / "v.npy"),
-                   "--mask", str(tmp_path / "m.npy"), "--causal", "-o", str(result))
+    proc = run_cli(
+        "--url",
+        live_server,
+        "attention",
+        str(tmp_path / "q.npy"),
+        str(tmp_path / "k.npy"),
+        str(tmp_path / "v.npy"),
+        "--mask",
+        str(tmp_path / "m.npy"),
+        "--causal",
+        "-o",
+        str(result),
+    )
     assert proc.returncode == 0, proc.stderr
     saved = np.load(result)
     want_out, want_w = core.attention(q, k, v, mask, causal="top_left")  # float64 files: float64 compute
@@ -320,7 +340,9 @@ def test_cli_attention(live_server, tmp_path, rng):
 def test_cli_reports_refusals(live_server, tmp_path):
     np.save(tmp_path / "q.npy", np.ones((3, 4)))
     np.save(tmp_path / "k.npy", np.ones((3, 5)))
-    proc = run_cli("--url", live_server, "attention", *(str(tmp_path / f) for f in ("q.npy", "k.npy", "k.npy")), "-o", str(tmp_path / "r.npz"))
+    proc = run_cli(
+        "--url", live_server, "attention", *(str(tmp_path / f) for f in ("q.npy", "k.npy", "k.npy")), "-o", str(tmp_path / "r.npz")
+    )
     assert proc.returncode == 1
     assert proc.stderr.strip() == "error: 422 shape_mismatch: k has d=5 but q has d=4."
     assert not (tmp_path / "r.npz").exists()

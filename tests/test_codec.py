@@ -1,6 +1,7 @@
 """The wire codec: every encoding round-trips exactly, every decode error has its code, and the
 fast path of loads() (b64 cut from the body, simdjson tape to numpy) answers exactly as the plain
 orjson path does, for valid bodies and for every malformed one."""
+
 from __future__ import annotations
 
 import itertools
@@ -63,6 +64,7 @@ def test_dump_chunks_without_b64_is_one_buffer():
 
 
 # --- the fast path answers as orjson would -----------------------------------------------------
+
 
 def plain(body: bytes):
     """What decoding gives on the plain path: orjson, then decode() of Python lists and strings."""
@@ -163,25 +165,48 @@ def test_fast_path_equals_plain_path(doc):
     same(decode_all(codec.loads(bytearray(body))), plain(body))  # http.read_body() gives a bytearray
 
 
-@pytest.mark.parametrize("body", [
-    b'{"q": ' + orjson.dumps(GRID) + b', "q": [1]}',  # repeated key: the last wins, as in orjson
-    b'{"q": [1], "q": ' + orjson.dumps(GRID) + b'}',
-    b'{"a\\"b": "x", "q": ' + orjson.dumps(grid_with((3, 2), [5.0])) + b'}',  # an escape anywhere: orjson judges
-    b'{"q": {"shape": [1], "dtype": "float32", "b64": "AACA\\u0050w=="}}',  # escaped base64
-    b'{"q": {"shape": [1], "dtype": "float32", "b64" : \n "AACAPw=="}}',
-    b'{"q": {"shape": [2], "dtype": "float32", "b64": "AACAPw==", "b64": "AACAPwAAAEA="}}',
-    b'{"x": "\\"b64\\": \\"AACAPw==\\"", "q": {"shape": [1], "dtype": "float32", "b64": "AACAPw=="}}',
-    b'{"q": [1, 2, 3]}',
-], ids=["repeated key last", "repeated key first", "escape in a key", "escaped base64", "whitespace around colon",
-        "repeated b64", "b64 text inside a string", "tiny"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"q": ' + orjson.dumps(GRID) + b', "q": [1]}',  # repeated key: the last wins, as in orjson
+        b'{"q": [1], "q": ' + orjson.dumps(GRID) + b"}",
+        b'{"a\\"b": "x", "q": ' + orjson.dumps(grid_with((3, 2), [5.0])) + b"}",  # an escape anywhere: orjson judges
+        b'{"q": {"shape": [1], "dtype": "float32", "b64": "AACA\\u0050w=="}}',  # escaped base64
+        b'{"q": {"shape": [1], "dtype": "float32", "b64" : \n "AACAPw=="}}',
+        b'{"q": {"shape": [2], "dtype": "float32", "b64": "AACAPw==", "b64": "AACAPwAAAEA="}}',
+        b'{"x": "\\"b64\\": \\"AACAPw==\\"", "q": {"shape": [1], "dtype": "float32", "b64": "AACAPw=="}}',
+        b'{"q": [1, 2, 3]}',
+    ],
+    ids=[
+        "repeated key last",
+        "repeated key first",
+        "escape in a key",
+        "escaped base64",
+        "whitespace around colon",
+        "repeated b64",
+        "b64 text inside a string",
+        "tiny",
+    ],
+)
 def test_fast_path_equals_plain_path_on_awkward_text(body):
     same(decode_all(codec.loads(body)), plain(body))
 
 
-@pytest.mark.parametrize("body", [
-    b'{"q": [NaN]}', b'{"q": [Infinity]}', b'{"q": [1e999999]}', b'{"q": [1, 2,]}', b"\xef\xbb\xbf{}",
-    b'{"q": "\xff"}', b'{"q": "\\ud800"}', b'{"q": 1} x', b"", b'{"q": [' + b"1," * 100 + b"]}",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"q": [NaN]}',
+        b'{"q": [Infinity]}',
+        b'{"q": [1e999999]}',
+        b'{"q": [1, 2,]}',
+        b"\xef\xbb\xbf{}",
+        b'{"q": "\xff"}',
+        b'{"q": "\\ud800"}',
+        b'{"q": 1} x',
+        b"",
+        b'{"q": [' + b"1," * 100 + b"]}",
+    ],
+)
 def test_invalid_json_raises_as_orjson_does(body):
     with pytest.raises(orjson.JSONDecodeError):
         codec.loads(body)
@@ -189,8 +214,15 @@ def test_invalid_json_raises_as_orjson_does(body):
 
 def test_fast_path_is_taken():
     """The cases the fast path exists for do not fall back: arrays and payloads, not lists and str."""
-    doc = codec.loads(orjson.dumps({"q": GRID, "k": {"shape": [96], "data": list(itertools.chain(*GRID))},
-                                    "v": {"shape": [1], "dtype": "float32", "b64": "AACAPw=="}}))
+    doc = codec.loads(
+        orjson.dumps(
+            {
+                "q": GRID,
+                "k": {"shape": [96], "data": list(itertools.chain(*GRID))},
+                "v": {"shape": [1], "dtype": "float32", "b64": "AACAPw=="},
+            }
+        )
+    )
     assert isinstance(doc["q"], np.ndarray) and isinstance(doc["k"]["data"], np.ndarray)
     assert isinstance(doc["v"]["b64"], codec.Payload)
     assert codec.depth(doc, 20) == 3  # as for the same lists: the object, then two axes
@@ -266,8 +298,11 @@ def test_concurrent_loads_share_the_parser_safely():
                 np.testing.assert_array_equal(got["q"], want)
 
 
-@pytest.mark.parametrize("shape", [(3,), (600_000,), (1, 8, 300, 300), (2, 3, 5, 70_000), (1000, 1000), (5, 300_000)],
-                         ids=["small", "long 1-d", "heads", "rows over a block", "matrix", "few long rows"])
+@pytest.mark.parametrize(
+    "shape",
+    [(3,), (600_000,), (1, 8, 300, 300), (2, 3, 5, 70_000), (1000, 1000), (5, 300_000)],
+    ids=["small", "long 1-d", "heads", "rows over a block", "matrix", "few long rows"],
+)
 def test_streamed_nested_arrays_are_orjsons_bytes(shape):
     """A large nested response tensor, written block by block as it is sent, is byte for byte what
     orjson writes for the whole array; small ones stay inline with a known length."""

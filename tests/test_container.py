@@ -82,7 +82,7 @@ def _find_engine() -> Engine:
         proc = _run(["bash", str(SANDBOX), "env"], env, timeout=600)
         for line in proc.stdout.splitlines():
             if line.startswith("export ") and "=" in line:
-                key, _, value = line[len("export "):].partition("=")
+                key, _, value = line[len("export ") :].partition("=")
                 env[key.strip()] = value.strip().strip("'\"")
         return Engine("podman", env, via_sandbox=True)
     if shutil.which("podman") and _answers(["podman", "info"]):

@@ -1,5 +1,6 @@
 """The cost model: its fit recovers known coefficients, stays sane on one-shape traffic, and on this
 machine predicts the numeric core's time within 2x for T in 64..2048, causal or not."""
+
 from __future__ import annotations
 
 import time
@@ -8,8 +9,8 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from service import attention as core
 from schemas import AttentionRequest
+from service import attention as core
 from service.config import Settings
 from service.costmodel import CostModel, Work, causal_share, median_ms
 

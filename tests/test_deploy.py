@@ -71,7 +71,6 @@ def exposed_port() -> int:
     return int(port.split("/")[0])
 
 
-
 @pytest.fixture(scope="module")
 def docs() -> dict[str, dict]:
     return manifests()
@@ -154,9 +153,7 @@ def test_dockerfile_copies_what_the_app_imports():
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 def test_manifests_validate_strict(version):
     files = sorted(str(p) for p in K8S.glob("*.yaml"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, *files], capture_output=True, text=True
-    )
+    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", version, *files], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("passed") == len(files), proc.stdout
 
@@ -165,7 +162,9 @@ def test_strict_validation_rejects_a_typo(tmp_path):
     """So that the test above can fail: an unknown field in the Deployment is refused."""
     bad = (K8S / "deployment.yaml").read_text().replace("imagePullPolicy:", "imagePulPolicy:")
     (tmp_path / "bad.yaml").write_text(bad)
-    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", str(tmp_path / "bad.yaml")], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kubernetes_validate", "--strict", str(tmp_path / "bad.yaml")], capture_output=True, text=True
+    )
     assert proc.returncode != 0 and "imagePulPolicy" in proc.stdout + proc.stderr
 
 

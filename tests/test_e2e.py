@@ -1,4 +1,5 @@
 """End to end: the real gunicorn server (python -m service) on a free loopback port."""
+
 from __future__ import annotations
 
 import base64

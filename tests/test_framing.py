@@ -1,4 +1,5 @@
 """service.framing: where a request ends, from the bytes so far, however they arrive."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,8 +37,10 @@ def scan_growing(data: bytes, step: int, scanner: RequestScanner | None = None):
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
-@pytest.mark.parametrize("request_bytes", [GET, post(b'{"q": [[1]]}'), post(b""), chunked(b'{"q": ', b"[[1]]}"),
-                                           chunked(b"abc", trailers=b"X-Sum: 1\r\n"), b"\r\n" + GET])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [GET, post(b'{"q": [[1]]}'), post(b""), chunked(b'{"q": ', b"[[1]]}"), chunked(b"abc", trailers=b"X-Sum: 1\r\n"), b"\r\n" + GET],
+)
 def test_complete_requests_end_where_they_end(request_bytes, step):
     verdict, _ = scan_growing(request_bytes + GET, step)  # a pipelined request follows
     assert verdict.kind == COMPLETE and verdict.end == len(request_bytes)
@@ -58,15 +61,18 @@ def test_head_facts():
     assert scanner.body_received(len(data) - 1) == 1
 
 
-@pytest.mark.parametrize("data", [
-    b"POST / HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",   # both: smuggling-shaped
-    b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",                            # not chunked last
-    b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",             # two lengths
-    b"POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
-    b"POST / HTTP/1.1\r\nContent-Length: 0x10\r\n\r\n",
-    b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",                    # not hex
-    b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY",                # no CRLF after the data
-])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"POST / HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",  # both: smuggling-shaped
+        b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",  # not chunked last
+        b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",  # two lengths
+        b"POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+        b"POST / HTTP/1.1\r\nContent-Length: 0x10\r\n\r\n",
+        b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # not hex
+        b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY",  # no CRLF after the data
+    ],
+)
 def test_unframeable_requests_are_malformed(data):
     assert RequestScanner(1024, 10_000).scan(bytearray(data)).kind == MALFORMED
 

@@ -1,5 +1,6 @@
 """The Open Inference Protocol front door (/v2): the official Triton client against the live
 server, equal to the native endpoints; and the protocol's error shape via the Flask client."""
+
 from __future__ import annotations
 
 import json
@@ -33,16 +34,24 @@ def native(live_server: str, path: str, body: dict) -> dict[str, np.ndarray]:
 
 def b64(a: np.ndarray) -> dict:
     import base64
+
     return {"shape": list(a.shape), "dtype": a.dtype.name, "b64": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()}
 
 
 def unb64(t: dict) -> np.ndarray:
     import base64
+
     return np.frombuffer(base64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
 
 
 def triton_inputs(arrays: dict[str, np.ndarray], binary: bool) -> list:
-    types = {np.dtype("float32"): "FP32", np.dtype("float64"): "FP64", np.dtype("bool"): "BOOL", np.dtype("int32"): "INT32", np.dtype("int64"): "INT64"}
+    types = {
+        np.dtype("float32"): "FP32",
+        np.dtype("float64"): "FP64",
+        np.dtype("bool"): "BOOL",
+        np.dtype("int32"): "INT32",
+        np.dtype("int64"): "INT64",
+    }
     inputs = []
     for name, arr in arrays.items():
         inp = triton.InferInput(name, list(arr.shape), types[arr.dtype])
@@ -78,8 +87,13 @@ def test_infer_batched_causal_equals_native(triton_client, live_server, rng, bin
     k = rng.standard_normal((2, 3, 16, 8), dtype=np.float32)
     v = rng.standard_normal((2, 3, 16, 4), dtype=np.float32)
     outputs = [triton.InferRequestedOutput("out", binary_data=binary), triton.InferRequestedOutput("weights", binary_data=binary)]
-    result = triton_client.infer("attention", triton_inputs({"q": q, "k": k, "v": v}, binary), outputs=outputs,
-                                 parameters={"causal": True}, request_id="batched-causal")
+    result = triton_client.infer(
+        "attention",
+        triton_inputs({"q": q, "k": k, "v": v}, binary),
+        outputs=outputs,
+        parameters={"causal": True},
+        request_id="batched-causal",
+    )
     want = native(live_server, "/attention", {"q": q, "k": k, "v": v, "causal": True})
 
     assert result.get_response()["id"] == "batched-causal"
@@ -100,7 +114,9 @@ def test_infer_bool_mask_equals_native(triton_client, live_server, rng, binary):
     mask = rng.random((6, 10)) > 0.4
     mask[2] = False  # a row with no allowed key: zeros, not NaN
     inputs = triton_inputs({"q": q, "k": k, "v": v, "mask": mask}, binary)
-    result = triton_client.infer("attention", inputs, outputs=[triton.InferRequestedOutput(n, binary_data=binary) for n in ("out", "weights")])
+    result = triton_client.infer(
+        "attention", inputs, outputs=[triton.InferRequestedOutput(n, binary_data=binary) for n in ("out", "weights")]
+    )
     want = native(live_server, "/attention", {"q": q, "k": k, "v": v, "mask": mask})
     for name in ("out", "weights"):
         np.testing.assert_array_equal(result.as_numpy(name), want[name])
@@ -115,8 +131,11 @@ def test_infer_default_outputs_are_binary_and_options_apply(triton_client, rng):
     k = rng.standard_normal((7, 4))
     v = rng.standard_normal((7, 2))
     lengths = np.array(5, dtype=np.int32)
-    result = triton_client.infer("attention", triton_inputs({"q": q, "k": k, "v": v, "key_lengths": lengths}, binary=True),
-                                 parameters={"causal": "bottom_right", "scale": 0.5, "dtype": "float64"})
+    result = triton_client.infer(
+        "attention",
+        triton_inputs({"q": q, "k": k, "v": v, "key_lengths": lengths}, binary=True),
+        parameters={"causal": "bottom_right", "scale": 0.5, "dtype": "float64"},
+    )
     out, weights = result.as_numpy("out"), result.as_numpy("weights")
     assert out.dtype == np.float64 and result.get_output("out")["datatype"] == "FP64"
     assert "binary_data_size" in result.get_output("out")["parameters"]
@@ -128,8 +147,9 @@ def test_infer_default_outputs_are_binary_and_options_apply(triton_client, rng):
 @pytest.mark.live
 def test_infer_only_out_skips_the_weights(triton_client, rng):
     q = rng.standard_normal((3, 4), dtype=np.float32)
-    result = triton_client.infer("attention", triton_inputs({"q": q, "k": q, "v": q}, binary=True),
-                                 outputs=[triton.InferRequestedOutput("out")])
+    result = triton_client.infer(
+        "attention", triton_inputs({"q": q, "k": q, "v": q}, binary=True), outputs=[triton.InferRequestedOutput("out")]
+    )
     assert [o["name"] for o in result.get_response()["outputs"]] == ["out"]
     assert result.as_numpy("weights") is None
 
@@ -182,8 +202,10 @@ def infer(client, body, *, headers=None, model="attention"):
 
 
 def binary_request(tensors: dict[str, np.ndarray], datatypes: dict[str, str], **extra) -> tuple[bytes, dict]:
-    inputs = [{"name": n, "datatype": datatypes[n], "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
-              for n, a in tensors.items()]
+    inputs = [
+        {"name": n, "datatype": datatypes[n], "shape": list(a.shape), "parameters": {"binary_data_size": a.nbytes}}
+        for n, a in tensors.items()
+    ]
     header = json.dumps({"inputs": inputs, **extra}).encode()
     return header + b"".join(a.tobytes() for a in tensors.values()), {"Inference-Header-Content-Length": str(len(header))}
 
@@ -220,8 +242,12 @@ def test_seed_example_without_content_type(client):
 def test_binary_in_and_out_round_trip(client, rng):
     q = rng.standard_normal((2, 5, 4)).astype(np.float32)
     mask = rng.random((5, 5)) > 0.3
-    body, headers = binary_request({"q": q, "k": q, "v": q, "mask": mask}, {"q": "FP32", "k": "FP32", "v": "FP32", "mask": "BOOL"},
-                                   parameters={"binary_data_output": True}, outputs=[{"name": "weights", "parameters": {"binary_data": False}}, {"name": "out"}])
+    body, headers = binary_request(
+        {"q": q, "k": q, "v": q, "mask": mask},
+        {"q": "FP32", "k": "FP32", "v": "FP32", "mask": "BOOL"},
+        parameters={"binary_data_output": True},
+        outputs=[{"name": "weights", "parameters": {"binary_data": False}}, {"name": "out"}],
+    )
     resp = infer(client, body, headers=headers)
     assert resp.status_code == 200, resp.data[:300]
     assert resp.mimetype == "application/octet-stream"
@@ -260,7 +286,12 @@ REFUSALS = [
     # (id, body or (bytes, headers), status, words the message must hold)
     ("bad-datatype", with_input("q", datatype="FP16"), 422, "input q has datatype 'FP16'; it must be FP32 or FP64"),
     ("bool-q", with_input("q", datatype="BOOL", data=[True] * 6), 422, "input q has datatype 'BOOL'"),
-    ("mask-not-bool", {**SEED, "inputs": SEED["inputs"] + [{"name": "mask", "datatype": "FP32", "shape": [3, 3], "data": [1] * 9}]}, 422, "input mask has datatype 'FP32'; it must be BOOL"),
+    (
+        "mask-not-bool",
+        {**SEED, "inputs": SEED["inputs"] + [{"name": "mask", "datatype": "FP32", "shape": [3, 3], "data": [1] * 9}]},
+        422,
+        "input mask has datatype 'FP32'; it must be BOOL",
+    ),
     ("shape-data-mismatch", with_input("k", shape=[3, 3]), 422, "input k has 6 data values but shape [3, 3] needs 9"),
     ("ragged", with_input("q", data=[[1, 0], [0], [1, 1, 1]]), 422, "input q has data that is not rectangular"),
     ("ragged-inside", with_input("q", data=[[1, [0]], [0, 1], [1, 1]]), 422, "input q is not rectangular"),
@@ -269,30 +300,75 @@ REFUSALS = [
     ("string-data", with_input("q", data=["a"] * 6), 422, "input q must hold numbers"),
     ("zero-axis", with_input("q", shape=[0, 2], data=[]), 422, "every axis must be at least 1"),
     ("d-mismatch", with_input("k", shape=[2, 3]), 422, "input k has d=3 but q has d=2"),
-    ("unknown-input", {**SEED, "inputs": SEED["inputs"] + [{"name": "z", "datatype": "FP32", "shape": [1], "data": [1]}]}, 422, "input 'z' is not an input of model attention"),
+    (
+        "unknown-input",
+        {**SEED, "inputs": SEED["inputs"] + [{"name": "z", "datatype": "FP32", "shape": [1], "data": [1]}]},
+        422,
+        "input 'z' is not an input of model attention",
+    ),
     ("missing-input", {**SEED, "inputs": SEED["inputs"][:2]}, 422, "input v is required"),
     ("duplicate-input", {**SEED, "inputs": SEED["inputs"] + SEED["inputs"][:1]}, 422, "input q is given twice"),
     ("unknown-parameter", {**SEED, "parameters": {"casual": True}}, 422, "parameter 'casual' is not a parameter of model attention"),
     ("bad-causal", {**SEED, "parameters": {"causal": "yes"}}, 422, "parameter causal must be one of"),
     ("bad-scale", {**SEED, "parameters": {"scale": -1}}, 422, "parameter scale"),
     ("unknown-output", {**SEED, "outputs": [{"name": "attn"}]}, 422, "output 'attn' is not an output"),
-    ("weights-requested-but-off", {**SEED, "parameters": {"return_weights": False}, "outputs": [{"name": "weights"}]}, 422, "return_weights is false"),
+    (
+        "weights-requested-but-off",
+        {**SEED, "parameters": {"return_weights": False}, "outputs": [{"name": "weights"}]},
+        422,
+        "return_weights is false",
+    ),
     ("unknown-request-field", {**SEED, "input": []}, 422, "'input' is not a field of an infer request"),
     ("no-inputs", {"parameters": {}}, 422, "inputs must be a non-empty list"),
     ("bad-json", b"{not json", 400, "not valid strict JSON"),
     ("nan", b'{"inputs": [{"name": "q", "datatype": "FP32", "shape": [1], "data": [NaN]}]}', 400, "not valid strict JSON"),
     ("over-max-t", with_input("q", shape=[65, 2], data=[1.0] * 130), 413, "input q has T=65, over the maximum of 64"),
-    ("binary-size-short", framed(with_input("q", data=None, parameters={"binary_data_size": 20}), bytes(20)),
-     422, "input q has 20 bytes but shape [3, 2] of float32 needs 24"),
-    ("binary-size-past-end", framed(with_input("q", data=None, parameters={"binary_data_size": 24}), bytes(4)),
-     422, "input q declares binary_data_size=24 but only 4 bytes of binary data are left"),
-    ("binary-and-data", framed(with_input("q", parameters={"binary_data_size": 24}), bytes(24)), 422, "input q has both data and binary_data_size"),
+    (
+        "binary-size-short",
+        framed(with_input("q", data=None, parameters={"binary_data_size": 20}), bytes(20)),
+        422,
+        "input q has 20 bytes but shape [3, 2] of float32 needs 24",
+    ),
+    (
+        "binary-size-past-end",
+        framed(with_input("q", data=None, parameters={"binary_data_size": 24}), bytes(4)),
+        422,
+        "input q declares binary_data_size=24 but only 4 bytes of binary data are left",
+    ),
+    (
+        "binary-and-data",
+        framed(with_input("q", parameters={"binary_data_size": 24}), bytes(24)),
+        422,
+        "input q has both data and binary_data_size",
+    ),
     ("shared-memory", with_input("q", parameters={"shared_memory_region": "r"}), 422, "input q has parameters ['shared_memory_region']"),
     ("binary-leftover", framed(SEED, bytes(2)), 422, "2 bytes of binary data follow the JSON header"),
-    ("bad-header-length", (json.dumps(SEED).encode(), {"Inference-Header-Content-Length": "lots"}), 400, "Inference-Header-Content-Length is 'lots'"),
-    ("header-length-past-end", (json.dumps(SEED).encode(), {"Inference-Header-Content-Length": "100000"}), 400, "Inference-Header-Content-Length is '100000'"),
-    ("bool-bytes-not-0-1", binary_request({"q": np.zeros((3, 2), np.float32), "k": np.zeros((3, 2), np.float32), "v": np.zeros((3, 2), np.float32),
-                                           "mask": np.full((3, 3), 7, np.uint8)}, {"q": "FP32", "k": "FP32", "v": "FP32", "mask": "BOOL"}), 422, "input mask has bool bytes other than 0 and 1"),
+    (
+        "bad-header-length",
+        (json.dumps(SEED).encode(), {"Inference-Header-Content-Length": "lots"}),
+        400,
+        "Inference-Header-Content-Length is 'lots'",
+    ),
+    (
+        "header-length-past-end",
+        (json.dumps(SEED).encode(), {"Inference-Header-Content-Length": "100000"}),
+        400,
+        "Inference-Header-Content-Length is '100000'",
+    ),
+    (
+        "bool-bytes-not-0-1",
+        binary_request(
+            {
+                "q": np.zeros((3, 2), np.float32),
+                "k": np.zeros((3, 2), np.float32),
+                "v": np.zeros((3, 2), np.float32),
+                "mask": np.full((3, 3), 7, np.uint8),
+            },
+            {"q": "FP32", "k": "FP32", "v": "FP32", "mask": "BOOL"},
+        ),
+        422,
+        "input mask has bool bytes other than 0 and 1",
+    ),
     ("gzip", (json.dumps(SEED).encode(), {"Content-Encoding": "gzip"}), 415, "Content-Encoding 'gzip' is not accepted"),
     ("body-too-large", framed(SEED, bytes(200_000)), 413, "larger than the limit of 200000 bytes (ATTN_MAX_BODY_BYTES)"),
 ]
@@ -312,7 +388,9 @@ def test_refusals_are_protocol_errors(client, body, status, words):
     assert infer(client, SEED).status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/v2/models/nope", "/v2/models/nope/ready", "/v2/models/attention/versions/2", "/v2/models/attention/versions/2/ready"])
+@pytest.mark.parametrize(
+    "path", ["/v2/models/nope", "/v2/models/nope/ready", "/v2/models/attention/versions/2", "/v2/models/attention/versions/2/ready"]
+)
 def test_unknown_models_and_versions_are_404(client, path):
     resp = client.get(path)
     assert resp.status_code == 404 and isinstance(resp.get_json()["error"], str)

@@ -1,5 +1,6 @@
 """A worker's life: not ready until warmed up, not ready while draining, in-flight requests finish
 after SIGTERM, and a killed worker is replaced while the service keeps answering."""
+
 from __future__ import annotations
 
 import os

@@ -114,8 +114,9 @@ def test_summarize_counts_errors_by_status_and_takes_percentiles_of_successes():
 
 def test_summarize_pools_rounds_and_keeps_their_p50s():
     quiet = CellRun([Sample(ms / 1e3, 200) for ms in (10, 11, 12)], elapsed_s=1.0)
-    noisy = CellRun([Sample(ms / 1e3, 200) for ms in (20, 22, 24)] + [Sample(0.001, 503)],
-                    elapsed_s=1.0, capped="stopped at the bound of 4 requests")
+    noisy = CellRun(
+        [Sample(ms / 1e3, 200) for ms in (20, 22, 24)] + [Sample(0.001, 503)], elapsed_s=1.0, capped="stopped at the bound of 4 requests"
+    )
     cell = summarize(512, 1, 10, [quiet, noisy])
     assert (cell.rounds, cell.sent, cell.ok, cell.errors) == (2, 7, 6, {"503": 1})
     assert cell.p50_ms == pytest.approx(16.0)  # of all six successes

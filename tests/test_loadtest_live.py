@@ -36,8 +36,7 @@ def _decode(tensor):
 def test_bodies_carry_the_same_tensors_in_both_encodings():
     wl = Workload(batch=2, heads=3, d=8, causal=True, weights=False)
     b64 = orjson.loads(build_body(wl, 16))
-    nested = orjson.loads(build_body(Workload(batch=2, heads=3, d=8, causal=True,
-                                              weights=False, encoding="nested"), 16))
+    nested = orjson.loads(build_body(Workload(batch=2, heads=3, d=8, causal=True, weights=False, encoding="nested"), 16))
     assert set(b64) == {"q", "k", "v", "causal", "return_weights"}
     assert b64["causal"] is True and b64["return_weights"] is False
     assert b64["q"]["dtype"] == "float32" and b64["q"]["shape"] == [2, 3, 16, 8]
@@ -49,8 +48,7 @@ def test_bodies_carry_the_same_tensors_in_both_encodings():
 
 def test_server_timing_parsing():
     header = "decode;dur=0.4, validate;dur=0.1, compute;dur=1.25, encode;dur=0.3, total;dur=2.1"
-    assert parse_server_timing(header) == {
-        "decode": 0.4, "validate": 0.1, "compute": 1.25, "encode": 0.3, "total": 2.1}
+    assert parse_server_timing(header) == {"decode": 0.4, "validate": 0.1, "compute": 1.25, "encode": 0.3, "total": 2.1}
     assert parse_server_timing('cache;desc="hit", db;dur=bad, x;desc=a;dur="3"') == {"x": 3.0}
     assert parse_server_timing(None) == {}
 
@@ -64,9 +62,26 @@ def _free_port() -> int:
 def test_connection_failure_is_one_line_and_exit_status_1(tmp_path):
     url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     proc = subprocess.run(
-        [sys.executable, "-m", "loadtest", "--url", url, "--T", "16", "--concurrency", "1",
-         "--requests", "2", "--out", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "loadtest",
+            "--url",
+            url,
+            "--T",
+            "16",
+            "--concurrency",
+            "1",
+            "--requests",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
@@ -121,8 +136,7 @@ def test_open_loop_counts_the_queue_a_closed_loop_hides(slow_server):
     # waited about 20*n ms more. This is coordinated omission, and the open loop shows it.
     body = b'{"q":[]}'
     closed = summarize(1, 1, len(body), [run_cell(slow_server, body, Load(1, requests=12))])
-    opened = summarize(1, 1, len(body),
-                       [run_cell(slow_server, body, Load(1, requests=12, rate=50.0))])
+    opened = summarize(1, 1, len(body), [run_cell(slow_server, body, Load(1, requests=12, rate=50.0))])
     assert closed.ok == opened.ok == 12
     assert 35 < closed.p50_ms < 120
     assert opened.p50_ms > closed.p50_ms + 60
@@ -140,8 +154,7 @@ def test_hard_bounds_stop_a_cell(slow_server):
 
 def test_without_matplotlib_the_report_says_so(slow_server, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    status = main(["--url", slow_server, "--T", "8", "--concurrency", "1", "--requests", "2",
-                   "--out", str(tmp_path)])
+    status = main(["--url", slow_server, "--T", "8", "--concurrency", "1", "--requests", "2", "--out", str(tmp_path)])
     assert status == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.md", "results.csv"]
     report = (tmp_path / "report.md").read_text()
@@ -151,8 +164,10 @@ def test_without_matplotlib_the_report_says_so(slow_server, tmp_path, monkeypatc
 
 def test_api_key_is_sent_and_never_written(slow_server, tmp_path):
     _SlowHandler.seen_auth.clear()
-    assert main(["--url", slow_server, "--T", "8", "--concurrency", "1", "--requests", "2",
-                 "--api-key", "s3cret-key", "--out", str(tmp_path)]) == 0
+    assert (
+        main(["--url", slow_server, "--T", "8", "--concurrency", "1", "--requests", "2", "--api-key", "s3cret-key", "--out", str(tmp_path)])
+        == 0
+    )
     assert _SlowHandler.seen_auth == ["Bearer s3cret-key"] * 3  # warm-up + 2 timed
     for path in tmp_path.iterdir():
         assert b"s3cret-key" not in path.read_bytes()
@@ -168,16 +183,41 @@ def _read_csv(path):
 def test_tiny_sweep_against_the_live_service(live_server, tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "loadtest", "--url", live_server, "--T", "16,32",
-         "--concurrency", "1,2", "--requests", "3", "--rounds", "2", "--causal", "--no-weights",
-         "--encoding", "b64", "--slo-ms", "5000", "--fit-min-T", "16", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "loadtest",
+            "--url",
+            live_server,
+            "--T",
+            "16,32",
+            "--concurrency",
+            "1,2",
+            "--requests",
+            "3",
+            "--rounds",
+            "2",
+            "--causal",
+            "--no-weights",
+            "--encoding",
+            "b64",
+            "--slo-ms",
+            "5000",
+            "--fit-min-T",
+            "16",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "[8/8] round 2 T=32 concurrency=2: ok 3/3" in proc.stderr  # progress on stderr
 
     rows = _read_csv(out / "results.csv")
-    assert sorted((int(r["T"]), int(r["concurrency"])) for r in rows) == [
-        (16, 1), (16, 2), (32, 1), (32, 2)]
+    assert sorted((int(r["T"]), int(r["concurrency"])) for r in rows) == [(16, 1), (16, 2), (32, 1), (32, 2)]
     for r in rows:
         assert (r["sent"], r["ok"], r["errors"], r["rounds"]) == ("6", "6", "", "2")
         assert len(r["p50_by_round_ms"].split()) == 2
@@ -205,9 +245,26 @@ def test_tiny_sweep_against_the_live_service(live_server, tmp_path):
 def test_early_stop_skips_larger_T_once_past_the_slo(live_server, tmp_path, capsys):
     # An SLO of 1 µs: the first cell's p50 is far past 4 x SLO, so T=32 and 64 are never
     # run, in the first round nor in the second.
-    status = main(["--url", live_server, "--T", "16,32,64", "--concurrency", "1",
-                   "--requests", "3", "--rounds", "2", "--encoding", "nested",
-                   "--slo-ms", "0.001", "--out", str(tmp_path)])
+    status = main(
+        [
+            "--url",
+            live_server,
+            "--T",
+            "16,32,64",
+            "--concurrency",
+            "1",
+            "--requests",
+            "3",
+            "--rounds",
+            "2",
+            "--encoding",
+            "nested",
+            "--slo-ms",
+            "0.001",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert status == 0
     rows = _read_csv(tmp_path / "results.csv")
     assert [(r["T"], r["ok"]) for r in rows] == [("16", "6")]  # nested bodies are served too
@@ -221,8 +278,12 @@ def test_early_stop_skips_larger_T_once_past_the_slo(live_server, tmp_path, caps
 def test_a_refused_T_stops_that_concurrency(live_server, tmp_path):
     # T=8192 is past the service's default limit of 4096: refused with 413 at warm-up,
     # nothing is timed for it, and the larger T is not even built.
-    assert main(["--url", live_server, "--T", "16,8192,16384", "--concurrency", "1",
-                 "--requests", "2", "--no-weights", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            ["--url", live_server, "--T", "16,8192,16384", "--concurrency", "1", "--requests", "2", "--no-weights", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     rows = {r["T"]: r for r in _read_csv(tmp_path / "results.csv")}
     assert sorted(rows, key=int) == ["16", "8192"]
     assert (rows["16"]["ok"], rows["8192"]["ok"], rows["8192"]["errors"]) == ("2", "0", "413:1")

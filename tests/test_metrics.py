@@ -1,5 +1,6 @@
 """GET /metrics: names and units, what each request adds, and (on the real server) that every
 gunicorn worker's counts reach one scrape."""
+
 from __future__ import annotations
 
 import glob
@@ -31,8 +32,14 @@ def test_metrics_follow_prometheus_conventions(client):
     r = client.get("/metrics")
     assert r.status_code == 200 and r.mimetype == "text/plain"
     ours = {name: f for name, f in families(r.get_data(as_text=True)).items() if name.startswith("attention_")}
-    assert {"attention_http_requests", "attention_http_request_duration_seconds", "attention_phase_duration_seconds",
-            "attention_compute_duration_seconds", "attention_rejections", "attention_requests_in_flight"} <= set(ours)
+    assert {
+        "attention_http_requests",
+        "attention_http_request_duration_seconds",
+        "attention_phase_duration_seconds",
+        "attention_compute_duration_seconds",
+        "attention_rejections",
+        "attention_requests_in_flight",
+    } <= set(ours)
     for name, family in ours.items():
         if family.type == "counter":
             assert all(s.name.endswith(("_total", "_created")) for s in family.samples), name
@@ -46,7 +53,10 @@ def test_a_request_is_counted_with_its_phases_and_T_bucket(client, rng):
         "requests": value("attention_http_requests_total", **labels),
         "latency": value("attention_http_request_duration_seconds_count", **labels),
         "by_T": value("attention_compute_duration_seconds_count", endpoint="/attention", t_bucket="64"),
-        **{p: value("attention_phase_duration_seconds_count", endpoint="/attention", phase=p) for p in ("decode", "validate", "compute", "encode")},
+        **{
+            p: value("attention_phase_duration_seconds_count", endpoint="/attention", phase=p)
+            for p in ("decode", "validate", "compute", "encode")
+        },
     }
     q = rng.standard_normal((2, 40, 8))
     assert client.post("/attention", json={"q": b64(q), "k": b64(q), "v": b64(q)}).status_code == 200
@@ -54,7 +64,10 @@ def test_a_request_is_counted_with_its_phases_and_T_bucket(client, rng):
         "requests": value("attention_http_requests_total", **labels),
         "latency": value("attention_http_request_duration_seconds_count", **labels),
         "by_T": value("attention_compute_duration_seconds_count", endpoint="/attention", t_bucket="64"),
-        **{p: value("attention_phase_duration_seconds_count", endpoint="/attention", phase=p) for p in ("decode", "validate", "compute", "encode")},
+        **{
+            p: value("attention_phase_duration_seconds_count", endpoint="/attention", phase=p)
+            for p in ("decode", "validate", "compute", "encode")
+        },
     }
     assert {k: after[k] - before[k] for k in before} == {k: 1.0 for k in before}
     assert value("attention_requests_in_flight") == 0  # back to zero once answered
@@ -85,8 +98,12 @@ def per_worker_counts(directory: str, endpoint: str = "/attention") -> dict[int,
     counts = {}
     for path in glob.glob(os.path.join(directory, "counter_*.db")):
         pid = int(path.rsplit("_", 1)[1].split(".")[0])
-        counts[pid] = sum(s.value for m in MultiProcessCollector.merge([path]) for s in m.samples
-                          if s.name == "attention_http_requests_total" and s.labels["endpoint"] == endpoint)
+        counts[pid] = sum(
+            s.value
+            for m in MultiProcessCollector.merge([path])
+            for s in m.samples
+            if s.name == "attention_http_requests_total" and s.labels["endpoint"] == endpoint
+        )
     return counts
 
 
@@ -103,7 +120,9 @@ def test_metrics_merge_every_worker(tmp_path):
 
         def both_workers_served():
             """both workers have counted requests"""
-            threads = [threading.Thread(target=requests.post, args=(f"{url}/attention",), kwargs={"json": WORKED, "timeout": 10}) for _ in range(8)]
+            threads = [
+                threading.Thread(target=requests.post, args=(f"{url}/attention",), kwargs={"json": WORKED, "timeout": 10}) for _ in range(8)
+            ]
             [t.start() for t in threads]
             [t.join() for t in threads]
             counts = per_worker_counts(str(directory))
@@ -111,10 +130,15 @@ def test_metrics_merge_every_worker(tmp_path):
 
         counts = wait_until(both_workers_served, timeout=30, interval=0)
         scraped = families(requests.get(f"{url}/metrics", timeout=5).text)
-        total = sum(s.value for s in scraped["attention_http_requests"].samples
-                    if s.name == "attention_http_requests_total" and s.labels["endpoint"] == "/attention")
+        total = sum(
+            s.value
+            for s in scraped["attention_http_requests"].samples
+            if s.name == "attention_http_requests_total" and s.labels["endpoint"] == "/attention"
+        )
         assert total == sum(counts[pid] for pid in pids) > 0
-        phases = [s for s in scraped["attention_phase_duration_seconds"].samples if s.name.endswith("_count") and s.labels["phase"] == "compute"]
+        phases = [
+            s for s in scraped["attention_phase_duration_seconds"].samples if s.name.endswith("_count") and s.labels["phase"] == "compute"
+        ]
         by_T = [s for s in scraped["attention_compute_duration_seconds"].samples if s.name.endswith("_count")]
         assert sum(s.value for s in phases) == sum(s.value for s in by_T) == total
         print(f"\nper-worker /attention counts {counts}, scraped total {total}")

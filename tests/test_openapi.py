@@ -1,4 +1,5 @@
 """The OpenAPI document, the /docs page and the landing page."""
+
 from __future__ import annotations
 
 import copy
@@ -83,11 +84,33 @@ def test_options_are_typed_as_the_schema_checks_them(doc):
     assert "bool" not in schemas["Tensor"]["oneOf"][2]["properties"]["dtype"]["enum"]
 
 
-@pytest.mark.parametrize(("field", "value", "valid"), [
-    ("q", [[1.5, 2]], True), ("q", [[True, 2]], False), ("q", {"shape": [1], "dtype": "bool", "b64": "AQ=="}, False),
-    ("mask", [[True, False, True]], True), ("mask", [[0, 1, 1]], True), ("mask", [[True, 0, 1]], False), ("mask", [[2]], False),
-    ("key_lengths", 3, True), ("key_lengths", [2.5], False), ("key_lengths", {"shape": [1], "dtype": "float32", "b64": "AAAAAA=="}, False),
-], ids=["q-floats", "q-bool", "q-b64-bool", "mask-bools", "mask-01", "mask-mixed", "mask-2", "lengths-scalar", "lengths-fraction", "lengths-b64-float"])
+@pytest.mark.parametrize(
+    ("field", "value", "valid"),
+    [
+        ("q", [[1.5, 2]], True),
+        ("q", [[True, 2]], False),
+        ("q", {"shape": [1], "dtype": "bool", "b64": "AQ=="}, False),
+        ("mask", [[True, False, True]], True),
+        ("mask", [[0, 1, 1]], True),
+        ("mask", [[True, 0, 1]], False),
+        ("mask", [[2]], False),
+        ("key_lengths", 3, True),
+        ("key_lengths", [2.5], False),
+        ("key_lengths", {"shape": [1], "dtype": "float32", "b64": "AAAAAA=="}, False),
+    ],
+    ids=[
+        "q-floats",
+        "q-bool",
+        "q-b64-bool",
+        "mask-bools",
+        "mask-01",
+        "mask-mixed",
+        "mask-2",
+        "lengths-scalar",
+        "lengths-fraction",
+        "lengths-b64-float",
+    ],
+)
 def test_tensor_schemas_agree_with_the_server(client, doc, field, value, valid):
     """What the document calls valid for a tensor field is what the server accepts from it."""
     name = {"q": "Tensor", "mask": "MaskTensor", "key_lengths": "IntTensor"}[field]

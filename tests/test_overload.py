@@ -6,6 +6,7 @@ instance GUNICORN_CMD_ARGS="--worker-class sync" to compare worker models):
     python -m tests.test_overload burst [N=48] [T=1024] [ENV=VALUE ...]     the burst, summarised
     python -m tests.test_overload rate [T=256,1024] [C=1,2,4] [S=5] [W=0] [...]  closed loop: req/s, memory
 Requests are B=1, H=8, d=64, float32 b64, with weights returned unless W=0."""
+
 from __future__ import annotations
 
 import base64
@@ -92,8 +93,13 @@ def burst(url: str, body: bytes, n: int, pids: set[int] = frozenset()) -> dict:
 
 def summary(result: dict) -> str:
     keep = ("statuses", "wall_s", "ok_s", "refused_s", "healthz_max_ms", "worker_rss_peak_mb")
-    return json.dumps({**{k: result[k] for k in keep}, "healthz_polls": len(result["healthz"]),
-                       "healthz_failed": sum(1 for status, _ in result["healthz"] if status != 200)})
+    return json.dumps(
+        {
+            **{k: result[k] for k in keep},
+            "healthz_polls": len(result["healthz"]),
+            "healthz_failed": sum(1 for status, _ in result["healthz"] if status != 200),
+        }
+    )
 
 
 @pytest.mark.live
@@ -140,9 +146,14 @@ def closed_loop(url: str, body: bytes, clients: int, seconds: float, pids: set[i
     for pid in pids:
         fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
         memory[pid] = {k: int(fields[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM")}
-    return {"clients": clients, "statuses": statuses, "ok_per_s": round(len(latencies) / wall, 2),
-            "p50_ms": round(1000 * statistics.median(latencies)) if latencies else None,
-            "p90_ms": round(1000 * latencies[int(0.9 * (len(latencies) - 1))]) if latencies else None, "worker_mb": memory}
+    return {
+        "clients": clients,
+        "statuses": statuses,
+        "ok_per_s": round(len(latencies) / wall, 2),
+        "p50_ms": round(1000 * statistics.median(latencies)) if latencies else None,
+        "p90_ms": round(1000 * latencies[int(0.9 * (len(latencies) - 1))]) if latencies else None,
+        "worker_mb": memory,
+    }
 
 
 if __name__ == "__main__":
@@ -161,6 +172,15 @@ if __name__ == "__main__":
             for T in map(int, opts.get("T", "256,1024,2048").split(",")):
                 for clients in map(int, opts.get("C", "1,2,4").split(",")):
                     body = body_for(T, weights=opts.get("W", "1") == "1")
-                    print(json.dumps({"env": args, "T": T, "weights": opts.get("W", "1") == "1", **closed_loop(url, body, clients, float(opts.get("S", 5)), pids)}))
+                    print(
+                        json.dumps(
+                            {
+                                "env": args,
+                                "T": T,
+                                "weights": opts.get("W", "1") == "1",
+                                **closed_loop(url, body, clients, float(opts.get("S", 5)), pids),
+                            }
+                        )
+                    )
     finally:
         stop_server(proc)

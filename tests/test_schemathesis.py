@@ -11,6 +11,7 @@ report written to out/schemathesis.json.
 The run is schemathesis' own CLI, `st run`: its pytest loader (`schemathesis.pytest.from_fixture`)
 reads a private attribute pytest 9.2 no longer has (`request.node._nodeid`), and the CLI is the
 one place all phases run with the documented defaults."""
+
 from __future__ import annotations
 
 import json
@@ -61,15 +62,34 @@ def test_schemathesis_run(live_server, operations):
     with 422, and that check would measure only this."""
     REPORT.parent.mkdir(exist_ok=True)
     seed = ["--seed", "20261129"] if os.environ.get("CI") else []
-    cmd = [sys.executable, "-m", "schemathesis.cli", "run", f"{live_server}/openapi.json",
-           "--max-examples", str(MAX_EXAMPLES), "--request-timeout", "30", "--workers", "2",
-           "--exclude-checks", "positive_data_acceptance", "--no-color",
-           "--report", "json", "--report-json-path", str(REPORT), *seed]
+    cmd = [
+        sys.executable,
+        "-m",
+        "schemathesis.cli",
+        "run",
+        f"{live_server}/openapi.json",
+        "--max-examples",
+        str(MAX_EXAMPLES),
+        "--request-timeout",
+        "30",
+        "--workers",
+        "2",
+        "--exclude-checks",
+        "positive_data_acceptance",
+        "--no-color",
+        "--report",
+        "json",
+        "--report-json-path",
+        str(REPORT),
+        *seed,
+    ]
     proc = subprocess.run(cmd, cwd=REPORT.parent, capture_output=True, text=True, timeout=220)  # its cache goes to out/ too
     report = json.loads(REPORT.read_text())
     cases = report["test_cases"]
-    print(f"\nschemathesis {report['schemathesis_version']}: seed {report['seed']}, {cases['generated']} cases generated, "
-          f"{cases['with_failures']} with failures, {len(report['errors'])} errors, {report['running_time']:.1f} s")
+    print(
+        f"\nschemathesis {report['schemathesis_version']}: seed {report['seed']}, {cases['generated']} cases generated, "
+        f"{cases['with_failures']} with failures, {len(report['errors'])} errors, {report['running_time']:.1f} s"
+    )
     assert proc.returncode == 0 and report["exit_code"] == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     assert report["complete"] and report["operations"]["tested"] == len(operations)
     assert cases["with_failures"] == 0 and not report["failures"] and not report["errors"]
@@ -94,7 +114,13 @@ SEED = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 
 EYE = [[1, 0], [0, 1]]
 FOUND = [
     # (id, path, body, status, code): requests schemathesis found mishandled, kept as regressions
-    ("b64-dtype-null-was-500", "/attention", {**SEED, "key_lengths": {"shape": [1], "dtype": None, "b64": "AwAAAAAAAAA="}}, 422, "bad_type"),
+    (
+        "b64-dtype-null-was-500",
+        "/attention",
+        {**SEED, "key_lengths": {"shape": [1], "dtype": None, "b64": "AwAAAAAAAAA="}},
+        422,
+        "bad_type",
+    ),
     ("causal-0-was-accepted", "/mha", {"x": EYE, "wq": EYE, "wk": EYE, "wv": EYE, "wo": EYE, "heads": 1, "causal": 0}, 422, "bad_type"),
     ("return-weights-1-was-accepted", "/attention", {**SEED, "return_weights": 1}, 422, "bad_type"),
 ]

@@ -4,6 +4,7 @@ thousand idle connections, starves anyone else. One worker (22 threads), so that
 connections than threads would starve it if each held a thread; short timeouts keep it quick.
 
 Waits are bounded by generous hang guards; nothing asserts how long anything took."""
+
 from __future__ import annotations
 
 import base64
@@ -41,6 +42,7 @@ ENV = {
 
 # --- the server ---------------------------------------------------------------------------------
 
+
 class Server:
     def __init__(self, proc: subprocess.Popen, port: int, log: Path):
         self.proc, self.port, self.log = proc, port, log
@@ -59,7 +61,9 @@ def serving(**extra: str):
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
     env.update(ENV, HOST="127.0.0.1", PORT=str(port), **extra)
     log = tempfile.NamedTemporaryFile(prefix="attention-slow-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     srv = Server(proc, port, Path(log.name))
     try:
         wait_until(lambda: proc.poll() is not None or get(srv, "/readyz") == 200, "server ready")
@@ -99,6 +103,7 @@ def get(srv: Server, path: str) -> int | None:
 
 # --- requests and responses on raw sockets ---------------------------------------------------------
 
+
 def tensor(rng, *shape) -> dict:
     a = rng.standard_normal(shape).astype("<f4")
     return {"shape": list(shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode("ascii")}
@@ -106,7 +111,9 @@ def tensor(rng, *shape) -> dict:
 
 def body_of(T: int, weights: bool = False, seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
-    return json.dumps({"q": tensor(rng, 1, 2, T, 8), "k": tensor(rng, 1, 2, T, 8), "v": tensor(rng, 1, 2, T, 8), "return_weights": weights}).encode()
+    return json.dumps(
+        {"q": tensor(rng, 1, 2, T, 8), "k": tensor(rng, 1, 2, T, 8), "v": tensor(rng, 1, 2, T, 8), "return_weights": weights}
+    ).encode()
 
 
 def post_head(length: int, path: str = "/attention", extra: str = "") -> bytes:
@@ -181,6 +188,7 @@ def assert_error(data: bytes, status: int, code: str) -> None:
 
 # --- receiving ----------------------------------------------------------------------------------
 
+
 def test_stalled_upload_gets_408_and_is_closed(server):
     s = connect(server)
     s.sendall(post_head(1_000_000) + b'{"q": [')
@@ -238,7 +246,7 @@ def test_slow_but_steady_body_is_served(server):
     """A body that takes longer than ATTN_BODY_TIMEOUT_S (2 s here) but keeps above the minimum
     rate is served: the deadline moves with the bytes received."""
     body = body_of(64, seed=3)
-    pieces = [body[i:i + len(body) // 8 + 1] for i in range(0, len(body), len(body) // 8 + 1)]
+    pieces = [body[i : i + len(body) // 8 + 1] for i in range(0, len(body), len(body) // 8 + 1)]
     s = connect(server)
     s.sendall(post_head(len(body)))
     for piece in pieces:  # ~3 s in all, each piece far more than 1000 B/s earns per 0.4 s
@@ -282,7 +290,9 @@ def test_chunked_body_over_the_limit_is_refused(server):
 
 def test_chunked_body_is_served(server):
     body = body_of(16, seed=4)
-    r = requests.post(server.url + "/attention", data=iter([body[:100], body[100:]]), headers={"Content-Type": "application/json"}, timeout=HANG)
+    r = requests.post(
+        server.url + "/attention", data=iter([body[:100], body[100:]]), headers={"Content-Type": "application/json"}, timeout=HANG
+    )
     assert r.status_code == 200 and r.json()["out"]["shape"] == [1, 2, 16, 8]
 
 
@@ -303,8 +313,12 @@ def test_expect_100_continue_is_answered_once(server):
 def test_pipelined_requests_are_answered_in_order(server):
     body = body_of(16, seed=6)
     s = connect(server)
-    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" + post_head(len(body)) + body
-              + b"GET /limits HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    s.sendall(
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        + post_head(len(body))
+        + body
+        + b"GET /limits HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
     data, _ = read_to_end(s)
     (s1, _, b1), (s2, _, b2), (s3, _, b3) = responses(data)
     assert (s1, s2, s3) == (200, 200, 200)
@@ -327,10 +341,13 @@ def test_abrupt_closes_mid_body_leave_the_server_healthy(server):
 
 # --- sending ------------------------------------------------------------------------------------
 
+
 def large_response_request() -> bytes:
     """~11 MB of b64 weights (B=1, H=8, T=S=512), more than the socket buffers hold."""
     rng = np.random.default_rng(7)
-    body = json.dumps({"q": tensor(rng, 1, 8, 512, 64), "k": tensor(rng, 1, 8, 512, 64), "v": tensor(rng, 1, 8, 512, 64), "return_weights": True}).encode()
+    body = json.dumps(
+        {"q": tensor(rng, 1, 8, 512, 64), "k": tensor(rng, 1, 8, 512, 64), "v": tensor(rng, 1, 8, 512, 64), "return_weights": True}
+    ).encode()
     return post_head(len(body)) + body
 
 
@@ -375,6 +392,7 @@ def test_past_the_send_buffer_new_posts_get_503_until_slow_readers_go():
 
 
 # --- nobody starves -----------------------------------------------------------------------------
+
 
 def test_stalled_clients_do_not_starve_others(server):
     """100 stalled uploads and 6 stalled downloads on one worker of 22 threads: /healthz and a
