@@ -72,8 +72,20 @@ control_socket_disable = True
 #                T=256:  2 clients 115 and 105; 4 clients 110 and 120 (noise, either way).
 #   ATTN_MAX_INFLIGHT=1 measured the same as the default 2 (T=1024, 2 clients: 8.5 req/s); 2 is
 #   kept so that one worker can use both cores when the connections happen to land on it.
-worker_class = "gthread"
+#
+# --- slow and stalled clients: gthread, its reading and slow writing moved to the event loop ----
+# service/web/worker.py's FrontWorker is gthread (everything above holds) except that a thread gets a
+# request only once the event loop has read all of it, under deadlines (408 past them), and hands
+# a response a client does not read to the event loop instead of waiting (dropped after
+# ATTN_SEND_TIMEOUT_S; past ATTN_SEND_BUFFER_BYTES held, new POSTs get 503). gthread alone gives
+# a thread to a connection at its first byte, and the thread then waits on the socket without a
+# deadline: 100 stalled uploads took every thread.
+# Idle connections cost a file descriptor and no thread; worker_connections bounds them per worker
+# (the worker raises its soft open-files limit to fit). README: "Slow and stalled clients".
+worker_class = "service.web.worker.FrontWorker"
 threads = _settings.max_inflight + _settings.max_queue + 16
+worker_connections = 4096
+sendfile = False  # every byte goes through the worker's sendall, which never blocks a thread
 
 
 # --- server hooks -------------------------------------------------------------------------------

@@ -51,6 +51,13 @@ class Settings:
     max_queue: int = 4  # requests allowed to wait per worker before 503
     max_inflight_bytes: int = 512 * 2**20  # bodies + estimated working bytes per worker before 503
     warmup: bool = True  # calibrate the cost model at start-up
+    # Slow and stalled clients (service/web/worker.py): a request is read by the event loop, under
+    # these deadlines, before a thread sees it; a response a client does not read is held here.
+    header_timeout_s: int = 10  # a request line and headers must arrive within this (408 past it)
+    body_timeout_s: int = 30  # a body gets this long, plus 1 s per body_min_rate bytes received
+    body_min_rate: int = 64 * 2**10  # bytes/s a body must average beyond body_timeout_s (408 below)
+    send_timeout_s: int = 30  # a client that reads nothing of its response this long is dropped
+    send_buffer_bytes: int = 256 * 2**20  # unread response bytes held per worker; past it new POSTs get 503
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -71,6 +78,11 @@ class Settings:
             max_queue=_env("ATTN_MAX_QUEUE", d.max_queue, int),
             max_inflight_bytes=_env("ATTN_MAX_INFLIGHT_BYTES", d.max_inflight_bytes, int),
             warmup=_env("ATTN_WARMUP", d.warmup, _bool),
+            header_timeout_s=_env("ATTN_HEADER_TIMEOUT_S", d.header_timeout_s, int),
+            body_timeout_s=_env("ATTN_BODY_TIMEOUT_S", d.body_timeout_s, int),
+            body_min_rate=_env("ATTN_BODY_MIN_RATE", d.body_min_rate, int),
+            send_timeout_s=_env("ATTN_SEND_TIMEOUT_S", d.send_timeout_s, int),
+            send_buffer_bytes=_env("ATTN_SEND_BUFFER_BYTES", d.send_buffer_bytes, int),
         )
 
     def limits(self) -> dict:

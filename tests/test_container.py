@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -234,6 +235,20 @@ def test_report_size_and_start_time(image, container, capsys):
             f"run -> /healthz 200 in {container['healthy_s']:.2f} s, -> /readyz 200 in {container['ready_s']:.2f} s"
         )
     assert size_mb < 1000, "the image should stay well under a gigabyte"
+
+
+def test_stalled_request_gets_408(container):
+    """The container runs the slow-client defence (service/web/worker.py): a request head that stalls
+    gets 408 after ATTN_HEADER_TIMEOUT_S (10 s by default) and the connection closes."""
+    assert "Using worker: service.web.worker.FrontWorker" in container["logs"]()
+    port = int(container["base"].rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"POST /attention HTTP/1.1\r\nHost: x\r\nContent-")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert json.loads(data.partition(b"\r\n\r\n")[2])["error"]["code"] == "timeout"
 
 
 def test_stops_gracefully_on_sigterm(engine, container):

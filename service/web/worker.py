@@ -1,0 +1,499 @@
+"""A gunicorn worker whose threads never wait for a client: the defence against slow and stalled
+clients, in pure Python, so that `make run`, the container, compose and Kubernetes all have it.
+
+gunicorn's gthread worker hands a connection to a thread as soon as its first bytes arrive; the
+thread then reads the rest of the request with a blocking socket and no deadline, so 100 uploads
+that stall after their first bytes hold 100 threads, and a client that stops reading its response
+holds a thread (and, until it is sent, the request's compute slot) for ever. This worker does what
+a buffering reverse proxy (nginx: client_header_timeout, client_body_timeout, send_timeout,
+proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the worker's event loop:
+
+- Receive: the event loop reads every request, head and body, without blocking, under deadlines:
+  the head within ATTN_HEADER_TIMEOUT_S, the body within ATTN_BODY_TIMEOUT_S plus one second per
+  ATTN_BODY_MIN_RATE bytes received (Apache's mod_reqtimeout rule). Past a deadline the client gets
+  408 `timeout` and the connection closes. Only a complete request reaches a thread, already in
+  memory; the thread never reads the socket. A body over ATTN_MAX_BODY_BYTES gets 413 from here;
+  the bytes of requests being read count against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the
+  upload that goes past it).
+- Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
+  and the thread goes on: the response is finished (its compute slot freed) and the event loop
+  sends the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is
+  dropped. While more than ATTN_SEND_BUFFER_BYTES are held, new POST requests get 503
+  overloaded from here (memory stays bounded; no thread ever waits to send).
+- Idle: a new connection must send a request head within ATTN_HEADER_TIMEOUT_S; a kept-alive
+  one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
+  and no thread.
+
+Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is gunicorn's. Not
+for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import resource
+import selectors
+import socket
+import threading
+import time
+from collections import deque
+from functools import partial
+
+from gunicorn import http
+from gunicorn.http.unreader import Unreader
+from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
+
+from service.config import Settings
+
+from . import framing
+
+RECV_BYTES = 256 * 1024  # one read from a client in the event loop
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
+LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
+LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
+SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a second)
+FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
+
+_REASONS = {408: "Request Timeout", 413: "Content Too Large", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+
+
+def error_response(status: int, code: str, message: str, path: str) -> bytes:
+    """A complete HTTP/1.1 answer in the API's error shape (the /v2 protocol's own shape under
+    /v2), closing the connection."""
+    if path.startswith("/v2"):
+        doc = {"error": message}
+    else:
+        doc = {"error": {"status": status, "code": code, "message": message, "field": None}}
+    body = json.dumps(doc).encode()
+    headers = [f"HTTP/1.1 {status} {_REASONS[status]}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    if status == 503:
+        headers.append("Retry-After: 1")
+    headers.append("Connection: close")
+    return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+
+class SendBudget:
+    """Bytes of responses held for slow readers, shared by a worker's threads and its event loop.
+
+    A soft limit: a response being written is always held (its request was admitted; admission
+    bounds how many there are), but while the limit is passed no new compute request is let in."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._lock = threading.Lock()
+
+    @property
+    def full(self) -> bool:
+        return self.used >= self.limit
+
+    def charge(self, n: int) -> None:
+        with self._lock:
+            self.used += n
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+class ClientSocket(socket.socket):
+    """A client connection whose sendall() never blocks: what the kernel does not take at once
+    goes to `outbox`, which the event loop sends as the client reads."""
+
+    def __init__(self, *args, budget: SendBudget, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.budget = budget
+        self.outbox: deque[memoryview] = deque()
+        self.outbox_bytes = 0
+
+    def sendall(self, data, flags: int = 0) -> None:
+        view = memoryview(data).cast("B")
+        if not self.outbox:
+            timeout = self.gettimeout()
+            self.setblocking(False)
+            try:
+                view = view[self.send(view, flags) :]
+            except (BlockingIOError, InterruptedError):
+                pass
+            finally:
+                self.settimeout(timeout)
+            if not view:
+                return
+        self.budget.charge(len(view))
+        self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
+
+    def queue(self, data) -> None:
+        """Hold data for the event loop to send (its bytes already charged to the budget)."""
+        self.outbox.append(memoryview(data).cast("B"))
+        self.outbox_bytes += len(self.outbox[-1])
+
+    def send_some(self) -> int:
+        """Event loop, non-blocking socket: send what the kernel takes from the outbox; bytes sent."""
+        sent = 0
+        while self.outbox:
+            head = self.outbox[0]
+            try:
+                n = self.send(head)
+            except (BlockingIOError, InterruptedError):
+                break
+            sent += n
+            if n < len(head):
+                self.outbox[0] = head[n:]
+                break
+            self.outbox.popleft()
+        self.outbox_bytes -= sent
+        return sent
+
+    def drop_outbox(self) -> int:
+        """Forget what was not sent; the budget bytes to give back."""
+        n, self.outbox_bytes = self.outbox_bytes, 0
+        self.outbox.clear()
+        return n
+
+
+class BufferedUnreader(Unreader):
+    """gunicorn's parser reads the request from memory (what the event loop received), never from
+    the socket: at the end of the buffer it sees the end of the stream."""
+
+    def __init__(self, segments: list[memoryview]):
+        super().__init__()
+        self.segments = deque(s for s in segments if len(s))
+
+    def chunk(self, size_hint: int | None = None) -> bytes:
+        if not self.segments:
+            return b""
+        head = self.segments[0]
+        n = min(len(head), max(size_hint or 0, 64 * 1024), 1 << 20)
+        out = bytes(head[:n])
+        if n == len(head):
+            self.segments.popleft()
+        else:
+            self.segments[0] = head[n:]
+        return out
+
+
+class Conn(TConn):
+    """A client connection and where it is: reading a request, in a thread, writing, closing."""
+
+    READING, IN_THREAD, WRITING, CLOSING = "reading", "in_thread", "writing", "closing"
+
+    def __init__(self, cfg, sock, client, server, settings: Settings):
+        super().__init__(cfg, sock, client, server)
+        self.initialized = True  # no TLS, no HTTP/2: gunicorn's init() has nothing to do
+        self.settings = settings
+        self.state = self.READING
+        self.buf = bytearray()
+        self.scanner = framing.RequestScanner(MAX_HEAD_BYTES, settings.max_body_bytes)
+        self.started = self.body_started = 0.0
+        self.deadline = 0.0
+        self.keep = False  # after the response: keep-alive (True) or close
+        self.close_after = False  # the request was handed over unframed: close after it
+        self.registered = False
+        self.lingered = 0
+        self.pending = b""  # bytes received after the request in a thread (pipelined)
+        self.dropped = False  # the thread gave up on a client that did not read
+
+
+class FrontWorker(ThreadWorker):
+    """gthread, with the reading and the slow writing moved from the threads to the event loop."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.settings = Settings.from_env()
+        self.budget = SendBudget(self.settings.send_buffer_bytes)
+        self.conns: dict[Conn, None] = {}
+        self.stopping_at: float | None = None
+        self.next_sweep = 0.0
+        self.received = 0  # bytes of requests being read, in all connections' buffers
+
+    def init_process(self):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = FILE_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FILE_LIMIT)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        super().init_process()
+
+    # -- connections in and out -------------------------------------------------------------------
+
+    def accept(self, listener):
+        try:
+            raw, addr = listener.accept()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                # Out of descriptors: stop accepting until a connection closes (run() re-enables).
+                self.log.warning("cannot accept a connection: %s", e)
+                self.worker_connections = max(1, self.nr_conns)
+                return
+            if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+            return
+        sock = ClientSocket(raw.family, raw.type, raw.proto, fileno=raw.detach(), budget=self.budget)
+        self.nr_conns += 1
+        conn = Conn(self.cfg, sock, addr, listener.getsockname(), self.settings)
+        self.conns[conn] = None
+        self._start_request(conn, b"", new=True)
+
+    def _watch(self, conn: Conn, events: int, callback) -> None:
+        if conn.registered:
+            self.poller.modify(conn.sock, events, partial(callback, conn))
+        else:
+            self.poller.register(conn.sock, events, partial(callback, conn))
+            conn.registered = True
+
+    def _unwatch(self, conn: Conn) -> None:
+        if conn.registered:
+            try:
+                self.poller.unregister(conn.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+            conn.registered = False
+
+    def _close(self, conn: Conn) -> None:
+        if conn not in self.conns:
+            return
+        del self.conns[conn]
+        self._release_buf(conn)
+        self._unwatch(conn)
+        self.budget.give(conn.sock.drop_outbox())
+        self.nr_conns -= 1
+        conn.close()
+        if self.worker_connections < self.cfg.worker_connections:  # after EMFILE: accept again
+            self.worker_connections = self.cfg.worker_connections
+
+    # -- receiving --------------------------------------------------------------------------------
+
+    def _release_buf(self, conn: Conn) -> None:
+        self.received -= len(conn.buf)
+        conn.buf = bytearray()
+
+    def _start_request(self, conn: Conn, pending: bytes, new: bool = False) -> None:
+        """Wait for (the rest of) the next request; pending is what already arrived of it."""
+        now = time.monotonic()
+        conn.state = Conn.READING
+        conn.buf = bytearray(pending)
+        self.received += len(pending)
+        conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
+        conn.close_after = False
+        conn.sock.setblocking(False)
+        conn.started = now
+        # A new connection has the header timeout to send its head; a kept-alive one, the keepalive.
+        idle = self.settings.header_timeout_s if new or pending else self.cfg.keepalive
+        conn.deadline = now + idle
+        self._watch(conn, selectors.EVENT_READ, self._on_readable)
+        if pending:
+            self._advance(conn)
+
+    def _on_readable(self, conn: Conn, _fileobj) -> None:
+        try:
+            data = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not data:  # the client closed (or half-closed) before a complete request
+            self._close(conn)
+            return
+        if not conn.buf:
+            conn.started = time.monotonic()
+            conn.deadline = conn.started + self.settings.header_timeout_s
+        conn.buf += data
+        self.received += len(data)
+        if self.received > self.settings.max_inflight_bytes:
+            # Bodies being read count against the worker's memory budget like admitted ones: a
+            # client must send the bytes to hold them, and the one that goes past it is refused.
+            self._answer(
+                conn,
+                503,
+                "overloaded",
+                f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={self.settings.max_inflight_bytes}); retry shortly.",
+                conn.scanner.path,
+            )
+            return
+        self._advance(conn)
+
+    def _advance(self, conn: Conn) -> None:
+        """Act on what the scanner says of the bytes received so far."""
+        head_known = conn.scanner.head_end is not None
+        verdict = conn.scanner.scan(conn.buf)
+        path = conn.scanner.path
+        if verdict.kind == framing.NEED_MORE:
+            if not head_known and conn.scanner.head_end is not None:
+                conn.body_started = time.monotonic()
+                if conn.scanner.expects_continue:  # the client waits for this before its body
+                    self._send_now(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
+            if conn.scanner.head_end is not None:
+                received = conn.scanner.body_received(len(conn.buf))
+                conn.deadline = conn.body_started + self.settings.body_timeout_s + received / self.settings.body_min_rate
+        elif verdict.kind == framing.COMPLETE:
+            if self.budget.full and conn.scanner.method == "POST":
+                limit = self.settings.send_buffer_bytes
+                self._answer(
+                    conn,
+                    503,
+                    "overloaded",
+                    f"The server holds more response bytes that clients have not read than it allows (ATTN_SEND_BUFFER_BYTES={limit}); retry shortly.",
+                    path,
+                )
+                return
+            self._dispatch(conn, verdict.end)
+        elif verdict.kind == framing.MALFORMED:
+            conn.close_after = True
+            self._dispatch(conn, len(conn.buf))
+        elif verdict.kind == framing.BODY_TOO_LARGE:
+            limit = self.settings.max_body_bytes
+            self._answer(
+                conn, 413, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).", path
+            )
+        elif verdict.kind == framing.HEAD_TOO_LARGE:
+            self._answer(conn, 431, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.", path)
+
+    def _send_now(self, conn: Conn, data: bytes) -> None:
+        """A few bytes, sent at once (non-blocking socket): the socket buffer has room for them."""
+        try:
+            conn.sock.send(data)
+        except OSError:
+            pass
+
+    def _dispatch(self, conn: Conn, end: int) -> None:
+        """Hand buf[:end] (one request) to a thread; what follows it is the next request's."""
+        self._unwatch(conn)
+        scanner, view = conn.scanner, memoryview(conn.buf)
+        segments = [view[:end]]
+        if scanner.expect_line is not None and scanner.head_end is not None:
+            # The 100 Continue has been sent: hide the Expect header so gunicorn does not send another.
+            start, stop = scanner.expect_line
+            segments = [view[:start], view[stop:end]]
+        conn.pending = bytes(view[end:])
+        conn.parser = http.get_parser(self.cfg, conn.sock, conn.client)
+        conn.parser.unreader = BufferedUnreader(segments)
+        conn.state = Conn.IN_THREAD
+        self._release_buf(conn)  # the thread's segments keep the old buffer alive until it is parsed
+        self.enqueue_req(conn)
+
+    def _answer(self, conn: Conn, status: int, code: str, message: str, path: str) -> None:
+        """Answer with an error from here, and close."""
+        self.log.info("%s %s: %s (%s)", conn.client, status, code, message)
+        self._release_buf(conn)
+        conn.keep = False
+        answer = error_response(status, code, message, path)
+        self.budget.charge(len(answer))
+        conn.sock.queue(answer)
+        self._write(conn)
+
+    # -- in a thread ------------------------------------------------------------------------------
+
+    def handle(self, conn: Conn):
+        """One complete request, already in memory. Runs in a thread; returns keep-alive or not."""
+        req = None
+        try:
+            conn.sock.settimeout(self.settings.send_timeout_s)
+            req = next(conn.parser)
+            if not req:
+                return False
+            keep = self.handle_request(req, conn)
+            return bool(keep and not conn.close_after and conn.parser.finish_body())
+        except TimeoutError:
+            conn.dropped = True  # part of a response is lost: nothing more may be sent on it
+            self.log.info("%s read nothing of its response for %s s: dropped", conn.client, self.settings.send_timeout_s)
+        except (http.errors.NoMoreData, StopIteration):
+            pass
+        except OSError as e:
+            if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+                self.log.exception("Socket error processing request.")
+        except Exception as e:
+            self.handle_error(req, conn.sock, conn.client, e)
+        return False
+
+    # -- sending ----------------------------------------------------------------------------------
+
+    def finish_request(self, conn: Conn, fs) -> None:
+        """Back on the event loop after the thread: send what the client has not taken yet, then
+        wait for the next request or close."""
+        try:
+            keep = bool(fs.result()) if not fs.cancelled() else False
+        except Exception:
+            keep = False
+        if conn.sock.fileno() < 0 or conn.dropped:  # closed in the thread, or its client dropped
+            self._close(conn)
+            return
+        conn.keep = keep
+        conn.parser = None  # it holds the request's buffer (up to ATTN_MAX_BODY_BYTES): not while idle
+        conn.sock.setblocking(False)
+        self._write(conn)
+
+    def _write(self, conn: Conn) -> None:
+        conn.state = Conn.WRITING
+        conn.deadline = time.monotonic() + self.settings.send_timeout_s
+        if conn.sock.outbox:
+            self._watch(conn, selectors.EVENT_WRITE, self._on_writable)
+            self._on_writable(conn, None)
+        else:
+            self._after_response(conn)
+
+    def _on_writable(self, conn: Conn, _fileobj) -> None:
+        try:
+            sent = conn.sock.send_some()
+        except OSError:
+            self._close(conn)
+            return
+        self.budget.give(sent)
+        if sent:
+            conn.deadline = time.monotonic() + self.settings.send_timeout_s
+        if not conn.sock.outbox:
+            self._after_response(conn)
+
+    def _after_response(self, conn: Conn) -> None:
+        if conn.keep:
+            self._start_request(conn, conn.pending)
+            return
+        # Close as RFC 9112 section 9.6 asks: FIN first, then read what the client still sends for
+        # a little while, so that it gets the answer rather than a reset.
+        conn.state = Conn.CLOSING
+        conn.deadline = time.monotonic() + LINGER_S
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self._close(conn)
+            return
+        self._watch(conn, selectors.EVENT_READ, self._on_closing)
+
+    def _on_closing(self, conn: Conn, _fileobj) -> None:
+        try:
+            data = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        conn.lingered += len(data)
+        if not data or conn.lingered > LINGER_BYTES:
+            self._close(conn)
+
+    # -- deadlines (run() calls murder_pending once a second, and after every batch of events) ----
+
+    def murder_pending(self):
+        super().murder_pending()
+        now = time.monotonic()
+        if now < self.next_sweep:  # deadlines are kept to the second: no need to look at every event
+            return
+        self.next_sweep = now + SWEEP_S
+        if not self.alive and self.stopping_at is None:
+            self.stopping_at = now
+        for conn in [c for c in self.conns if c.state != Conn.IN_THREAD]:
+            idle = conn.state == Conn.READING and not conn.buf
+            if idle and self.stopping_at is not None:
+                conn.deadline = min(conn.deadline, self.stopping_at + STOP_KEEPALIVE_LINGER)
+            if now < conn.deadline:
+                continue
+            if conn.state == Conn.READING and conn.buf:
+                what = "request head" if conn.scanner.head_end is None else "request body"
+                limit = (
+                    f"{self.settings.header_timeout_s} s (ATTN_HEADER_TIMEOUT_S)"
+                    if conn.scanner.head_end is None
+                    else f"{self.settings.body_timeout_s} s plus 1 s per {self.settings.body_min_rate} bytes (ATTN_BODY_TIMEOUT_S, ATTN_BODY_MIN_RATE)"
+                )
+                self._unwatch(conn)
+                self._answer(conn, 408, "timeout", f"The {what} did not arrive in time: the limit is {limit}.", conn.scanner.path)
+            else:
+                if conn.state == Conn.WRITING:
+                    self.log.info("%s read nothing of its response for %s s: dropped", conn.client, self.settings.send_timeout_s)
+                self._close(conn)

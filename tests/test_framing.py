@@ -1,0 +1,92 @@
+"""service.web.framing: where a request ends, from the bytes so far, however they arrive."""
+
+from __future__ import annotations
+
+import pytest
+
+from service.web import framing
+from service.web.framing import (
+    BODY_TOO_LARGE,
+    COMPLETE,
+    HEAD_TOO_LARGE,
+    MALFORMED,
+    NEED_MORE,
+    RequestScanner,
+)
+
+GET = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def post(body: bytes, extra: bytes = b"") -> bytes:
+    return b"POST /attention HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n" % (len(body), extra) + body
+
+
+def chunked(*pieces: bytes, trailers: bytes = b"") -> bytes:
+    head = b"POST /attention HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n" + trailers + b"\r\n"
+
+
+def scan_growing(data: bytes, step: int, scanner: RequestScanner | None = None):
+    """Feed data step bytes at a time to one scanner; the first verdict that is not NEED_MORE."""
+    scanner = scanner or RequestScanner(1024, 10_000)
+    for n in range(step, len(data) + step, step):
+        verdict = scanner.scan(bytearray(data[:n]))
+        if verdict.kind != NEED_MORE:
+            return verdict, scanner
+    return verdict, scanner
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+@pytest.mark.parametrize(
+    "request_bytes",
+    [GET, post(b'{"q": [[1]]}'), post(b""), chunked(b'{"q": ', b"[[1]]}"), chunked(b"abc", trailers=b"X-Sum: 1\r\n"), b"\r\n" + GET],
+)
+def test_complete_requests_end_where_they_end(request_bytes, step):
+    verdict, _ = scan_growing(request_bytes + GET, step)  # a pipelined request follows
+    assert verdict.kind == COMPLETE and verdict.end == len(request_bytes)
+
+
+def test_incomplete_requests_need_more():
+    for data in (GET[:-1], post(b"12345")[:-1], chunked(b"abc")[:-2], chunked(b"abc")[:-6]):
+        assert RequestScanner(1024, 10_000).scan(bytearray(data)).kind == NEED_MORE
+
+
+def test_head_facts():
+    data = post(b"{}", extra=b"Expect: 100-continue\r\n")
+    scanner = RequestScanner(1024, 10_000)
+    scanner.scan(bytearray(data[:-2]))
+    assert scanner.path == "/attention" and scanner.body_length == 2 and scanner.expects_continue
+    start, stop = scanner.expect_line
+    assert data[start:stop] == b"Expect: 100-continue\r\n"
+    assert scanner.body_received(len(data) - 1) == 1
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"POST / HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",  # both: smuggling-shaped
+        b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",  # not chunked last
+        b"POST / HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",  # two lengths
+        b"POST / HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+        b"POST / HTTP/1.1\r\nContent-Length: 0x10\r\n\r\n",
+        b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # not hex
+        b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY",  # no CRLF after the data
+    ],
+)
+def test_unframeable_requests_are_malformed(data):
+    assert RequestScanner(1024, 10_000).scan(bytearray(data)).kind == MALFORMED
+
+
+def test_limits():
+    assert RequestScanner(64, 10_000).scan(bytearray(b"GET /" + b"a" * 100)).kind == HEAD_TOO_LARGE
+    assert RequestScanner(1024, 10).scan(bytearray(post(b"x" * 11)[:60])).kind == BODY_TOO_LARGE
+    assert RequestScanner(1024, 10).scan(bytearray(chunked(b"x" * 6, b"y" * 6))).kind == BODY_TOO_LARGE
+    huge_line = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * (framing.MAX_CHUNK_LINE + 10)
+    assert RequestScanner(1024, 10**30).scan(bytearray(huge_line)).kind == MALFORMED
+
+
+def test_a_trickled_chunked_body_is_scanned_once():
+    """Resuming where it stopped: 2,000 one-byte chunks fed one chunk at a time stay linear."""
+    data = chunked(*[b"x"] * 2000)
+    verdict, _ = scan_growing(data, 6)
+    assert verdict.kind == COMPLETE and verdict.end == len(data)

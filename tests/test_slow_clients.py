@@ -1,0 +1,445 @@
+"""Slow and stalled clients against the real server (service/web/worker.py under gunicorn): stalled
+and trickling uploads get 408 and are closed, stalled downloads are dropped, and neither, nor a
+thousand idle connections, starves anyone else. One worker (22 threads), so that more stalled
+connections than threads would starve it if each held a thread; short timeouts keep it quick.
+
+Waits are bounded by generous hang guards; nothing asserts how long anything took."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import re
+import resource
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+pytestmark = pytest.mark.live
+
+ROOT = Path(__file__).resolve().parent.parent
+HANG = 30.0  # seconds: only ever stops a hang
+ENV = {
+    "WEB_CONCURRENCY": "1",
+    "ATTN_WARMUP": "0",
+    "ATTN_HEADER_TIMEOUT_S": "2",
+    "ATTN_BODY_TIMEOUT_S": "2",
+    "ATTN_BODY_MIN_RATE": "1000",
+    "ATTN_SEND_TIMEOUT_S": "2",
+    "GUNICORN_CMD_ARGS": "--keep-alive 60",  # idle keep-alive connections stay for the 1,000-connection test
+}
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+        self.proc, self.port, self.log = proc, port, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def serving(**extra: str):
+    """`python -m service` (deploy/gunicorn.conf.py, as `make run`) on a free loopback port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(ENV, HOST="127.0.0.1", PORT=str(port), **extra)
+    log = tempfile.NamedTemporaryFile(prefix="attention-slow-", suffix=".log", delete=False)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    srv = Server(proc, port, Path(log.name))
+    try:
+        wait_until(lambda: proc.poll() is not None or get(srv, "/readyz") == 200, "server ready")
+        assert proc.poll() is None, srv.log_text()[-2000:]
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with serving() as srv:
+        yield srv
+
+
+def wait_until(predicate, what: str, timeout: float = HANG):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+def get(srv: Server, path: str) -> int | None:
+    try:
+        return requests.get(srv.url + path, timeout=HANG).status_code
+    except requests.ConnectionError:
+        return None
+
+
+# --- requests and responses on raw sockets ---------------------------------------------------------
+
+
+def tensor(rng, *shape) -> dict:
+    a = rng.standard_normal(shape).astype("<f4")
+    return {"shape": list(shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode("ascii")}
+
+
+def body_of(T: int, weights: bool = False, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    return json.dumps(
+        {"q": tensor(rng, 1, 2, T, 8), "k": tensor(rng, 1, 2, T, 8), "v": tensor(rng, 1, 2, T, 8), "return_weights": weights}
+    ).encode()
+
+
+def post_head(length: int, path: str = "/attention", extra: str = "") -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n{extra}\r\n".encode()
+
+
+def connect(srv: Server, rcvbuf: int | None = None) -> socket.socket:
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(HANG)
+    s.connect(("127.0.0.1", srv.port))
+    return s
+
+
+def read_to_end(s: socket.socket) -> tuple[bytes, bool]:
+    """Everything until the server closes; (bytes, whether it ended with a reset)."""
+    data = bytearray()
+    while True:
+        try:
+            chunk = s.recv(1 << 20)
+        except ConnectionResetError:
+            return bytes(data), True
+        if not chunk:
+            return bytes(data), False
+        data += chunk
+
+
+def responses(data: bytes) -> list[tuple[int, dict, bytes]]:
+    """Split the bytes of consecutive HTTP/1.1 responses with Content-Length: (status, headers, body)."""
+    out = []
+    while data:
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        assert sep, data[:200]
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        n = int(headers.get("content-length", 0))
+        out.append((int(lines[0].split()[1]), headers, rest[:n]))
+        data = rest[n:]
+    return out
+
+
+def read_response(s: socket.socket) -> tuple[int, dict, bytes]:
+    """One whole response with Content-Length from a kept-alive connection."""
+    data = bytearray()
+    while True:
+        head, sep, rest = bytes(data).partition(b"\r\n\r\n")
+        if sep:
+            n = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            if len(rest) >= n:
+                [response] = responses(bytes(data))
+                return response
+        chunk = s.recv(65536)
+        assert chunk, "closed before a whole response"
+        data += chunk
+
+
+def valid_request_ok(srv: Server) -> bool:
+    """A small valid request on a new connection is answered 200 with the right shape."""
+    r = requests.post(srv.url + "/attention", data=body_of(16), headers={"Content-Type": "application/json"}, timeout=HANG)
+    return r.status_code == 200 and r.json()["out"]["shape"] == [1, 2, 16, 8]
+
+
+def assert_error(data: bytes, status: int, code: str) -> None:
+    [(got, headers, body)] = responses(data)
+    assert got == status, data[:300]
+    assert headers["connection"] == "close"
+    doc = json.loads(body)
+    assert doc["error"]["status"] == status and doc["error"]["code"] == code and doc["error"]["field"] is None
+    assert isinstance(doc["error"]["message"], str) and doc["error"]["message"]
+
+
+# --- receiving ----------------------------------------------------------------------------------
+
+
+def test_stalled_upload_gets_408_and_is_closed(server):
+    s = connect(server)
+    s.sendall(post_head(1_000_000) + b'{"q": [')
+    data, _ = read_to_end(s)
+    assert_error(data, 408, "timeout")
+    assert "ATTN_BODY_TIMEOUT_S" in json.loads(responses(data)[0][2])["error"]["message"]
+    assert valid_request_ok(server)
+
+
+def test_stalled_head_gets_408_and_is_closed(server):
+    s = connect(server)
+    s.sendall(b"POST /attention HTTP/1.1\r\nHost: x\r\nContent-")
+    data, _ = read_to_end(s)
+    assert_error(data, 408, "timeout")
+    assert "ATTN_HEADER_TIMEOUT_S" in json.loads(responses(data)[0][2])["error"]["message"]
+
+
+def test_stalled_upload_on_v2_gets_its_error_shape(server):
+    s = connect(server)
+    s.sendall(post_head(1000, "/v2/models/attention/infer") + b"{")
+    data, _ = read_to_end(s)
+    [(status, _, body)] = responses(data)
+    assert status == 408 and isinstance(json.loads(body)["error"], str)
+
+
+def test_silent_connection_is_closed_without_an_answer(server):
+    s = connect(server)
+    data, _ = read_to_end(s)
+    assert data == b""
+
+
+def test_trickling_body_is_cut(server):
+    """A body arriving far below ATTN_BODY_MIN_RATE (1000 B/s here; this one sends ~40 B/s) is cut
+    with 408 before it is complete."""
+    length = 100_000
+    s = connect(server)
+    s.sendall(post_head(length) + b'{"q": [')
+    sent, deadline = 0, time.monotonic() + HANG
+    while sent < length and time.monotonic() < deadline:
+        readable, _, _ = select.select([s], [], [], 0.25)
+        if readable:
+            break
+        try:
+            s.sendall(b"0.0, " * 2)
+        except (BrokenPipeError, ConnectionResetError):
+            break
+        sent += 10
+    assert sent < length
+    data, _ = read_to_end(s)
+    assert_error(data, 408, "timeout")
+    assert valid_request_ok(server)
+
+
+def test_slow_but_steady_body_is_served(server):
+    """A body that takes longer than ATTN_BODY_TIMEOUT_S (2 s here) but keeps above the minimum
+    rate is served: the deadline moves with the bytes received."""
+    body = body_of(64, seed=3)
+    pieces = [body[i : i + len(body) // 8 + 1] for i in range(0, len(body), len(body) // 8 + 1)]
+    s = connect(server)
+    s.sendall(post_head(len(body)))
+    for piece in pieces:  # ~3 s in all, each piece far more than 1000 B/s earns per 0.4 s
+        s.sendall(piece)
+        time.sleep(0.4)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data, _ = read_to_end(s)
+    (status, _, out), (second, _, _) = responses(data)
+    assert status == 200 and json.loads(out)["out"]["shape"] == [1, 2, 64, 8]
+    assert second == 200
+
+
+def test_bodies_being_read_count_against_the_memory_budget():
+    """Past ATTN_MAX_INFLIGHT_BYTES of bodies being read, the upload that goes over gets 503
+    overloaded and is closed; the others go on."""
+    with serving(ATTN_MAX_INFLIGHT_BYTES="300000") as srv:
+        first, second = connect(srv), connect(srv)
+        first.sendall(post_head(1_000_000) + b" " * 200_000)
+        wait_until(lambda: get(srv, "/healthz") == 200, "first upload read")  # same worker: its bytes are in
+        second.sendall(post_head(1_000_000) + b" " * 200_000)
+        data, _ = read_to_end(second)
+        assert_error(data, 503, "overloaded")
+        assert b"Retry-After: 1" in data
+        assert valid_request_ok(srv)
+        first.close()
+
+
+def test_body_over_the_limit_is_refused_at_once(server):
+    s = connect(server)
+    s.sendall(post_head(10**12) + b"{")
+    data, _ = read_to_end(s)
+    assert_error(data, 413, "body_too_large")
+
+
+def test_chunked_body_over_the_limit_is_refused(server):
+    s = connect(server)
+    s.sendall(b"POST /attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nFFFFFFFFF\r\n{")
+    data, _ = read_to_end(s)
+    assert_error(data, 413, "body_too_large")
+
+
+def test_chunked_body_is_served(server):
+    body = body_of(16, seed=4)
+    r = requests.post(
+        server.url + "/attention", data=iter([body[:100], body[100:]]), headers={"Content-Type": "application/json"}, timeout=HANG
+    )
+    assert r.status_code == 200 and r.json()["out"]["shape"] == [1, 2, 16, 8]
+
+
+def test_expect_100_continue_is_answered_once(server):
+    body = body_of(16, seed=5)
+    s = connect(server)
+    s.sendall(post_head(len(body), extra="Expect: 100-continue\r\nConnection: close\r\n"))
+    interim = b""
+    while b"\r\n\r\n" not in interim:
+        interim += s.recv(1)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    s.sendall(body)
+    data, _ = read_to_end(s)
+    [(status, _, out)] = responses(data)
+    assert status == 200 and json.loads(out)["out"]["shape"] == [1, 2, 16, 8]
+
+
+def test_pipelined_requests_are_answered_in_order(server):
+    body = body_of(16, seed=6)
+    s = connect(server)
+    s.sendall(
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        + post_head(len(body))
+        + body
+        + b"GET /limits HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    data, _ = read_to_end(s)
+    (s1, _, b1), (s2, _, b2), (s3, _, b3) = responses(data)
+    assert (s1, s2, s3) == (200, 200, 200)
+    assert json.loads(b1) == {"status": "ok"}
+    assert json.loads(b2)["out"]["shape"] == [1, 2, 16, 8]
+    assert "max_t" in json.loads(b3)
+
+
+def test_abrupt_closes_mid_body_leave_the_server_healthy(server):
+    for i in range(50):
+        s = connect(server)
+        s.sendall(post_head(100_000) + b'{"q": [[1.0, 2.0], ' * 10)
+        if i % 2:  # half with a reset (SO_LINGER 0), half with a FIN
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        s.close()
+    assert get(server, "/healthz") == 200
+    assert valid_request_ok(server)
+    assert "Traceback" not in server.log_text()
+
+
+# --- sending ------------------------------------------------------------------------------------
+
+
+def large_response_request() -> bytes:
+    """~11 MB of b64 weights (B=1, H=8, T=S=512), more than the socket buffers hold."""
+    rng = np.random.default_rng(7)
+    body = json.dumps(
+        {"q": tensor(rng, 1, 8, 512, 64), "k": tensor(rng, 1, 8, 512, 64), "v": tensor(rng, 1, 8, 512, 64), "return_weights": True}
+    ).encode()
+    return post_head(len(body)) + body
+
+
+def test_stalled_download_is_dropped(server):
+    drops = server.log_text().count("of its response")
+    s = connect(server, rcvbuf=4096)
+    s.sendall(large_response_request())
+    head = s.recv(4096)  # the response has begun...
+    assert head.startswith(b"HTTP/1.1 200")
+    length = int(re.search(rb"Content-Length: (\d+)", head).group(1)) if b"Content-Length" in head else None
+    # ... and the client reads no more: the server drops it after ATTN_SEND_TIMEOUT_S.
+    wait_until(lambda: server.log_text().count("of its response") > drops, "the stalled download dropped")
+    data, _ = read_to_end(s)
+    received = len(head) + len(data)
+    assert length is None or received < length
+    assert not data.endswith(b"0\r\n\r\n")  # a chunked response was cut too, not finished
+    assert valid_request_ok(server)
+
+
+def test_past_the_send_buffer_new_posts_get_503_until_slow_readers_go():
+    """While more response bytes wait for slow readers than ATTN_SEND_BUFFER_BYTES (1 here), new
+    POSTs get 503 overloaded from the worker (health checks still pass); once the stalled client
+    is dropped, they are served again."""
+    with serving(ATTN_SEND_BUFFER_BYTES="1", ATTN_SEND_TIMEOUT_S="10") as srv:
+        s = connect(srv, rcvbuf=4096)
+        s.sendall(large_response_request())
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+
+        def refused():
+            """a POST refused (once the response being written has filled the budget)"""
+            r = requests.post(srv.url + "/attention", data=body_of(16), headers={"Content-Type": "application/json"}, timeout=HANG)
+            return [r] if r.status_code == 503 else None  # (a Response is false when not ok)
+
+        [r] = wait_until(refused, "a POST refused")
+        assert r.json()["error"]["code"] == "overloaded" and r.headers["Retry-After"] == "1"
+        assert "of its response" not in srv.log_text()  # refused while the slow reader was held
+        assert get(srv, "/healthz") == 200
+        wait_until(lambda: "of its response" in srv.log_text(), "the stalled download dropped")
+        data, _ = read_to_end(s)
+        assert not data.endswith(b"0\r\n\r\n")
+        assert valid_request_ok(srv)
+
+
+# --- nobody starves -----------------------------------------------------------------------------
+
+
+def test_stalled_clients_do_not_starve_others(server):
+    """100 stalled uploads and 6 stalled downloads on one worker of 22 threads: /healthz and a
+    valid request are still answered (with gthread alone, the uploads took every thread)."""
+    held = []
+    try:
+        for _ in range(100):
+            s = connect(server)
+            s.sendall(post_head(1_000_000) + b'{"q": [')
+            held.append(s)
+        request = large_response_request()
+        for _ in range(6):
+            s = connect(server, rcvbuf=4096)
+            s.sendall(request)
+            held.append(s)
+        for _ in range(20):
+            assert get(server, "/healthz") == 200
+        assert valid_request_ok(server)
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_thousand_idle_keepalive_connections_do_not_starve_others(server):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        if hard != resource.RLIM_INFINITY and hard < 1200:
+            pytest.skip(f"needs 1,200 open files; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    held = []
+    try:
+        for _ in range(1000):
+            s = connect(server)
+            s.sendall(request)
+            held.append(s)
+        for s in held:  # every one answered, and kept alive
+            status, headers, _ = read_response(s)
+            assert status == 200 and headers["connection"] == "keep-alive"
+        assert get(server, "/healthz") == 200
+        assert valid_request_ok(server)
+        for s in held[::100]:  # the idle ones are still open and still served
+            s.sendall(request)
+            status, _, _ = read_response(s)
+            assert status == 200
+    finally:
+        for s in held:
+            s.close()
+        if soft < 1200:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
