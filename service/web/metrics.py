@@ -6,8 +6,10 @@ That variable must be set before prometheus_client is first imported (deploy/gun
 sets it when unset; this module creates the directory if it is missing); without it (tests, a
 single process) the ordinary in-process registry is used.
 
-Label values are bounded: endpoint is the route's rule ("unmatched" for 404/405), T is bucketed
-to a power of two, code is one of the contract's error codes.
+Label values are bounded: endpoint is the route's rule ("unmatched" for 404/405), method is one
+of METHODS or "other" (the HTTP server accepts any token as a method), status is a code the app
+emits, T is bucketed to a power of two, phase is one of the code's phase names, code is one of
+the contract's error codes.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ BYTES = Gauge(
     multiprocess_mode="livesum",
 )
 
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+
 bp = Blueprint("metrics", __name__)
 
 
@@ -145,6 +149,12 @@ def observe_compute(work: Work, ms: float, predicted_ms: float) -> None:
         PREDICTION.labels(endpoint).observe(ms / predicted_ms)
 
 
+def method_label(method: str) -> str:
+    """The method as a label value: a standard one as is, any other token "other" (each made-up
+    method would otherwise be a new time series, and a new file in multiprocess mode)."""
+    return method if method in METHODS else "other"
+
+
 def _endpoint() -> str:
     return request.url_rule.rule if request.url_rule is not None else "unmatched"
 
@@ -164,9 +174,9 @@ def install(app: Flask) -> None:
         t0 = g.pop("metrics_t0", None)
         if t0 is None:
             return resp
-        endpoint, status = _endpoint(), str(resp.status_code)
-        REQUESTS.labels(endpoint, request.method, status).inc()
-        latency = LATENCY.labels(endpoint, request.method, status)
+        endpoint, method, status = _endpoint(), method_label(request.method), str(resp.status_code)
+        REQUESTS.labels(endpoint, method, status).inc()
+        latency = LATENCY.labels(endpoint, method, status)
 
         def sent():
             latency.observe(time.perf_counter() - t0)
