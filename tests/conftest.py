@@ -59,6 +59,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+READY_IN_A_ROW = 20  # /readyz answers on fresh connections before a server counts as ready
+
+
 def start_server(env: dict | None = None, timeout: float = 60.0):
     """Start `python -m service` on a free loopback port; returns (process, base_url) once ready."""
     port = free_port()
@@ -70,15 +73,21 @@ def start_server(env: dict | None = None, timeout: float = 60.0):
     )
     proc.log_path = log.name  # read by tests that inspect the server's log
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
+    deadline, ready_in_a_row = time.monotonic() + timeout, 0
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}: {Path(log.name).read_text()[-2000:]}")
         try:
+            # Each worker warms up on its own: one 200 may come from the first one ready while
+            # another still says 503. Many in a row, each on a new connection, reach them all.
             if requests.get(f"{url}/readyz", timeout=1).status_code == 200:
-                return proc, url
+                ready_in_a_row += 1
+                if ready_in_a_row >= READY_IN_A_ROW:
+                    return proc, url
+                continue
+            ready_in_a_row = 0
         except requests.ConnectionError:
-            pass
+            ready_in_a_row = 0
         time.sleep(0.1)
     stop_server(proc)
     raise RuntimeError(f"server not ready within {timeout} s")
