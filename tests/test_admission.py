@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import statistics
 import time
 from dataclasses import replace
@@ -12,12 +13,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.web import admission, create_app
 from service.web.costmodel import CostModel
 from service.web.errors import ApiError
 
-from .conftest import SMALL
+from .conftest import SMALL, start_server, stop_server, wait_until
 from .test_api import WORKED, b64
 
 
@@ -135,13 +137,75 @@ def test_bytes_in_flight_are_bounded_before_the_body_is_read(rng):
     assert gate.bytes == 0
 
 
-def test_a_streamed_answer_holds_its_admission_until_sent(app, client, rng):
+def test_a_streamed_answer_frees_its_slot_at_once_and_its_bytes_when_sent(app, client, rng):
     gate = app.extensions["attention.gate"]
     q = rng.standard_normal((2, 32, 8))
     r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)})  # b64 answers are encoded as they stream
-    assert r.is_streamed and gate.admitted == 1 and gate.bytes > 0
+    assert r.is_streamed and gate.bytes > 0  # the answer is in memory until it is sent ...
+    assert gate.admitted == 0 and all(gate._slots.acquire(blocking=False) for _ in range(gate.max_inflight))  # ... computing is not
+    for _ in range(gate.max_inflight):
+        gate._slots.release()
     r.get_data()
     assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def test_a_ticket_gives_back_each_part_once():
+    gate = admission.Gate(max_inflight=1, max_queue=0, max_bytes=1_000)
+    ticket = gate.enter(100)
+    assert ticket.take_slot()
+    ticket.end_compute()
+    ticket.end_compute()
+    assert (gate.admitted, gate.bytes) == (0, 100) and gate._slots.acquire(blocking=False)
+    gate._slots.release()
+    ticket.release()
+    ticket.release()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def _stalled_download(url: str, body: bytes) -> socket.socket:
+    """A client that asks for a large answer and never reads it (a tiny receive buffer)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    head = f"POST /attention HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def _gauges(url: str) -> dict[str, float]:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+@pytest.mark.live
+def test_stalled_downloads_do_not_pin_compute_slots(rng):
+    """More clients than compute slots + queue ask for a large streamed answer and never read it:
+    their answers wait in memory (their bytes charged), but a small request still computes."""
+    stalled_n = 4  # > ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE = 2, < the worker's 18 threads
+    env = {"WEB_CONCURRENCY": "1", "ATTN_MAX_INFLIGHT": "1", "ATTN_MAX_QUEUE": "1"}
+    proc, url = start_server(env)
+    q = rng.standard_normal((2, 1024, 8)).astype(np.float32)
+    enc = {"shape": list(q.shape), "dtype": "float32", "b64": base64.b64encode(q.tobytes()).decode()}
+    big = json.dumps({"q": enc, "k": enc, "v": enc, "return_weights": True}).encode()  # ~11 MB of b64 weights back
+    socks = []
+    try:
+        for n in range(1, stalled_n + 1):  # one after another: a burst past the bounds is 503 by design
+            socks.append(_stalled_download(url, big))
+
+            def built(n=n):
+                """every stalled answer so far built and stuck in its send, holding no compute"""
+                g = _gauges(url)
+                return g["attention_requests_in_flight"] - 1 >= n and g["attention_admission_running_requests"] == 0
+
+            wait_until(built, timeout=60, interval=0.2)
+        assert _gauges(url)["attention_admission_inflight_bytes"] > len(big) * stalled_n  # their memory is still charged
+        r = requests.post(f"{url}/attention", json=WORKED, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        for sock in socks:
+            sock.close()
+        stop_server(proc)
 
 
 def test_a_lone_request_is_always_admitted():
