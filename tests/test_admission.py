@@ -149,6 +149,14 @@ def test_a_streamed_answer_frees_its_slot_at_once_and_its_bytes_when_sent(app, c
     assert (gate.admitted, gate.bytes) == (0, 0)
 
 
+def test_a_built_answer_holds_its_bytes_until_sent_too(app, client):
+    gate = app.extensions["attention.gate"]
+    r = post(client)  # a small nested answer: built whole before it is sent
+    assert gate.admitted == 0 and gate.bytes > 0
+    r.get_data()
+    assert gate.bytes == 0
+
+
 def test_a_ticket_gives_back_each_part_once():
     gate = admission.Gate(max_inflight=1, max_queue=0, max_bytes=1_000)
     ticket = gate.enter(100)

@@ -118,18 +118,15 @@ def t_bucket(T: int) -> str:
 
 
 def when_sent(resp: Response, done: Callable[[], None]) -> None:
-    """Call done() once resp's body has been sent. A response with b64 or large nested tensors
-    streams (they are encoded as they are sent), so its request ends with the last chunk, or when
-    the server closes it (a client gone); any other body is already built, so done() is called now."""
+    """Call done() once resp's body has been sent: after its last chunk, or when the server closes
+    the response (a client gone, a HEAD request). A response with b64 or large nested tensors
+    streams (they are encoded as they are sent); any other body is built, and held in memory
+    until it has been written, so it ends the same way."""
     once = threading.Lock()
 
     def finish():
         if once.acquire(blocking=False):
             done()
-
-    if not resp.is_streamed:
-        finish()
-        return
 
     def chunks(body):
         try:
