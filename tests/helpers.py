@@ -104,6 +104,11 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1):
     raise AssertionError(f"not true within {timeout} s: {predicate.__doc__ or predicate}")
 
 
+# Each worker warms up on its own: one 200 may come from the first one ready while another still
+# says 503. Many in a row, each on a new connection, reach them all.
+READY_IN_A_ROW = 20
+
+
 def start_server(env: dict | None = None, timeout: float = 120.0):
     """Start `python -m service` on a free loopback port; returns (process, base_url) once ready."""
     port = free_port()
@@ -116,14 +121,19 @@ def start_server(env: dict | None = None, timeout: float = 120.0):
     proc.log_path = log.name  # read by tests that inspect the server's log
     url = f"http://127.0.0.1:{port}"
 
+    in_a_row = 0
+
     def ready():
-        """the server answers /readyz with 200"""
+        """the server answers /readyz with 200, READY_IN_A_ROW times on fresh connections"""
+        nonlocal in_a_row
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}: {Path(log.name).read_text()[-2000:]}")
         try:
-            return requests.get(f"{url}/readyz", timeout=5).status_code == 200
+            ok = requests.get(f"{url}/readyz", timeout=5).status_code == 200
         except requests.RequestException:
-            return False
+            ok = False
+        in_a_row = in_a_row + 1 if ok else 0
+        return in_a_row >= READY_IN_A_ROW
 
     try:
         wait_until(ready, timeout=timeout)

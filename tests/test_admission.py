@@ -3,16 +3,21 @@ overload gate's bounds on requests and bytes. API keys: test_auth.py; a real bur
 
 from __future__ import annotations
 
+import base64
+import json
+import socket
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.web import admission, create_app
 from service.web.costmodel import CostModel
 from service.web.errors import ApiError
 
-from .helpers import WORKED, b64, big_body
+from .helpers import WORKED, b64, big_body, start_server, stop_server, wait_until
 
 
 def post(client, body=WORKED, **headers):
@@ -122,13 +127,90 @@ def test_bytes_in_flight_are_bounded_before_the_body_is_read(settings, rng):
     assert gate.bytes == 0
 
 
-def test_a_streamed_answer_holds_its_admission_until_sent(app, client, rng):
+def test_a_streamed_answer_frees_its_slot_at_once_and_its_bytes_when_sent(app, client, rng):
     gate = app.extensions["attention.gate"]
     q = rng.standard_normal((2, 32, 8))
     r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)})  # b64 answers are encoded as they stream
-    assert r.is_streamed and gate.admitted == 1 and gate.bytes > 0
+    assert r.is_streamed and gate.bytes > 0  # the answer is in memory until it is sent ...
+    assert gate.admitted == 0 and all(gate._slots.acquire(blocking=False) for _ in range(gate.max_inflight))  # ... computing is not
+    for _ in range(gate.max_inflight):
+        gate._slots.release()
     r.get_data()
     assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def test_a_built_answer_holds_its_bytes_until_sent_too(app, client):
+    gate = app.extensions["attention.gate"]
+    r = post(client)  # a small nested answer: built whole before it is sent
+    assert gate.admitted == 0 and gate.bytes > 0
+    r.get_data()
+    assert gate.bytes == 0
+
+
+def test_a_ticket_gives_back_each_part_once():
+    gate = admission.Gate(max_inflight=1, max_queue=0, max_bytes=1_000)
+    ticket = gate.enter(100)
+    assert ticket.take_slot()
+    ticket.end_compute()
+    ticket.end_compute()
+    assert (gate.admitted, gate.bytes) == (0, 100) and gate._slots.acquire(blocking=False)
+    gate._slots.release()
+    ticket.release()
+    ticket.release()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def _stalled_download(url: str, body: bytes) -> socket.socket:
+    """A client that asks for a large answer and never reads it (a tiny receive buffer)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    head = f"POST /attention HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def _samples(url: str) -> list:
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return [s for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+@pytest.mark.live
+def test_stalled_downloads_do_not_pin_compute_slots(rng):
+    """More clients than compute slots + queue ask for a large answer and never read it: once
+    their answers are built they hold no compute slot, so a small request still computes."""
+    stalled_n = 4  # > ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE = 2
+    env = {"WEB_CONCURRENCY": "1", "ATTN_MAX_INFLIGHT": "1", "ATTN_MAX_QUEUE": "1"}
+    proc, url = start_server(env)
+    q = rng.standard_normal((2, 1024, 8)).astype(np.float32)
+    enc = {"shape": list(q.shape), "dtype": "float32", "b64": base64.b64encode(q.tobytes()).decode()}
+    big = json.dumps({"q": enc, "k": enc, "v": enc, "return_weights": True}).encode()  # ~11 MB of b64 weights back
+    socks = []
+    try:
+        for n in range(1, stalled_n + 1):  # one after another: a burst past the bounds is 503 by design
+            socks.append(_stalled_download(url, big))
+
+            def answered(n=n):
+                """every stalled request so far answered 200 (its answer unread), none computing"""
+                samples = _samples(url)
+                ok = sum(
+                    s.value
+                    for s in samples
+                    if s.name == "attention_http_requests_total"
+                    and s.labels.get("endpoint") == "/attention"
+                    and s.labels.get("status") == "200"
+                )
+                running = [s.value for s in samples if s.name == "attention_admission_running_requests"]
+                return ok >= n and running == [0.0]
+
+            wait_until(answered, timeout=60, interval=0.2)
+        r = requests.post(f"{url}/attention", json=WORKED, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        for sock in socks:
+            sock.close()
+        stop_server(proc)
 
 
 def test_a_lone_request_is_always_admitted():

@@ -87,6 +87,16 @@ def test_response_carries_cost_timing_and_headers(client):
     assert len(post(client, WORKED).headers["X-Request-Id"]) >= 16  # generated when not sent
 
 
+@pytest.mark.parametrize(
+    "sent", ["x" * 129, "caf\u00e9", "a\u2028b", "tab\there", ""], ids=["129-chars", "latin1", "unicode-separator", "control", "empty"]
+)
+def test_request_ids_not_printable_ascii_are_replaced(client, sent):
+    """Only 1..128 printable ASCII characters are echoed (the id goes into headers and logs)."""
+    got = client.get("/healthz", headers={"X-Request-Id": sent}).headers["X-Request-Id"]
+    assert got != sent and len(got) >= 16 and got.isascii() and got.isprintable()
+    assert client.get("/healthz", headers={"X-Request-Id": "x" * 128}).headers["X-Request-Id"] == "x" * 128
+
+
 @pytest.mark.parametrize("encoding", ["nested", "flat", "b64"])
 def test_response_encoding_and_float64(client, rng, encoding):
     q, k, v = (rng.standard_normal((2, 3, 5, 4)) for _ in range(3))

@@ -12,6 +12,7 @@ import pytest
 
 from service import wire as codec
 from service.wire import TensorError, stream
+from service.wire.tensors import MAX_RANK
 
 DTYPES = [np.float32, np.float64, np.bool_]
 
@@ -257,7 +258,25 @@ ERRORS = [
     ({"shape": [1], "b64": "AACAPw=="}, "bad_type"),
     ({"shape": [2], "dtype": "float32", "b64": "AACAPw=="}, "bad_shape"),
     ({"shape": [1], "dtype": "bool", "b64": "Ag=="}, "bad_type"),
+    # past any numpy's rank limit: refused from the shape's length, before anything is allocated
+    ({"shape": [1] * (MAX_RANK + 1), "data": [1.0]}, "bad_rank"),
+    ({"shape": [1] * 65, "dtype": "bool", "b64": "AQ=="}, "bad_rank"),
+    ({"shape": ["x"] * 1000, "data": [1.0]}, "bad_rank"),
+    ({"shape": [2**40, 2], "dtype": "float32", "b64": "AACAPw=="}, "bad_shape"),
 ]
+
+
+def test_shape_entries_too_large_for_any_array_are_refused():
+    for shape in ([10**400], [2**63, 2**63], [2**31] * 3):
+        with pytest.raises(TensorError) as info:
+            codec.decode({"shape": shape, "data": [1.0]})
+        assert info.value.code == "bad_shape"
+
+
+def test_max_rank_is_within_numpys_limit():
+    """Any shape the codec lets through, numpy can hold: the rank check is what stands before it."""
+    assert np.zeros((1,) * MAX_RANK).ndim == MAX_RANK
+    assert codec.decode({"shape": [1] * MAX_RANK, "data": [1.0]}).ndim == MAX_RANK
 
 
 @pytest.mark.parametrize("value, code", ERRORS, ids=[f"{c}:{orjson.dumps(v)[:40].decode()}" for v, c in ERRORS])

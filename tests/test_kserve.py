@@ -215,6 +215,13 @@ def with_input(name: str, **changes) -> dict:
     return body
 
 
+def renamed(name) -> dict:
+    """SEED with its first input's name replaced (by any JSON value)."""
+    body = json.loads(json.dumps(SEED))
+    body["inputs"][0]["name"] = name
+    return body
+
+
 def test_seed_example_without_content_type(client):
     resp = infer(client, SEED)
     assert resp.request.content_type is None  # sent with no Content-Type at all, as tritonclient does
@@ -297,6 +304,12 @@ REFUSALS = [
         "input 'z' is not an input of model attention",
     ),
     ("missing-input", {**SEED, "inputs": SEED["inputs"][:2]}, 422, "input v is required"),
+    # every envelope value is type-checked before it is used as a key (a list is unhashable)
+    ("name-is-a-list", renamed(["q"]), 422, "each of inputs needs a name (a string), not ['q']"),
+    ("name-is-an-object", renamed({"q": 1}), 422, "each of inputs needs a name (a string)"),
+    ("name-missing", renamed(None), 422, "each of inputs needs a name (a string), not None"),
+    ("output-name-is-a-list", {**SEED, "outputs": [{"name": ["out"]}]}, 422, "each of outputs needs a name (a string)"),
+    ("output-name-is-an-object", {**SEED, "outputs": [{"name": {}}]}, 422, "each of outputs needs a name (a string)"),
     ("duplicate-input", {**SEED, "inputs": SEED["inputs"] + SEED["inputs"][:1]}, 422, "input q is given twice"),
     ("unknown-parameter", {**SEED, "parameters": {"casual": True}}, 422, "parameter 'casual' is not a parameter of model attention"),
     ("bad-causal", {**SEED, "parameters": {"causal": "yes"}}, 422, "parameter causal must be one of"),

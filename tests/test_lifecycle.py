@@ -22,6 +22,7 @@ def test_not_ready_until_warmed_up(settings):
     client = app.test_client()
     r = client.get("/readyz")
     assert r.status_code == 503 and r.json == {"status": "starting"}
+    assert client.get("/v2/health/ready").status_code == 503 and client.get("/v2/models/mha/ready").status_code == 503
     assert client.get("/healthz").status_code == 200  # alive all the same
     assert client.post("/attention", json=WORKED).status_code == 200  # and serving, on the default model
     ops.warm_up(app)
@@ -43,6 +44,9 @@ def test_draining_is_not_ready(app, client):
     ops.drain(app)
     r = client.get("/readyz")
     assert r.status_code == 503 and r.json == {"status": "draining"}
+    # one source of readiness: the protocol's front door says the same
+    assert client.get("/v2/health/ready").status_code == 503
+    assert client.get("/v2/models/attention/ready").status_code == 503
     assert client.get("/healthz").status_code == 200
 
 

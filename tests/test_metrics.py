@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.web.metrics import t_bucket
+from service.web.metrics import METHODS, method_label, t_bucket
 
 from .helpers import WORKED, b64, start_server, stop_server, wait_for_workers, wait_until
 
@@ -85,6 +85,17 @@ def test_unknown_paths_share_one_label(client):
     client.get("/no/such/path/123")
     client.get("/another-one")
     assert value("attention_http_requests_total", endpoint="unmatched", method="GET", status="404") == before + 2
+
+
+def test_made_up_methods_share_one_label(client):
+    """gunicorn accepts any token as a method: a label per token would grow without bound."""
+    labels = dict(endpoint="unmatched", status="405")  # a 405 matched no rule
+    before = value("attention_http_requests_total", method="other", **labels)
+    for method in ("XM0001", "XM0002", "BREW"):
+        assert client.open("/healthz", method=method).status_code == 405
+    assert value("attention_http_requests_total", method="other", **labels) == before + 3
+    assert value("attention_http_requests_total", method="XM0001", **labels) == 0.0
+    assert {method_label(m) for m in METHODS} == METHODS and method_label("get") == "other"
 
 
 @pytest.mark.parametrize("T, bucket", [(1, "64"), (64, "64"), (65, "128"), (1024, "1024"), (1025, "2048"), (4096, "4096")])

@@ -11,7 +11,11 @@ After validation, before compute (admit(job), called by the routes):
   504 deadline      when the cost model's prediction exceeds what is left of X-Deadline-Ms;
   503 overloaded    when the job's estimated working memory would pass max_inflight_bytes;
 then the job waits for one of max_inflight compute slots, in a queue bounded by max_queue (and
-by its deadline). The slot is held until the response has been sent. Every 503 carries Retry-After.
+by its deadline). The slot, and the request's place in max_inflight + max_queue, are given back
+as soon as the response is built (computed, and encoded but for the parts that stream): a client
+slow to read its answer holds no compute. The request's bytes stay charged against
+max_inflight_bytes until the response has been sent or the connection dropped, since the answer
+is in memory until then. Every 503 carries Retry-After.
 
 All counts are per worker process: the bounds multiply by the number of workers.
 """
@@ -44,8 +48,8 @@ class Gate:
         self.max_inflight, self.max_queue, self.max_bytes = max_inflight, max_queue, max_bytes
         self._lock = threading.Lock()
         self._slots = threading.Semaphore(max_inflight)
-        self.admitted = 0  # requests past the gate, until their response has been sent
-        self.bytes = 0  # their Content-Length plus estimated working bytes
+        self.admitted = 0  # requests past the gate, until their response has been built
+        self.bytes = 0  # their Content-Length plus estimated working bytes, until sent
         self.pending_ms = 0.0  # predicted compute of the admitted jobs that have been validated
 
     def enter(self, nbytes: int) -> Ticket:
@@ -74,11 +78,13 @@ class Gate:
 
 
 class Ticket:
-    """One admitted request's hold on its gate; release() gives everything back, once."""
+    """One admitted request's hold on its gate: end_compute() gives back its slot and its place
+    in the queue bound, release() the rest (its bytes); each once."""
 
     def __init__(self, gate: Gate, nbytes: int):
         self.gate, self.bytes, self.predicted_ms = gate, nbytes, 0.0
         self.running = False
+        self.computing = True  # counted in gate.admitted
 
     def reserve(self, nbytes: int, predicted_ms: float) -> None:
         """Add the job's working bytes (503 if they do not fit beside the others) and prediction."""
@@ -113,17 +119,27 @@ class Ticket:
             metrics.RUNNING.inc()
         return got
 
-    def release(self) -> None:
+    def end_compute(self) -> None:
+        """The response is built: the compute slot and the place in the request bound go back."""
         gate = self.gate
         if self.running:
             self.running = False
             metrics.RUNNING.dec()
             gate._slots.release()
         with gate._lock:
-            gate.admitted -= 1
+            if self.computing:
+                self.computing = False
+                gate.admitted -= 1
+                gate.pending_ms -= self.predicted_ms
+                self.predicted_ms = 0
+
+    def release(self) -> None:
+        """The response is sent (or will never be): everything goes back."""
+        self.end_compute()
+        gate = self.gate
+        with gate._lock:
             gate._add_bytes(-self.bytes)
-            gate.pending_ms -= self.predicted_ms
-        self.bytes = self.predicted_ms = 0
+            self.bytes = 0
 
 
 def admit(job: AttentionJob | MhaJob) -> None:
@@ -223,8 +239,9 @@ def install(app: Flask) -> None:
     @app.after_request
     def _hand_over(resp: Response):
         ticket = g.pop("admission", None)
-        if ticket is not None:  # held until the body is sent: b64 responses are encoded as they stream
-            metrics.when_sent(resp, ticket.release)
+        if ticket is not None:
+            ticket.end_compute()  # a slow reader must not pin a compute slot
+            metrics.when_sent(resp, ticket.release)  # its bytes are held until the body is sent
         return resp
 
     @app.teardown_request

@@ -97,6 +97,17 @@ def json_response(body, status: int = 200) -> Response:
     return resp
 
 
+MAX_REQUEST_ID = 128
+
+
+def request_id(sent: str) -> str:
+    """The client's X-Request-Id if it is 1..128 printable ASCII characters (it is echoed in a
+    header and written to logs), else a fresh one."""
+    if 0 < len(sent) <= MAX_REQUEST_ID and sent.isascii() and sent.isprintable():
+        return sent
+    return uuid.uuid4().hex
+
+
 def install(app: Flask) -> None:
     """Per-request clock and request id, and the Server-Timing / X-Request-Id headers."""
 
@@ -104,8 +115,7 @@ def install(app: Flask) -> None:
     def _start():
         g.t0 = time.perf_counter()
         g.phases = {}
-        sent = request.headers.get("X-Request-Id", "")
-        g.request_id = sent if 0 < len(sent) <= 128 else uuid.uuid4().hex
+        g.request_id = request_id(request.headers.get("X-Request-Id", ""))
 
     @app.after_request
     def _headers(resp: Response):

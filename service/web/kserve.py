@@ -36,6 +36,7 @@ from .admission import admit
 from .api import cost, run
 from .errors import ApiError
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
+from .ops import readiness
 
 bp = Blueprint("kserve", __name__, url_prefix="/v2")
 
@@ -330,7 +331,7 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
     requested = []
     for spec in _list(specs, "outputs"):
         spec = _object(spec, "each of outputs")
-        name = spec.get("name")
+        name = _name(spec, "each of outputs")
         if name not in OUTPUTS:
             raise RequestError(
                 "unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
@@ -354,12 +355,10 @@ def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
     native = {}
     for spec in _list(specs, "inputs"):
         spec = _object(spec, "each of inputs")
-        name = spec.get("name")
+        name = _name(spec, "each of inputs")
         if name not in model.inputs:
             known = ", ".join(model.inputs)
-            raise RequestError(
-                "unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", str(name)
-            )
+            raise RequestError("unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", name)
         if name in native:
             raise RequestError("bad_option", f"input {name} is given twice.", name)
         native[name] = _tensor(model, name, spec, blobs)
@@ -412,7 +411,16 @@ def _model(name: str, version: str | None) -> Model:
 
 
 def _ready() -> bool:
-    return bool(current_app.extensions["attention.state"]["ready"])
+    return readiness() == "ready"
+
+
+def _name(spec: dict, what: str) -> str:
+    """An input's or output's name, checked to be a string before it is looked up anywhere (a
+    list or an object is unhashable: a dict lookup would raise TypeError, a 500)."""
+    name = spec.get("name")
+    if not isinstance(name, str):
+        raise RequestError("bad_type" if name is not None else "missing_field", f"{what} needs a name (a string), not {show(name)}.")
+    return name
 
 
 def _object(value, what: str) -> dict:

@@ -6,8 +6,10 @@ That variable must be set before prometheus_client is first imported (deploy/gun
 sets it when unset; this module creates the directory if it is missing); without it (tests, a
 single process) the ordinary in-process registry is used.
 
-Label values are bounded: endpoint is the route's rule ("unmatched" for 404/405), T is bucketed
-to a power of two, code is one of the contract's error codes.
+Label values are bounded: endpoint is the route's rule ("unmatched" for 404/405), method is one
+of METHODS or "other" (the HTTP server accepts any token as a method), status is a code the app
+emits, T is bucketed to a power of two, phase is one of the code's phase names, code is one of
+the contract's error codes.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ BYTES = Gauge(
     multiprocess_mode="livesum",
 )
 
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
+
 bp = Blueprint("metrics", __name__)
 
 
@@ -114,18 +118,15 @@ def t_bucket(T: int) -> str:
 
 
 def when_sent(resp: Response, done: Callable[[], None]) -> None:
-    """Call done() once resp's body has been sent. A response with b64 or large nested tensors
-    streams (they are encoded as they are sent), so its request ends with the last chunk, or when
-    the server closes it (a client gone); any other body is already built, so done() is called now."""
+    """Call done() once resp's body has been sent: after its last chunk, or when the server closes
+    the response (a client gone, a HEAD request). A response with b64 or large nested tensors
+    streams (they are encoded as they are sent); any other body is built, and held in memory
+    until it has been written, so it ends the same way."""
     once = threading.Lock()
 
     def finish():
         if once.acquire(blocking=False):
             done()
-
-    if not resp.is_streamed:
-        finish()
-        return
 
     def chunks(body):
         try:
@@ -143,6 +144,12 @@ def observe_compute(work: Work, ms: float, predicted_ms: float) -> None:
     COMPUTE.labels(endpoint, t_bucket(work.T)).observe(ms / 1000)
     if predicted_ms > 0:
         PREDICTION.labels(endpoint).observe(ms / predicted_ms)
+
+
+def method_label(method: str) -> str:
+    """The method as a label value: a standard one as is, any other token "other" (each made-up
+    method would otherwise be a new time series, and a new file in multiprocess mode)."""
+    return method if method in METHODS else "other"
 
 
 def _endpoint() -> str:
@@ -164,9 +171,9 @@ def install(app: Flask) -> None:
         t0 = g.pop("metrics_t0", None)
         if t0 is None:
             return resp
-        endpoint, status = _endpoint(), str(resp.status_code)
-        REQUESTS.labels(endpoint, request.method, status).inc()
-        latency = LATENCY.labels(endpoint, request.method, status)
+        endpoint, method, status = _endpoint(), method_label(request.method), str(resp.status_code)
+        REQUESTS.labels(endpoint, method, status).inc()
+        latency = LATENCY.labels(endpoint, method, status)
 
         def sent():
             latency.observe(time.perf_counter() - t0)

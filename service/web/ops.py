@@ -27,9 +27,15 @@ def healthz():
 @bp.get("/readyz")
 def readyz():
     """200 when this worker can serve, 503 while starting (warm-up) or draining (SIGTERM)."""
-    state = current_app.extensions["attention.state"]
-    status = "draining" if state.get("draining") else "ready" if state["ready"] else "starting"
+    status = readiness()
     return json_response({"status": status}, status=200 if status == "ready" else 503)
+
+
+def readiness() -> str:
+    """This worker's readiness, the one source for both front doors (/readyz and /v2's ready
+    endpoints): "ready", "starting" (warm-up) or "draining" (after SIGTERM)."""
+    state = current_app.extensions["attention.state"]
+    return "draining" if state.get("draining") else "ready" if state["ready"] else "starting"
 
 
 @bp.get("/limits")

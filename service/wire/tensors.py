@@ -29,6 +29,10 @@ WIRE_DTYPES = {
     "int64": np.dtype("<i8"),
 }
 MAX_ELEMENTS = 2**40  # any shape past this is refused before anything is allocated
+# numpy refuses arrays past its own rank limit (32 in numpy 1, 64 in 2) with a ValueError; any
+# declared shape longer than this is refused first, as bad_rank, whatever numpy is installed.
+# Far above the schemas' ATTN_MAX_RANK, which gives the contract's message for ranks in between.
+MAX_RANK = 32
 
 
 class TensorError(ValueError):
@@ -115,7 +119,11 @@ def _checked_kind(arr: np.ndarray) -> np.ndarray:
 
 def _shape(value: dict) -> tuple[int, ...]:
     shape = value.get("shape")
-    if not isinstance(shape, list) or not all(type(n) is int for n in shape):
+    if not isinstance(shape, list):
+        raise TensorError("bad_shape", 'needs "shape": a list of integers')
+    if len(shape) > MAX_RANK:  # before the entries are looked at: numpy cannot hold it at all
+        raise TensorError("bad_rank", f"has a shape of {len(shape)} axes; at most {MAX_RANK} are accepted")
+    if not all(type(n) is int for n in shape):
         raise TensorError("bad_shape", 'needs "shape": a list of integers')
     if any(n < 1 for n in shape):
         raise TensorError("bad_shape", f"has shape {shape}; every axis must be at least 1")
