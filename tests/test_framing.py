@@ -134,3 +134,12 @@ def test_a_trickled_chunked_body_is_scanned_once():
     data = chunked(*[b"x"] * 2000)
     verdict, _ = scan_growing(data, 6)
     assert verdict.kind == COMPLETE and verdict.end == len(data)
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_method_and_path_are_known_before_the_head_ends(step):
+    """So that a 408 or 400 to a head that never ends is in its front door's shape."""
+    scanner = RequestScanner(1024, 10_000)
+    data = b"\r\nPOST /v2/models/attention/infer HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    verdict, scanner = scan_growing(data, step, scanner)
+    assert verdict.kind == NEED_MORE and (scanner.method, scanner.path) == ("POST", "/v2/models/attention/infer")

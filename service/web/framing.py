@@ -49,6 +49,7 @@ class RequestScanner:
         self.expect_line: tuple[int, int] | None = None  # (start, end) of the Expect header line
         self.body_length: int | None = None  # Content-Length; None when chunked
         self._searched = 0  # where the next search for the end of head resumes
+        self._line_start = self._line_searched = 0  # the request line: where it starts, where to search on
         self._chunk_pos = 0  # chunked: start of the next chunk-size line
         self._chunk_total = 0  # chunked: decoded bytes so far
 
@@ -59,6 +60,7 @@ class RequestScanner:
         idx = buf.find(b"\r\n\r\n", max(0, self._searched - 3))
         if idx < 0:
             self._searched = len(buf)
+            self._scan_request_line(buf)
             return Verdict(HEAD_TOO_LARGE if len(buf) > self.max_head else NEED_MORE)
         if idx + 4 > self.max_head:
             return Verdict(HEAD_TOO_LARGE)
@@ -67,9 +69,7 @@ class RequestScanner:
         stripped = head.lstrip(b"\r\n")  # the empty lines RFC 9112 section 2.2 lets a server ignore
         offset = len(head) - len(stripped)
         lines = stripped.split(b"\r\n")
-        parts = lines[0].split(b" ")
-        self.method = parts[0].decode("latin-1")
-        self.path = parts[1].decode("latin-1") if len(parts) == 3 else ""
+        parts = self._request_line(lines[0])
         lengths, codings = [], []
         for i, line in enumerate(lines):
             start = offset
@@ -106,6 +106,25 @@ class RequestScanner:
             return Verdict(MALFORMED, reason="Content-Length is not one decimal number")
         self.body_length = int(lengths[0])
         return Verdict(BODY_TOO_LARGE) if self.body_length > self.max_body else None
+
+    def _scan_request_line(self, buf) -> None:
+        """Before the head is complete: method and path as soon as the request line is in, so that
+        an answer to a head that never ends (408, 400) is in its front door's shape. Resumes."""
+        while not self.method:
+            eol = buf.find(b"\r\n", self._line_searched)
+            if eol < 0:
+                self._line_searched = max(self._line_start, len(buf) - 1)
+                return
+            if eol == self._line_start:  # an empty line before the request line (RFC 9112 section 2.2)
+                self._line_start = self._line_searched = eol + 2
+                continue
+            self._request_line(bytes(buf[self._line_start : eol]))
+
+    def _request_line(self, line: bytes) -> list[bytes]:
+        parts = line.split(b" ")
+        self.method = parts[0].decode("latin-1")
+        self.path = parts[1].decode("latin-1") if len(parts) == 3 else ""
+        return parts
 
     # -- the body -------------------------------------------------------------------------------
 
