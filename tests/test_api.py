@@ -8,6 +8,7 @@ import json
 import numpy as np
 import orjson
 import pytest
+from gunicorn.http.errors import ChunkMissingTerminator, InvalidChunkExtension, InvalidChunkSize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -417,3 +418,27 @@ def test_no_input_gives_500(client, body, path):
     assert r.status_code in (200, 400, 413, 422), r.json
     if r.status_code != 200:
         assert set(r.json["error"]) == {"status", "code", "message", "field"}
+
+
+class _BrokenChunks:
+    """A request stream that fails as gunicorn's does on a bad chunk."""
+
+    def __init__(self, exc: Exception):
+        self.exc = exc
+
+    def read(self, *args):
+        raise self.exc
+
+    readinto = readline = read
+
+
+@pytest.mark.parametrize("length", [None, 20])
+@pytest.mark.parametrize("exc", [InvalidChunkSize(b"zz"), ChunkMissingTerminator(b"XX"), InvalidChunkExtension(b";\x00")], ids=type)
+def test_a_body_the_server_cannot_read_is_400_not_500(client, exc, length):
+    """Under another worker class, a broken body is found only as the app reads it: 400, never 500."""
+    environ = {"wsgi.input": _BrokenChunks(exc), "CONTENT_LENGTH": str(length or "")}
+    if length is None:
+        environ.update(HTTP_TRANSFER_ENCODING="chunked", **{"wsgi.input_terminated": True})  # as gunicorn says of chunked
+    r = client.post("/attention", content_type="application/json", environ_overrides=environ)
+    assert r.status_code == 400, r.get_json()
+    assert r.get_json()["error"]["code"] == "bad_framing" and type(exc).__name__ in r.get_json()["error"]["message"]

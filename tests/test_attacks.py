@@ -559,8 +559,9 @@ def chunked_over_limit() -> bytes:
 @dataclass
 class Raw:
     """A request sent as raw bytes. status None: the server closes the connection without an
-    answer. code: the native error code, or None where the answer comes from the HTTP server
-    itself (a request it cannot parse: gunicorn's 400, 414 or 431, not JSON)."""
+        answer. code: the native error code, or None where the answer comes from the HTTP server
+        itself (a request it cannot parse: gunicorn's 400, 414 or 431, not JSON). Requests whose framing
+    is broken or incomplete are refused by the worker's event loop, in the API's shape, with a code."""
 
     id: str
     data: object  # bytes, a list of writes, or a callable giving either
@@ -615,6 +616,7 @@ HEADERS = [
         "content-length-longer-than-body-then-eof",
         http_request(headers={**JSON, "Content-Length": str(len(SEED_BYTES) + 100)}, body=SEED_BYTES),
         400,
+        "incomplete_request",
         shut_write=True,
     ),  # an incomplete request is not computed, however valid its first bytes
     Raw(
@@ -623,23 +625,40 @@ HEADERS = [
         413,
         "body_too_large",
     ),
-    Raw("content-length-negative", http_request(headers={**JSON, "Content-Length": "-5"}, body=SEED_BYTES), 400),
-    Raw("content-length-not-a-number", http_request(headers={**JSON, "Content-Length": "lots"}, body=SEED_BYTES), 400),
+    Raw("content-length-negative", http_request(headers={**JSON, "Content-Length": "-5"}, body=SEED_BYTES), 400, "bad_framing"),
+    Raw("content-length-not-a-number", http_request(headers={**JSON, "Content-Length": "lots"}, body=SEED_BYTES), 400, "bad_framing"),
     Raw(
         "content-length-twice-differing",
         http_request(headers=[*JSON.items(), ("Content-Length", str(len(SEED_BYTES))), ("Content-Length", "5")], body=SEED_BYTES),
         400,
+        "bad_framing",
     ),
     Raw(
         "content-length-and-chunked",
         http_request(headers={**JSON, "Content-Length": "5", "Transfer-Encoding": "chunked"}, body=chunked(SEED_BYTES)),
         400,
+        "bad_framing",
     ),
-    Raw("transfer-encoding-unknown", http_request(headers={**JSON, "Transfer-Encoding": "gzip, chunked"}, body=chunked(SEED_BYTES)), 501),
+    Raw(
+        "transfer-encoding-unknown",
+        http_request(headers={**JSON, "Transfer-Encoding": "gzip, chunked"}, body=chunked(SEED_BYTES)),
+        501,
+        "not_implemented",
+    ),
     Raw("chunked-valid", http_request(headers={**JSON, "Transfer-Encoding": "chunked"}, body=chunked(SEED_BYTES, 7)), 200),
     Raw("chunked-over-the-limit", chunked_over_limit, 413, "body_too_large"),
-    Raw("chunked-bad-chunk-size", http_request(headers={**JSON, "Transfer-Encoding": "chunked"}, body=b"zz\r\n{}\r\n0\r\n\r\n"), 400),
-    Raw("chunked-missing-terminator", http_request(headers={**JSON, "Transfer-Encoding": "chunked"}, body=b"2\r\n{}XX0\r\n\r\n"), 400),
+    Raw(
+        "chunked-bad-chunk-size",
+        http_request(headers={**JSON, "Transfer-Encoding": "chunked"}, body=b"zz\r\n{}\r\n0\r\n\r\n"),
+        400,
+        "bad_framing",
+    ),
+    Raw(
+        "chunked-missing-terminator",
+        http_request(headers={**JSON, "Transfer-Encoding": "chunked"}, body=b"2\r\n{}XX0\r\n\r\n"),
+        400,
+        "bad_framing",
+    ),
     Raw("deadline-not-a-number", http_request(headers={**JSON, "X-Deadline-Ms": "soon"}, body=SEED_BYTES), 422, "bad_option"),
     Raw("deadline-negative", http_request(headers={**JSON, "X-Deadline-Ms": "-5"}, body=SEED_BYTES), 422, "bad_option"),
     Raw("deadline-zero", http_request(headers={**JSON, "X-Deadline-Ms": "0"}, body=SEED_BYTES), 422, "bad_option"),
@@ -675,7 +694,7 @@ HEADERS = [
     ),
     Raw("http-1.0-no-host", b"GET /healthz HTTP/1.0\r\n\r\n", 200),
     Raw("http-version-2.0-text", b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 400),  # gunicorn's
-    Raw("tls-client-hello-bytes", bytes.fromhex("16030100a5010000a10303") + bytes(range(32)), 400, shut_write=True),
+    Raw("tls-client-hello-bytes", bytes.fromhex("16030100a5010000a10303") + bytes(range(32)), 400, "incomplete_request", shut_write=True),
 ]
 
 

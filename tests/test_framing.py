@@ -11,6 +11,7 @@ from service.web.framing import (
     HEAD_TOO_LARGE,
     MALFORMED,
     NEED_MORE,
+    NOT_IMPLEMENTED,
     RequestScanner,
 )
 
@@ -74,7 +75,50 @@ def test_head_facts():
     ],
 )
 def test_unframeable_requests_are_malformed(data):
+    verdict = RequestScanner(1024, 10_000).scan(bytearray(data))
+    assert verdict.kind == MALFORMED and verdict.reason  # the reason goes to the client
+
+
+@pytest.mark.parametrize(
+    "codings",
+    [b"chunked, chunked", b"chunked, gzip", b"chunked,", b", chunked", b"identity"],  # chunked not once and last (RFC 9112 6.3)
+)
+def test_chunked_not_once_and_last_is_malformed(codings):
+    data = b"POST / HTTP/1.1\r\nTransfer-Encoding: %s\r\n\r\n0\r\n\r\n" % codings
     assert RequestScanner(1024, 10_000).scan(bytearray(data)).kind == MALFORMED
+
+
+def test_transfer_encoding_in_http_1_0_is_malformed():
+    data = b"POST / HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    assert RequestScanner(1024, 10_000).scan(bytearray(data)).kind == MALFORMED
+
+
+@pytest.mark.parametrize("codings", [b"gzip, chunked", b"deflate,chunked", b"x-custom , gzip, chunked"])
+def test_a_coding_before_chunked_is_not_implemented(codings):
+    """RFC 9112 6.1: chunked is last, so the body can be framed, but the server cannot decode it: 501."""
+    data = b"POST / HTTP/1.1\r\nTransfer-Encoding: %s\r\n\r\n0\r\n\r\n" % codings
+    verdict = RequestScanner(1024, 10_000).scan(bytearray(data))
+    assert verdict.kind == NOT_IMPLEMENTED and codings.split(b",")[0].strip().decode() in verdict.reason
+
+
+@pytest.mark.parametrize("header", [b"Transfer-Encoding: Chunked", b"transfer-encoding:  CHUNKED  ", b"Transfer-Encoding:chunked"])
+def test_chunked_is_case_and_space_insensitive(header):
+    data = b"POST / HTTP/1.1\r\n%s\r\n\r\n2\r\n{}\r\n0\r\n\r\n" % header
+    verdict = RequestScanner(1024, 10_000).scan(bytearray(data))
+    assert verdict.kind == COMPLETE and verdict.end == len(data)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"zz\r\n{}\r\n0\r\n\r\n", b"2\r\n{}XX0\r\n\r\n", b"-2\r\n{}\r\n0\r\n\r\n", b"\r\n{}\r\n0\r\n\r\n"],
+    ids=["not-hex", "no-crlf-after-data", "negative", "empty-size"],
+)
+def test_bad_chunks_are_malformed_however_they_arrive(body):
+    """The scanner, not the parser in a thread, refuses a bad chunk: it never reaches the app."""
+    data = b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + body
+    for step in (1, 4, len(data)):
+        verdict, _ = scan_growing(data, step)
+        assert verdict.kind == MALFORMED, step
 
 
 def test_limits():
@@ -90,3 +134,12 @@ def test_a_trickled_chunked_body_is_scanned_once():
     data = chunked(*[b"x"] * 2000)
     verdict, _ = scan_growing(data, 6)
     assert verdict.kind == COMPLETE and verdict.end == len(data)
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_method_and_path_are_known_before_the_head_ends(step):
+    """So that a 408 or 400 to a head that never ends is in its front door's shape."""
+    scanner = RequestScanner(1024, 10_000)
+    data = b"\r\nPOST /v2/models/attention/infer HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    verdict, scanner = scan_growing(data, step, scanner)
+    assert verdict.kind == NEED_MORE and (scanner.method, scanner.path) == ("POST", "/v2/models/attention/infer")

@@ -296,6 +296,82 @@ def test_chunked_body_is_served(server):
     assert r.status_code == 200 and r.json()["out"]["shape"] == [1, 2, 16, 8]
 
 
+@pytest.mark.parametrize("path", ["/attention", "/v2/models/attention/infer"])
+@pytest.mark.parametrize("sent", ["head", "body"])
+def test_a_half_closed_partial_request_gets_400_and_is_not_computed(server, sent, path):
+    """The client shuts its sending side mid-request: it is told why (400 incomplete_request, in
+    its front door's shape), and the request, however valid its first bytes, is never computed."""
+    body = body_of(16, seed=6)
+    data = post_head(len(body) + 100, path) + body if sent == "body" else post_head(100, path)[:-10]
+    s = connect(server)
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    answer, _ = read_to_end(s)
+    if path == "/attention":
+        assert_error(answer, 400, "incomplete_request")
+    else:
+        [(status, _, out)] = responses(answer)
+        assert status == 400 and "closed its side" in json.loads(out)["error"]
+    assert valid_request_ok(server)
+
+
+CHUNKED = "Transfer-Encoding: chunked\r\n"
+UNFRAMEABLE = {
+    "unknown-coding": ("Transfer-Encoding: gzip, chunked\r\n", b"2\r\n{}\r\n0\r\n\r\n", 501, "not_implemented"),
+    "chunked-not-last": ("Transfer-Encoding: chunked, gzip\r\n", b"2\r\n{}\r\n0\r\n\r\n", 400, "bad_framing"),
+    "length-and-chunked": ("Content-Length: 5\r\n" + CHUNKED, b"2\r\n{}\r\n0\r\n\r\n", 400, "bad_framing"),
+    "bad-chunk-size": (CHUNKED, b"zz\r\n{}\r\n0\r\n\r\n", 400, "bad_framing"),
+    "missing-chunk-terminator": (CHUNKED, b"2\r\n{}XX0\r\n\r\n", 400, "bad_framing"),
+    "length-not-a-number": ("Content-Length: lots\r\n", b"{}", 400, "bad_framing"),
+}
+
+
+@pytest.mark.parametrize("case", UNFRAMEABLE.values(), ids=UNFRAMEABLE.keys())
+def test_unframeable_requests_are_refused_before_a_thread(server, case):
+    """RFC 9112 section 6: a body whose end cannot be told is 400, a coding the server cannot decode
+    501; both from the event loop, in the API's shape, then the connection closes."""
+    headers, body, status, code = case
+    head = f"POST /attention HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}\r\n".encode()
+    s = connect(server)
+    s.sendall(head + body)
+    data, _ = read_to_end(s)
+    assert_error(data, status, code)
+    assert valid_request_ok(server)
+
+
+def _counts(srv: Server) -> dict[str, float]:
+    """/metrics' attention_http_requests_total and attention_rejections_total samples (labels sorted,
+    as the multiprocess collector writes them)."""
+    text = requests.get(srv.url + "/metrics", timeout=HANG).text
+    found = re.findall(r"^(attention_(?:http_requests|rejections)_total\{[^}]*\}) (\S+)$", text, re.M)
+    return {name: float(value) for name, value in found}
+
+
+def test_the_workers_own_answers_are_counted(server):
+    """408, 413, 431, 501 and 400 from the event loop are in /metrics as the app's answers are, under
+    the route's bounded endpoint label ("unmatched" where no route has the path)."""
+    before = _counts(server)
+    sends = [
+        b"POST /attention HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        b"POST /v2/models/attention/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        post_head(10**12, "/nowhere/" + "x" * 50),
+    ]
+    for data in sends:
+        s = connect(server)
+        s.sendall(data)
+        read_to_end(s)
+    after = _counts(server)
+    grown = {name for name, value in after.items() if value > before.get(name, 0.0)}
+    assert {
+        'attention_http_requests_total{endpoint="/attention",method="POST",status="501"}',
+        'attention_rejections_total{code="not_implemented",endpoint="/attention"}',
+        'attention_http_requests_total{endpoint="/v2/models/<name>/infer",method="POST",status="400"}',
+        'attention_rejections_total{code="bad_framing",endpoint="/v2/models/<name>/infer"}',
+        'attention_http_requests_total{endpoint="unmatched",method="POST",status="413"}',
+        'attention_rejections_total{code="body_too_large",endpoint="unmatched"}',
+    } <= grown, sorted(grown)
+
+
 def test_expect_100_continue_is_answered_once(server):
     body = body_of(16, seed=5)
     s = connect(server)

@@ -18,17 +18,24 @@ log = logging.getLogger("service")
 
 STATUS = {
     "bad_json": 400,
+    "bad_framing": 400,
+    "incomplete_request": 400,
     "unauthorized": 401,
     "not_found": 404,
     "method_not_allowed": 405,
+    "timeout": 408,
     "too_long": 413,
     "too_large": 413,
     "body_too_large": 413,
     "unsupported_media_type": 415,
+    "headers_too_large": 431,
     "internal": 500,
+    "not_implemented": 501,
     "overloaded": 503,
     "deadline": 504,
-}  # every other code: 422, the body is JSON but not a valid request
+}  # every other code: 422, the body is JSON but not a valid request. The connection-level codes
+# (bad_framing, incomplete_request, timeout, headers_too_large, not_implemented) are answered by
+# the worker's event loop (worker.py), in the same shapes.
 
 _HTTP_CODES = {
     400: "bad_json",

@@ -4,8 +4,10 @@ The event-loop front (service/web/worker.py) buffers a whole request before a th
 must know when the request is complete: after the head, Content-Length bytes, or a chunked body
 up to its last chunk and trailers. This module only finds that boundary; gunicorn's parser, in
 the thread, still parses and validates the request. Anything this scanner cannot frame (both
-Content-Length and Transfer-Encoding, a bad length, a bad chunk line) is MALFORMED: the front
-hands the bytes over as they are, gunicorn answers 400, and the connection closes.
+Content-Length and Transfer-Encoding, a bad length, chunked not last, a bad chunk line) is
+MALFORMED and a transfer coding other than chunked is NOT_IMPLEMENTED (RFC 9112 sections 6.1 and
+6.3): the front answers those itself, 400 or 501, and closes the connection; they never reach a
+thread.
 
 Pure: no sockets, no clocks. A scanner is fed the same growing buffer again and again and resumes
 where it stopped, so scanning a body costs O(bytes) in total, however it trickles in."""
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 
 NEED_MORE = "need_more"  # the request is not complete yet
 COMPLETE = "complete"  # buffer[:end] is one whole request
-MALFORMED = "malformed"  # unframeable: hand it to the parser as is, then close
+MALFORMED = "malformed"  # unframeable: 400, then close
+NOT_IMPLEMENTED = "not_implemented"  # a transfer coding this server does not decode: 501, then close
 BODY_TOO_LARGE = "body_too_large"  # the body is over the limit (413)
 HEAD_TOO_LARGE = "head_too_large"  # no end of head within the limit (431)
 
@@ -28,6 +31,7 @@ _HEX = frozenset(b"0123456789abcdefABCDEF")
 class Verdict:
     kind: str
     end: int = 0  # COMPLETE: the length of the request in the buffer
+    reason: str = ""  # MALFORMED, NOT_IMPLEMENTED: what is wrong, for the client
 
 
 class RequestScanner:
@@ -45,6 +49,7 @@ class RequestScanner:
         self.expect_line: tuple[int, int] | None = None  # (start, end) of the Expect header line
         self.body_length: int | None = None  # Content-Length; None when chunked
         self._searched = 0  # where the next search for the end of head resumes
+        self._line_start = self._line_searched = 0  # the request line: where it starts, where to search on
         self._chunk_pos = 0  # chunked: start of the next chunk-size line
         self._chunk_total = 0  # chunked: decoded bytes so far
 
@@ -55,6 +60,7 @@ class RequestScanner:
         idx = buf.find(b"\r\n\r\n", max(0, self._searched - 3))
         if idx < 0:
             self._searched = len(buf)
+            self._scan_request_line(buf)
             return Verdict(HEAD_TOO_LARGE if len(buf) > self.max_head else NEED_MORE)
         if idx + 4 > self.max_head:
             return Verdict(HEAD_TOO_LARGE)
@@ -63,9 +69,7 @@ class RequestScanner:
         stripped = head.lstrip(b"\r\n")  # the empty lines RFC 9112 section 2.2 lets a server ignore
         offset = len(head) - len(stripped)
         lines = stripped.split(b"\r\n")
-        parts = lines[0].split(b" ")
-        self.method = parts[0].decode("latin-1")
-        self.path = parts[1].decode("latin-1") if len(parts) == 3 else ""
+        parts = self._request_line(lines[0])
         lengths, codings = [], []
         for i, line in enumerate(lines):
             start = offset
@@ -81,17 +85,46 @@ class RequestScanner:
             elif name == b"expect" and value.lower() == b"100-continue":
                 self.expects_continue, self.expect_line = True, (start, offset)
         if codings:
-            if lengths or codings != [b"chunked"]:
-                return Verdict(MALFORMED)  # smuggling-shaped or an unknown coding: gunicorn refuses it
+            # RFC 9112 section 6.3: with both, the length is ambiguous (the shape of request
+            # smuggling) and chunked not last leaves it unknown: 400. Section 6.1: HTTP/1.0 has no
+            # transfer codings; a coding the server does not know (gzip, ...) is 501.
+            if lengths:
+                return Verdict(MALFORMED, reason="both Content-Length and Transfer-Encoding")
+            if codings[-1] != b"chunked" or codings.count(b"chunked") > 1 or b"" in codings:
+                return Verdict(MALFORMED, reason="Transfer-Encoding does not end in one chunked")
+            if len(parts) == 3 and parts[2] == b"HTTP/1.0":
+                return Verdict(MALFORMED, reason="Transfer-Encoding in an HTTP/1.0 request")
+            if len(codings) > 1:
+                unknown = ", ".join(c.decode("latin-1") for c in codings[:-1])
+                return Verdict(NOT_IMPLEMENTED, reason=f"the transfer coding {unknown}; only chunked is understood")
             self._chunk_pos = self.head_end
             return None
         if not lengths:
             self.body_length = 0
             return None
         if len(set(lengths)) != 1 or not lengths[0].isdigit():
-            return Verdict(MALFORMED)
+            return Verdict(MALFORMED, reason="Content-Length is not one decimal number")
         self.body_length = int(lengths[0])
         return Verdict(BODY_TOO_LARGE) if self.body_length > self.max_body else None
+
+    def _scan_request_line(self, buf) -> None:
+        """Before the head is complete: method and path as soon as the request line is in, so that
+        an answer to a head that never ends (408, 400) is in its front door's shape. Resumes."""
+        while not self.method:
+            eol = buf.find(b"\r\n", self._line_searched)
+            if eol < 0:
+                self._line_searched = max(self._line_start, len(buf) - 1)
+                return
+            if eol == self._line_start:  # an empty line before the request line (RFC 9112 section 2.2)
+                self._line_start = self._line_searched = eol + 2
+                continue
+            self._request_line(bytes(buf[self._line_start : eol]))
+
+    def _request_line(self, line: bytes) -> list[bytes]:
+        parts = line.split(b" ")
+        self.method = parts[0].decode("latin-1")
+        self.path = parts[1].decode("latin-1") if len(parts) == 3 else ""
+        return parts
 
     # -- the body -------------------------------------------------------------------------------
 
@@ -100,10 +133,12 @@ class RequestScanner:
         while True:
             eol = buf.find(b"\r\n", pos, pos + MAX_CHUNK_LINE + 2)
             if eol < 0:
-                return Verdict(MALFORMED if len(buf) - pos > MAX_CHUNK_LINE else NEED_MORE)
+                if len(buf) - pos > MAX_CHUNK_LINE:
+                    return Verdict(MALFORMED, reason=f"a chunk-size line over {MAX_CHUNK_LINE} bytes")
+                return Verdict(NEED_MORE)
             digits = bytes(buf[pos:eol]).split(b";", 1)[0].strip()
             if not digits or len(digits) > 16 or not set(digits) <= _HEX:
-                return Verdict(MALFORMED)
+                return Verdict(MALFORMED, reason="a chunk size that is not hexadecimal digits")
             size = int(digits, 16)
             if self._chunk_total + size > self.max_body:
                 return Verdict(BODY_TOO_LARGE)
@@ -115,12 +150,14 @@ class RequestScanner:
                     return Verdict(COMPLETE, data + 2)
                 end = buf.find(b"\r\n\r\n", data)
                 if end < 0:
-                    return Verdict(MALFORMED if len(buf) - data > self.max_head else NEED_MORE)
+                    if len(buf) - data > self.max_head:
+                        return Verdict(MALFORMED, reason=f"trailers over {self.max_head} bytes")
+                    return Verdict(NEED_MORE)
                 return Verdict(COMPLETE, end + 4)
             if len(buf) < data + size + 2:
                 return Verdict(NEED_MORE)
             if buf[data + size : data + size + 2] != b"\r\n":
-                return Verdict(MALFORMED)
+                return Verdict(MALFORMED, reason="a chunk's data is not followed by CRLF")
             pos = self._chunk_pos = data + size + 2
             self._chunk_total += size
 

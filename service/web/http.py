@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import orjson
 from flask import Flask, Response, g, request
+from gunicorn.http.errors import NoMoreData, ParseException
 
 from service import wire
 
@@ -52,7 +53,16 @@ def read_body() -> bytes | bytearray:
 
     With a Content-Length, read in 1 MiB steps into one buffer of that size: the body is in memory
     once (get_data() holds it twice at the end, and gunicorn's read of it all at once, twice)."""
-    length = request.content_length
+    try:
+        return _read(request.content_length)
+    except (ParseException, NoMoreData) as exc:
+        # The HTTP server found the body's framing broken as it read it (a bad chunk, the stream
+        # ended early): the client's fault, 400, never the catch-all 500. FrontWorker refuses these
+        # before a thread sees them; another worker class finds them only here.
+        raise ApiError("bad_framing", f"The request body could not be read: {type(exc).__name__}: {exc}.") from None
+
+
+def _read(length: int | None) -> bytes | bytearray:
     if not length:
         return request.get_data(cache=False)
     stream, body = request.stream, bytearray(length)

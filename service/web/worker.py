@@ -11,7 +11,10 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
 - Receive: the event loop reads every request, head and body, without blocking, under deadlines:
   the head within ATTN_HEADER_TIMEOUT_S, the body within ATTN_BODY_TIMEOUT_S plus one second per
   ATTN_BODY_MIN_RATE bytes received (Apache's mod_reqtimeout rule). Past a deadline the client gets
-  408 `timeout` and the connection closes. Only a complete request reaches a thread, already in
+  408 `timeout` and the connection closes. A request whose framing cannot be trusted gets 400
+  `bad_framing` (a bad Content-Length or chunk, both Content-Length and Transfer-Encoding), an
+  unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
+  request is complete 400 `incomplete_request` (it can still read the answer); each then closes. Only a complete request reaches a thread, already in
   memory; the thread never reads the socket. A body over ATTN_MAX_BODY_BYTES gets 413 from here;
   the bytes of requests being read count against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the
   upload that goes past it).
@@ -24,13 +27,13 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
   and no thread.
 
-Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is gunicorn's. Not
+These answers are in the API's error shapes (errors.py, kserve.py) and counted in /metrics as the
+app's own are. Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is gunicorn's. Not
 for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
 
 from __future__ import annotations
 
 import errno
-import json
 import resource
 import selectors
 import socket
@@ -38,14 +41,17 @@ import threading
 import time
 from collections import deque
 from functools import partial
+from http import HTTPStatus
 
-from gunicorn import http
+from gunicorn import http as gunicorn_http
 from gunicorn.http.unreader import Unreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
+from schemas import RequestError
+from service import wire
 from service.config import Settings
 
-from . import framing
+from . import errors, framing, kserve, metrics
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
@@ -54,18 +60,14 @@ LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
 SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a second)
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
-_REASONS = {408: "Request Timeout", 413: "Content Too Large", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
 
-
-def error_response(status: int, code: str, message: str, path: str) -> bytes:
-    """A complete HTTP/1.1 answer in the API's error shape (the /v2 protocol's own shape under
-    /v2), closing the connection."""
-    if path.startswith("/v2"):
-        doc = {"error": message}
-    else:
-        doc = {"error": {"status": status, "code": code, "message": message, "field": None}}
-    body = json.dumps(doc).encode()
-    headers = [f"HTTP/1.1 {status} {_REASONS[status]}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+def error_response(code: str, message: str, path: str) -> bytes:
+    """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS),
+    the body in the shape of the front door path is under (the /v2 protocol's, else the native)."""
+    status = errors.status_of(code)
+    shape = kserve.error_body if path == "/v2" or path.startswith(("/v2/", "/v2?")) else errors.native_body
+    body = wire.dumps(shape(RequestError(code, message), status))
+    headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
     if status == 503:
         headers.append("Retry-After: 1")
     headers.append("Connection: close")
@@ -186,7 +188,6 @@ class Conn(TConn):
         self.started = self.body_started = 0.0
         self.deadline = 0.0
         self.keep = False  # after the response: keep-alive (True) or close
-        self.close_after = False  # the request was handed over unframed: close after it
         self.registered = False
         self.lingered = 0
         self.pending = b""  # bytes received after the request in a thread (pipelined)
@@ -272,7 +273,6 @@ class FrontWorker(ThreadWorker):
         conn.buf = bytearray(pending)
         self.received += len(pending)
         conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
-        conn.close_after = False
         conn.sock.setblocking(False)
         conn.started = now
         # A new connection has the header timeout to send its head; a kept-alive one, the keepalive.
@@ -290,8 +290,14 @@ class FrontWorker(ThreadWorker):
         except OSError:
             self._close(conn)
             return
-        if not data:  # the client closed (or half-closed) before a complete request
-            self._close(conn)
+        if not data:  # the client closed, or half-closed, its side before a complete request
+            if conn.buf:  # part of one arrived: it is never computed, and the client is told why
+                what = "head" if conn.scanner.head_end is None else "body"
+                self._answer(
+                    conn, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete."
+                )
+            else:
+                self._close(conn)
             return
         if not conn.buf:
             conn.started = time.monotonic()
@@ -303,10 +309,8 @@ class FrontWorker(ThreadWorker):
             # client must send the bytes to hold them, and the one that goes past it is refused.
             self._answer(
                 conn,
-                503,
                 "overloaded",
                 f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={self.settings.max_inflight_bytes}); retry shortly.",
-                conn.scanner.path,
             )
             return
         self._advance(conn)
@@ -315,7 +319,6 @@ class FrontWorker(ThreadWorker):
         """Act on what the scanner says of the bytes received so far."""
         head_known = conn.scanner.head_end is not None
         verdict = conn.scanner.scan(conn.buf)
-        path = conn.scanner.path
         if verdict.kind == framing.NEED_MORE:
             if not head_known and conn.scanner.head_end is not None:
                 conn.body_started = time.monotonic()
@@ -329,23 +332,20 @@ class FrontWorker(ThreadWorker):
                 limit = self.settings.send_buffer_bytes
                 self._answer(
                     conn,
-                    503,
                     "overloaded",
                     f"The server holds more response bytes that clients have not read than it allows (ATTN_SEND_BUFFER_BYTES={limit}); retry shortly.",
-                    path,
                 )
                 return
             self._dispatch(conn, verdict.end)
-        elif verdict.kind == framing.MALFORMED:
-            conn.close_after = True
-            self._dispatch(conn, len(conn.buf))
+        elif verdict.kind == framing.MALFORMED:  # never guessed at, never handed to a thread
+            self._answer(conn, "bad_framing", f"Where the request ends cannot be told: {verdict.reason} (RFC 9112 section 6).")
+        elif verdict.kind == framing.NOT_IMPLEMENTED:
+            self._answer(conn, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
         elif verdict.kind == framing.BODY_TOO_LARGE:
             limit = self.settings.max_body_bytes
-            self._answer(
-                conn, 413, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).", path
-            )
+            self._answer(conn, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).")
         elif verdict.kind == framing.HEAD_TOO_LARGE:
-            self._answer(conn, 431, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.", path)
+            self._answer(conn, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
 
     def _send_now(self, conn: Conn, data: bytes) -> None:
         """A few bytes, sent at once (non-blocking socket): the socket buffer has room for them."""
@@ -364,21 +364,37 @@ class FrontWorker(ThreadWorker):
             start, stop = scanner.expect_line
             segments = [view[:start], view[stop:end]]
         conn.pending = bytes(view[end:])
-        conn.parser = http.get_parser(self.cfg, conn.sock, conn.client)
+        conn.parser = gunicorn_http.get_parser(self.cfg, conn.sock, conn.client)
         conn.parser.unreader = BufferedUnreader(segments)
         conn.state = Conn.IN_THREAD
         self._release_buf(conn)  # the thread's segments keep the old buffer alive until it is parsed
         self.enqueue_req(conn)
 
-    def _answer(self, conn: Conn, status: int, code: str, message: str, path: str) -> None:
-        """Answer with an error from here, and close."""
+    def _answer(self, conn: Conn, code: str, message: str) -> None:
+        """Answer with an error from here (its status is the code's), count it, and close."""
+        status, scanner = errors.status_of(code), conn.scanner
         self.log.info("%s %s: %s (%s)", conn.client, status, code, message)
+        endpoint = self._endpoint(scanner.path, scanner.method)
+        metrics.REQUESTS.labels(endpoint, metrics.method_label(scanner.method), str(status)).inc()
+        metrics.REJECTIONS.labels(endpoint, code).inc()
         self._release_buf(conn)
         conn.keep = False
-        answer = error_response(status, code, message, path)
+        answer = error_response(code, message, scanner.path)
         self.budget.charge(len(answer))
         conn.sock.queue(answer)
         self._write(conn)
+
+    def _endpoint(self, path: str, method: str) -> str:
+        """The route path is served by, as the app labels it (a bounded label): "unmatched" when
+        no route has it, as for the app's 404 and 405, or before the head is known."""
+        url_map = getattr(self.wsgi, "url_map", None)
+        if url_map is None or not path.startswith("/"):
+            return "unmatched"
+        try:
+            rule, _ = url_map.bind("localhost").match(path.partition("?")[0], method=method or "GET", return_rule=True)
+        except Exception:  # werkzeug's NotFound, MethodNotAllowed, RequestRedirect
+            return "unmatched"
+        return rule.rule
 
     # -- in a thread ------------------------------------------------------------------------------
 
@@ -391,11 +407,11 @@ class FrontWorker(ThreadWorker):
             if not req:
                 return False
             keep = self.handle_request(req, conn)
-            return bool(keep and not conn.close_after and conn.parser.finish_body())
+            return bool(keep and conn.parser.finish_body())
         except TimeoutError:
             conn.dropped = True  # part of a response is lost: nothing more may be sent on it
             self.log.info("%s read nothing of its response for %s s: dropped", conn.client, self.settings.send_timeout_s)
-        except (http.errors.NoMoreData, StopIteration):
+        except (gunicorn_http.errors.NoMoreData, StopIteration):
             pass
         except OSError as e:
             if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
@@ -492,7 +508,7 @@ class FrontWorker(ThreadWorker):
                     else f"{self.settings.body_timeout_s} s plus 1 s per {self.settings.body_min_rate} bytes (ATTN_BODY_TIMEOUT_S, ATTN_BODY_MIN_RATE)"
                 )
                 self._unwatch(conn)
-                self._answer(conn, 408, "timeout", f"The {what} did not arrive in time: the limit is {limit}.", conn.scanner.path)
+                self._answer(conn, "timeout", f"The {what} did not arrive in time: the limit is {limit}.")
             else:
                 if conn.state == Conn.WRITING:
                     self.log.info("%s read nothing of its response for %s s: dropped", conn.client, self.settings.send_timeout_s)
