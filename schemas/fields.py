@@ -153,3 +153,25 @@ class Tensor(_Coded, fields.Field):
                 raise wire.TensorError("bad_type", "must hold integers")
             return arr.astype(np.int64, copy=False)
         return arr
+
+
+class Window(_Coded, fields.Field):
+    """[left, right], integers >= -1 (FlashAttention's window_size; -1 leaves that side open) -> a tuple."""
+
+    def __init__(self, **kwargs):
+        metadata = {
+            "description": "[left, right] integers >= -1 (FlashAttention's window_size): query t sees keys "
+            "t + S - T - left <= s <= t + S - T + right; -1 leaves that side unbounded",
+            **kwargs.pop("metadata", {}),
+        }
+        super().__init__(metadata=metadata, **kwargs)
+
+    def _deserialize(self, value, attr, data, **kwargs) -> tuple[int, int]:
+        if not (isinstance(value, list) and len(value) == 2 and all(type(n) is int for n in value)):
+            raise self._error("bad_type", f"{self.label} must be [left, right], two integers, not {show(value)}.")
+        if min(value) < -1:
+            raise self._error("bad_option", f"{self.label} values must be integers >= -1 (-1: unbounded), not {show(value)}.")
+        return value[0], value[1]
+
+    def _jsonschema_type_mapping(self) -> dict:
+        return {"type": "array", "items": {"type": "integer", "minimum": -1}, "minItems": 2, "maxItems": 2}

@@ -18,6 +18,7 @@ from service import core
 from .errors import RequestError
 
 COMPUTE_DTYPES = ("float32", "float64")  # the dtypes a job computes in (request field "dtype")
+WEIGHTS_DTYPES = ("float16", "float32", "float64")  # the precisions weights may be returned in (weights_dtype)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class _Job:
     head_widths: tuple[int, int]  # (d, dv) of the attention
     other_flops: int = 0
     dtype: str
+    window: tuple[int, int] | None = None  # FlashAttention's window_size, or no window
+    groups: int = 1  # query heads per key/value head (grouped-query attention)
+    weights_dtype: str | None = None  # the weights' precision on the wire; None: the compute dtype
 
     @property
     def score_elements(self) -> int:
@@ -63,12 +67,26 @@ class _Job:
     def computed_share(self) -> float:
         """The share of the scores the core computes. Without weights under a causal mask it skips
         the keys past each block's diagonal (about half); with weights it writes the whole (T, S)
-        buffer, and measured here saved 0-36%: all is counted."""
+        buffer, and measured here saved 0-36%: all is counted. A window's band is what the core
+        computes either way (B*T*min(S, left+right+1) and the block edges: core.score_count)."""
+        if self.window is not None:
+            return core.score_count(self.B, self.T, self.S, self.causal, window=self.window) / self.score_elements
         return 1.0 if self.return_weights else core.causal_share(self.T, self.S, self.causal)
 
     @property
     def blocks(self) -> int:
-        return core.block_count(self.B, self.T, self.S, self.causal)
+        return core.block_count(self.B, self.T, self.S, self.causal, window=self.window, groups=self.groups)
+
+    @property
+    def weights_elements(self) -> int:
+        """The weights returned: B*T*S, without the heads axis when they are averaged over it."""
+        return self.score_elements // self.averaged_over if self.return_weights else 0
+
+    averaged_over: int = 1  # the heads the returned weights are averaged over (1: not averaged)
+
+    @property
+    def weights_itemsize(self) -> int:
+        return np.dtype(self.weights_dtype or self.dtype).itemsize
 
     def work(self) -> Work:
         share = self.computed_share
@@ -83,23 +101,29 @@ class _Job:
         (decimal text); without weights 0.9 (the core works in blocks of query rows)."""
         itemsize = np.dtype(self.dtype).itemsize
         if not self.return_weights:
-            per = 1
-        elif self.encoding == "b64":
-            per = itemsize + 1
-        else:
-            per = itemsize + 1 + 24
-        return self.score_elements * per
+            return self.score_elements + self.extra_input_bytes
+        # the core's weights buffer is (B, T, S) in the compute dtype, averaged or cast after
+        computed = self.score_elements * (itemsize + 1)
+        sent = 0 if self.encoding == "b64" else self.weights_elements * 24  # base64 is encoded as it is sent
+        if self.weights_elements != self.score_elements or self.weights_itemsize != itemsize:
+            computed += self.weights_elements * self.weights_itemsize  # the averaged or cast copy
+        return computed + sent + self.extra_input_bytes
+
+    extra_input_bytes: int = 0  # inputs the estimate above does not scale with (a bias)
 
     def compute(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(out, weights or None) from the numeric core; non_finite if the scores overflow."""
         try:
-            return self._compute()
+            out, weights = self._compute()
         except core.ScoreOverflow as exc:
             raise RequestError(
                 "non_finite",
                 f'The scores q·kᵀ·scale overflow {exc.dtype}; send "dtype": "float64", smaller values or a smaller scale.',
                 self.overflow_field,
             ) from None
+        if weights is not None and self.weights_dtype is not None:
+            weights = weights.astype(self.weights_dtype, copy=False)  # float16: half the bytes on the wire
+        return out, weights
 
     overflow_field = "q"
 
@@ -112,14 +136,20 @@ class AttentionJob(_Job):
     """A validated /attention request: arrays in the compute dtype, options normalised."""
 
     q: np.ndarray  # (..., T, d)
-    k: np.ndarray  # (..., S, d)
-    v: np.ndarray  # (..., S, dv)
+    k: np.ndarray  # (..., S, d), or (..., Hkv, S, d) under enable_gqa
+    v: np.ndarray  # (..., S, dv), as k
     mask: np.ndarray | None  # bool, broadcasts to (..., T, S)
     causal: bool | str  # False, "top_left" or "bottom_right"
     key_lengths: np.ndarray | None  # int64, broadcasts to (...)
     scale: float | None
     return_weights: bool
     encoding: str
+    enable_gqa: bool = False
+    window: tuple[int, int] | None = None
+    bias: np.ndarray | None = None  # compute dtype, broadcasts to (..., T, S)
+    alibi_slopes: np.ndarray | None = None  # compute dtype, broadcasts to (...)
+    average_weights: bool = False
+    weights_dtype: str | None = None
 
     @property
     def B(self) -> int:
@@ -141,6 +171,23 @@ class AttentionJob(_Job):
     def dtype(self) -> str:
         return self.q.dtype.name
 
+    @property
+    def groups(self) -> int:
+        return self.q.shape[-3] // self.k.shape[-3] if self.enable_gqa else 1
+
+    @property
+    def averaged_over(self) -> int:
+        return self.q.shape[-3] if self.average_weights else 1
+
+    @property
+    def extra_input_bytes(self) -> int:
+        return 0 if self.bias is None else self.bias.nbytes  # read by every block, never materialised larger
+
+    @property
+    def out_elements(self) -> int:
+        """The returned out, B*T*dv."""
+        return self.B * self.T * self.v.shape[-1]
+
     def _compute(self):
         return core.attention(
             self.q,
@@ -151,22 +198,32 @@ class AttentionJob(_Job):
             key_lengths=self.key_lengths,
             scale=self.scale,
             return_weights=self.return_weights,
+            enable_gqa=self.enable_gqa,
+            window=self.window,
+            bias=self.bias,
+            alibi_slopes=self.alibi_slopes,
+            average_weights=self.average_weights,
         )
 
 
 @dataclass(frozen=True)
 class MhaJob(_Job):
-    """A validated /mha request: four (d, d) projections around attention over h heads."""
+    """A validated /mha request: projections (d, h*dk), (d, hkv*dk), (d, hkv*dv) and an optional
+    (h*dv, d_out) around attention over h query heads sharing hkv = kv_heads key/value heads."""
 
     x: np.ndarray  # (..., n, d)
-    wq: np.ndarray  # (d, d)
-    wk: np.ndarray
-    wv: np.ndarray
-    wo: np.ndarray
+    wq: np.ndarray  # (d, h * dk)
+    wk: np.ndarray  # (d, hkv * dk)
+    wv: np.ndarray  # (d, hkv * dv)
+    wo: np.ndarray | None  # (h * dv, d_out), or None: the heads concatenated
     heads: int
     causal: bool
     return_weights: bool
     encoding: str
+    scale: float | None = None
+    kv_heads: int | None = None
+    window: tuple[int, int] | None = None
+    weights_dtype: str | None = None
 
     overflow_field = "x"
 
@@ -181,18 +238,41 @@ class MhaJob(_Job):
     S = T  # self-attention: the keys are the n positions too
 
     @property
+    def groups(self) -> int:
+        return self.heads // (self.kv_heads or self.heads)
+
+    @property
     def head_widths(self) -> tuple[int, int]:
-        hd = self.x.shape[-1] // self.heads
-        return hd, hd
+        return self.wq.shape[-1] // self.heads, self.wv.shape[-1] // (self.kv_heads or self.heads)
 
     @property
     def other_flops(self) -> int:
         rows, d = math.prod(self.x.shape[:-1]), self.x.shape[-1]
-        return 8 * rows * d * d  # x Wq, x Wk, x Wv and the heads Wo
+        projections = self.wq.shape[-1] + self.wk.shape[-1] + self.wv.shape[-1]  # 3d for the GPT block
+        out = 0 if self.wo is None else self.wo.shape[0] * self.wo.shape[1]
+        return 2 * rows * (d * projections + out)  # x Wq, x Wk, x Wv and the heads Wo: 8 n d² for the GPT block
+
+    @property
+    def out_elements(self) -> int:
+        """The returned out, B*n*d_out (or B*n*h*dv without wo)."""
+        width = self.wv.shape[-1] * self.groups if self.wo is None else self.wo.shape[-1]
+        return math.prod(self.x.shape[:-1]) * width
 
     @property
     def dtype(self) -> str:
         return self.x.dtype.name
 
     def _compute(self):
-        return core.mha(self.x, self.wq, self.wk, self.wv, self.wo, self.heads, causal=self.causal, return_weights=self.return_weights)
+        return core.mha(
+            self.x,
+            self.wq,
+            self.wk,
+            self.wv,
+            self.wo,
+            self.heads,
+            causal=self.causal,
+            return_weights=self.return_weights,
+            scale=self.scale,
+            kv_heads=self.kv_heads,
+            window=self.window,
+        )

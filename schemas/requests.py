@@ -10,12 +10,12 @@ import math
 import numpy as np
 from marshmallow import RAISE, Schema, ValidationError, post_load, validates_schema
 
-from service import wire
+from service import core, wire
 from service.config import Settings
 
 from .errors import RequestError
-from .fields import Bool, Choice, PositiveFloat, PositiveInt, Tensor
-from .jobs import COMPUTE_DTYPES, AttentionJob, MhaJob
+from .fields import Bool, Choice, PositiveFloat, PositiveInt, Tensor, Window
+from .jobs import COMPUTE_DTYPES, WEIGHTS_DTYPES, AttentionJob, MhaJob
 
 CAUSAL = (False, True, "top_left", "bottom_right")
 
@@ -30,6 +30,11 @@ class _Request(Schema):
     dtype = Choice(COMPUTE_DTYPES, load_default=None, metadata={"description": "compute and output precision (default float32)"})
     response_encoding = Choice(
         wire.ENCODINGS, load_default=None, metadata={"description": "encoding of the response tensors; default: as the input was encoded"}
+    )
+    weights_dtype = Choice(
+        WEIGHTS_DTYPES,
+        load_default=None,
+        metadata={"description": 'precision of the returned weights; default the compute dtype ("float16" halves their bytes)'},
     )
 
     def __init__(self, settings: Settings | None = None, *, labels: dict[str, str] | None = None, **kwargs):
@@ -57,17 +62,19 @@ class _Request(Schema):
     def _dtype(self, data) -> np.dtype:
         return np.dtype(data.get("dtype") or self.settings.default_dtype)
 
-    def _check_scores(self, score_elements: int, return_weights: bool, what: str) -> None:
+    def _check_scores(self, score_elements: int, return_weights: bool, what: str, weights_elements: int | None = None) -> None:
+        """score_elements: the scores the core computes; weights_elements: those returned (default the same)."""
         s = self.settings
+        weights_elements = score_elements if weights_elements is None else weights_elements
         if score_elements > s.max_score_elements:
             raise RequestError(
                 "too_large",
                 f"{what} is {score_elements} score elements, over the limit of {s.max_score_elements} (ATTN_MAX_SCORE_ELEMENTS); split the batch or shorten the sequence.",
             )
-        if return_weights and score_elements > s.max_weights_elements:
+        if return_weights and weights_elements > s.max_weights_elements:
             raise RequestError(
                 "too_large",
-                f'{what} would return {score_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send "return_weights": false.',
+                f'{what} would return {weights_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send "return_weights": false.',
                 "return_weights",
             )
 
@@ -108,6 +115,24 @@ class AttentionRequest(_Request):
         metadata={"description": "key s allowed iff s < key_lengths[...]; broadcasts to the leading axes"},
     )
     scale = PositiveFloat(load_default=None, metadata={"description": "multiplies the scores; default 1/sqrt(d)"})
+    enable_gqa = Bool(
+        load_default=False,
+        metadata={"description": "grouped-query attention (PyTorch's enable_gqa): k, v may have Hkv heads on axis -3 dividing q's H"},
+    )
+    window = Window(load_default=None)
+    bias = Tensor(
+        ranks=(1, 6),
+        load_default=None,
+        metadata={"description": "added to the scaled scores before the softmax (SDPA's float attn_mask); broadcasts to (..., T, S)"},
+    )
+    alibi_slopes = Tensor(
+        ranks=(1, 5),
+        load_default=None,
+        metadata={"description": "ALiBi (FlashAttention's alibi_slopes): adds -slope*|t + S - T - s|; broadcasts to the leading axes"},
+    )
+    average_weights = Bool(
+        load_default=False, metadata={"description": "return the weights averaged over the heads axis -3: (..., T, S). Rank >= 3"}
+    )
 
     @validates_schema
     def _shapes(self, data, **kwargs):
@@ -115,14 +140,17 @@ class AttentionRequest(_Request):
         if q.ndim > s.max_rank:
             raise RequestError("bad_rank", f"{L('q')} has rank {q.ndim}, over the maximum of {s.max_rank} (ATTN_MAX_RANK).", "q")
         lead, (T, d) = q.shape[:-2], q.shape[-2:]
-        if k.shape[:-2] != lead:
+        self._heads(q, k, data["enable_gqa"])
+        if data["average_weights"] and q.ndim < 3:
             raise RequestError(
-                "shape_mismatch", f"{L('k')} has shape {list(k.shape)}; it needs q's leading axes {list(lead)} then (S, d).", "k"
+                "bad_option",
+                f"{L('average_weights')} averages over the heads axis -3; {L('q')} has rank {q.ndim} (shape {list(q.shape)}), it needs rank >= 3.",
+                "average_weights",
             )
         S = k.shape[-2]
         if k.shape[-1] != d:
             raise RequestError("shape_mismatch", f"{L('k')} has d={k.shape[-1]} but q has d={d}.", "k")
-        if v.shape[:-1] != k.shape[:-1]:
+        if v.shape[:-1] != k.shape[:-1]:  # k's, not q's: under enable_gqa k and v have the key/value heads
             raise RequestError(
                 "shape_mismatch",
                 f"{L('v')} has shape {list(v.shape)}; it needs k's leading axes and S, {list(k.shape[:-1])}, then dv.",
@@ -132,7 +160,25 @@ class AttentionRequest(_Request):
         self._check_length("k", "S", S, s.max_s, "ATTN_MAX_S")
         self._check_width("q", d)
         self._check_width("v", v.shape[-1])
-        self._check_scores(math.prod(lead) * T * S, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}")
+        B, window = math.prod(lead), data["window"]
+        scores = B * T * S if window is None else core.score_count(B, T, S, data["causal"], window=window)
+        weights = B * T * S // (q.shape[-3] if data["average_weights"] else 1)
+        self._check_scores(scores, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}", weights)
+        bias = data["bias"]
+        if bias is not None and not _broadcasts(bias.shape, (*lead, T, S)):
+            raise RequestError(
+                "shape_mismatch",
+                f"{L('bias')} has shape {list(bias.shape)}, which does not broadcast to (..., T, S) = {list((*lead, T, S))}.",
+                "bias",
+            )
+        slopes = data["alibi_slopes"]
+        if slopes is not None and not _broadcasts(slopes.shape, lead):
+            raise RequestError(
+                "shape_mismatch",
+                f"{L('alibi_slopes')} has shape {list(slopes.shape)}, which does not broadcast to the leading axes {list(lead)} "
+                "(one slope per head: (H,) or (B, H)).",
+                "alibi_slopes",
+            )
         mask = data["mask"]
         if mask is not None and not _broadcasts(mask.shape, (*lead, T, S)):
             raise RequestError(
@@ -158,10 +204,41 @@ class AttentionRequest(_Request):
         if scale is not None and not np.isfinite(self._dtype(data).type(scale)):
             raise RequestError("non_finite", f"{L('scale')}={scale} is not finite in {self._dtype(data).name}.", "scale")
 
+    def _heads(self, q: np.ndarray, k: np.ndarray, enable_gqa: bool) -> None:
+        """k's leading axes are q's; under enable_gqa but for the heads axis -3, whose count divides q's."""
+        L, lead = self._label, q.shape[:-2]
+        if enable_gqa:
+            if q.ndim < 3:
+                raise RequestError(
+                    "bad_option", f"{L('enable_gqa')} needs a heads axis -3: {L('q')} has rank {q.ndim}, it needs rank >= 3.", "enable_gqa"
+                )
+            if k.ndim != q.ndim or k.shape[:-3] != q.shape[:-3]:
+                raise RequestError(
+                    "shape_mismatch",
+                    f"{L('k')} has shape {list(k.shape)}; under enable_gqa it needs q's leading axes {list(q.shape[:-3])}, Hkv heads, then (S, d).",
+                    "k",
+                )
+            H, Hkv = q.shape[-3], k.shape[-3]
+            if H % Hkv:
+                raise RequestError(
+                    "shape_mismatch",
+                    f"{L('k')} has {Hkv} key/value heads, which do not divide {L('q')}'s {H} query heads (enable_gqa needs H % Hkv == 0).",
+                    "k",
+                )
+            return
+        if k.shape[:-2] != lead:
+            hint = ""
+            if q.ndim >= 3 and k.ndim == q.ndim and k.shape[:-3] == q.shape[:-3] and q.shape[-3] % k.shape[-3] == 0:
+                hint = f' For {k.shape[-3]} key/value heads shared by {q.shape[-3]} query heads, send "enable_gqa": true.'
+            raise RequestError(
+                "shape_mismatch", f"{L('k')} has shape {list(k.shape)}; it needs q's leading axes {list(lead)} then (S, d).{hint}", "k"
+            )
+
     @post_load(pass_original=True)
     def _job(self, data, original, **kwargs) -> AttentionJob:
         dtype = self._dtype(data)
         causal = data["causal"]
+        bias, slopes = data["bias"], data["alibi_slopes"]
         return AttentionJob(
             q=self._cast("q", data["q"], dtype),
             k=self._cast("k", data["k"], dtype),
@@ -172,46 +249,97 @@ class AttentionRequest(_Request):
             scale=data["scale"],
             return_weights=data["return_weights"],
             encoding=self._encoding(data, original, "q"),
+            enable_gqa=data["enable_gqa"],
+            window=data["window"],
+            bias=None if bias is None else self._cast("bias", bias, dtype),
+            alibi_slopes=None if slopes is None else self._cast("alibi_slopes", slopes, dtype),
+            average_weights=data["average_weights"],
+            weights_dtype=data["weights_dtype"],
         )
 
 
 class MhaRequest(_Request):
     x = Tensor(ranks=(2, 3), required=True, metadata={"description": "input (n, d) or (B, n, d)"})
-    wq = Tensor(ranks=(2, 2), required=True, metadata={"description": "query projection (d, d)"})
-    wk = Tensor(ranks=(2, 2), required=True, metadata={"description": "key projection (d, d)"})
-    wv = Tensor(ranks=(2, 2), required=True, metadata={"description": "value projection (d, d)"})
-    wo = Tensor(ranks=(2, 2), required=True, metadata={"description": "output projection (d, d)"})
-    heads = PositiveInt(required=True, metadata={"description": "number of heads h; d % h == 0"})
+    wq = Tensor(ranks=(2, 2), required=True, metadata={"description": "query projection (d, heads*dk); the GPT block's (d, d)"})
+    wk = Tensor(ranks=(2, 2), required=True, metadata={"description": "key projection (d, kv_heads*dk); the GPT block's (d, d)"})
+    wv = Tensor(ranks=(2, 2), required=True, metadata={"description": "value projection (d, kv_heads*dv); the GPT block's (d, d)"})
+    wo = Tensor(
+        ranks=(2, 2),
+        load_default=None,
+        metadata={"description": "output projection (heads*dv, d_out); omitted: the output is the heads concatenated (n, heads*dv)"},
+    )
+    heads = PositiveInt(required=True, metadata={"description": "number of query heads h; dividing wq's width"})
     causal = Bool(load_default=True, metadata={"description": "mask the future (the GPT block)"})
+    scale = PositiveFloat(load_default=None, metadata={"description": "multiplies the scores; default 1/sqrt(dk)"})
+    kv_heads = PositiveInt(
+        load_default=None,
+        metadata={"description": "key/value heads (grouped-query attention, Llama's layout), dividing heads; default heads"},
+    )
+    window = Window(load_default=None)
 
     @validates_schema
     def _shapes(self, data, **kwargs):
         x, s, L = data["x"], self.settings, self._label
         n, d = x.shape[-2:]
-        for name in ("wq", "wk", "wv", "wo"):
-            if data[name].shape != (d, d):
+        for name in ("wq", "wk", "wv"):
+            if data[name].shape[0] != d:
                 raise RequestError(
                     "shape_mismatch",
-                    f"{L(name)} has shape {list(data[name].shape)}; it must be (d, d) = {[d, d]} for x of width d={d}.",
+                    f"{L(name)} has shape {list(data[name].shape)}; it needs d={d} rows for x of width d={d}.",
                     name,
                 )
-        heads = data["heads"]
-        if d % heads:
-            raise RequestError("bad_option", f"{L('heads')}={heads} does not divide the width d={d}.", "heads")
+        heads, kv_heads = data["heads"], data["kv_heads"] or data["heads"]
+        width = data["wq"].shape[1]
+        if width % heads:
+            raise RequestError("bad_option", f"{L('heads')}={heads} does not divide the width {width} of {L('wq')} (heads*dk).", "heads")
+        if heads % kv_heads:
+            raise RequestError("bad_option", f"{L('kv_heads')}={kv_heads} does not divide {L('heads')}={heads}.", "kv_heads")
+        dk = width // heads
+        if data["wk"].shape[1] != kv_heads * dk:
+            raise RequestError(
+                "shape_mismatch",
+                f"{L('wk')} has shape {list(data['wk'].shape)}; it must be (d, kv_heads*dk) = {[d, kv_heads * dk]} "
+                f"({kv_heads} key/value heads of dk={dk}, from {L('wq')}'s width {width} over {heads} heads).",
+                "wk",
+            )
+        if data["wv"].shape[1] % kv_heads:
+            raise RequestError(
+                "shape_mismatch",
+                f"{L('wv')} has width {data['wv'].shape[1]}, which {kv_heads} key/value heads do not divide (it must be kv_heads*dv).",
+                "wv",
+            )
+        dv = data["wv"].shape[1] // kv_heads
+        wo = data["wo"]
+        if wo is not None and wo.shape[0] != heads * dv:
+            raise RequestError(
+                "shape_mismatch",
+                f"{L('wo')} has shape {list(wo.shape)}; it needs heads*dv = {heads * dv} rows ({heads} heads of dv={dv}).",
+                "wo",
+            )
         self._check_length("x", "n", n, s.max_t, "ATTN_MAX_T")
         self._check_width("x", d)
-        self._check_scores(math.prod(x.shape[:-2]) * heads * n * n, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads")
+        B, window = math.prod(x.shape[:-2]) * heads, data["window"]
+        scores = B * n * n if window is None else core.score_count(B, n, n, data["causal"], window=window)
+        self._check_scores(scores, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads", B * n * n)
+        scale = data["scale"]
+        if scale is not None and not np.isfinite(self._dtype(data).type(scale)):
+            raise RequestError("non_finite", f"{L('scale')}={scale} is not finite in {self._dtype(data).name}.", "scale")
 
     @post_load(pass_original=True)
     def _job(self, data, original, **kwargs) -> MhaJob:
         dtype = self._dtype(data)
-        arrays = {name: self._cast(name, data[name], dtype) for name in ("x", "wq", "wk", "wv", "wo")}
+        names = ("x", "wq", "wk", "wv") if data["wo"] is None else ("x", "wq", "wk", "wv", "wo")
+        arrays = {name: self._cast(name, data[name], dtype) for name in names}
         return MhaJob(
-            **arrays,
+            **{"wo": None, **arrays},
             heads=data["heads"],
             causal=data["causal"],
             return_weights=data["return_weights"],
             encoding=self._encoding(data, original, "x"),
+            scale=data["scale"],
+            kv_heads=data["kv_heads"],
+            window=data["window"],
+            weights_dtype=data["weights_dtype"],
         )
 
 

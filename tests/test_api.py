@@ -254,7 +254,7 @@ REJECT = [
     ("overflowing shape", with_(q={"shape": [2**40, 2**40], "dtype": "float32", "b64": ""}), 422, "bad_shape", "q"),
     ("b64 length", with_(q={"shape": [3, 2], "dtype": "float32", "b64": "AACAPwAAAEA="}), 422, "bad_shape", "q"),
     ("b64 garbage", with_(q={"shape": [1, 2], "dtype": "float32", "b64": "!!!not base64"}), 422, "bad_encoding", "q"),
-    ("b64 dtype", with_(q={"shape": [1, 2], "dtype": "float16", "b64": "AACAPw=="}), 422, "bad_type", "q"),
+    ("b64 dtype", with_(q={"shape": [1, 2], "dtype": "bfloat16", "b64": "AACAPw=="}), 422, "bad_type", "q"),
     ("empty nested", with_(q=[]), 422, "bad_shape", "q"),
     ("d mismatch", with_(k=[[1, 0, 0]] * 3), 422, "shape_mismatch", "k"),
     ("S mismatch", with_(v=[[1, 0]] * 2), 422, "shape_mismatch", "v"),
@@ -332,7 +332,7 @@ def test_not_found_and_method_not_allowed(client):
     "body, field",
     [
         (
-            {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 3] * 4, "heads": 2},
+            {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 3, "heads": 2},
             "wo",
         ),
         (
@@ -366,9 +366,9 @@ def test_not_found_and_method_not_allowed(client):
             },
             "causal",
         ),
-        ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "heads": 2}, "wo"),
+        ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "heads": 2}, "wv"),
     ],
-    ids=["wo shape", "heads divides", "heads zero", "heads bool", "causal bool only", "missing wo"],
+    ids=["wo rows", "heads divides", "heads zero", "heads bool", "causal bool only", "missing wv"],
 )
 def test_mha_rejects(client, body, field):
     r = post(client, body, path="/mha")

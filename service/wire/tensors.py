@@ -22,6 +22,7 @@ from .stream import NESTED_CHUNK_ELEMENTS, B64Text, NestedArray
 
 ENCODINGS = ("nested", "flat", "b64")
 WIRE_DTYPES = {
+    "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
     "bool": np.dtype("?"),
@@ -195,7 +196,7 @@ def _decode_b64(value: dict) -> np.ndarray:
     _no_extra_keys(value, {"shape", "dtype", "b64"})
     shape = _shape(value)
     if value.get("dtype") is None:  # absent or null: the bytes cannot be read without it
-        raise TensorError("bad_type", 'needs "dtype" with "b64": float32, float64 or bool')
+        raise TensorError("bad_type", 'needs "dtype" with "b64": float16, float32, float64, bool, int32 or int64')
     dtype = _dtype(value, None)
     text = value["b64"]
     if isinstance(text, Payload):  # decoded by loads() straight from the body
