@@ -63,11 +63,14 @@ def test_health_and_metadata(triton_client):
     meta = triton_client.get_model_metadata("attention")
     assert meta["name"] == "attention" and meta["versions"] == ["1"]
     inputs = {t["name"]: t for t in meta["inputs"]}
-    assert list(inputs) == ["q", "k", "v", "mask", "key_lengths"]
+    assert list(inputs) == ["q", "k", "v", "mask", "key_lengths", "bias", "alibi_slopes"]
     assert inputs["q"]["datatype"] == "FP32" and inputs["mask"]["datatype"] == "BOOL" and inputs["key_lengths"]["datatype"] == "INT64"
     assert all(all(n == -1 for n in t["shape"]) for t in meta["inputs"] + meta["outputs"])
     assert [t["name"] for t in meta["outputs"]] == ["out", "weights"]
-    assert [t["name"] for t in triton_client.get_model_metadata("mha")["inputs"]] == ["x", "wq", "wk", "wv", "wo"]
+    assert {"enable_gqa", "window", "bias"} - set(meta["parameters"]) == {"bias"}  # bias is an input
+    mha = triton_client.get_model_metadata("mha")
+    assert [t["name"] for t in mha["inputs"]] == ["x", "wq", "wk", "wv", "wo"]
+    assert {"scale", "kv_heads", "window", "weights_dtype"} <= set(mha["parameters"])
 
 
 @pytest.mark.live
@@ -281,7 +284,7 @@ def test_get_on_infer_is_405_in_the_protocol_shape(client):
 
 REFUSALS = [
     # (id, body or (bytes, headers), status, words the message must hold)
-    ("bad-datatype", with_input("q", datatype="FP16"), 422, "input q has datatype 'FP16'; it must be FP32 or FP64"),
+    ("bad-datatype", with_input("q", datatype="BF16"), 422, "input q has datatype 'BF16'; it must be FP32 or FP64 or FP16"),
     ("bool-q", with_input("q", datatype="BOOL", data=[True] * 6), 422, "input q has datatype 'BOOL'"),
     (
         "mask-not-bool",
@@ -410,3 +413,113 @@ def test_not_ready_answers_503(app, client):
     assert client.get("/v2/health/ready").status_code == 503
     assert client.get("/v2/models/attention/ready").status_code == 503
     assert client.get("/v2/health/live").status_code == 200
+
+
+# --- the attention variants under the protocol ---------------------------------------------------
+
+
+@pytest.mark.live
+def test_variants_through_the_official_client(triton_client, live_server, rng):
+    """FP16 inputs, GQA, a window as the protocol's string parameter, a bias and ALiBi slopes as
+    inputs, FP16 weights: equal to the native endpoint given the same request."""
+    q = rng.standard_normal((2, 4, 12, 8)).astype(np.float16)
+    k = rng.standard_normal((2, 2, 12, 8)).astype(np.float16)
+    v = rng.standard_normal((2, 2, 12, 4)).astype(np.float16)
+    bias = rng.standard_normal((12, 12)).astype(np.float32)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], np.float32)
+    inputs = []
+    for name, arr, datatype in (
+        ("q", q, "FP16"),
+        ("k", k, "FP16"),
+        ("v", v, "FP16"),
+        ("bias", bias, "FP32"),
+        ("alibi_slopes", slopes, "FP32"),
+    ):
+        inp = triton.InferInput(name, list(arr.shape), datatype)
+        inp.set_data_from_numpy(arr, binary_data=True)
+        inputs.append(inp)
+    options = {"enable_gqa": True, "causal": True, "weights_dtype": "float16"}
+    result = triton_client.infer("attention", inputs, parameters={**options, "window": "3,0"})
+    want = native(live_server, "/attention", {"q": q, "k": k, "v": v, "bias": bias, "alibi_slopes": slopes, **options, "window": [3, 0]})
+    assert result.get_output("weights")["datatype"] == "FP16" and result.get_output("out")["datatype"] == "FP32"
+    np.testing.assert_array_equal(result.as_numpy("out"), want["out"])
+    np.testing.assert_array_equal(result.as_numpy("weights"), want["weights"])
+
+
+TEXTBOOK = {
+    "x": [[1, 0, 1, 0], [0, 2, 0, 2], [1, 1, 1, 1]],
+    "wq": [[1, 0, 1], [1, 0, 0], [0, 0, 1], [0, 1, 1]],
+    "wk": [[0, 0, 1], [1, 1, 0], [0, 1, 0], [1, 1, 0]],
+    "wv": [[0, 2, 0], [0, 3, 0], [1, 0, 3], [1, 1, 0]],
+}
+
+
+def test_mha_textbook_listing_without_wo(client):
+    inputs = [{"name": n, "datatype": "FP64", "shape": [len(a), len(a[0])], "data": a} for n, a in TEXTBOOK.items()]
+    resp = infer(client, {"inputs": inputs, "parameters": {"heads": 1, "scale": 1, "causal": False}}, model="mha")
+    assert resp.status_code == 200, resp.get_json()
+    out = {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in resp.get_json()["outputs"]}
+    np.testing.assert_allclose(out["out"][0], [1.9366, 6.6831, 1.5951], atol=1e-4)
+    np.testing.assert_allclose(out["weights"][0, 0], [0.0634, 0.4683, 0.4683], atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [[2, 0], "2,0", "2, 0"], ids=["list", "string", "string with a space"])
+def test_window_parameter_as_list_or_string(client, window):
+    body = json.loads(json.dumps(SEED))
+    body["parameters"] = {"window": window, "average_weights": False}
+    resp = infer(client, body)
+    assert resp.status_code == 200, resp.get_json()
+    want_out, _ = core.attention(np.array(Q, np.float32), np.array(Q, np.float32), np.array(V, np.float32), window=(2, 0))
+    out = resp.get_json()["outputs"][0]
+    np.testing.assert_array_equal(np.array(out["data"], np.float32).reshape(out["shape"]), want_out)
+
+
+def with_parameters(**params) -> dict:
+    body = json.loads(json.dumps(SEED))
+    body["parameters"] = params
+    return body
+
+
+H4 = {"name": "q", "datatype": "FP32", "shape": [4, 2, 2], "data": [1, 0, 0, 1] * 4}
+H3 = [{"name": n, "datatype": "FP32", "shape": [3, 2, 2], "data": [1, 0, 0, 1] * 3} for n in ("k", "v")]
+H2 = [{"name": n, "datatype": "FP32", "shape": [2, 2, 2], "data": [1, 0, 0, 1] * 2} for n in ("k", "v")]
+
+VARIANT_REFUSALS = [
+    # (id, body, words the message must hold)
+    ("window not two integers", with_parameters(window="a,b"), "parameter window must be [left, right]"),
+    ("window below -1", with_parameters(window="-2,0"), "parameter window values must be integers >= -1"),
+    ("weights_dtype", with_parameters(weights_dtype="int8"), "parameter weights_dtype must be one of"),
+    ("average_weights on rank 2", with_parameters(average_weights=True), "parameter average_weights averages over the heads axis -3"),
+    ("gqa heads do not divide", {"inputs": [H4, *H3], "parameters": {"enable_gqa": True}}, "input k has 3 key/value heads"),
+    ("head mismatch without gqa", {"inputs": [H4, *H2]}, '"enable_gqa": true'),
+    (
+        "bias does not broadcast",
+        {**SEED, "inputs": SEED["inputs"] + [{"name": "bias", "datatype": "FP32", "shape": [2], "data": [0, 0]}]},
+        "input bias has shape [2]",
+    ),
+    (
+        "alibi on rank 2",
+        {**SEED, "inputs": SEED["inputs"] + [{"name": "alibi_slopes", "datatype": "FP32", "shape": [1], "data": [1]}]},
+        "input alibi_slopes has shape [1]",
+    ),
+    ("bias as BOOL", {**SEED, "inputs": SEED["inputs"] + [{"name": "bias", "datatype": "BOOL", "shape": [1], "data": [True]}]}, "FP32"),
+]
+
+
+@pytest.mark.parametrize(("body", "words"), [r[1:] for r in VARIANT_REFUSALS], ids=[r[0] for r in VARIANT_REFUSALS])
+def test_variant_refusals_are_protocol_errors(client, body, words):
+    resp = infer(client, body)
+    doc = resp.get_json()
+    assert resp.status_code == 422, doc
+    assert set(doc) == {"error"} and words in doc["error"]
+
+
+def test_metadata_lists_the_variants(client):
+    meta = client.get("/v2/models/attention").get_json()
+    inputs = {t["name"]: t for t in meta["inputs"]}
+    assert inputs["bias"]["parameters"]["optional"] and inputs["alibi_slopes"]["parameters"]["optional"]
+    assert "FP16" in inputs["q"]["parameters"]["datatypes"]
+    assert {"enable_gqa", "window", "average_weights", "weights_dtype", "scale"} <= set(meta["parameters"])
+    mha = client.get("/v2/models/mha").get_json()
+    assert {t["name"]: t for t in mha["inputs"]}["wo"]["parameters"]["optional"]
+    assert {"kv_heads", "scale", "window", "weights_dtype"} <= set(mha["parameters"])

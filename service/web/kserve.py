@@ -44,9 +44,9 @@ SERVER_NAME = "attention-service"
 MODEL_VERSION = "1"
 EXTENSIONS = ["binary_tensor_data"]
 
-DATATYPES = {"FP32": "float32", "FP64": "float64", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}  # -> wire dtypes
-FLOAT = ("FP32", "FP64")
-OUTPUT_DATATYPES = {wire.WIRE_DTYPES[DATATYPES[datatype]]: datatype for datatype in FLOAT}
+DATATYPES = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}  # -> wire dtypes
+FLOAT = ("FP32", "FP64", "FP16")  # FP16 inputs are computed in parameters.dtype, as float16 b64 in the native JSON
+OUTPUT_DATATYPES = {wire.WIRE_DTYPES[DATATYPES[datatype]]: datatype for datatype in FLOAT}  # FP16: weights_dtype float16
 OUTPUTS = ("out", "weights")
 # Scheduling hints Triton's client may send (TRITON_RESERVED_REQUEST_PARAMS); this server has no
 # batcher or sequence scheduler to give them to, so they are accepted and have no effect.
@@ -65,6 +65,7 @@ class Model:
     optional: frozenset[str]
     options: tuple[str, ...]  # the request parameters, named as the native JSON fields
     outputs: dict[str, tuple[list[int], str]]
+    parameters: dict[str, str]  # option -> what it takes, for the metadata
 
     def labels(self) -> dict[str, str]:
         """What the schema's messages call each field: the protocol's input or parameter."""
@@ -85,24 +86,53 @@ MODELS = {
                 [-1, -1],
                 "optional; key s allowed iff s < key_lengths[...]; broadcasts to the leading axes",
             ),
+            "bias": (FLOAT, [-1, -1, -1, -1], "optional; added to the scaled scores (SDPA's float attn_mask); broadcasts to (..., T, S)"),
+            "alibi_slopes": (
+                FLOAT,
+                [-1, -1],
+                "optional; ALiBi slopes (FlashAttention's): -slope*|t + S - T - s|; broadcast to the leading axes",
+            ),
         },
-        optional=frozenset({"mask", "key_lengths"}),
-        options=("causal", "scale", "return_weights", "dtype"),
-        outputs={"out": ([-1, -1, -1, -1], "(..., T, dv)"), "weights": ([-1, -1, -1, -1], "(..., T, S)")},
+        optional=frozenset({"mask", "key_lengths", "bias", "alibi_slopes"}),
+        options=("causal", "scale", "return_weights", "dtype", "enable_gqa", "window", "average_weights", "weights_dtype"),
+        outputs={
+            "out": ([-1, -1, -1, -1], "(..., T, dv)"),
+            "weights": ([-1, -1, -1, -1], "(..., T, S); (..., T, S) without axis -3 when averaged"),
+        },
+        parameters={
+            "causal": 'false, true, "top_left" or "bottom_right"',
+            "scale": "number > 0; default 1/sqrt(d)",
+            "return_weights": "bool; default true",
+            "dtype": '"float32" or "float64"',
+            "enable_gqa": "bool: k, v may have Hkv heads on axis -3 dividing q's H",
+            "window": '"left,right" (or [left, right]), integers >= -1: FlashAttention\'s window_size',
+            "average_weights": "bool: weights averaged over the heads axis -3",
+            "weights_dtype": '"float16", "float32" or "float64": the weights output\'s datatype',
+        },
     ),
     "mha": Model(
         name="mha",
         schema=MhaRequest,
         inputs={
             "x": (FLOAT, [-1, -1, -1], "input (n, d) or (B, n, d)"),
-            "wq": (FLOAT, [-1, -1], "query projection (d, d)"),
-            "wk": (FLOAT, [-1, -1], "key projection (d, d)"),
-            "wv": (FLOAT, [-1, -1], "value projection (d, d)"),
-            "wo": (FLOAT, [-1, -1], "output projection (d, d)"),
+            "wq": (FLOAT, [-1, -1], "query projection (d, heads*dk)"),
+            "wk": (FLOAT, [-1, -1], "key projection (d, kv_heads*dk)"),
+            "wv": (FLOAT, [-1, -1], "value projection (d, kv_heads*dv)"),
+            "wo": (FLOAT, [-1, -1], "optional; output projection (heads*dv, d_out); without it the heads are concatenated"),
         },
-        optional=frozenset(),
-        options=("heads", "causal", "return_weights", "dtype"),
-        outputs={"out": ([-1, -1, -1], "(n, d) or (B, n, d)"), "weights": ([-1, -1, -1, -1], "(h, n, n) or (B, h, n, n)")},
+        optional=frozenset({"wo"}),
+        options=("heads", "causal", "return_weights", "dtype", "scale", "kv_heads", "window", "weights_dtype"),
+        outputs={"out": ([-1, -1, -1], "(n, d_out) or (B, n, d_out)"), "weights": ([-1, -1, -1, -1], "(h, n, n) or (B, h, n, n)")},
+        parameters={
+            "heads": "int: query heads, dividing wq's width",
+            "causal": "bool; default true",
+            "return_weights": "bool; default true",
+            "dtype": '"float32" or "float64"',
+            "scale": "number > 0; default 1/sqrt(dk)",
+            "kv_heads": "int dividing heads: grouped-query attention; default heads",
+            "window": '"left,right" (or [left, right]), integers >= -1: FlashAttention\'s window_size',
+            "weights_dtype": '"float16", "float32" or "float64": the weights output\'s datatype',
+        },
     ),
 }
 
@@ -163,10 +193,14 @@ def model_metadata(name: str, version: str | None = None):
                     "name": n,
                     "datatype": "FP32",
                     "shape": shape,
-                    "parameters": {"datatypes": "FP32,FP64", "description": f"{doc}; FP64 when parameters.dtype is float64"},
+                    "parameters": {
+                        "datatypes": "FP32,FP64,FP16",
+                        "description": f"{doc}; FP64 when parameters.dtype is float64; weights FP16 when parameters.weights_dtype is float16",
+                    },
                 }
                 for n, (shape, doc) in model.outputs.items()
             ],
+            "parameters": dict(model.parameters),  # the request parameters this model takes (beyond the protocol's own)
         }
     )
 
@@ -311,6 +345,8 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
     native = _inputs(model, doc.get("inputs"), blobs)
 
     for key, value in params.items():
+        if key == "window" and isinstance(value, str):
+            value = _window(value)  # the protocol's parameters are strings, numbers or booleans
         if key in model.options:
             native[key] = value
         elif key not in IGNORED_PARAMETERS and key != "binary_data_output":
@@ -433,6 +469,15 @@ def _list(value, what: str) -> list:
     if not isinstance(value, list) or not value:
         raise RequestError("missing_field" if value is None else "bad_type", f"{what} must be a non-empty list.", what)
     return value
+
+
+def _window(text: str):
+    """ "256,0" -> [256, 0]; text that is not two integers is left for the schema to refuse."""
+    parts = text.split(",")
+    try:
+        return [int(p) for p in parts] if len(parts) == 2 else text
+    except ValueError:
+        return text
 
 
 def _bool(value, what: str) -> bool:
