@@ -172,6 +172,3 @@ class Window(_Coded, fields.Field):
         if min(value) < -1:
             raise self._error("bad_option", f"{self.label} values must be integers >= -1 (-1: unbounded), not {show(value)}.")
         return value[0], value[1]
-
-    def _jsonschema_type_mapping(self) -> dict:
-        return {"type": "array", "items": {"type": "integer", "minimum": -1}, "minItems": 2, "maxItems": 2}

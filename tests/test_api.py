@@ -406,6 +406,13 @@ fields = st.fixed_dictionaries(
             "wv",
             "wo",
             "heads",
+            "enable_gqa",
+            "window",
+            "bias",
+            "alibi_slopes",
+            "average_weights",
+            "weights_dtype",
+            "kv_heads",
         )
     },
 )

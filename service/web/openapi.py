@@ -18,7 +18,7 @@ from marshmallow import Schema, fields, validate
 from swagger_ui_bundle import swagger_ui_path
 
 from schemas import AttentionRequest, MhaRequest
-from schemas.fields import Tensor
+from schemas.fields import Tensor, Window
 from service.config import VERSION, Settings
 from service.wire import WIRE_DTYPES
 
@@ -147,6 +147,13 @@ def _tensor_property(self, field, ret, **kwargs) -> dict:
     return {"allOf": [{"$ref": f"#/components/schemas/{_KINDS[field.kind][0]}"}]}
 
 
+def _window_property(self, field, ret, **kwargs) -> dict:
+    """MarshmallowPlugin attribute function: a Window field is [left, right], integers >= -1."""
+    if not isinstance(field, Window):
+        return {}
+    return {"type": "array", "items": {"type": "integer", "minimum": -1}, "minItems": 2, "maxItems": 2}
+
+
 def _nullable_enum(self, field, ret, **kwargs) -> dict:
     """A field that accepts null and lists its values must list null too (OpenAPI 3.0.3)."""
     if ret.get("nullable") and "enum" in ret and None not in ret["enum"]:
@@ -226,6 +233,7 @@ def _spec(settings: Settings) -> APISpec:
         },
     )
     plugin.converter.add_attribute_function(_tensor_property)
+    plugin.converter.add_attribute_function(_window_property)
     plugin.converter.add_attribute_function(_nullable_enum)
     plugin.converter.add_attribute_function(_exclusive_minimum)
     for kind, (name, *_) in _KINDS.items():
