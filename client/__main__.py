@@ -1,7 +1,9 @@
 """`python -m client`: the attention service from the shell, for numpy users.
 
     python -m client --url http://127.0.0.1:8000 attention q.npy k.npy v.npy [--mask m.npy] [--causal] -o result.npz
-    python -m client --url URL mha x.npy wq.npy wk.npy wv.npy wo.npy --heads 8 -o result.npz
+    python -m client --url URL attention q.npy k.npy v.npy --enable-gqa --window 256,0 --bias b.npy \
+        --alibi-slopes s.npy --average-weights --weights-dtype float16 -o result.npz
+    python -m client --url URL mha x.npy wq.npy wk.npy wv.npy [wo.npy] --heads 8 [--kv-heads 2 --scale 1 --window 256,0] -o result.npz
     python -m client --url URL limits
     python -m client --url URL ready
 
@@ -40,14 +42,23 @@ def _parser() -> argparse.ArgumentParser:
         "--causal", nargs="?", const="top_left", choices=["top_left", "bottom_right"], help="causal mask (default alignment top_left)"
     )
     a.add_argument("--scale", type=float)
+    a.add_argument("--enable-gqa", action="store_true", help="k and v may have fewer heads (axis -3) than q, dividing them")
+    a.add_argument("--bias", help=".npy floats broadcasting to (..., T, S), added to the scaled scores")
+    a.add_argument("--alibi-slopes", help=".npy floats broadcasting to the leading axes: ALiBi")
+    a.add_argument("--average-weights", action="store_true", help="weights averaged over the heads axis -3")
 
     m = sub.add_parser("mha", help="multi-head self-attention with projections")
-    for name in ("x", "wq", "wk", "wv", "wo"):
+    for name in ("x", "wq", "wk", "wv"):
         m.add_argument(name)
+    m.add_argument("wo", nargs="?", help="output projection (heads*dv, d_out); omitted: the heads concatenated")
     m.add_argument("--heads", type=int, required=True)
+    m.add_argument("--kv-heads", type=int, help="key/value heads dividing --heads (grouped-query attention)")
+    m.add_argument("--scale", type=float, help="default 1/sqrt(dk)")
     m.add_argument("--no-causal", dest="causal", action="store_false")
 
     for cmd in (a, m):
+        cmd.add_argument("--window", type=_window, help="LEFT,RIGHT: sliding window (FlashAttention's window_size; -1 unbounded)")
+        cmd.add_argument("--weights-dtype", choices=["float16", "float32", "float64"], help="precision of the returned weights")
         cmd.add_argument("--dtype", choices=["float32", "float64"])
         cmd.add_argument("--no-weights", dest="weights", action="store_false", help="do not compute or save the weights")
         cmd.add_argument("-o", "--output", required=True, help="result .npz (out, weights)")
@@ -55,6 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("limits", help="print the limits in force")
     sub.add_parser("ready", help="exit 0 if the service is ready, 1 if not")
     return p
+
+
+def _window(text: str) -> tuple[int, int]:
+    try:
+        left, right = (int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LEFT,RIGHT (two integers, e.g. 256,0)") from None
+    return left, right
 
 
 def _load(path: str | None) -> np.ndarray | None:
@@ -89,6 +108,12 @@ def main(argv: list[str] | None = None) -> int:
                     scale=args.scale,
                     return_weights=args.weights,
                     dtype=args.dtype,
+                    enable_gqa=args.enable_gqa,
+                    window=args.window,
+                    bias=_load(args.bias),
+                    alibi_slopes=_load(args.alibi_slopes),
+                    average_weights=args.average_weights,
+                    weights_dtype=args.weights_dtype,
                 )
             else:
                 out, weights = api.mha(
@@ -97,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
                     causal=args.causal,
                     return_weights=args.weights,
                     dtype=args.dtype,
+                    scale=args.scale,
+                    kv_heads=args.kv_heads,
+                    window=args.window,
+                    weights_dtype=args.weights_dtype,
                 )
         except AttentionError as err:
             print(f"error: {err.status or '-'} {err.code}: {err.message}", file=sys.stderr)

@@ -126,36 +126,60 @@ class AttentionClient:
         scale: float | None = None,
         return_weights: bool = True,
         dtype: str | None = None,
+        enable_gqa: bool = False,
+        window: tuple[int, int] | None = None,
+        bias: np.ndarray | None = None,
+        alibi_slopes: np.ndarray | None = None,
+        average_weights: bool = False,
+        weights_dtype: str | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """softmax(q kᵀ · scale, masked) v over any leading axes, on the server.
+        """softmax(q kᵀ · scale + bias + alibi, masked) v over any leading axes, on the server.
 
         q (..., T, d), k (..., S, d), v (..., S, dv); mask bool broadcasting to (..., T, S), True =
         attend; causal False | True (= "top_left") | "bottom_right"; key_lengths ints broadcasting
         to (...). dtype "float32" | "float64" | None: float64 if q, k or v is float64, else the
-        server's default. Returns out (..., T, dv) and weights (..., T, S) (None unless
-        return_weights)."""
+        server's default. The variants (the contract's "Attention variants"): enable_gqa (k, v
+        with Hkv heads on axis -3 dividing q's H), window (left, right) as FlashAttention's
+        window_size, bias broadcasting to (..., T, S), alibi_slopes broadcasting to (...),
+        average_weights (weights averaged over axis -3), weights_dtype "float16" | "float32" |
+        "float64" (the weights' precision on the wire). Returns out (..., T, dv) and weights
+        (..., T, S) ((..., T, S) without axis -3 when averaged; None unless return_weights).
+
+        Splitting (a request over the server's limits): enable_gqa and average_weights are never
+        split (a block of flattened leading indices would cut the heads a key/value head or an
+        average spans); a window or ALiBi slopes split only along the leading axes (their
+        positions t + S - T move when rows do). What cannot be split is sent whole, and the
+        server says why it refuses it."""
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
         mask = None if mask is None else np.asarray(mask)
         key_lengths = None if key_lengths is None else np.asarray(key_lengths)
+        bias = None if bias is None else np.asarray(bias)
+        alibi_slopes = None if alibi_slopes is None else np.asarray(alibi_slopes)
         causal = "top_left" if causal is True else causal
         dtype = dtype or _float64_if_any(q, k, v)
         options = {
             "return_weights": return_weights,
             **({"scale": scale} if scale is not None else {}),
             **({"dtype": dtype} if dtype is not None else {}),
+            **({"enable_gqa": True} if enable_gqa else {}),
+            **({"window": [int(n) for n in window]} if window is not None else {}),
+            **({"average_weights": True} if average_weights else {}),
+            **({"weights_dtype": weights_dtype} if weights_dtype is not None else {}),
         }
 
-        def send(q, k, v, mask, key_lengths, causal):
+        def send(q, k, v, mask, key_lengths, causal, bias=bias, alibi_slopes=alibi_slopes):
             body = {"q": q, "k": k, "v": v, **options}
-            if mask is not None:
-                body["mask"] = mask
-            if key_lengths is not None:
-                body["key_lengths"] = key_lengths
+            for name, value in (("mask", mask), ("key_lengths", key_lengths), ("bias", bias), ("alibi_slopes", alibi_slopes)):
+                if value is not None:
+                    body[name] = value
             if causal:
                 body["causal"] = causal
             return self._compute("/attention", body)
 
-        blocks = self._attention_plan(q, k, v, mask, key_lengths, causal, return_weights) if self.split else None
+        splittable = self.split and not enable_gqa and not average_weights
+        blocks = self._attention_plan(q, k, v, mask, key_lengths, causal, return_weights, bias, alibi_slopes) if splittable else None
+        if blocks is not None and (window is not None or alibi_slopes is not None) and any(b.t1 - b.t0 < q.shape[-2] for b in blocks):
+            blocks = None  # rows would move the window's and ALiBi's t + S - T: sent whole
         if blocks is None:
             return send(q, k, v, mask, key_lengths, causal)
 
@@ -163,17 +187,23 @@ class AttentionClient:
         B = math.prod(lead)
         q3, k3, v3 = q.reshape(B, T, d), k.reshape(B, S, d), v.reshape(B, S, dv)  # (B, T|S, d|dv)
         m3 = None if mask is None else _flat_mask(mask, lead)  # (B or 1, T or 1, S or 1)
+        b3 = None if bias is None else _flat_mask(bias, lead)  # the same broadcast, of floats
         kl = None if key_lengths is None else np.broadcast_to(key_lengths, lead).reshape(B)  # (B,)
+        sl = None if alibi_slopes is None else np.broadcast_to(alibi_slopes, lead).reshape(B)  # (B,)
+
+        def part(a3, b, t):
+            return None if a3 is None else a3[b if a3.shape[0] > 1 else slice(None), t if a3.shape[1] > 1 else slice(None)]
 
         def run(block: Block):
             b, t = slice(block.b0, block.b1), slice(block.t0, block.t1)
-            m = None if m3 is None else m3[b if m3.shape[0] > 1 else slice(None), t if m3.shape[1] > 1 else slice(None)]
+            m = part(m3, b, t)
             flag = causal
             if causal and (block.t0, block.t1) != (0, T):  # rows moved: send the causal rows explicitly
                 rows = _split.causal_rows(T, S, causal, block.t0, block.t1)  # (t, S)
                 m = rows if m is None else np.logical_and(m, rows)
                 flag = False
-            return send(q3[b, t], k3[b], v3[b], m, None if kl is None else kl[b], flag)
+            slopes = None if sl is None else sl[b]
+            return send(q3[b, t], k3[b], v3[b], m, None if kl is None else kl[b], flag, part(b3, b, t), slopes)
 
         results = self._map(run, blocks)
         out = _assemble([r[0] for r in results], blocks, (B, T, dv))
@@ -186,22 +216,37 @@ class AttentionClient:
         wq: np.ndarray,
         wk: np.ndarray,
         wv: np.ndarray,
-        wo: np.ndarray,
+        wo: np.ndarray | None,
         heads: int,
         *,
         causal: bool = True,
         return_weights: bool = True,
         dtype: str | None = None,
+        scale: float | None = None,
+        kv_heads: int | None = None,
+        window: tuple[int, int] | None = None,
+        weights_dtype: str | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """The GPT block's multi-head self-attention on the server.
+        """Multi-head self-attention on the server: the GPT block's, or grouped-query (kv_heads).
 
-        x (n, d) or (B, n, d), w* (d, d), d % heads == 0. Returns out like x and weights (h, n, n)
-        or (B, h, n, n) (None unless return_weights). dtype as for attention. A batch over the
-        limits is split along B."""
+        x (n, d) or (B, n, d); wq (d, heads*dk), wk (d, kv_heads*dk), wv (d, kv_heads*dv), wo
+        (heads*dv, d_out) or None (the heads concatenated); the GPT block's are all (d, d). scale
+        default 1/sqrt(dk); window (left, right) as in attention(). Returns out (..., n, d_out)
+        and weights (h, n, n) or (B, h, n, n) (None unless return_weights). dtype as for
+        attention. A batch over the limits is split along B (exact for every option)."""
         x = np.asarray(x)
-        ws = {"wq": np.asarray(wq), "wk": np.asarray(wk), "wv": np.asarray(wv), "wo": np.asarray(wo)}
+        ws = {"wq": np.asarray(wq), "wk": np.asarray(wk), "wv": np.asarray(wv), **({} if wo is None else {"wo": np.asarray(wo)})}
         dtype = dtype or _float64_if_any(x, *ws.values())
-        options = {"heads": heads, "causal": causal, "return_weights": return_weights, **({"dtype": dtype} if dtype is not None else {})}
+        options = {
+            "heads": heads,
+            "causal": causal,
+            "return_weights": return_weights,
+            **({"dtype": dtype} if dtype is not None else {}),
+            **({"scale": scale} if scale is not None else {}),
+            **({"kv_heads": kv_heads} if kv_heads is not None else {}),
+            **({"window": [int(n) for n in window]} if window is not None else {}),
+            **({"weights_dtype": weights_dtype} if weights_dtype is not None else {}),
+        }
 
         def send(x):
             return self._compute("/mha", {"x": x, **ws, **options})
@@ -231,7 +276,7 @@ class AttentionClient:
 
     # --- splitting ---
 
-    def _attention_plan(self, q, k, v, mask, key_lengths, causal, return_weights) -> list[Block] | None:
+    def _attention_plan(self, q, k, v, mask, key_lengths, causal, return_weights, bias=None, alibi_slopes=None) -> list[Block] | None:
         """Blocks when the request is over the limits and splits exactly; None to send it whole
         (within the limits, or malformed or unsplittable: then the server says why)."""
         lim = self._known_limits()
@@ -244,13 +289,18 @@ class AttentionClient:
             return None
         if key_lengths is not None and not _split.broadcasts(key_lengths.shape, lead):
             return None
+        if bias is not None and (bias.ndim < 1 or not _split.broadcasts(bias.shape, (*lead, T, S))):
+            return None
+        if alibi_slopes is not None and not _split.broadcasts(alibi_slopes.shape, lead):
+            return None
         itemsize = _wire_itemsize(q)
 
         def fits(b, t):
             mask_bytes = 0 if mask is None else min(mask.size, b * t * S) * mask.itemsize
             if causal and t < T:
                 mask_bytes = b * t * S  # the causal rows travel as an explicit mask
-            nbytes = (b * t * d + b * S * d + b * S * dv) * itemsize + mask_bytes + b * 8
+            bias_bytes = 0 if bias is None else min(bias.size, b * t * S) * _wire_itemsize(bias)
+            nbytes = (b * t * d + b * S * d + b * S * dv) * itemsize + mask_bytes + bias_bytes + b * 16
             return self._fits(lim, rows=t, keys=S, scores=b * t * S, return_weights=return_weights, nbytes=nbytes)
 
         blocks = _split.plan(math.prod(lead), T, fits)
@@ -357,17 +407,18 @@ def _float64_if_any(*arrays: np.ndarray) -> str | None:
 
 
 def _wire_itemsize(a: np.ndarray) -> int:
-    return 8 if a.dtype == np.float64 else 4
+    return {np.dtype(np.float64): 8, np.dtype(np.float16): 2}.get(a.dtype, 4)
 
 
 def _wire_array(name: str, a: np.ndarray) -> np.ndarray:
     """The array as it travels: float64 stays, other numbers go as float32 (what the server computes
-    in by default); a mask stays bool (or 0/1 numbers); key lengths go as int64."""
+    in by default), float16 stays too (half the bytes; computed in dtype); a mask stays bool (or
+    0/1 numbers); key lengths go as int64."""
     if name == "key_lengths":
         return a.astype(np.int64, copy=False)
     if name == "mask" and a.dtype.kind in "biu":
         return a if a.dtype == np.bool_ else a.astype(np.int64)
-    return a if a.dtype == np.float64 else a.astype(np.float32, copy=False)
+    return a if a.dtype in (np.float64, np.float16) else a.astype(np.float32, copy=False)
 
 
 def encode_tensor(a: np.ndarray, encoding: str = "b64"):

@@ -361,3 +361,107 @@ def test_cli_limits_and_ready(live_server):
     assert proc.returncode == 0 and json.loads(proc.stdout)["max_t"] > 0
     assert run_cli("--url", live_server, "ready").returncode == 0
     assert run_cli("--url", f"http://127.0.0.1:{free_port()}", "ready").returncode == 1
+
+
+# --- the attention variants -----------------------------------------------------------------------
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("encoding", ["b64", "flat", "nested"])
+def test_variants_as_keyword_arguments(live_server, rng, encoding):
+    q = rng.standard_normal((2, 4, 9, 8))
+    k, v = rng.standard_normal((2, 2, 11, 8)), rng.standard_normal((2, 2, 11, 3))
+    bias, slopes = rng.standard_normal((9, 11)), np.array([0.5, 0.25, 0.125, 0.0625])
+    options = {
+        "enable_gqa": True,
+        "window": (3, 1),
+        "bias": bias,
+        "alibi_slopes": slopes,
+        "average_weights": True,
+        "causal": "bottom_right",
+    }
+    with AttentionClient(live_server, encoding=encoding) as client:
+        out, weights = client.attention(q, k, v, **options)
+    want_out, want_w = core.attention(q, k, v, **options)
+    assert out.dtype == np.float64 and weights.shape == (2, 9, 11)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.live
+def test_float16_in_and_float16_weights(api, rng):
+    q, k, v = (rng.standard_normal((2, 6, 4)).astype(np.float16) for _ in range(3))
+    out, weights = api.attention(q, k, v, weights_dtype="float16")
+    assert out.dtype == np.float32 and weights.dtype == np.float16  # computed in float32, weights sent in float16
+    want_out, want_w = core.attention(*(a.astype(np.float32) for a in (q, k, v)))
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-3)
+
+
+@pytest.mark.live
+def test_mha_textbook_listing_and_kv_heads(api, rng):
+    x = np.array([[1, 0, 1, 0], [0, 2, 0, 2], [1, 1, 1, 1]], np.float32)
+    wq = np.array([[1, 0, 1], [1, 0, 0], [0, 0, 1], [0, 1, 1]], np.float32)
+    wk = np.array([[0, 0, 1], [1, 1, 0], [0, 1, 0], [1, 1, 0]], np.float32)
+    wv = np.array([[0, 2, 0], [0, 3, 0], [1, 0, 3], [1, 1, 0]], np.float32)
+    out, weights = api.mha(x, wq, wk, wv, None, 1, scale=1.0, causal=False)
+    np.testing.assert_allclose(out[0], [1.9366, 6.6831, 1.5951], atol=1e-4)
+    np.testing.assert_allclose(weights[0, 0], [0.0634, 0.4683, 0.4683], atol=1e-4)
+    x = rng.standard_normal((2, 7, 8))
+    ws = [rng.standard_normal(shape) / 3 for shape in ((8, 12), (8, 6), (8, 10), (20, 5))]
+    out, weights = api.mha(x, *ws, 4, kv_heads=2, window=(2, 0))
+    want_out, want_w = core.mha(x, *ws, 4, kv_heads=2, window=(2, 0))
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-12)
+
+
+@pytest.mark.live
+def test_windowed_and_biased_requests_split_exactly(small_api, rng):
+    """Over the small server's limits: a bias splits by leading indices and rows; a window and
+    ALiBi split by leading indices only (their t + S - T moves with rows)."""
+    q, k, v = (rng.standard_normal((8, 32, 8), dtype=np.float32) for _ in range(3))  # 8 x 32 x 32 = 2x the score limit
+    bias = rng.standard_normal((8, 32, 32)).astype(np.float32)
+    slopes = rng.uniform(0, 1, 8).astype(np.float32)
+    for options in ({"bias": bias, "causal": True}, {"window": (4, 0), "alibi_slopes": slopes}):
+        threads = spy_threads(small_api)
+        out, weights = small_api.attention(q, k, v, **options)
+        want_out, want_w = core.attention(q, k, v, **options)
+        np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-6)
+        assert len(threads) >= 2
+
+
+@pytest.mark.live
+def test_gqa_and_averaged_requests_are_not_split(small_api, rng):
+    """A block of flattened leading indices would cut the heads GQA and averaging span: sent whole,
+    the server's refusal is what the caller sees."""
+    q = rng.standard_normal((4, 8, 32, 8), dtype=np.float32)
+    kv = rng.standard_normal((4, 2, 32, 8), dtype=np.float32)
+    for kwargs in ({"enable_gqa": True}, {"average_weights": True}):
+        k = kv if kwargs.get("enable_gqa") else q
+        threads = spy_threads(small_api)
+        with pytest.raises(AttentionError) as info:
+            small_api.attention(q, k, k, **kwargs)
+        assert info.value.code == "too_large" and len(threads) == 1
+
+
+@pytest.mark.live
+def test_cli_variants(live_server, tmp_path, rng):
+    arrays = {"q": rng.standard_normal((4, 6, 4)), "k": rng.standard_normal((2, 6, 4)), "v": rng.standard_normal((2, 6, 3))}
+    arrays["b"] = rng.standard_normal((6, 6))
+    for name, arr in arrays.items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    result = tmp_path / "result.npz"
+    files = [str(tmp_path / f"{n}.npy") for n in "qkv"]
+    args = ["--enable-gqa", "--window", "2,0", "--bias", str(tmp_path / "b.npy"), "--average-weights", "--weights-dtype", "float32"]
+    proc = run_cli("--url", live_server, "attention", *files, *args, "-o", str(result))
+    assert proc.returncode == 0, proc.stderr
+    saved = np.load(result)
+    want_out, want_w = core.attention(
+        arrays["q"], arrays["k"], arrays["v"], enable_gqa=True, window=(2, 0), bias=arrays["b"], average_weights=True
+    )
+    np.testing.assert_allclose(saved["out"], want_out, rtol=0, atol=1e-12)
+    assert saved["weights"].dtype == np.float32 and saved["weights"].shape == (6, 6)
+    np.testing.assert_allclose(saved["weights"], want_w, rtol=0, atol=1e-6)
+    bad = run_cli("--url", live_server, "attention", *files, "--window", "2", "-o", str(result))
+    assert bad.returncode == 2 and "LEFT,RIGHT" in bad.stderr
