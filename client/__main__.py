@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--no-causal", dest="causal", action="store_false")
 
     for cmd in (a, m):
-        cmd.add_argument("--window", type=_window, help="LEFT,RIGHT: sliding window (FlashAttention's window_size; -1 unbounded)")
+        cmd.add_argument(
+            "--window", type=_window, help="LEFT,RIGHT: sliding window (FlashAttention's window_size; -1 unbounded: write --window=-1,0)"
+        )
         cmd.add_argument("--weights-dtype", choices=["float16", "float32", "float64"], help="precision of the returned weights")
         cmd.add_argument("--dtype", choices=["float32", "float64"])
         cmd.add_argument("--no-weights", dest="weights", action="store_false", help="do not compute or save the weights")

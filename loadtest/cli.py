@@ -47,6 +47,17 @@ def _T_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _window(text: str) -> tuple[int, int]:
+    """`"256,0"` -> (256, 0): integers >= -1."""
+    try:
+        left, right = (int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want LEFT,RIGHT (two integers, e.g. 256,0), got {text!r}") from None
+    if min(left, right) < -1:
+        raise argparse.ArgumentTypeError(f"window values must be >= -1 (-1: unbounded), got {text!r}")
+    return left, right
+
+
 def _positive(kind: type):
     def convert(text: str):
         value = kind(text)
@@ -102,6 +113,18 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="ask for the (T, S) weights (return_weights; default yes, as the API)",
+    )
+    wl.add_argument(
+        "--window",
+        type=_window,
+        metavar="LEFT,RIGHT",
+        help="sliding-window attention (FlashAttention's window_size, -1 unbounded), e.g. 256,0 (write --window=-1,0 when LEFT is negative): the work grows as T x window, not T^2",
+    )
+    wl.add_argument(
+        "--kv-heads",
+        type=_positive(int),
+        metavar="N",
+        help="grouped-query attention: k and v with N heads, dividing --heads (enable_gqa)",
     )
     wl.add_argument("--encoding", choices=("b64", "nested"), default="b64")
     wl.add_argument("--seed", type=int, default=0)
@@ -169,7 +192,15 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConf
         api_key=args.api_key,
     )
     workload = Workload(
-        batch=args.batch, heads=args.heads, d=args.d, causal=args.causal, weights=args.weights, encoding=args.encoding, seed=args.seed
+        batch=args.batch,
+        heads=args.heads,
+        d=args.d,
+        causal=args.causal,
+        weights=args.weights,
+        encoding=args.encoding,
+        seed=args.seed,
+        window=args.window,
+        kv_heads=args.kv_heads,
     )
     return SweepConfig(
         base_url=base_url,
@@ -196,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--url must start with http:// or https://, got {args.url!r}")
     if not 0 <= args.max_error_rate <= 1:
         parser.error("--max-error-rate must be between 0 and 1")
+    if args.kv_heads is not None and args.heads % args.kv_heads:
+        parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.duration is not None and args.duration > args.max_cell_seconds:
         parser.error("--duration must not exceed --max-cell-seconds")
     config = config_from_args(args, argv)

@@ -280,3 +280,33 @@ def test_a_refused_T_stops_that_concurrency(live_server, tmp_path):
     assert (rows["16"]["ok"], rows["8192"]["ok"], rows["8192"]["errors"]) == ("2", "0", "413:1")
     assert rows["8192"]["note"].startswith("refused: 413 too_long")
     assert "skipped T=16384" in (tmp_path / "report.md").read_text()
+
+
+def test_bodies_with_a_window_and_grouped_heads():
+    wl = Workload(batch=2, heads=4, d=8, causal=True, weights=False, window=(256, 0), kv_heads=2)
+    body = orjson.loads(build_body(wl, 16))
+    assert body["window"] == [256, 0] and body["enable_gqa"] is True
+    assert body["q"]["shape"] == [2, 4, 16, 8] and body["k"]["shape"] == body["v"]["shape"] == [2, 2, 16, 8]
+    assert "window [256, 0]" in wl.describe() and "GQA" in wl.describe()
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [(["--window", "256"], "LEFT,RIGHT"), (["--window=-2,0"], ">= -1"), (["--heads", "4", "--kv-heads", "3"], "must divide")],
+    ids=["window of one", "window below -1", "kv-heads do not divide"],
+)
+def test_bad_variant_flags_are_usage_errors(args, words):
+    proc = subprocess.run([sys.executable, "-m", "loadtest", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr
+
+
+@pytest.mark.live
+def test_window_and_gqa_sweep_against_the_live_service(live_server, tmp_path):
+    out = tmp_path / "out"
+    args = ["--url", live_server, "--T", "64,128", "--concurrency", "1", "--requests", "3", "--heads", "4", "--d", "16"]
+    args += ["--kv-heads", "2", "--window", "16,0", "--no-weights", "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "loadtest", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = _read_csv(out / "results.csv")
+    assert [(r["T"], r["ok"], r["kv_heads"], r["window"]) for r in rows] == [("64", "3", "2", "16,0"), ("128", "3", "2", "16,0")]
+    assert "window [16, 0]" in (out / "report.md").read_text()
