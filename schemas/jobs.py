@@ -51,7 +51,7 @@ class _Job:
     dtype: str
     window: tuple[int, int] | None = None  # FlashAttention's window_size, or no window
     groups: int = 1  # query heads per key/value head (grouped-query attention)
-    weights_dtype: str | None = None  # the weights' precision on the wire; None: the compute dtype
+    weights_dtype: str | None = None  # the weights' precision on the wire (cast as they are sent); None: the compute dtype
 
     @property
     def score_elements(self) -> int:
@@ -102,11 +102,14 @@ class _Job:
         itemsize = np.dtype(self.dtype).itemsize
         if not self.return_weights:
             return self.score_elements + self.extra_input_bytes
-        # the core's weights buffer is (B, T, S) in the compute dtype, averaged or cast after
+        # the core's weights buffer is (B, T, S) in the compute dtype, averaged after; b64 is cast
+        # and encoded chunk by chunk as it is sent, the other encodings cast whole first
         computed = self.score_elements * (itemsize + 1)
-        sent = 0 if self.encoding == "b64" else self.weights_elements * 24  # base64 is encoded as it is sent
-        if self.weights_elements != self.score_elements or self.weights_itemsize != itemsize:
-            computed += self.weights_elements * self.weights_itemsize  # the averaged or cast copy
+        sent = 0 if self.encoding == "b64" else self.weights_elements * 24
+        if self.weights_elements != self.score_elements:
+            computed += self.weights_elements * itemsize  # the averaged copy
+        if self.weights_itemsize != itemsize and self.encoding != "b64":
+            computed += self.weights_elements * self.weights_itemsize  # the cast copy
         return computed + sent + self.extra_input_bytes
 
     extra_input_bytes: int = 0  # inputs the estimate above does not scale with (a bias)
@@ -121,9 +124,7 @@ class _Job:
                 f'The scores q·kᵀ·scale overflow {exc.dtype}; send "dtype": "float64", smaller values or a smaller scale.',
                 self.overflow_field,
             ) from None
-        if weights is not None and self.weights_dtype is not None:
-            weights = weights.astype(self.weights_dtype, copy=False)  # float16: half the bytes on the wire
-        return out, weights
+        return out, weights  # in the compute dtype: the front doors send them in weights_dtype
 
     overflow_field = "q"
 

@@ -4,6 +4,7 @@ orjson path does, for valid bodies and for every malformed one."""
 
 from __future__ import annotations
 
+import base64
 import itertools
 
 import numpy as np
@@ -333,3 +334,22 @@ def test_streamed_nested_arrays_are_orjsons_bytes(shape):
     assert (length is None) == (arr.size > codec.NESTED_CHUNK_ELEMENTS)
     assert length is None or length == len(got)
     assert codec.dumps(body) == got  # the eager path writes the same
+
+
+@pytest.mark.parametrize("chunk", [30, 3 * 2**20], ids=["small chunks", "default chunks"])
+def test_b64_sent_in_a_narrower_dtype_is_cast_chunk_by_chunk(monkeypatch, rng, chunk):
+    """weights_dtype: a float32 array sent as float16 is the bytes of arr.astype(float16), whatever the chunking."""
+    monkeypatch.setattr(stream, "B64_CHUNK", chunk)
+    arr = rng.standard_normal((5, 13)).astype(np.float32)
+    value = codec.encode(arr, "b64", lazy=True, dtype="float16")
+    data, length = codec.dump_chunks({"weights": value})
+    text = _body_bytes(data)
+    assert len(text) == length
+    doc = orjson.loads(text)["weights"]
+    assert doc["dtype"] == "float16" and doc["shape"] == [5, 13]
+    got = np.frombuffer(base64.b64decode(doc["b64"]), dtype="<f2").reshape(5, 13)
+    assert np.array_equal(got, arr.astype(np.float16))
+    assert orjson.loads(codec.dumps({"weights": value})) == orjson.loads(text)  # eager and lazy agree
+    for encoding in ("flat", "nested"):
+        eager = codec.encode(arr, encoding, dtype="float16")
+        assert np.asarray(eager["data"] if encoding == "flat" else eager).dtype == np.float16

@@ -68,7 +68,7 @@ def respond_job(job: Job, out: np.ndarray, weights: np.ndarray | None) -> Respon
     with phase("encode"):
         body = {"out": wire.encode(out, job.encoding, lazy=True)}
         if weights is not None:
-            body["weights"] = wire.encode(weights, job.encoding, lazy=True)
+            body["weights"] = wire.encode(weights, job.encoding, lazy=True, dtype=job.weights_dtype)
         body["cost"] = cost(job)
         body["timing_ms"] = timing
         return json_response(body)

@@ -270,7 +270,8 @@ def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray
         blobs = []
         for name, binary in req.outputs:
             arr = results[name]
-            arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
+            dtype = np.dtype(job.weights_dtype or arr.dtype) if name == "weights" else arr.dtype  # weights_dtype: FP16 weights
+            arr = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<"))
             entry = {"name": name, "datatype": OUTPUT_DATATYPES[arr.dtype], "shape": list(arr.shape)}
             if binary:
                 entry["parameters"] = {"binary_data_size": arr.nbytes}

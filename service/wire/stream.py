@@ -19,24 +19,30 @@ NESTED_CHUNK_ELEMENTS = 2**18  # numbers per block of a streamed nested array (~
 
 
 class B64Text:
-    """A response tensor's base64 text, encoded only when it is written (see dump_chunks)."""
+    """A response tensor's base64 text, encoded only when it is written (see dump_chunks).
 
-    __slots__ = ("arr",)
+    dtype: the precision on the wire, when narrower than the array's (weights_dtype float16):
+    each chunk is cast as it is encoded, so the cast overlaps the sending and no whole copy is made."""
 
-    def __init__(self, arr: np.ndarray):
-        self.arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))  # (...), little-endian
+    __slots__ = ("arr", "dtype")
+
+    def __init__(self, arr: np.ndarray, dtype: np.dtype | None = None):
+        self.arr = np.ascontiguousarray(arr)  # (...)
+        self.dtype = np.dtype(dtype or arr.dtype).newbyteorder("<")  # little-endian on the wire
 
     def __len__(self) -> int:
-        return 4 * math.ceil(self.arr.nbytes / 3)
+        return 4 * math.ceil(self.arr.size * self.dtype.itemsize / 3)
 
     def chunks(self):
-        raw = memoryview(self.arr.reshape(-1)).cast("B")
-        step = B64_CHUNK
-        for start in range(0, len(raw), step):
-            yield pybase64.b64encode(raw[start : start + step])
+        flat = self.arr.reshape(-1)
+        step = max(3, B64_CHUNK // self.dtype.itemsize // 3 * 3)  # elements: a multiple of 3, so the chunks' bytes join
+        for start in range(0, flat.size, step):
+            part = flat[start : start + step].astype(self.dtype, copy=False)
+            yield pybase64.b64encode(memoryview(part).cast("B"))
 
     def text(self) -> str:
-        return pybase64.b64encode(memoryview(self.arr.reshape(-1)).cast("B")).decode("ascii")
+        raw = self.arr.reshape(-1).astype(self.dtype, copy=False)
+        return pybase64.b64encode(memoryview(raw).cast("B")).decode("ascii")
 
 
 def dump_chunks(obj) -> tuple[bytes | Iterator[bytes], int | None]:

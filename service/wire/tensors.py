@@ -73,19 +73,21 @@ def decode(value) -> np.ndarray:
     return _decode_nested(value)
 
 
-def encode(arr: np.ndarray, encoding: str, *, lazy: bool = False):
+def encode(arr: np.ndarray, encoding: str, *, lazy: bool = False, dtype: str | None = None):
     """ndarray -> a JSON-ready value in the given encoding (arrays are left for orjson to write).
 
     lazy: a b64 value's text is a B64Text, and a large nested array a NestedArray, encoded by
-    dumps() or, chunk by chunk as they are sent, by dump_chunks(); otherwise a str and an ndarray."""
+    dumps() or, chunk by chunk as they are sent, by dump_chunks(); otherwise a str and an ndarray.
+    dtype: the precision to send arr in (a lazy b64 text casts chunk by chunk as it is sent)."""
     arr = np.ascontiguousarray(arr)
+    wire_dtype = np.dtype(dtype or arr.dtype)
+    if encoding == "b64":
+        text = B64Text(arr, wire_dtype)
+        return {"shape": list(arr.shape), "dtype": wire_dtype.name, "b64": text if lazy else text.text()}
+    arr = arr.astype(wire_dtype, copy=False)
     if encoding == "nested":
         return NestedArray(arr) if lazy and arr.size > NESTED_CHUNK_ELEMENTS else arr
-    head = {"shape": list(arr.shape), "dtype": arr.dtype.name}
-    if encoding == "flat":
-        return {**head, "data": arr.reshape(-1)}
-    text = B64Text(arr)
-    return {**head, "b64": text if lazy else text.text()}
+    return {"shape": list(arr.shape), "dtype": arr.dtype.name, "data": arr.reshape(-1)}
 
 
 def _decode_nested(value) -> np.ndarray:
