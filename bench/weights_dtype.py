@@ -43,13 +43,24 @@ def body(q, k, v, weights_dtype: str | None) -> bytes:
     return json.dumps(doc).encode()
 
 
-def timed_post(conn: http.client.HTTPConnection, payload: bytes) -> tuple[float, float, bytes]:
-    """(ms to the response's headers, ms from them to the last byte, the body)."""
+def timed_post(conn: http.client.HTTPConnection, payload: bytes, read_mb_s: float | None) -> tuple[float, float, bytes]:
+    """(ms to the response's headers, ms from them to the last byte, the body). read_mb_s: read
+    the body no faster than this (a link slower than loopback: the server's writes wait on it)."""
     start = time.perf_counter()
     conn.request("POST", "/attention", body=payload, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     headers_at = time.perf_counter()
-    data = resp.read()
+    if read_mb_s is None:
+        data = resp.read()
+    else:
+        parts, got = [], 0
+        while chunk := resp.read(2**18):
+            parts.append(chunk)
+            got += len(chunk)
+            ahead = got / (read_mb_s * 1e6) - (time.perf_counter() - headers_at)
+            if ahead > 0:
+                time.sleep(ahead)
+        data = b"".join(parts)
     end = time.perf_counter()
     if resp.status != 200:
         raise RuntimeError(f"{resp.status}: {data[:300]!r}")
@@ -66,6 +77,7 @@ def main() -> None:
     p.add_argument("-H", type=int, default=8)
     p.add_argument("-T", type=int, default=1024)
     p.add_argument("-d", type=int, default=64)
+    p.add_argument("--read-mb-s", type=float, help="read responses no faster than this many MB/s (a link slower than loopback)")
     args = p.parse_args()
 
     started = None
@@ -86,7 +98,7 @@ def main() -> None:
         start = time.perf_counter()
         for i in range(args.warmup + args.runs):
             for name in cases:
-                head_ms, read_ms, data = timed_post(conns[name], payloads[name])
+                head_ms, read_ms, data = timed_post(conns[name], payloads[name], args.read_mb_s)
                 if i >= args.warmup:
                     rows[name].append((head_ms, read_ms, head_ms + read_ms))
                 sizes[name] = len(data)
@@ -103,6 +115,7 @@ def main() -> None:
         print(
             f"q, k, v ({args.B}, {args.H}, {args.T}, {args.d}) float32 b64, causal, weights returned in b64; "
             f"{n} runs each after {args.warmup} warm-up, alternating; medians"
+            + ("" if args.read_mb_s is None else f"; responses read at most {args.read_mb_s:g} MB/s")
         )
         print(f"machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
         print()
