@@ -831,7 +831,7 @@ PROTOCOL = [
     Case("v2-binary-size-huge", v2_binary(sizes={"q": 2**70}), 422, path=V2),
     Case("v2-binary-size-mismatches-shape", v2_binary(sizes={"q": 16, "k": 32}), 422, path=V2),
     Case("v2-binary-name-is-a-list", v2_binary(q={"name": ["q"]}), 422, path=V2),
-    Case("v2-datatype-FP16", v2_input("q", datatype="FP16"), 422, path=V2),
+    Case("v2-datatype-BF16", v2_input("q", datatype="BF16"), 422, path=V2),
     Case("v2-datatype-BYTES", v2_input("q", datatype="BYTES"), 422, path=V2),
     Case("v2-datatype-UINT8", v2_input("k", datatype="UINT8"), 422, path=V2),
     Case("v2-datatype-lowercase-fp32", v2_input("v", datatype="fp32"), 422, path=V2),
