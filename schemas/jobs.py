@@ -185,7 +185,7 @@ class AttentionJob(_Job):
         return 0 if self.bias is None else self.bias.nbytes  # read by every block, never materialised larger
 
     @property
-    def out_elements(self) -> int:
+    def output_elements(self) -> int:
         """The returned out, B*T*dv."""
         return self.B * self.T * self.v.shape[-1]
 
@@ -254,7 +254,7 @@ class MhaJob(_Job):
         return 2 * rows * (d * projections + out)  # x Wq, x Wk, x Wv and the heads Wo: 8 n d² for the GPT block
 
     @property
-    def out_elements(self) -> int:
+    def output_elements(self) -> int:
         """The returned out, B*n*d_out (or B*n*h*dv without wo)."""
         width = self.wv.shape[-1] * self.groups if self.wo is None else self.wo.shape[-1]
         return math.prod(self.x.shape[:-1]) * width

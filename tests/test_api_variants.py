@@ -144,7 +144,7 @@ def test_the_jobs_count_the_variants():
     assert biased.working_bytes() == plain.working_bytes() + bias.astype(np.float32).nbytes
     averaged = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "average_weights": True})
     assert averaged.weights_elements == 64 * 64 and plain.weights_elements == 8 * 64 * 64
-    assert plain.out_elements == 8 * 64 * 4
+    assert plain.output_elements == 8 * 64 * 4
 
 
 # --- /attention: refused ---------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def test_mha_job_counts_its_projections(settings, rng):
     job = MhaRequest(settings).load({"x": x.tolist(), **{n: w.tolist() for n, w in ws.items()}, "heads": 4, "kv_heads": 2})
     rows = 2 * 9
     assert job.other_flops == 2 * rows * (6 * (12 + 6 + 10) + 20 * 7)
-    assert job.head_widths == (3, 5) and job.groups == 2 and job.out_elements == rows * 7
+    assert job.head_widths == (3, 5) and job.groups == 2 and job.output_elements == rows * 7
 
 
 def mha_body(**changes):
