@@ -123,8 +123,13 @@ class Cost(Schema):
 
 
 class ComputeResponse(Schema):
-    out = Tensor(required=True, metadata={"description": "(..., T, dv) for /attention; (n, d) or (B, n, d) for /mha"})
-    weights = Tensor(metadata={"description": "(..., T, S) for /attention; (h, n, n) or (B, h, n, n) for /mha; only when return_weights"})
+    out = Tensor(required=True, metadata={"description": "(..., T, dv) for /attention; (n, d_out) or (B, n, d_out) for /mha"})
+    weights = Tensor(
+        metadata={
+            "description": "(..., T, S) for /attention (without the heads axis -3 under average_weights); (h, n, n) or "
+            "(B, h, n, n) for /mha; only when return_weights; in weights_dtype if given"
+        }
+    )
     cost = fields.Nested(Cost, required=True)
     timing_ms = fields.Dict(
         keys=fields.String(),
