@@ -91,7 +91,8 @@ class _Job:
         return self.score_elements * per
 
     def compute(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """(out, weights or None) from the numeric core; non_finite if the scores overflow."""
+        """(out, weights or None) from the numeric core; non_finite if the scores or the result
+        overflow (never a 200 with inf or NaN in it)."""
         try:
             return self._compute()
         except core.ScoreOverflow as exc:
@@ -99,6 +100,10 @@ class _Job:
                 "non_finite",
                 f'The scores q·kᵀ·scale overflow {exc.dtype}; send "dtype": "float64", smaller values or a smaller scale.',
                 self.overflow_field,
+            ) from None
+        except core.ResultOverflow as exc:
+            raise RequestError(
+                "non_finite", f'The result ({exc.what}) overflows {exc.dtype}; send "dtype": "float64" or smaller values.', None
             ) from None
 
     overflow_field = "q"

@@ -47,6 +47,22 @@ def post(client, body, path="/attention", **kwargs):
 # --- what a client relies on ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("weights", [True, False])
+def test_large_values_are_answered_not_overflowed(client, weights):
+    """exp(63) * 1e12 overflows float32; the softmax of one key is 1, so out is v (issue 10, #4)."""
+    r = post(client, {"q": [[63.0]], "k": [[1.0]], "v": [[1e12]], "scale": 1.0, "return_weights": weights})
+    assert r.status_code == 200, r.json
+    assert tensor(r.json["out"]).tolist() == [[1e12]]
+
+
+def test_an_overflowing_result_is_non_finite_not_200(client):
+    """The output projection of /mha can overflow float32 where attention did not: 422, never inf."""
+    eye = [[1, 0], [0, 1]]
+    body = {"x": [[1.0, 1.0]] * 2, "wq": eye, "wk": eye, "wv": eye, "wo": [[3e38, 3e38], [3e38, 3e38]], "heads": 1}
+    r = post(client, body, "/mha")
+    assert r.status_code == 422 and r.json["error"]["code"] == "non_finite", r.json
+
+
 @pytest.mark.parametrize("encode", [lambda a: a, flat, b64], ids=["nested", "flat", "b64"])
 def test_worked_example_in_every_encoding(client, encode):
     r = post(client, {"q": encode(Q), "k": encode(Q), "v": encode(V), "causal": True})
