@@ -229,6 +229,8 @@ REJECT = [
     ("negative scale", with_(scale=-1.0), 422, "bad_option", "scale"),
     ("key_lengths past S", with_(key_lengths=4), 422, "bad_option", "key_lengths"),
     ("key_lengths floats", with_(key_lengths=2.5), 422, "bad_type", "key_lengths"),
+    ("key_lengths wraps int32", with_(key_lengths={"shape": [1], "dtype": "int32", "data": [4294967297]}), 422, "bad_type", "key_lengths"),
+    ("key_lengths past int64", with_(key_lengths=[2**63 + 1] * 64), 422, "bad_option", "key_lengths"),
     ("T over max", with_(q=[[1, 0]] * 65), 413, "too_long", "q"),
     ("S over max", with_(k=[[1, 0]] * 65, v=[[1, 0]] * 65), 413, "too_long", "k"),
     (

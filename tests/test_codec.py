@@ -314,3 +314,23 @@ def test_streamed_nested_arrays_are_orjsons_bytes(shape):
     assert (length is None) == (arr.size > codec.NESTED_CHUNK_ELEMENTS)
     assert length is None or length == len(got)
     assert codec.dumps(body) == got  # the eager path writes the same
+
+
+# --- integers are range-checked before they are narrowed (issue 10, finding 4) -----------------
+
+
+@pytest.mark.parametrize("dtype, value", [("int32", 4294967297), ("int32", -(2**31) - 1), ("int32", 2**31)])
+def test_flat_integers_outside_the_declared_dtype_are_refused(dtype, value):
+    with pytest.raises(TensorError) as err:
+        codec.decode({"shape": [1], "dtype": dtype, "data": [value]})
+    assert err.value.code == "bad_type"
+
+
+def test_flat_integers_at_the_declared_dtype_edges_decode():
+    arr = codec.decode({"shape": [2], "dtype": "int32", "data": [-(2**31), 2**31 - 1]})
+    assert arr.dtype == np.int32 and arr.tolist() == [-(2**31), 2**31 - 1]
+
+
+def test_narrow_refuses_uint64_past_int64():
+    with pytest.raises(TensorError):
+        codec.narrow(np.array([2**63 + 1], np.uint64), np.dtype(np.int64))
