@@ -127,6 +127,14 @@ BODIES = {
     "small array stays a list": {"q": [[1.0, 2.0], [3.0, 4.0]]},
     "rows of two": {"q": [[float(i), 1.0] for i in range(100)]},
     "rows of one": {"q": [[float(i)] for i in range(100)]},
+    "rows of one, one of two": {"q": [[float(i)] for i in range(99)] + [[1.0, 2.0]]},
+    "rows of one, one empty": {"q": [[float(i)] for i in range(99)] + [[]]},
+    "rows of one, a list in one": {"q": [[float(i)] for i in range(99)] + [[[1.0]]]},
+    "rows of one, a number for a row": {"q": [[float(i)] for i in range(99)] + [1.0]},
+    "rows of two, one of one then one of three": {"q": [[float(i), 1.0] for i in range(98)] + [[1.0], [1.0, 2.0, 3.0]]},
+    "rank 3 short rows": {"q": [[[float(i)], [1.0]] for i in range(100)]},
+    "rank 3 short rows, a row moved": {"q": [[[float(i)], [1.0]] for i in range(98)] + [[[1.0]], [[1.0], [2.0], [3.0]]]},
+    "rank 3 short rows, an item short": {"q": [[[float(i)], [1.0]] for i in range(99)] + [[[1.0]]]},
     "flat": {"q": {"shape": [12, 8], "data": list(itertools.chain(*GRID))}},
     "flat nested data": {"q": {"shape": [12, 8], "data": GRID}},
     "flat data ragged": {"q": {"shape": [96], "data": list(itertools.chain(*GRID))[:-1] + [[1.0]]}},
@@ -226,6 +234,12 @@ def test_fast_path_is_taken():
     assert isinstance(doc["q"], np.ndarray) and isinstance(doc["k"]["data"], np.ndarray)
     assert isinstance(doc["v"]["b64"], codec.Payload)
     assert codec.depth(doc, 20) == 3  # as for the same lists: the object, then two axes
+
+
+def test_short_rows_take_the_fast_path():
+    """Rows of one or two numbers are checked on the text in C, not as Python lists (issue 10, #6)."""
+    for doc in ({"q": [[float(i)] for i in range(1000)]}, {"q": [[i, 2] for i in range(1000)]}):
+        assert isinstance(codec.loads(orjson.dumps(doc))["q"], np.ndarray)
 
 
 def test_non_objects_and_other_documents_are_plain():
