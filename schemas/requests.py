@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from marshmallow import RAISE, Schema, ValidationError, post_load, validates_schema
+from marshmallow import RAISE, Schema, ValidationError, post_load, pre_load, validates_schema
 
 from service import wire
 from service.config import Settings
@@ -45,13 +45,26 @@ class _Request(Schema):
     def _label(self, name: str) -> str:
         return self.labels.get(name, name)
 
+    @pre_load
+    def _known_fields(self, data, **kwargs):
+        """Refuse the first unknown field (in the order sent) before any field is read: a pass that
+        stops there, where marshmallow would read every field and then collect every unknown key."""
+        if isinstance(data, dict):
+            for name in data:
+                if name not in self.fields:
+                    self._unknown(name)
+        return data
+
+    def _unknown(self, name: str):
+        known = ", ".join(sorted(self.fields))
+        raise RequestError("unknown_field", f"{_show_name(name)} is not a field of this request; the fields are: {known}.", name[:60])
+
     def handle_error(self, error: ValidationError, data, *, many: bool, **kwargs):
         """Only marshmallow's own checks reach here (our fields raise RequestError): unknown fields."""
         messages = error.messages if isinstance(error.messages, dict) else {"_schema": error.messages}
         name = next(iter(messages))
         if name not in self.fields:
-            known = ", ".join(sorted(self.fields))
-            raise RequestError("unknown_field", f"{name!r} is not a field of this request; the fields are: {known}.", name)
+            self._unknown(name)
         raise RequestError("bad_type", f"{self._label(name)}: {messages[name]}", name)
 
     def _dtype(self, data) -> np.dtype:
@@ -213,6 +226,12 @@ class MhaRequest(_Request):
             return_weights=data["return_weights"],
             encoding=self._encoding(data, original, "x"),
         )
+
+
+def _show_name(name: str, limit: int = 40) -> str:
+    """A client's field name as a message shows it: quoted, and cut if long (names are unbounded)."""
+    text = repr(name)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -55,6 +55,14 @@ def test_large_values_are_answered_not_overflowed(client, weights):
     assert tensor(r.json["out"]).tolist() == [[1e12]]
 
 
+def test_many_unknown_fields_are_one_error_naming_the_first(client):
+    """Refused before any field is read (issue 10, #5: 200,000 fields took 30 s)."""
+    body = {"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], **{f"f{i}": i for i in range(10000)}}
+    r = post(client, body)
+    assert r.status_code == 422 and r.json["error"]["code"] == "unknown_field" and r.json["error"]["field"] == "f0", r.json
+    assert len(r.json["error"]["message"]) < 1000
+
+
 def test_an_overflowing_result_is_non_finite_not_200(client):
     """The output projection of /mha can overflow float32 where attention did not: 422, never inf."""
     eye = [[1, 0], [0, 1]]

@@ -12,6 +12,7 @@ import pytest
 
 from service import wire as codec
 from service.wire import TensorError, stream
+from service.wire import json as wire_json
 
 DTYPES = [np.float32, np.float64, np.bool_]
 
@@ -163,6 +164,11 @@ BODIES = {
     "null tensor": {"q": None},
     "big integers": {"q": [[2**63 + 1] * 70]},
     "big and small integers": {"q": [[2**63 + 1, 1] * 35]},
+    "more keys than the fast path looks up": {"q": GRID, **{f"f{i}": i for i in range(wire_json.MAX_FAST_KEYS + 1)}},
+    "more keys in a tensor object": {"q": {"shape": [1], "data": [1.0], **{f"f{i}": i for i in range(wire_json.MAX_FAST_KEYS + 1)}}},
+    "more payloads than the fast path cuts": {
+        f"t{i}": {"shape": [1], "dtype": "float32", "b64": "AACAPw=="} for i in range(wire_json.MAX_PAYLOADS + 1)
+    },
 }
 
 

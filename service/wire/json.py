@@ -28,6 +28,10 @@ FAST_MIN_ELEMENTS = 64  # smaller arrays stay Python lists: nothing to gain, and
 # and page faults for a 17 MB body (measured: parse 46 ms fresh, 26 ms reused). One per process
 # is reused for bodies up to this size, so an idle worker holds at most a few times this much.
 PARSER_REUSE_MAX_BYTES = 32 * 2**20
+# Bounds on the fast path's Python work, past any valid request (a few fields, at most a dozen
+# tensors): a body beyond them is parsed by orjson alone, in time linear in its bytes.
+MAX_FAST_KEYS = 64  # keys of one object looked up through simdjson (each lookup scans the keys)
+MAX_PAYLOADS = 64  # "b64" payloads cut out of one body (each costs Python)
 SHORT_ROW = 3  # rows shorter than this are checked on the text (_nests_as), not row by row
 
 
@@ -139,6 +143,8 @@ def _items(obj: simdjson.Object) -> list:
     """(key, value) pairs with arrays and objects left as simdjson proxies (items() converts them
     all to Python). A repeated key raises: orjson keeps the last, simdjson's lookup the first."""
     keys = list(obj)
+    if len(keys) > MAX_FAST_KEYS:  # obj[key] scans the keys: N lookups cost N**2 (200,000 keys: 30 s)
+        raise ValueError("too many keys for the fast path")
     if len(set(keys)) != len(keys):
         raise ValueError("repeated key")
     return [(key, obj[key]) for key in keys]
@@ -147,8 +153,8 @@ def _items(obj: simdjson.Object) -> list:
 def _cut_b64(body: bytes | bytearray) -> tuple[bytes | bytearray, dict[str, Payload]]:
     """Cut each "b64": "<base64>" payload out of body, decoded; the skeleton keeps a marker string
     in its place. A payload that is not clean base64 stays in the skeleton, for the slow path."""
-    if b'"b64"' not in body:
-        return body, {}
+    if b'"b64"' not in body or body.count(b'"b64"') > MAX_PAYLOADS:  # C-speed count: no Python per occurrence
+        return body, {}  # none, or more than any request holds: simdjson (and orjson) judge the text as it is
     view, pieces, payloads, pos = memoryview(body), [], {}, 0
     nonce = os.urandom(8).hex()
     while (key := body.find(b'"b64"', pos)) >= 0:
