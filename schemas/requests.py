@@ -84,6 +84,14 @@ class _Request(Schema):
                 "return_weights",
             )
 
+    def _check_output(self, output_elements: int, what: str) -> None:
+        limit = self.settings.max_output_elements
+        if output_elements > limit:
+            raise RequestError(
+                "too_large",
+                f"{what} would return {output_elements} output elements, over the limit of {limit} (ATTN_MAX_OUTPUT_ELEMENTS); split the batch or shorten the sequence.",
+            )
+
     def _check_length(self, field: str, axis: str, n: int, limit: int, env: str) -> None:
         if n > limit:
             raise RequestError(
@@ -146,6 +154,7 @@ class AttentionRequest(_Request):
         self._check_width("q", d)
         self._check_width("v", v.shape[-1])
         self._check_scores(math.prod(lead) * T * S, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}")
+        self._check_output(math.prod(lead) * T * v.shape[-1], f"{L('q')} {list(q.shape)} with {L('v')} {list(v.shape)}")
         mask = data["mask"]
         if mask is not None and not _broadcasts(mask.shape, (*lead, T, S)):
             raise RequestError(
@@ -214,6 +223,7 @@ class MhaRequest(_Request):
         self._check_length("x", "n", n, s.max_t, "ATTN_MAX_T")
         self._check_width("x", d)
         self._check_scores(math.prod(x.shape[:-2]) * heads * n * n, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads")
+        self._check_output(x.size, f"{L('x')} {list(x.shape)}")  # out (..., n, d): wo is (d, d)
 
     @post_load(pass_original=True)
     def _job(self, data, original, **kwargs) -> MhaJob:

@@ -42,6 +42,7 @@ class Settings:
     max_s: int = 4096  # key positions per request
     max_score_elements: int = 2**27  # B*T*S computed (134M: 8 heads at T=S=4096)
     max_weights_elements: int = 2**25  # B*T*S returned as weights (33.5M: 8 heads at T=S=2048, 134 MB f32)
+    max_output_elements: int = 2**25  # out returned, B*T*dv (or B*n*d for /mha): 134 MB f32, as the weights
     max_body_bytes: int = 128 * 2**20  # request body, refused before it is parsed
     max_rank: int = 6  # rank of q, k, v
     max_d: int = 4096  # head dimension / model width
@@ -62,6 +63,7 @@ class Settings:
             max_s=_env("ATTN_MAX_S", d.max_s, int),
             max_score_elements=_env("ATTN_MAX_SCORE_ELEMENTS", d.max_score_elements, int),
             max_weights_elements=_env("ATTN_MAX_WEIGHTS_ELEMENTS", d.max_weights_elements, int),
+            max_output_elements=_env("ATTN_MAX_OUTPUT_ELEMENTS", d.max_output_elements, int),
             max_body_bytes=_env("ATTN_MAX_BODY_BYTES", d.max_body_bytes, int),
             max_rank=_env("ATTN_MAX_RANK", d.max_rank, int),
             max_d=_env("ATTN_MAX_D", d.max_d, int),

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import base64
 import json
+from dataclasses import replace
 
 import numpy as np
 import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from schemas import AttentionRequest, MhaRequest, RequestError
+from service.web.errors import status_of
 
 from . import oracle
 
@@ -177,6 +181,29 @@ def test_limits_endpoint(client, settings):
     assert body["max_score_elements"] == settings.max_score_elements and body["max_rank"] == 6
     assert body["default_dtype"] == "float32" and "version" in body and "a" in body["cost_model"]
     assert "api_keys" not in body
+    assert body["max_output_elements"] == settings.max_output_elements
+
+
+_W64 = {"shape": [64, 64], "data": [0.0] * 4096}
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/attention", {"q": [[[1.0]] * 64] * 2, "k": [[[1.0]]] * 2, "v": [[[1.0] * 64]] * 2, "return_weights": False}),
+        ("/mha", {"x": [[[1.0] * 64] * 64] * 2, **{w: _W64 for w in ("wq", "wk", "wv", "wo")}, "heads": 1, "return_weights": False}),
+    ],
+    ids=["attention B*T*dv", "mha B*n*d"],
+)
+def test_output_over_the_limit_is_413(settings, path, body):
+    """A small request can ask for a large out: q (2, 64, 1) with v (2, 1, 64) is 8192 elements
+    (issue 10, #6: an 88 KB body answered 358 MB)."""
+    schema = (AttentionRequest if path == "/attention" else MhaRequest)(replace(settings, max_output_elements=4096))
+    with pytest.raises(RequestError) as err:
+        schema.load(body)
+    assert err.value.code == "too_large" and status_of(err.value.code) == 413 and "ATTN_MAX_OUTPUT_ELEMENTS" in err.value.message
+    job = (AttentionRequest if path == "/attention" else MhaRequest)(replace(settings, max_output_elements=8192)).load(body)
+    assert job.output_elements == 8192
 
 
 def test_health_and_ready(client):

@@ -216,11 +216,12 @@ def attention(
 
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
-    tn, nb = _plan(B // g, T, S, upper, lower, g)
+    tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # the weights path has no sums scratch
     scratch = None if return_weights else np.empty(nb * g * tn * (masks.widest(tn) + dv + 1), dtype)
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
-        v_max = np.abs(vb[:, 0, :, :dv]).max(axis=(1, 2)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
+        vv = vb[:, 0, :, :dv]  # max and -min rather than abs: no copy of v
+        v_max = np.maximum(vv.max(axis=(1, 2)), -vv.min(axis=(1, 2))) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
         bound = _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
         big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
@@ -238,26 +239,31 @@ def attention(
     return out, (weights.mean(axis=-3) if average_weights else weights)
 
 
-def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1) -> tuple[int, int]:
+def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0) -> tuple[int, int]:
     """(tn, nb): the query rows and key/value items (of g query heads each) of one block.
 
     The rows do not shrink with g: g matmuls of tn rows each run faster than 4x as many of tn / 4
-    rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache."""
-    tn = BLOCK_ELEMENTS // S
+    rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache.
+    dv (the no-weights path only): a block's row is also dv + 1 sums, so where v is wider than k
+    is long the rows are counted by dv + 1 (S=1, dv=2048: sized by S alone, the scratch for the
+    sums was the whole (B, T, dv + 1) output again)."""
+    sums = dv + 1 if dv else 0
+    tn = BLOCK_ELEMENTS // max(S, sums)
     if upper is not None or lower is not None:
         tn = min(tn, T // CAUSAL_BLOCKS)
     if upper is not None and lower is not None:
         tn = min(tn, (upper - lower + 1) // 4)  # a band: a block computes at most ~1.25x the keys its rows see
     tn = min(T, max(MIN_ROWS, tn))  # query rows per block
     width = S if upper is None or lower is None else min(S, max(1, tn + upper - lower))  # keys per block, at most
-    nb = min(Bkv, max(1, BLOCK_ELEMENTS // (tn * g * width)))  # key/value items per block
+    nb = min(Bkv, max(1, BLOCK_ELEMENTS // (tn * g * max(width, sums))))  # key/value items per block
     return tn, nb
 
 
 def block_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, groups: int = 1) -> int:
     """How many blocks attention() computes for B batch items (the product of the leading axes),
     groups query heads per key/value head: each costs a few numpy calls beyond its arithmetic,
-    which the cost model counts."""
+    which the cost model counts. (Counted for the weights path: without weights and with v wider
+    than S, the core runs more, smaller blocks; the cost model was fitted with this count.)"""
     upper, lower = _bounds(T, S, causal, window)
     tn, nb = _plan(B // groups, T, S, upper, lower, groups)
     return math.ceil(B // groups / nb) * math.ceil(T / tn)
