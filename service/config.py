@@ -43,7 +43,11 @@ class Settings:
     max_score_elements: int = 2**27  # B*T*S computed (134M: 8 heads at T=S=4096)
     max_weights_elements: int = 2**25  # B*T*S returned as weights (33.5M: 8 heads at T=S=2048, 134 MB f32)
     max_output_elements: int = 2**25  # out returned, B*T*dv (or B*n*d for /mha): 134 MB f32, as the weights
-    max_body_bytes: int = 128 * 2**20  # request body, refused before it is parsed
+    # Request body, refused before it is parsed. 32 MiB: parsing a hostile JSON body peaks at up to
+    # 33x its size (service.web.admission.PARSE_FACTOR), ~1.1 GB here, which a worker's lone
+    # request may take; at 128 MiB that was ~4.3 GB, past the pod. Valid b64 bodies up to
+    # q, k, v (8, 4096, 63) float32 fit.
+    max_body_bytes: int = 32 * 2**20
     max_rank: int = 6  # rank of q, k, v
     max_d: int = 4096  # head dimension / model width
     default_dtype: str = "float32"
