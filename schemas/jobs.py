@@ -18,6 +18,10 @@ from service import core
 from .errors import RequestError
 
 COMPUTE_DTYPES = ("float32", "float64")  # the dtypes a job computes in (request field "dtype")
+# Bytes beyond the arrays that a response holds while it is written: b64 text is encoded 4 MiB at
+# a time, nested text in blocks of 2**18 numbers (~6 MB); plus the core's O(block) scratch.
+RESPONSE_CHUNK_BYTES = 8 * 2**20
+SCRATCH_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -76,22 +80,40 @@ class _Job:
         flops = self.other_flops + share * attention_flops
         return Work(int(flops), int(self.score_elements * share), self.dtype, int(self.T), self.blocks)
 
+    @property
+    def output_elements(self) -> int:
+        """The elements of out: B*T*dv for /attention, B*n*d for /mha."""
+        raise NotImplementedError
+
+    def _core_bytes(self, itemsize: int) -> int:
+        """The numeric core's own arrays beyond the inputs and the weights."""
+        raise NotImplementedError
+
     def working_bytes(self) -> int:
-        """Estimated peak bytes of computing and answering the job, beyond its body. Measured here
-        (B=1, H=8, d=64, float32, bytes over the worker's idle size per score B*T*S): with weights,
-        b64 4.8-5.9 (the weights and a mask byte; base64 is encoded as it is sent), nested 30
-        (decimal text); without weights 0.9 (the core works in blocks of query rows)."""
+        """Predicted peak bytes of validating, computing and answering the job, beyond its body.
+
+        Counted (itemsize: 4 for float32, 8 for float64): the cast inputs, plus 8 bytes a number
+        decoded from JSON text (float64 or int64, alive until the cast; b64 of the compute dtype
+        is its decoded bytes, no copy), the core's arrays (_core_bytes), the weights if returned,
+        a response chunk and the core's scratch, both bounded by the job's own size. Measured
+        against the peak RSS of the same pipeline (bench/peak_rss.py): 0.84-1.24x for b64 bodies;
+        the parse of a JSON body peaks before the job exists (the gate charges it, see
+        service.web.admission)."""
         itemsize = np.dtype(self.dtype).itemsize
-        if not self.return_weights:
-            per = 1
-        elif self.encoding == "b64":
-            per = itemsize + 1
-        else:
-            per = itemsize + 1 + 24
-        return self.score_elements * per
+        elements = sum(a.size for a in vars(self).values() if isinstance(a, np.ndarray))
+        total = elements * itemsize
+        if self.encoding != "b64":
+            total += elements * 8
+        total += self._core_bytes(itemsize)
+        answered = self.output_elements + (self.score_elements if self.return_weights else 0)
+        if self.return_weights:
+            total += self.score_elements * itemsize
+        total += min(RESPONSE_CHUNK_BYTES, answered * 24)  # a chunk of text: up to ~24 bytes a number
+        return total + min(SCRATCH_BYTES, self.score_elements * itemsize)
 
     def compute(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """(out, weights or None) from the numeric core; non_finite if the scores overflow."""
+        """(out, weights or None) from the numeric core; non_finite if the scores or the result
+        overflow (never a 200 with inf or NaN in it)."""
         try:
             return self._compute()
         except core.ScoreOverflow as exc:
@@ -99,6 +121,10 @@ class _Job:
                 "non_finite",
                 f'The scores q·kᵀ·scale overflow {exc.dtype}; send "dtype": "float64", smaller values or a smaller scale.',
                 self.overflow_field,
+            ) from None
+        except core.ResultOverflow as exc:
+            raise RequestError(
+                "non_finite", f'The result ({exc.what}) overflows {exc.dtype}; send "dtype": "float64" or smaller values.', None
             ) from None
 
     overflow_field = "q"
@@ -140,6 +166,15 @@ class AttentionJob(_Job):
     @property
     def dtype(self) -> str:
         return self.q.dtype.name
+
+    @property
+    def output_elements(self) -> int:
+        return math.prod(self.q.shape[:-1]) * self.v.shape[-1]  # B*T*dv
+
+    def _core_bytes(self, itemsize: int) -> int:
+        """The scaled q, v with its column of ones, and out."""
+        rows = self.v.size // self.v.shape[-1]
+        return (self.q.size + self.v.size + rows + self.output_elements) * itemsize
 
     def _compute(self):
         return core.attention(
@@ -193,6 +228,15 @@ class MhaJob(_Job):
     @property
     def dtype(self) -> str:
         return self.x.dtype.name
+
+    @property
+    def output_elements(self) -> int:
+        return math.prod(self.x.shape[:-1]) * self.wo.shape[-1]  # B*n*d
+
+    def _core_bytes(self, itemsize: int) -> int:
+        """The three (n, d) projections, the per-head copies of q, k, v and out, the merged heads
+        and out @ wo: about 9 x.size."""
+        return 9 * self.x.size * itemsize
 
     def _compute(self):
         return core.mha(self.x, self.wq, self.wk, self.wv, self.wo, self.heads, causal=self.causal, return_weights=self.return_weights)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from marshmallow import RAISE, Schema, ValidationError, post_load, validates_schema
+from marshmallow import RAISE, Schema, ValidationError, post_load, pre_load, validates_schema
 
 from service import wire
 from service.config import Settings
@@ -45,13 +45,26 @@ class _Request(Schema):
     def _label(self, name: str) -> str:
         return self.labels.get(name, name)
 
+    @pre_load
+    def _known_fields(self, data, **kwargs):
+        """Refuse the first unknown field (in the order sent) before any field is read: a pass that
+        stops there, where marshmallow would read every field and then collect every unknown key."""
+        if isinstance(data, dict):
+            for name in data:
+                if name not in self.fields:
+                    self._unknown(name)
+        return data
+
+    def _unknown(self, name: str):
+        known = ", ".join(sorted(self.fields))
+        raise RequestError("unknown_field", f"{_show_name(name)} is not a field of this request; the fields are: {known}.", name[:60])
+
     def handle_error(self, error: ValidationError, data, *, many: bool, **kwargs):
         """Only marshmallow's own checks reach here (our fields raise RequestError): unknown fields."""
         messages = error.messages if isinstance(error.messages, dict) else {"_schema": error.messages}
         name = next(iter(messages))
         if name not in self.fields:
-            known = ", ".join(sorted(self.fields))
-            raise RequestError("unknown_field", f"{name!r} is not a field of this request; the fields are: {known}.", name)
+            self._unknown(name)
         raise RequestError("bad_type", f"{self._label(name)}: {messages[name]}", name)
 
     def _dtype(self, data) -> np.dtype:
@@ -69,6 +82,14 @@ class _Request(Schema):
                 "too_large",
                 f'{what} would return {score_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send "return_weights": false.',
                 "return_weights",
+            )
+
+    def _check_output(self, output_elements: int, what: str) -> None:
+        limit = self.settings.max_output_elements
+        if output_elements > limit:
+            raise RequestError(
+                "too_large",
+                f"{what} would return {output_elements} output elements, over the limit of {limit} (ATTN_MAX_OUTPUT_ELEMENTS); split the batch or shorten the sequence.",
             )
 
     def _check_length(self, field: str, axis: str, n: int, limit: int, env: str) -> None:
@@ -133,6 +154,7 @@ class AttentionRequest(_Request):
         self._check_width("q", d)
         self._check_width("v", v.shape[-1])
         self._check_scores(math.prod(lead) * T * S, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}")
+        self._check_output(math.prod(lead) * T * v.shape[-1], f"{L('q')} {list(q.shape)} with {L('v')} {list(v.shape)}")
         mask = data["mask"]
         if mask is not None and not _broadcasts(mask.shape, (*lead, T, S)):
             raise RequestError(
@@ -201,6 +223,7 @@ class MhaRequest(_Request):
         self._check_length("x", "n", n, s.max_t, "ATTN_MAX_T")
         self._check_width("x", d)
         self._check_scores(math.prod(x.shape[:-2]) * heads * n * n, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads")
+        self._check_output(x.size, f"{L('x')} {list(x.shape)}")  # out (..., n, d): wo is (d, d)
 
     @post_load(pass_original=True)
     def _job(self, data, original, **kwargs) -> MhaJob:
@@ -213,6 +236,12 @@ class MhaRequest(_Request):
             return_weights=data["return_weights"],
             encoding=self._encoding(data, original, "x"),
         )
+
+
+def _show_name(name: str, limit: int = 40) -> str:
+    """A client's field name as a message shows it: quoted, and cut if long (names are unbounded)."""
+    text = repr(name)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
