@@ -5,6 +5,7 @@ The server hooks at the end give every worker its share of the metrics, a warm-u
 ready, and a graceful drain on SIGTERM."""
 
 import atexit
+import ctypes
 import os
 import shutil
 import signal
@@ -27,6 +28,43 @@ if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = _own_metrics_dir = tempfile.mkdtemp(prefix="attention-metrics-")
     atexit.register(lambda pid=os.getpid(): os.getpid() == pid and shutil.rmtree(_own_metrics_dir, ignore_errors=True))  # noqa: B008 (the pid now: only the maker removes it)
 
+
+def _tune_malloc() -> None:
+    """Keep worker RSS flat: buffers of 4 MiB and more always mmapped (and unmapped when freed),
+    two arenas, and up to 16 MiB of free heap top kept for reuse.
+
+    glibc serves a malloc of 128 KiB or more with mmap, but each free of such a block raises that
+    threshold to its size (up to 32 MiB): after the first requests, every score block, weights
+    buffer and decoded tensor under 32 MiB comes from the heap of an arena, and the gthread
+    worker's threads each get an arena (up to 8 per core). Freed, those blocks stay in the
+    arenas, fragmented: under 4 clients of mixed valid requests a worker went 41 -> 288 MB in
+    150 s and kept rising, while tracemalloc saw the Python and numpy heap flat (+0.02 MB over 400
+    requests: no leak, no cache). A fixed threshold (which also stops it moving) and 2 arenas kept
+    it at 88-122 MB over the same load (bench/rss_soak.py). The threshold is 4 MiB, not 1, and the
+    trim threshold 16 MiB, so that a request's blocks under 4 MiB (the core's ~1 MiB scratch)
+    reuse heap pages: at 1 MiB with the default trim every request page-faulted its scratch afresh
+    (T=1024 without weights: 0 -> 6,500 faults and +30% CPU; with these values 0 faults and the
+    default's CPU; bench/malloc_cost.py). mallopt in the arbiter, before the workers fork (they
+    inherit it), so that every way of running the service (make run, the container, compose,
+    Kubernetes) gets it; MALLOC_* in the environment win."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl): its allocator has none of these knobs
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # <malloc.h>
+    for env, param, value in (
+        ("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD, 4 << 20),
+        ("MALLOC_TRIM_THRESHOLD_", M_TRIM_THRESHOLD, 16 << 20),
+        ("MALLOC_ARENA_MAX", M_ARENA_MAX, 2),
+    ):
+        if env not in os.environ:
+            libc.mallopt(param, value)
+
+
+_tune_malloc()  # before the imports below allocate: the arbiter's settings are the workers'
+
 import service.web  # noqa: E402, F401  (after the BLAS threads and the metrics directory; the workers fork with it loaded)
 from service.config import Settings  # noqa: E402
 
@@ -39,9 +77,7 @@ bind = f"{_settings.host}:{_settings.port}"
 # 94 ms against 202 ms, then took 910 ms against 284 ms at concurrency 2): with two BLAS threads
 # per worker, a worker spin-waits for a core that the other worker, or anything else, holds.
 # Not preloaded: nothing measurable to gain (workers start in ~1 s) and each worker imports fresh.
-# Allocator left at glibc's defaults: MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ of 1 GiB gave no
-# measurable gain (page faults on a fresh 32 MiB of weights cost ~4 ms of ~150) and kept up to
-# 200 MiB per idle worker after a T=2048 request.
+# Allocator: see _tune_malloc above (fixed mmap and trim thresholds, two arenas).
 workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
 timeout = 60  # a worker silent this long is killed and replaced
 graceful_timeout = 30  # SIGTERM: in-flight requests get this long to finish

@@ -151,7 +151,8 @@ class Tensor(_Coded, fields.Field):
         if self.kind == "int":
             if arr.dtype.kind == "f":
                 raise wire.TensorError("bad_type", "must hold integers")
-            return arr.astype(np.int64, copy=False)
+            # uint64 past 2**63 would wrap negative: a value out of any option's range (bad_option)
+            return wire.narrow(arr, np.dtype(np.int64), code="bad_option")
         return arr
 
 

@@ -19,6 +19,10 @@ from .errors import RequestError
 
 COMPUTE_DTYPES = ("float32", "float64")  # the dtypes a job computes in (request field "dtype")
 WEIGHTS_DTYPES = ("float16", "float32", "float64")  # the precisions weights may be returned in (weights_dtype)
+# Bytes beyond the arrays that a response holds while it is written: b64 text is encoded 4 MiB at
+# a time, nested text in blocks of 2**18 numbers (~6 MB); plus the core's O(block) scratch.
+RESPONSE_CHUNK_BYTES = 8 * 2**20
+SCRATCH_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -94,28 +98,44 @@ class _Job:
         flops = self.other_flops + share * attention_flops
         return Work(int(flops), int(self.score_elements * share), self.dtype, int(self.T), self.blocks)
 
-    def working_bytes(self) -> int:
-        """Estimated peak bytes of computing and answering the job, beyond its body. Measured here
-        (B=1, H=8, d=64, float32, bytes over the worker's idle size per score B*T*S): with weights,
-        b64 4.8-5.9 (the weights and a mask byte; base64 is encoded as it is sent), nested 30
-        (decimal text); without weights 0.9 (the core works in blocks of query rows)."""
-        itemsize = np.dtype(self.dtype).itemsize
-        if not self.return_weights:
-            return self.score_elements + self.extra_input_bytes
-        # the core's weights buffer is (B, T, S) in the compute dtype, averaged after; b64 is cast
-        # and encoded chunk by chunk as it is sent, the other encodings cast whole first
-        computed = self.score_elements * (itemsize + 1)
-        sent = 0 if self.encoding == "b64" else self.weights_elements * 24
-        if self.weights_elements != self.score_elements:
-            computed += self.weights_elements * itemsize  # the averaged copy
-        if self.weights_itemsize != itemsize and self.encoding != "b64":
-            computed += self.weights_elements * self.weights_itemsize  # the cast copy
-        return computed + sent + self.extra_input_bytes
+    @property
+    def output_elements(self) -> int:
+        """The elements of out: B*T*dv for /attention, B*n*d for /mha."""
+        raise NotImplementedError
 
-    extra_input_bytes: int = 0  # inputs the estimate above does not scale with (a bias)
+    def _core_bytes(self, itemsize: int) -> int:
+        """The numeric core's own arrays beyond the inputs and the weights."""
+        raise NotImplementedError
+
+    def working_bytes(self) -> int:
+        """Predicted peak bytes of validating, computing and answering the job, beyond its body.
+
+        Counted (itemsize: 4 for float32, 8 for float64): the cast inputs, plus 8 bytes a number
+        decoded from JSON text (float64 or int64, alive until the cast; b64 of the compute dtype
+        is its decoded bytes, no copy), the core's arrays (_core_bytes), the weights if returned,
+        a response chunk and the core's scratch, both bounded by the job's own size. Measured
+        against the peak RSS of the same pipeline (bench/peak_rss.py): 0.84-1.24x for b64 bodies;
+        the parse of a JSON body peaks before the job exists (the gate charges it, see
+        service.web.admission)."""
+        itemsize = np.dtype(self.dtype).itemsize
+        elements = sum(a.size for a in vars(self).values() if isinstance(a, np.ndarray))  # a bias included
+        total = elements * itemsize
+        if self.encoding != "b64":
+            total += elements * 8
+        total += self._core_bytes(itemsize)
+        answered = self.output_elements + self.weights_elements
+        if self.return_weights:
+            total += self.score_elements * itemsize  # the core's (B, T, S) buffer, in the compute dtype
+            if self.weights_elements != self.score_elements:
+                total += self.weights_elements * itemsize  # averaged over the heads
+            if self.weights_itemsize != itemsize and self.encoding != "b64":
+                total += self.weights_elements * self.weights_itemsize  # cast whole (b64 casts chunk by chunk as it is sent)
+        total += min(RESPONSE_CHUNK_BYTES, answered * 24)  # a chunk of text: up to ~24 bytes a number
+        return total + min(SCRATCH_BYTES, self.score_elements * itemsize)
 
     def compute(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """(out, weights or None) from the numeric core; non_finite if the scores overflow."""
+        """(out, weights or None) from the numeric core; non_finite if the scores or the result
+        overflow (never a 200 with inf or NaN in it)."""
         try:
             out, weights = self._compute()
         except core.ScoreOverflow as exc:
@@ -123,6 +143,10 @@ class _Job:
                 "non_finite",
                 f'The scores q·kᵀ·scale overflow {exc.dtype}; send "dtype": "float64", smaller values or a smaller scale.',
                 self.overflow_field,
+            ) from None
+        except core.ResultOverflow as exc:
+            raise RequestError(
+                "non_finite", f'The result ({exc.what}) overflows {exc.dtype}; send "dtype": "float64" or smaller values.', None
             ) from None
         return out, weights  # in the compute dtype: the front doors send them in weights_dtype
 
@@ -181,13 +205,14 @@ class AttentionJob(_Job):
         return self.q.shape[-3] if self.average_weights else 1
 
     @property
-    def extra_input_bytes(self) -> int:
-        return 0 if self.bias is None else self.bias.nbytes  # read by every block, never materialised larger
-
-    @property
     def output_elements(self) -> int:
         """The returned out, B*T*dv."""
         return self.B * self.T * self.v.shape[-1]
+
+    def _core_bytes(self, itemsize: int) -> int:
+        """The scaled q, v with its column of ones, and out."""
+        rows = self.v.size // self.v.shape[-1]
+        return (self.q.size + self.v.size + rows + self.output_elements) * itemsize
 
     def _compute(self):
         return core.attention(
@@ -262,6 +287,14 @@ class MhaJob(_Job):
     @property
     def dtype(self) -> str:
         return self.x.dtype.name
+
+    def _core_bytes(self, itemsize: int) -> int:
+        """The three projections, the core's copies of q and v, out, the merged heads and out @ wo:
+        9 x.size for the GPT block's (d, d) projections."""
+        rows = self.x.size // self.x.shape[-1]
+        widths = self.wq.shape[-1] + self.wk.shape[-1] + self.wv.shape[-1]
+        heads_out = self.heads * self.head_widths[1]
+        return rows * (2 * widths + 2 * heads_out + (0 if self.wo is None else self.wo.shape[-1])) * itemsize
 
     def _compute(self):
         return core.mha(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from marshmallow import RAISE, Schema, ValidationError, post_load, validates_schema
+from marshmallow import RAISE, Schema, ValidationError, post_load, pre_load, validates_schema
 
 from service import core, wire
 from service.config import Settings
@@ -50,13 +50,26 @@ class _Request(Schema):
     def _label(self, name: str) -> str:
         return self.labels.get(name, name)
 
+    @pre_load
+    def _known_fields(self, data, **kwargs):
+        """Refuse the first unknown field (in the order sent) before any field is read: a pass that
+        stops there, where marshmallow would read every field and then collect every unknown key."""
+        if isinstance(data, dict):
+            for name in data:
+                if name not in self.fields:
+                    self._unknown(name)
+        return data
+
+    def _unknown(self, name: str):
+        known = ", ".join(sorted(self.fields))
+        raise RequestError("unknown_field", f"{_show_name(name)} is not a field of this request; the fields are: {known}.", name[:60])
+
     def handle_error(self, error: ValidationError, data, *, many: bool, **kwargs):
         """Only marshmallow's own checks reach here (our fields raise RequestError): unknown fields."""
         messages = error.messages if isinstance(error.messages, dict) else {"_schema": error.messages}
         name = next(iter(messages))
         if name not in self.fields:
-            known = ", ".join(sorted(self.fields))
-            raise RequestError("unknown_field", f"{name!r} is not a field of this request; the fields are: {known}.", name)
+            self._unknown(name)
         raise RequestError("bad_type", f"{self._label(name)}: {messages[name]}", name)
 
     def _dtype(self, data) -> np.dtype:
@@ -76,6 +89,14 @@ class _Request(Schema):
                 "too_large",
                 f'{what} would return {weights_elements} weights, over the limit of {s.max_weights_elements} (ATTN_MAX_WEIGHTS_ELEMENTS); send "return_weights": false.',
                 "return_weights",
+            )
+
+    def _check_output(self, output_elements: int, what: str) -> None:
+        limit = self.settings.max_output_elements
+        if output_elements > limit:
+            raise RequestError(
+                "too_large",
+                f"{what} would return {output_elements} output elements, over the limit of {limit} (ATTN_MAX_OUTPUT_ELEMENTS); split the batch or shorten the sequence.",
             )
 
     def _check_length(self, field: str, axis: str, n: int, limit: int, env: str) -> None:
@@ -164,6 +185,7 @@ class AttentionRequest(_Request):
         scores = B * T * S if window is None else core.score_count(B, T, S, data["causal"], window=window)
         weights = B * T * S // (q.shape[-3] if data["average_weights"] else 1)
         self._check_scores(scores, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}", weights)
+        self._check_output(B * T * v.shape[-1], f"{L('q')} {list(q.shape)} with {L('v')} {list(v.shape)}")
         bias = data["bias"]
         if bias is not None and not _broadcasts(bias.shape, (*lead, T, S)):
             raise RequestError(
@@ -321,6 +343,8 @@ class MhaRequest(_Request):
         B, window = math.prod(x.shape[:-2]) * heads, data["window"]
         scores = B * n * n if window is None else core.score_count(B, n, n, data["causal"], window=window)
         self._check_scores(scores, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads", B * n * n)
+        d_out = heads * dv if wo is None else wo.shape[-1]
+        self._check_output(math.prod(x.shape[:-1]) * d_out, f"{L('x')} {list(x.shape)}")  # out (..., n, d_out)
         scale = data["scale"]
         if scale is not None and not np.isfinite(self._dtype(data).type(scale)):
             raise RequestError("non_finite", f"{L('scale')}={scale} is not finite in {self._dtype(data).name}.", "scale")
@@ -341,6 +365,12 @@ class MhaRequest(_Request):
             window=data["window"],
             weights_dtype=data["weights_dtype"],
         )
+
+
+def _show_name(name: str, limit: int = 40) -> str:
+    """A client's field name as a message shows it: quoted, and cut if long (names are unbounded)."""
+    text = repr(name)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -42,7 +42,12 @@ class Settings:
     max_s: int = 4096  # key positions per request
     max_score_elements: int = 2**27  # B*T*S computed (134M: 8 heads at T=S=4096)
     max_weights_elements: int = 2**25  # B*T*S returned as weights (33.5M: 8 heads at T=S=2048, 134 MB f32)
-    max_body_bytes: int = 128 * 2**20  # request body, refused before it is parsed
+    max_output_elements: int = 2**25  # out returned, B*T*dv (or B*n*d for /mha): 134 MB f32, as the weights
+    # Request body, refused before it is parsed. 32 MiB: parsing a hostile JSON body peaks at up to
+    # 33x its size (service.web.admission.PARSE_FACTOR), ~1.1 GB here, which a worker's lone
+    # request may take; at 128 MiB that was ~4.3 GB, past the pod. Valid b64 bodies up to
+    # q, k, v (8, 4096, 63) float32 fit.
+    max_body_bytes: int = 32 * 2**20
     max_rank: int = 6  # rank of q, k, v
     max_d: int = 4096  # head dimension / model width
     default_dtype: str = "float32"
@@ -69,6 +74,7 @@ class Settings:
             max_s=_env("ATTN_MAX_S", d.max_s, int),
             max_score_elements=_env("ATTN_MAX_SCORE_ELEMENTS", d.max_score_elements, int),
             max_weights_elements=_env("ATTN_MAX_WEIGHTS_ELEMENTS", d.max_weights_elements, int),
+            max_output_elements=_env("ATTN_MAX_OUTPUT_ELEMENTS", d.max_output_elements, int),
             max_body_bytes=_env("ATTN_MAX_BODY_BYTES", d.max_body_bytes, int),
             max_rank=_env("ATTN_MAX_RANK", d.max_rank, int),
             max_d=_env("ATTN_MAX_D", d.max_d, int),

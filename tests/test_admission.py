@@ -13,6 +13,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from schemas import AttentionRequest
 from service.web import admission, create_app
 from service.web.costmodel import CostModel
 from service.web.errors import ApiError
@@ -224,7 +225,40 @@ def test_a_lone_request_is_always_admitted():
     assert (gate.admitted, gate.bytes) == (0, 0)
 
 
-def test_working_bytes_are_reserved_after_validation(settings, rng):
+def test_the_parse_is_charged_before_the_body_is_read(settings, rng):
+    """Content-Length x PARSE_FACTOR is charged at the gate: parsing a JSON body can take up to that
+    much (bench/garbage.py --rss), so a body whose parse would not fit beside the others is
+    refused unread; a lone one is always admitted."""
+    body = {"q": b64(rng.standard_normal((64, 16))), "k": b64(rng.standard_normal((64, 16))), "v": b64(rng.standard_normal((64, 16)))}
+    length = len(json.dumps(body))  # ~17 kB: its body fits in 100 kB, its parse charge does not
+    app = create_app(replace(settings, max_inflight_bytes=100_000))
+    client = app.test_client()
+    gate = app.extensions["attention.gate"]
+    assert length < 100_000 < length * (1 + admission.PARSE_FACTOR)
+    held = gate.enter(1)
+    try:
+        r = post(client, body)
+        assert r.status_code == 503 and "parse" in r.json["error"]["message"], r.json
+        assert "decode" not in r.headers["Server-Timing"]
+    finally:
+        held.release()
+    assert post(client, body).status_code == 200  # alone, it is admitted
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def test_after_validation_the_parse_charge_becomes_the_working_bytes(app, client, rng):
+    gate = app.extensions["attention.gate"]
+    q = rng.standard_normal((2, 32, 8))
+    body = {"q": b64(q), "k": b64(q), "v": b64(q)}
+    r = post(client, body)  # b64 answers stream: the ticket is held until the body is read
+    job = AttentionRequest(app.extensions["attention.settings"]).load(json.loads(json.dumps(body)))
+    assert r.is_streamed and gate.bytes == r.request.content_length + job.working_bytes()
+    r.get_data()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def test_working_bytes_are_reserved_after_validation(settings, rng, monkeypatch):
+    monkeypatch.setattr(admission, "PARSE_FACTOR", 0)  # the gate charges the body alone: the reservation is what is tested
     app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
     gate = app.extensions["attention.gate"]

@@ -4,6 +4,7 @@ encoding, the response's promises, and the accept/reject catalogue of every erro
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import orjson
@@ -11,6 +12,9 @@ import pytest
 from gunicorn.http.errors import ChunkMissingTerminator, InvalidChunkExtension, InvalidChunkSize
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from schemas import AttentionRequest, MhaRequest, RequestError
+from service.web.errors import status_of
 
 from . import oracle
 from .helpers import WORKED, WORKED_OUT, WORKED_WEIGHTS, Q, V, b64, encoding_of, flat, tensor
@@ -26,6 +30,30 @@ def post(client, body, path="/attention", **kwargs):
 
 
 # --- what a client relies on ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [True, False])
+def test_large_values_are_answered_not_overflowed(client, weights):
+    """exp(63) * 1e12 overflows float32; the softmax of one key is 1, so out is v (issue 10, #4)."""
+    r = post(client, {"q": [[63.0]], "k": [[1.0]], "v": [[1e12]], "scale": 1.0, "return_weights": weights})
+    assert r.status_code == 200, r.json
+    assert tensor(r.json["out"]).tolist() == [[1e12]]
+
+
+def test_many_unknown_fields_are_one_error_naming_the_first(client):
+    """Refused before any field is read (issue 10, #5: 200,000 fields took 30 s)."""
+    body = {"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], **{f"f{i}": i for i in range(10000)}}
+    r = post(client, body)
+    assert r.status_code == 422 and r.json["error"]["code"] == "unknown_field" and r.json["error"]["field"] == "f0", r.json
+    assert len(r.json["error"]["message"]) < 1000
+
+
+def test_an_overflowing_result_is_non_finite_not_200(client):
+    """The output projection of /mha can overflow float32 where attention did not: 422, never inf."""
+    eye = [[1, 0], [0, 1]]
+    body = {"x": [[1.0, 1.0]] * 2, "wq": eye, "wk": eye, "wv": eye, "wo": [[3e38, 3e38], [3e38, 3e38]], "heads": 1}
+    r = post(client, body, "/mha")
+    assert r.status_code == 422 and r.json["error"]["code"] == "non_finite", r.json
 
 
 @pytest.mark.parametrize("encoding", list(ENCODE))
@@ -207,6 +235,29 @@ def test_limits_endpoint(client, settings):
     assert body["max_score_elements"] == settings.max_score_elements and body["max_rank"] == 6
     assert body["default_dtype"] == "float32" and "version" in body and "a" in body["cost_model"]
     assert "api_keys" not in body
+    assert body["max_output_elements"] == settings.max_output_elements
+
+
+_W64 = {"shape": [64, 64], "data": [0.0] * 4096}
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/attention", {"q": [[[1.0]] * 64] * 2, "k": [[[1.0]]] * 2, "v": [[[1.0] * 64]] * 2, "return_weights": False}),
+        ("/mha", {"x": [[[1.0] * 64] * 64] * 2, **{w: _W64 for w in ("wq", "wk", "wv", "wo")}, "heads": 1, "return_weights": False}),
+    ],
+    ids=["attention B*T*dv", "mha B*n*d"],
+)
+def test_output_over_the_limit_is_413(settings, path, body):
+    """A small request can ask for a large out: q (2, 64, 1) with v (2, 1, 64) is 8192 elements
+    (issue 10, #6: an 88 KB body answered 358 MB)."""
+    schema = (AttentionRequest if path == "/attention" else MhaRequest)(replace(settings, max_output_elements=4096))
+    with pytest.raises(RequestError) as err:
+        schema.load(body)
+    assert err.value.code == "too_large" and status_of(err.value.code) == 413 and "ATTN_MAX_OUTPUT_ELEMENTS" in err.value.message
+    job = (AttentionRequest if path == "/attention" else MhaRequest)(replace(settings, max_output_elements=8192)).load(body)
+    assert job.output_elements == 8192
 
 
 def test_health_and_ready(client):
@@ -267,6 +318,8 @@ REJECT = [
     ("negative scale", with_(scale=-1.0), 422, "bad_option", "scale"),
     ("key_lengths past S", with_(key_lengths=4), 422, "bad_option", "key_lengths"),
     ("key_lengths floats", with_(key_lengths=2.5), 422, "bad_type", "key_lengths"),
+    ("key_lengths wraps int32", with_(key_lengths={"shape": [1], "dtype": "int32", "data": [4294967297]}), 422, "bad_type", "key_lengths"),
+    ("key_lengths past int64", with_(key_lengths=[2**63 + 1] * 64), 422, "bad_option", "key_lengths"),
     ("T over max", with_(q=[[1, 0]] * 65), 413, "too_long", "q"),
     ("S over max", with_(k=[[1, 0]] * 65, v=[[1, 0]] * 65), 413, "too_long", "k"),
     (

@@ -932,8 +932,8 @@ def test_v2_readiness_follows_draining():
         for path, session in sessions.items():
             assert session.get(f"{url}{path}", timeout=5).status_code == 200  # kept-alive connections
         rng = np.random.default_rng(0)
-        # ~2**27 scores without weights: seconds of compute, a small answer
-        slow = json.dumps({**{n: b64(rng.standard_normal((8, 4096, 64))) for n in ("q", "k", "v")}, "return_weights": False}).encode()
+        # ~2**26 scores without weights: a second or more of compute, a small answer (a 16.8 MB body)
+        slow = json.dumps({**{n: b64(rng.standard_normal((4, 4096, 64))) for n in ("q", "k", "v")}, "return_weights": False}).encode()
         done = {}
         client = threading.Thread(
             target=lambda: done.update(status=requests.post(f"{url}/attention", data=slow, headers=JSON, timeout=120).status_code)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from service.core import ScoreOverflow, attention, causal_mask, mha
+from service.core import ResultOverflow, ScoreOverflow, attention, causal_mask, mha
 
 from . import oracle
 from .helpers import WORKED_OUT, WORKED_WEIGHTS, Q, V
@@ -223,3 +223,53 @@ def test_equals_oracle(problem):
     eo, ew = oracle.attention(q, k, v, mask, causal=causal)
     np.testing.assert_allclose(w, ew, atol=1e-12)
     np.testing.assert_allclose(out, eo, atol=1e-10)
+
+
+# --- overflow: never a wrong answer (issue 10, finding 4) ---------------------------------------
+
+
+@pytest.mark.parametrize("weights", [True, False])
+@pytest.mark.parametrize("v_value", [1e12, 3e38, -3e38])
+def test_large_values_do_not_overflow(weights, v_value):
+    """exp(63) v overflows float32 for |v| > 5e10, and S |v| for |v| near the maximum: both paths
+    must still give the convex combination of the values."""
+    q = np.array([[63.0], [1.0]], np.float32)
+    k = np.array([[1.0], [1.0], [0.5]], np.float32)
+    v = np.full((3, 1), v_value, np.float32)
+    out, _ = attention(q, k, v, scale=1.0, return_weights=weights)
+    np.testing.assert_allclose(out, np.full((2, 1), v_value), rtol=1e-6)
+
+
+def test_an_overflowing_projection_raises():
+    eye = np.eye(2, dtype=np.float32)
+    with pytest.raises(ResultOverflow):
+        mha(np.ones((2, 2), np.float32), eye, eye, eye, np.full((2, 2), 3e38, np.float32), 1)
+
+
+_SMALL = st.floats(-8, 8, width=32)
+_F32_MAX = float(np.finfo(np.float32).max)
+_ANY_FINITE = st.floats(-_F32_MAX, _F32_MAX, width=32)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 5), st.integers(1, 5), st.integers(1, 3), st.integers(1, 3)),
+    data=st.data(),
+    scale=st.sampled_from([1.0, 0.25, 4.0]),
+    causal=st.sampled_from([False, True, "bottom_right"]),
+    weights=st.booleans(),
+)
+def test_finite_inputs_match_the_float64_oracle(shape, data, scale, causal, weights):
+    """For any finite float32 values (scores kept within float32's reach), out equals the float64
+    oracle whenever the oracle is finite in float32, with and without weights."""
+    B, T, S, d, dv = shape
+    q = data.draw(hnp.arrays(np.float32, (B, T, d), elements=_SMALL))
+    k = data.draw(hnp.arrays(np.float32, (B, S, d), elements=_SMALL))
+    v = data.draw(hnp.arrays(np.float32, (B, S, dv), elements=_ANY_FINITE))
+    expect, _ = oracle.attention(q, k, v, causal=causal, scale=scale)
+    if not np.isfinite(expect.astype(np.float32)).all():
+        return
+    out, _ = attention(q, k, v, causal=causal, scale=scale, return_weights=weights)
+    assert np.isfinite(out).all()
+    v_max = float(np.abs(v.astype(np.float64)).max())
+    np.testing.assert_allclose(out, expect, rtol=1e-3, atol=1e-3 * v_max + 1e-30)

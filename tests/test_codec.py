@@ -13,6 +13,7 @@ import pytest
 
 from service import wire as codec
 from service.wire import TensorError, stream
+from service.wire import json as wire_json
 from service.wire.tensors import MAX_RANK
 
 DTYPES = [np.float32, np.float64, np.bool_]
@@ -129,6 +130,14 @@ BODIES = {
     "small array stays a list": {"q": [[1.0, 2.0], [3.0, 4.0]]},
     "rows of two": {"q": [[float(i), 1.0] for i in range(100)]},
     "rows of one": {"q": [[float(i)] for i in range(100)]},
+    "rows of one, one of two": {"q": [[float(i)] for i in range(99)] + [[1.0, 2.0]]},
+    "rows of one, one empty": {"q": [[float(i)] for i in range(99)] + [[]]},
+    "rows of one, a list in one": {"q": [[float(i)] for i in range(99)] + [[[1.0]]]},
+    "rows of one, a number for a row": {"q": [[float(i)] for i in range(99)] + [1.0]},
+    "rows of two, one of one then one of three": {"q": [[float(i), 1.0] for i in range(98)] + [[1.0], [1.0, 2.0, 3.0]]},
+    "rank 3 short rows": {"q": [[[float(i)], [1.0]] for i in range(100)]},
+    "rank 3 short rows, a row moved": {"q": [[[float(i)], [1.0]] for i in range(98)] + [[[1.0]], [[1.0], [2.0], [3.0]]]},
+    "rank 3 short rows, an item short": {"q": [[[float(i)], [1.0]] for i in range(99)] + [[[1.0]]]},
     "flat": {"q": {"shape": [12, 8], "data": list(itertools.chain(*GRID))}},
     "flat nested data": {"q": {"shape": [12, 8], "data": GRID}},
     "flat data ragged": {"q": {"shape": [96], "data": list(itertools.chain(*GRID))[:-1] + [[1.0]]}},
@@ -157,6 +166,11 @@ BODIES = {
     "null tensor": {"q": None},
     "big integers": {"q": [[2**63 + 1] * 70]},
     "big and small integers": {"q": [[2**63 + 1, 1] * 35]},
+    "more keys than the fast path looks up": {"q": GRID, **{f"f{i}": i for i in range(wire_json.MAX_FAST_KEYS + 1)}},
+    "more keys in a tensor object": {"q": {"shape": [1], "data": [1.0], **{f"f{i}": i for i in range(wire_json.MAX_FAST_KEYS + 1)}}},
+    "more payloads than the fast path cuts": {
+        f"t{i}": {"shape": [1], "dtype": "float32", "b64": "AACAPw=="} for i in range(wire_json.MAX_PAYLOADS + 1)
+    },
 }
 
 
@@ -228,6 +242,12 @@ def test_fast_path_is_taken():
     assert isinstance(doc["q"], np.ndarray) and isinstance(doc["k"]["data"], np.ndarray)
     assert isinstance(doc["v"]["b64"], codec.Payload)
     assert codec.depth(doc, 20) == 3  # as for the same lists: the object, then two axes
+
+
+def test_short_rows_take_the_fast_path():
+    """Rows of one or two numbers are checked on the text in C, not as Python lists (issue 10, #6)."""
+    for doc in ({"q": [[float(i)] for i in range(1000)]}, {"q": [[i, 2] for i in range(1000)]}):
+        assert isinstance(codec.loads(orjson.dumps(doc))["q"], np.ndarray)
 
 
 def test_non_objects_and_other_documents_are_plain():
@@ -353,3 +373,23 @@ def test_b64_sent_in_a_narrower_dtype_is_cast_chunk_by_chunk(monkeypatch, rng, c
     for encoding in ("flat", "nested"):
         eager = codec.encode(arr, encoding, dtype="float16")
         assert np.asarray(eager["data"] if encoding == "flat" else eager).dtype == np.float16
+
+
+# --- integers are range-checked before they are narrowed (issue 10, finding 4) -----------------
+
+
+@pytest.mark.parametrize("dtype, value", [("int32", 4294967297), ("int32", -(2**31) - 1), ("int32", 2**31)])
+def test_flat_integers_outside_the_declared_dtype_are_refused(dtype, value):
+    with pytest.raises(TensorError) as err:
+        codec.decode({"shape": [1], "dtype": dtype, "data": [value]})
+    assert err.value.code == "bad_type"
+
+
+def test_flat_integers_at_the_declared_dtype_edges_decode():
+    arr = codec.decode({"shape": [2], "dtype": "int32", "data": [-(2**31), 2**31 - 1]})
+    assert arr.dtype == np.int32 and arr.tolist() == [-(2**31), 2**31 - 1]
+
+
+def test_narrow_refuses_uint64_past_int64():
+    with pytest.raises(TensorError):
+        codec.narrow(np.array([2**63 + 1], np.uint64), np.dtype(np.int64))

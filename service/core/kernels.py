@@ -49,6 +49,21 @@ class ScoreOverflow(ArithmeticError):
         self.dtype = dtype
 
 
+class ResultOverflow(ArithmeticError):
+    """The output (or the weights) holds a value that is not finite in the dtype: a caller must
+    never answer with it. The last line of defence; the core avoids every overflow it can."""
+
+    def __init__(self, what: str, dtype: np.dtype):
+        super().__init__(f"{what} is not finite in {dtype}")
+        self.what, self.dtype = what, dtype
+
+
+def _check_finite(what: str, arr: np.ndarray | None) -> None:
+    """Raise ResultOverflow unless every value of arr is finite (one pass, no copy kept)."""
+    if arr is not None and arr.size and not np.isfinite(arr).all():
+        raise ResultOverflow(what, arr.dtype)
+
+
 @lru_cache(maxsize=8)
 def _causal_mask(T: int, S: int, align: str) -> np.ndarray:
     offset = causal_offset(T, S, align)
@@ -180,7 +195,7 @@ def attention(
     Returns out (..., T, dv) and weights (..., T, S), or (..., T, S) without the heads axis -3
     when average_weights (their mean over it); None unless return_weights. Masked weights
     are exactly 0; a row with no allowed key has all-zero weights and output. Raises ScoreOverflow
-    when a score leaves the dtype's range.
+    when a score leaves the dtype's range, ResultOverflow when out or weights would not be finite.
     """
     *lead, T, d = q.shape
     S, dv = k.shape[-2], v.shape[-1]
@@ -201,16 +216,22 @@ def attention(
 
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
-    tn, nb = _plan(B // g, T, S, upper, lower, g)
+    tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # the weights path has no sums scratch
     scratch = None if return_weights else np.empty(nb * g * tn * (masks.widest(tn) + dv + 1), dtype)
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
-        bound = _small_scores(qs, kt, upper, lower, masks)  # (Bkv, g, T, 1)
+        vv = vb[:, 0, :, :dv]  # max and -min rather than abs: no copy of v
+        v_max = np.maximum(vv.max(axis=(1, 2)), -vv.min(axis=(1, 2))) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
+        bound = _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
+        # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
+        big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
         for b0 in range(0, B // g, nb):
             b1 = min(B // g, b0 + nb)
             for t0 in range(0, T, tn):
                 t1 = min(T, t0 + tn)
-                _block(qs, kt, vb, out, weights, scratch, masks, bound, b0, b1, t0, t1)
+                _block(qs, kt, vb, out, weights, scratch, masks, bound, big_v, b0, b1, t0, t1)
+    _check_finite("out", out)
+    _check_finite("weights", weights)
     out = out.reshape(*lead, T, dv)
     if not return_weights:
         return out, None
@@ -218,26 +239,31 @@ def attention(
     return out, (weights.mean(axis=-3) if average_weights else weights)
 
 
-def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1) -> tuple[int, int]:
+def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0) -> tuple[int, int]:
     """(tn, nb): the query rows and key/value items (of g query heads each) of one block.
 
     The rows do not shrink with g: g matmuls of tn rows each run faster than 4x as many of tn / 4
-    rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache."""
-    tn = BLOCK_ELEMENTS // S
+    rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache.
+    dv (the no-weights path only): a block's row is also dv + 1 sums, so where v is wider than k
+    is long the rows are counted by dv + 1 (S=1, dv=2048: sized by S alone, the scratch for the
+    sums was the whole (B, T, dv + 1) output again)."""
+    sums = dv + 1 if dv else 0
+    tn = BLOCK_ELEMENTS // max(S, sums)
     if upper is not None or lower is not None:
         tn = min(tn, T // CAUSAL_BLOCKS)
     if upper is not None and lower is not None:
         tn = min(tn, (upper - lower + 1) // 4)  # a band: a block computes at most ~1.25x the keys its rows see
     tn = min(T, max(MIN_ROWS, tn))  # query rows per block
     width = S if upper is None or lower is None else min(S, max(1, tn + upper - lower))  # keys per block, at most
-    nb = min(Bkv, max(1, BLOCK_ELEMENTS // (tn * g * width)))  # key/value items per block
+    nb = min(Bkv, max(1, BLOCK_ELEMENTS // (tn * g * max(width, sums))))  # key/value items per block
     return tn, nb
 
 
 def block_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, groups: int = 1) -> int:
     """How many blocks attention() computes for B batch items (the product of the leading axes),
     groups query heads per key/value head: each costs a few numpy calls beyond its arithmetic,
-    which the cost model counts."""
+    which the cost model counts. (Counted for the weights path: without weights and with v wider
+    than S, the core runs more, smaller blocks; the cost model was fitted with this count.)"""
     upper, lower = _bounds(T, S, causal, window)
     tn, nb = _plan(B // groups, T, S, upper, lower, groups)
     return math.ceil(B // groups / nb) * math.ceil(T / tn)
@@ -274,20 +300,28 @@ def _range_max(x: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
     return np.maximum(m[..., a], m[..., a + width - span])
 
 
-def _small_scores(qs: np.ndarray, kt: np.ndarray, upper: int | None, lower: int | None = None, masks=None) -> np.ndarray:
-    """Boolean (Bkv, g, T, 1): True where every score row t may see is within +-EXP_SAFE, by
+def _small_scores(
+    qs: np.ndarray, kt: np.ndarray, upper: int | None, lower: int | None = None, masks=None, v_max: np.ndarray | None = None
+) -> np.ndarray:
+    """Boolean (Bkv, g, T, 1): True where every score row t may see is within +-limit, by
     Cauchy-Schwarz, |q_t . k_s| <= |q_t| |k_s|. Under a causal mask or a window only the keys row
     t may see count, so the bound (like the output) depends on nothing outside them. A bias or
-    ALiBi is not bounded this way: then every row subtracts its maximum."""
+    ALiBi is not bounded this way: then every row subtracts its maximum.
+
+    Such a row is exponentiated unshifted and exp(s) v summed before it is normalised, so the
+    limit is EXP_SAFE, lowered where the values are large: the sum over S keys of exp(s) |v| must
+    stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum (v_max (Bkv,) is max |v|)."""
     Bkv, g, T, d = qs.shape
     if masks is not None and masks.biased:
         return np.zeros((Bkv, g, T, 1), bool)
-    limit = EXP_SAFE.get(qs.dtype.type, 0.0)
+    S = kt.shape[-1]
+    v_big = np.ones(Bkv) if v_max is None else np.maximum(v_max.astype(np.float64), 1.0)
+    room = math.log(float(np.finfo(qs.dtype).max)) - 1.0 - np.log(max(S, 1) * v_big)  # (Bkv,)
+    limit = np.minimum(EXP_SAFE.get(qs.dtype.type, 0.0), room)[:, None, None]  # (Bkv, 1, 1); negative: never small
     q3 = qs.reshape(Bkv * g, T, d)
     q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T)  # inf if it overflows: no shortcut
     k3 = kt[:, 0]  # (Bkv, d, S)
     k_norm = np.sqrt(np.einsum("bds,bds->bs", k3, k3))  # (Bkv, S)
-    S = kt.shape[-1]
     if upper is None and lower is None:
         return (q_norm * k_norm.max(axis=-1, keepdims=True)[:, None] < limit)[..., None]
     t = np.arange(T)
@@ -409,9 +443,10 @@ class _Masks:
         return allowed.any(axis=-1, keepdims=True)
 
 
-def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, b0, b1, t0, t1) -> None:
+def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, big_v, b0, b1, t0, t1) -> None:
     """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
-    written into out (and weights). qs (Bkv, g, T, d), kt (Bkv, 1, d, S), vb (Bkv, 1, S, dv + 1)."""
+    written into out (and weights). qs (Bkv, g, T, d), kt (Bkv, 1, d, S), vb (Bkv, 1, S, dv + 1);
+    big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul)."""
     S = kt.shape[-1]
     lo, hi = masks.keys(t0, t1, S)
     o = out[b0:b1, :, t0:t1]  # (nb, g, tn, dv), a view
@@ -434,7 +469,7 @@ def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, b0, b1, t0, 
     if shift is not None:
         np.subtract(s, shift, out=s)
     np.exp(s, out=s)  # exp(-inf) = 0 exactly: masked weights are 0
-    if weights is not None:
+    if weights is not None or big_v[b0:b1].any():  # normalise first: sum_s w_s v_s <= max |v| stays finite
         total = s.sum(axis=-1, keepdims=True)  # (nb, g, tn, 1), pairwise: rows sum to 1 within an ulp or two
         total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
         np.divide(s, total, out=s)
@@ -501,10 +536,15 @@ def mha(
     def split(t: np.ndarray, h: int) -> np.ndarray:
         return np.swapaxes(t.reshape(*t.shape[:-1], h, t.shape[-1] // h), -2, -3)  # (..., n, h * w) -> (..., h, n, w)
 
-    q, k, v = split(x @ wq, heads), split(x @ wk, kv_heads), split(x @ wv, kv_heads)  # (..., h|hkv, n, dk|dv)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflowed projection fails below, as a ScoreOverflow or ResultOverflow
+        q, k, v = split(x @ wq, heads), split(x @ wk, kv_heads), split(x @ wv, kv_heads)  # (..., h|hkv, n, dk|dv)
     scale = 1.0 / np.sqrt(dk) if scale is None else scale
     out, weights = attention(
         q, k, v, causal=causal, scale=scale, return_weights=return_weights, enable_gqa=kv_heads != heads, window=window
     )
     out = np.swapaxes(out, -2, -3).reshape(*x.shape[:-1], heads * dv)  # (..., h, n, dv) -> (..., n, h * dv)
-    return (out if wo is None else out @ wo), weights
+    if wo is not None:
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = out @ wo
+        _check_finite("out", out)  # the output projection can overflow where attention did not
+    return out, weights

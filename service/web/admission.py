@@ -5,11 +5,13 @@ Before the body is read (a before_request hook, so a refusal costs no parsing):
   422 bad_option    when X-Deadline-Ms is not a positive number of milliseconds;
   504 deadline      when even receiving and parsing its Content-Length would outlast the deadline;
   503 overloaded    when this worker already holds max_inflight + max_queue compute requests, or
-                    the request's Content-Length would take its bytes past max_inflight_bytes.
+                    the request's Content-Length, with what parsing it can take (PARSE_FACTOR
+                    times it), would take its bytes past max_inflight_bytes.
 
 After validation, before compute (admit(job), called by the routes):
   504 deadline      when the cost model's prediction exceeds what is left of X-Deadline-Ms;
-  503 overloaded    when the job's estimated working memory would pass max_inflight_bytes;
+  503 overloaded    when the job's estimated working memory would pass max_inflight_bytes (the
+                    parse charge is then given back: the job's working bytes count what remains);
 then the job waits for one of max_inflight compute slots, in a queue bounded by max_queue (and
 by its deadline). The slot, and the request's place in max_inflight + max_queue, are given back
 as soon as the response is built (computed, and encoded but for the parts that stream): a client
@@ -39,6 +41,15 @@ from .http import phase
 COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
 MAX_WAIT_S = 30.0  # longest a job waits for a compute slot without a deadline: then 503
 DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
+# Peak bytes of parsing a JSON body (wire.loads, the depth check and the schema's load), beyond
+# the body itself, per byte of body, at most. Measured with `python -m bench.garbage --sizes 32
+# --rss` (peak RSS growth over the held body, 32 MiB bodies): objects of empty b64 1028 MB (32.1x),
+# ragged rows of three 962 MB (30x), rows of one or two 750 MB (23x), strings in rows 552 MB;
+# valid bodies far less (bench/peak_rss.py: nested float text ~4x, b64 ~0.8x). The gate charges
+# Content-Length x PARSE_FACTOR before the body is read, so that the peak one request can cause
+# is in ATTN_MAX_INFLIGHT_BYTES before it happens; after validation the job's working bytes
+# replace it (reserve()). Only the lone request of a worker may exceed the bound.
+PARSE_FACTOR = 33
 
 
 class Gate:
@@ -52,20 +63,21 @@ class Gate:
         self.bytes = 0  # their Content-Length plus estimated working bytes, until sent
         self.pending_ms = 0.0  # predicted compute of the admitted jobs that have been validated
 
-    def enter(self, nbytes: int) -> Ticket:
-        """Admit one more request of nbytes, or 503 now. A lone request is always admitted."""
+    def enter(self, nbytes: int, parse_bytes: int = 0) -> Ticket:
+        """Admit one more request of nbytes of body and parse_bytes of parsing it, or 503 now. A
+        lone request is always admitted."""
         with self._lock:
             if self.admitted >= self.max_inflight + self.max_queue:
                 raise self._overloaded(
                     f"this worker already holds {self.admitted} compute requests (ATTN_MAX_INFLIGHT={self.max_inflight} + ATTN_MAX_QUEUE={self.max_queue})"
                 )
-            if self.bytes and self.bytes + nbytes > self.max_bytes:
+            if self.bytes and self.bytes + nbytes + parse_bytes > self.max_bytes:
                 raise self._overloaded(
-                    f"a body of {nbytes} bytes would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)"
+                    f"a body of {nbytes} bytes and its parse ({parse_bytes} bytes) would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)"
                 )
             self.admitted += 1
-            self._add_bytes(nbytes)
-        return Ticket(self, nbytes)
+            self._add_bytes(nbytes + parse_bytes)
+        return Ticket(self, nbytes + parse_bytes, parse_bytes)
 
     def _add_bytes(self, n: int) -> None:
         self.bytes += n
@@ -81,22 +93,26 @@ class Ticket:
     """One admitted request's hold on its gate: end_compute() gives back its slot and its place
     in the queue bound, release() the rest (its bytes); each once."""
 
-    def __init__(self, gate: Gate, nbytes: int):
+    def __init__(self, gate: Gate, nbytes: int, parse_bytes: int = 0):
         self.gate, self.bytes, self.predicted_ms = gate, nbytes, 0.0
+        self.parse_bytes = parse_bytes  # part of bytes, charged for the parse until reserve()
         self.running = False
         self.computing = True  # counted in gate.admitted
 
     def reserve(self, nbytes: int, predicted_ms: float) -> None:
-        """Add the job's working bytes (503 if they do not fit beside the others) and prediction."""
+        """Replace the parse charge by the job's working bytes (503 if they do not fit beside the
+        others) and add its prediction."""
         gate = self.gate
         with gate._lock:
             others = gate.bytes - self.bytes
-            if others and gate.bytes + nbytes > gate.max_bytes:
+            change = nbytes - self.parse_bytes
+            if others and gate.bytes + change > gate.max_bytes:
                 raise gate._overloaded(
-                    f"this job needs about {nbytes} working bytes and this worker holds {gate.bytes} of {gate.max_bytes} (ATTN_MAX_INFLIGHT_BYTES)"
+                    f"this job needs about {nbytes} working bytes and this worker holds {gate.bytes - self.parse_bytes} of {gate.max_bytes} (ATTN_MAX_INFLIGHT_BYTES)"
                 )
-            gate._add_bytes(nbytes)
-            self.bytes += nbytes
+            gate._add_bytes(change)
+            self.bytes += change
+            self.parse_bytes = 0
             gate.pending_ms += predicted_ms
             self.predicted_ms = predicted_ms
 
@@ -229,9 +245,10 @@ def install(app: Flask) -> None:
                     raise _deadline(
                         f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={g.deadline_ms:g}"
                     )
-            if nbytes is None or nbytes > settings.max_body_bytes:
-                nbytes = settings.max_body_bytes  # chunked, or about to be refused with 413
-            g.admission = app.extensions["attention.gate"].enter(nbytes)
+            over = nbytes is not None and nbytes > settings.max_body_bytes  # about to be refused with 413, unparsed
+            if nbytes is None or over:
+                nbytes = settings.max_body_bytes  # chunked: read up to the limit
+            g.admission = app.extensions["attention.gate"].enter(nbytes, 0 if over else nbytes * PARSE_FACTOR)
         except ApiError:
             _drain()
             raise

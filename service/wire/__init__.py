@@ -3,7 +3,7 @@ responses (stream). numpy, orjson, simdjson and pybase64 only: no Flask, no mars
 
 from .json import Payload, depth, dumps, loads
 from .stream import B64_CHUNK, NESTED_CHUNK_ELEMENTS, B64Text, NestedArray, dump_chunks
-from .tensors import ENCODINGS, WIRE_DTYPES, NestedData, TensorError, as_mask, decode, encode, wire_encoding
+from .tensors import ENCODINGS, WIRE_DTYPES, NestedData, TensorError, as_mask, decode, encode, narrow, wire_encoding
 
 __all__ = [
     "B64_CHUNK",
@@ -22,5 +22,6 @@ __all__ = [
     "dumps",
     "encode",
     "loads",
+    "narrow",
     "wire_encoding",
 ]

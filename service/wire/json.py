@@ -24,10 +24,18 @@ import simdjson
 from .stream import default
 
 FAST_MIN_ELEMENTS = 64  # smaller arrays stay Python lists: nothing to gain, and messages show them as sent
-# A simdjson parser keeps its buffers between documents; a fresh one costs ~20 ms of allocation
-# and page faults for a 17 MB body (measured: parse 46 ms fresh, 26 ms reused). One per process
-# is reused for bodies up to this size, so an idle worker holds at most a few times this much.
-PARSER_REUSE_MAX_BYTES = 32 * 2**20
+# A simdjson parser keeps its buffers between documents: reusing one saves allocation and page
+# faults, but it keeps the capacity of the largest document it parsed, and a hostile 32 MiB body
+# left a worker holding 290-513 MiB after its 422 (`python -m bench.worker_peak`). One per process
+# is reused for bodies up to this size, so an idle worker holds at most a few times this much; a
+# larger body gets a fresh parser, freed with it, at 15-20% more decode time (nested 15.5 MiB:
+# 55 ms against 45 ms reused; measured in-process, medians of 7).
+PARSER_REUSE_MAX_BYTES = 4 * 2**20
+# Bounds on the fast path's Python work, past any valid request (a few fields, at most a dozen
+# tensors): a body beyond them is parsed by orjson alone, in time linear in its bytes.
+MAX_FAST_KEYS = 64  # keys of one object looked up through simdjson (each lookup scans the keys)
+MAX_PAYLOADS = 64  # "b64" payloads cut out of one body (each costs Python)
+SHORT_ROW = 3  # rows shorter than this are checked on the text (_nests_as), not row by row
 
 
 class Payload:
@@ -138,6 +146,8 @@ def _items(obj: simdjson.Object) -> list:
     """(key, value) pairs with arrays and objects left as simdjson proxies (items() converts them
     all to Python). A repeated key raises: orjson keeps the last, simdjson's lookup the first."""
     keys = list(obj)
+    if len(keys) > MAX_FAST_KEYS:  # obj[key] scans the keys: N lookups cost N**2 (200,000 keys: 30 s)
+        raise ValueError("too many keys for the fast path")
     if len(set(keys)) != len(keys):
         raise ValueError("repeated key")
     return [(key, obj[key]) for key in keys]
@@ -146,8 +156,8 @@ def _items(obj: simdjson.Object) -> list:
 def _cut_b64(body: bytes | bytearray) -> tuple[bytes | bytearray, dict[str, Payload]]:
     """Cut each "b64": "<base64>" payload out of body, decoded; the skeleton keeps a marker string
     in its place. A payload that is not clean base64 stays in the skeleton, for the slow path."""
-    if b'"b64"' not in body:
-        return body, {}
+    if b'"b64"' not in body or body.count(b'"b64"') > MAX_PAYLOADS:  # C-speed count: no Python per occurrence
+        return body, {}  # none, or more than any request holds: simdjson (and orjson) judge the text as it is
     view, pieces, payloads, pos = memoryview(body), [], {}, 0
     nonce = os.urandom(8).hex()
     while (key := body.find(b'"b64"', pos)) >= 0:
@@ -191,19 +201,23 @@ def _array(arr: simdjson.Array) -> tuple[object, int]:
         shape.append(len(node))
         node = node[0]
     count, rows = math.prod(shape), math.prod(shape[:-1])
-    if type(node) not in (int, float) or count < FAST_MIN_ELEMENTS or (shape[-1] < 3 and rows > 64):
-        return arr.as_list(), 0  # not numbers, small, or rows so short that checking each costs more
-    nodes = [arr]  # every array down to the rows has the length the first path found
-    for n in shape[1:-1]:
-        nodes = [child for node in nodes for child in node]
-        if not all(type(child) is simdjson.Array for child in nodes) or set(map(len, nodes)) != {n}:
+    if type(node) not in (int, float) or count < FAST_MIN_ELEMENTS:
+        return arr.as_list(), 0  # not numbers, or small
+    if shape[-1] < SHORT_ROW and rows > 64:  # checking row by row would cost Python per row: check the text
+        if not _nests_as(arr.mini, shape):
             return arr.as_list(), 0
-    if len(shape) > 1:
-        try:
-            if not all(set(map(len, node)) == {shape[-1]} for node in nodes):
+    else:
+        nodes = [arr]  # every array down to the rows has the length the first path found
+        for n in shape[1:-1]:
+            nodes = [child for node in nodes for child in node]
+            if not all(type(child) is simdjson.Array for child in nodes) or set(map(len, nodes)) != {n}:
                 return arr.as_list(), 0
-        except TypeError:  # a number where a row should be
-            return arr.as_list(), 0
+        if len(shape) > 1:
+            try:
+                if not all(set(map(len, node)) == {shape[-1]} for node in nodes):
+                    return arr.as_list(), 0
+            except TypeError:  # a number where a row should be
+                return arr.as_list(), 0
     for kind, dtype in (("i", np.int64), ("u", np.uint64), ("d", np.float64)) if type(node) is int else (("d", np.float64),):
         try:
             flat = np.frombuffer(arr.as_buffer(of_type=kind), dtype=dtype)
@@ -216,6 +230,33 @@ def _array(arr: simdjson.Array) -> tuple[object, int]:
         arrays = sum(math.prod(shape[:i]) for i in range(len(shape)))  # 1 + s0 + s0*s1 + ...
         return flat.reshape(shape), arrays
     return arr.as_list(), 0
+
+
+def _nests_as(text: bytes, shape: list[int]) -> bool:
+    """Whether the minified JSON text of an array nests exactly as shape, checked on its brackets
+    and commas with numpy (no Python per row): at each depth L, prod(shape[:L]) arrays, each with
+    shape[L] - 1 commas of its own, and nothing deeper. With the leaves counted by the caller
+    (as_buffer gives prod(shape) numbers), that is a rectangular array of numbers: the leaves
+    are numbers, whose text holds no bracket or comma. Transient memory: a few bytes per bracket
+    or comma, and 8 per array at the deepest level (their starts)."""
+    b = np.frombuffer(text, np.uint8)
+    sym = b[(b == 0x5B) | (b == 0x5D) | (b == 0x2C)]  # "[", "]", ",": one byte each, in order
+    del b
+    opens = sym == 0x5B
+    depth = np.cumsum(opens, dtype=np.int16)
+    depth -= np.cumsum(sym == 0x5D, dtype=np.int16)  # depth after each; simdjson nests < 1024
+    if depth.max(initial=0) != len(shape):
+        return False
+    commas = sym == 0x2C
+    for level, n in enumerate(shape, start=1):
+        at = depth == level
+        starts = np.flatnonzero(opens & at)  # where each array at this depth opens
+        if starts.size != math.prod(shape[: level - 1]):
+            return False
+        owner = np.searchsorted(starts, np.flatnonzero(commas & at), side="right") - 1  # whose comma
+        if not (np.bincount(owner, minlength=starts.size) == n - 1).all():
+            return False
+    return True
 
 
 def _brackets(obj) -> int:

@@ -145,9 +145,10 @@ def _dtype(value: dict, default: str | None) -> np.dtype | None:
 
 
 def _no_extra_keys(value: dict, allowed: set[str]) -> None:
-    extra = sorted(set(value) - allowed)
-    if extra:
-        raise TensorError("bad_encoding", f"has unexpected keys {extra}; allowed: {sorted(allowed)}")
+    extra = [key for key in value if key not in allowed]
+    if extra:  # the first few, in the order sent: a message does not grow with the body
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise TensorError("bad_encoding", f"has unexpected keys {extra[:3]}{more}; allowed: {sorted(allowed)}")
 
 
 def _decode_flat(value: dict) -> np.ndarray:
@@ -164,7 +165,7 @@ def _decode_flat(value: dict) -> np.ndarray:
             raise TensorError("bad_type", f"declares dtype {dtype.name} but holds booleans")
         if dtype.kind in "iu" and arr.dtype.kind == "f":
             raise TensorError("bad_type", f"declares dtype {dtype.name} but holds fractional numbers")
-        arr = as_mask(arr) if dtype.kind == "b" else arr.astype(dtype)
+        arr = as_mask(arr) if dtype.kind == "b" else narrow(arr, dtype, f"declares dtype {dtype.name} but holds")
     return arr.reshape(shape)
 
 
@@ -226,3 +227,17 @@ def as_mask(arr: np.ndarray) -> np.ndarray:
     if not ((arr == 0) | (arr == 1)).all():
         raise TensorError("bad_type", "must hold booleans or 0/1 numbers")
     return arr.astype(bool)
+
+
+def narrow(arr: np.ndarray, dtype: np.dtype, what: str = "holds", code: str = "bad_type") -> np.ndarray:
+    """arr as dtype, refusing integers that dtype cannot hold (astype would wrap them silently:
+    4294967297 as int32 is 1). Floats are cast as they are; their overflow is inf, which the
+    schema refuses as non_finite. Raises TensorError(code)."""
+    dtype = np.dtype(dtype)
+    if dtype.kind in "iu" and arr.dtype != dtype and arr.size:
+        info = np.iinfo(dtype)
+        lo, hi = arr.min(), arr.max()
+        if lo < info.min or hi > info.max:  # numpy compares int64, uint64 and float exactly enough here
+            bad = lo if lo < info.min else hi
+            raise TensorError(code, f"{what} {bad}, outside {dtype.name}'s range {info.min}..{info.max}")
+    return arr.astype(dtype, copy=False)

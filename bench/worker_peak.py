@@ -1,0 +1,100 @@
+"""Peak RSS of one gunicorn worker over single large requests (issue 10, finding 6): what a
+worker's lone request can take, against the pod's memory limit (deploy/k8s).
+
+Starts `python -m service` with one worker on a free loopback port, sends one after another a
+valid b64 body just under the default 32 MiB limit and the worst hostile 32 MiB bodies of
+bench/garbage.py, and prints the worker's RSS before, its peak (VmHWM, reset through
+/proc/PID/clear_refs before each) and after. Linux only.
+
+    python -m bench.worker_peak
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import orjson
+
+from bench.garbage import CATALOGUE
+from client import encode_tensor
+
+MiB = 2**20
+
+
+def _kib(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key))
+
+
+def _post(port: int, body: bytes) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/attention", body=body, headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    return resp.status
+
+
+def _wait_ready(port: int, proc: subprocess.Popen) -> None:
+    for _ in range(300):
+        if proc.poll() is not None:
+            raise SystemExit("the server exited")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/readyz")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit("the server did not become ready")
+
+
+def main() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "WEB_CONCURRENCY": "1", "ATTN_WARMUP": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        _wait_ready(port, proc)
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            worker = int(f.read().split()[0])
+        q = np.random.default_rng(0).standard_normal((8, 4096, 63), np.float32)
+        valid = orjson.dumps(
+            {"q": encode_tensor(q, "b64"), "k": encode_tensor(q, "b64"), "v": encode_tensor(q, "b64"), "return_weights": False}
+        )
+        size = 32 * MiB - 64
+        bodies = [("valid b64 q, k, v (8, 4096, 63)", valid)] + [
+            (n, CATALOGUE[n](size)) for n in ("b64_empty_objects", "rows3_ragged_end", "rows1")
+        ]
+        print(f"worker idle RSS {_kib(worker, 'VmRSS:') / 1024:.0f} MiB")
+        for name, body in bodies:
+            before = _kib(worker, "VmRSS:")
+            with open(f"/proc/{worker}/clear_refs", "w") as f:
+                f.write("5")
+            t0 = time.perf_counter()
+            status = _post(port, body)
+            took = time.perf_counter() - t0
+            peak, after = _kib(worker, "VmHWM:"), _kib(worker, "VmRSS:")
+            print(
+                f"{name}: {len(body) / MiB:.1f} MiB -> {status} in {took:.1f} s; worker RSS before {before / 1024:.0f}, "
+                f"peak {peak / 1024:.0f}, after {after / 1024:.0f} MiB",
+                flush=True,
+            )
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
