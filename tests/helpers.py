@@ -77,6 +77,13 @@ def tensor(value) -> np.ndarray:
     return np.array(value["data"], dtype=value.get("dtype")).reshape(value["shape"])
 
 
+def post(client, body, path: str = "/attention", **kwargs):
+    """POST body (a dict as JSON, or bytes or str as they are) through a Flask test client."""
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body, allow_nan=False)  # stdlib: any int size
+    kwargs.setdefault("content_type", "application/json")
+    return client.post(path, data=data, **kwargs)
+
+
 def big_body(T: int, weights: bool = True, seed: int = 0) -> bytes:
     """A /attention body of B=1, H=8, d=64 float32 q, k, v in b64: 8.4 MB at T=1024 (and 47 MB of
     weights back, if asked for)."""
