@@ -1,4 +1,4 @@
-"""Work before rejection, per MB of hostile body (issue 10, findings 5 and 6).
+"""Work before rejection, per MB of hostile body.
 
 Times, in-process and without HTTP, what the service does with a body before it answers:
 wire.loads + the depth check (service.web.http.parse_json) and the schema's load (validation, casts).

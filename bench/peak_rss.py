@@ -1,4 +1,4 @@
-"""Peak memory of one request, measured against Job.working_bytes (issue 10, finding 6).
+"""Peak memory of one request, measured against Job.working_bytes.
 
 Each case runs in a fresh subprocess: the body is built and held (the gate charges it as its
 Content-Length), the peak RSS mark is reset (/proc/self/clear_refs), then the whole pipeline runs

@@ -1,4 +1,5 @@
-"""`python -m bench.slow_clients`: the service under slow and stalled clients (issue 10's figure).
+"""`python -m bench.slow_clients`: the service under slow and stalled clients (the figures in
+README.md's "Slow and stalled clients").
 
 Against a running server (`--url`, e.g. `make run`'s http://127.0.0.1:8000), or, without --url,
 against `python -m service` started here on a free loopback port with the defaults of `make run`

@@ -1,4 +1,4 @@
-"""Peak RSS of one gunicorn worker over single large requests (issue 10, finding 6): what a
+"""Peak RSS of one gunicorn worker over single large requests: what a
 worker's lone request can take, against the pod's memory limit (deploy/k8s).
 
 Starts `python -m service` with one worker on a free loopback port, sends one after another a
