@@ -374,51 +374,30 @@ def test_not_found_and_method_not_allowed(client):
     assert "POST" in r.headers["Allow"]
 
 
+# A valid /mha body: x (n=3, d=4), 2 heads; each case below breaks one thing.
+MHA_OK = {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": 2}
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
-        (
-            {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 3, "heads": 2},
-            "wo",
-        ),
-        (
-            {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": 3},
-            "heads",
-        ),
-        (
-            {"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "wv": [[1.0] * 4] * 4, "wo": [[1.0] * 4] * 4, "heads": 0},
-            "heads",
-        ),
-        (
-            {
-                "x": [[1.0] * 4] * 3,
-                "wq": [[1.0] * 4] * 4,
-                "wk": [[1.0] * 4] * 4,
-                "wv": [[1.0] * 4] * 4,
-                "wo": [[1.0] * 4] * 4,
-                "heads": True,
-            },
-            "heads",
-        ),
-        (
-            {
-                "x": [[1.0] * 4] * 3,
-                "wq": [[1.0] * 4] * 4,
-                "wk": [[1.0] * 4] * 4,
-                "wv": [[1.0] * 4] * 4,
-                "wo": [[1.0] * 4] * 4,
-                "heads": 2,
-                "causal": "top_left",
-            },
-            "causal",
-        ),
-        ({"x": [[1.0] * 4] * 3, "wq": [[1.0] * 4] * 4, "wk": [[1.0] * 4] * 4, "heads": 2}, "wv"),
+        ({**MHA_OK, "wo": [[1.0] * 4] * 3}, "wo"),
+        ({**MHA_OK, "heads": 3}, "heads"),
+        ({**MHA_OK, "heads": 0}, "heads"),
+        ({**MHA_OK, "heads": True}, "heads"),
+        ({**MHA_OK, "causal": "top_left"}, "causal"),
+        ({k: v for k, v in MHA_OK.items() if k not in ("wv", "wo")}, "wv"),
     ],
     ids=["wo rows", "heads divides", "heads zero", "heads bool", "causal bool only", "missing wv"],
 )
 def test_mha_rejects(client, body, field):
     r = post(client, body, path="/mha")
     assert r.status_code == 422 and r.json["error"]["field"] == field
+
+
+def test_mha_ok_is_served(client):
+    """The body the cases above break is itself valid: each refusal is for the one thing broken."""
+    assert post(client, MHA_OK, path="/mha").status_code == 200
 
 
 # --- nothing malformed ever produces a 500 -------------------------------------------------------
