@@ -25,16 +25,20 @@ def free_port() -> int:
 class Server:
     """A gunicorn master started here on a free loopback port; its workers are its children.
     argv may name the port as "{port}"; HOST and PORT are set in its environment, and
-    PROMETHEUS_MULTIPROC_DIR is not inherited (each server keeps its own metrics)."""
+    PROMETHEUS_MULTIPROC_DIR is not inherited (each server keeps its own metrics); nor are ATTN_*
+    settings if inherit_settings is false (the defaults, as `make run` in a clean shell). cwd is
+    the checkout it serves."""
 
-    def __init__(self, name: str, argv: list[str] | None = None, env: dict | None = None):
+    def __init__(self, name: str, argv: list[str] | None = None, env: dict | None = None, cwd: Path = ROOT, inherit_settings: bool = True):
         self.name, self.port = name, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
-        inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+        inherited = {
+            k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and (inherit_settings or not k.startswith("ATTN_"))
+        }
         full_env = {**inherited, "HOST": "127.0.0.1", "PORT": str(self.port), **(env or {})}
         argv = [a.replace("{port}", str(self.port)) for a in (argv or [sys.executable, "-m", "service"])]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 90, in_a_row: int = 1) -> None:
         """Wait until /readyz answers 200 in_a_row times running, each on a new connection (each
