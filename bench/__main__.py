@@ -29,11 +29,9 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -48,6 +46,7 @@ OUT = ROOT / "bench" / "out"
 sys.path.insert(0, str(ROOT))
 
 from bench.baseline_service import textbook_attention  # noqa: E402
+from bench.server import Server  # noqa: E402
 from loadtest.transport import parse_server_timing  # noqa: E402
 from service.core import attention  # noqa: E402
 
@@ -59,55 +58,6 @@ MAX_WEIGHTS_T = 2048  # the default ATTN_MAX_WEIGHTS_ELEMENTS (2**25) admits 8 x
 
 
 # --- servers ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A gunicorn master started here on a free loopback port; its workers are its children."""
-
-    def __init__(self, name: str, argv: list[str], env: dict | None = None):
-        self.name, self.port = name, free_port()
-        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
-        full_env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port), **(env or {})}
-        argv = [a.replace("{port}", str(self.port)) for a in argv]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {Path(self.log.name).read_text()[-2000:]}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/readyz")
-                if conn.getresponse().status == 200:
-                    conn.close()
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready in {timeout} s")
-
-    def workers(self) -> list[int]:
-        try:
-            text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
-        except OSError:
-            return []
-        return [int(p) for p in text.split()]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def status_kb(pid: int, field: str) -> int:

@@ -1,4 +1,4 @@
-"""Work before rejection, per MB of hostile body (issue 10, findings 5 and 6).
+"""Work before rejection, per MB of hostile body.
 
 Times, in-process and without HTTP, what the service does with a body before it answers:
 wire.loads + the depth check (service.web.http.parse_json) and the schema's load (validation, casts).
@@ -21,6 +21,9 @@ import sys
 import time
 
 MB = 2**20
+# The allocator settings deploy/gunicorn.conf.py gives a worker (its _tune_malloc), as environment
+# variables for a child process measured as a worker would run.
+WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "16777216", "MALLOC_ARENA_MAX": "2"}
 
 
 def _fill(head: bytes, unit: bytes, tail: bytes, size: int, sep: bytes = b",") -> bytes:
@@ -121,12 +124,7 @@ def main() -> None:
         for s in a.sizes:
             size = int(s * MB)
             if a.rss:
-                env = {
-                    **os.environ,
-                    "MALLOC_MMAP_THRESHOLD_": "4194304",
-                    "MALLOC_TRIM_THRESHOLD_": "16777216",
-                    "MALLOC_ARENA_MAX": "2",
-                }  # as deploy/gunicorn.conf.py sets them
+                env = {**os.environ, **WORKER_MALLOC_ENV}
                 out = subprocess.run(
                     [sys.executable, "-m", "bench.garbage", "--child", name, str(size)], capture_output=True, text=True, check=True, env=env
                 )

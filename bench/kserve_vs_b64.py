@@ -26,7 +26,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages
 
-from bench.__main__ import Server  # noqa: E402
+from bench.server import Server  # noqa: E402
 from loadtest.transport import parse_server_timing  # noqa: E402
 
 

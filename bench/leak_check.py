@@ -1,5 +1,5 @@
 """Is worker memory growth a leak? tracemalloc (which also traces numpy buffers) over N mixed
-valid /attention requests through the Flask app in one process (issue 10, finding 8).
+valid /attention requests through the Flask app in one process.
 
     python -m bench.leak_check
 """

@@ -1,5 +1,5 @@
 """CPU time and minor page faults per request, in-process, for a few shapes: the cost of the
-allocator settings in deploy/gunicorn.conf.py (issue 10, finding 8). Compare settings with env:
+allocator settings in deploy/gunicorn.conf.py. Compare settings with env:
 
     python -m bench.malloc_cost 8
     MALLOC_MMAP_THRESHOLD_=4194304 MALLOC_TRIM_THRESHOLD_=16777216 MALLOC_ARENA_MAX=2 python -m bench.malloc_cost 8

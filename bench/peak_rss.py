@@ -1,4 +1,4 @@
-"""Peak memory of one request, measured against Job.working_bytes (issue 10, finding 6).
+"""Peak memory of one request, measured against Job.working_bytes.
 
 Each case runs in a fresh subprocess: the body is built and held (the gate charges it as its
 Content-Length), the peak RSS mark is reset (/proc/self/clear_refs), then the whole pipeline runs
@@ -15,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+
+from bench.garbage import WORKER_MALLOC_ENV
 
 MB = 2**20
 CASES = [  # (endpoint, encoding, lead, T, S, d, dv, return_weights)
@@ -98,12 +100,7 @@ def main() -> None:
         return
     print(f"{'case':52} {'body MB':>8} {'parse MB':>8} {'peak MB':>8} {'pred MB':>8} {'pred/peak':>9}")
     for i, case in enumerate(CASES):
-        env = {
-            **os.environ,
-            "MALLOC_MMAP_THRESHOLD_": "4194304",
-            "MALLOC_TRIM_THRESHOLD_": "16777216",
-            "MALLOC_ARENA_MAX": "2",
-        }  # as deploy/gunicorn.conf.py sets them
+        env = {**os.environ, **WORKER_MALLOC_ENV}
         r = json.loads(
             subprocess.run(
                 [sys.executable, "-m", "bench.peak_rss", "--child", str(i)], capture_output=True, text=True, check=True, env=env

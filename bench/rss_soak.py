@@ -1,4 +1,4 @@
-"""Worker RSS under closed-loop valid traffic (issue 10, finding 8): is it flat?
+"""Worker RSS under closed-loop valid traffic: is it flat?
 
 Starts nothing: point it at a running server (`ATTN_WARMUP=0 PORT=8123 python -m service`).
 CLIENTS threads send mixed valid /attention requests (T 16..512, b64 and nested, with and

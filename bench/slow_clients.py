@@ -1,4 +1,5 @@
-"""`python -m bench.slow_clients`: the service under slow and stalled clients (issue 10's figure).
+"""`python -m bench.slow_clients`: the service under slow and stalled clients (the figures in
+README.md's "Slow and stalled clients").
 
 Against a running server (`--url`, e.g. `make run`'s http://127.0.0.1:8000), or, without --url,
 against `python -m service` started here on a free loopback port with the defaults of `make run`
@@ -23,19 +24,15 @@ import argparse
 import base64
 import http.client
 import json
-import os
 import resource
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.server import ROOT, Server
 
 
 def tensor(rng, *shape) -> dict:
@@ -54,29 +51,6 @@ def request_bytes(path: str, body: bytes, length: int | None = None) -> bytes:
     return (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
     ).encode() + body
-
-
-def start_service(cwd: Path, settings: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """`python -m service` in cwd with make run's defaults but settings, on a free port; once ready."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and not k.startswith("ATTN_")}
-    env.update(settings, HOST="127.0.0.1", PORT=str(port))
-    log = tempfile.NamedTemporaryFile(prefix="slow-clients-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service"], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        if probe(url, "/readyz", 1.0)[0] == 200:
-            return proc, url
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.terminate()
-    raise SystemExit(f"server did not start; see {log.name}")
 
 
 def probe(url: str, path: str, timeout: float, body: bytes | None = None) -> tuple[int | None, float]:
@@ -131,11 +105,14 @@ def main(argv: list[str] | None = None) -> None:
     if soft < need:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(need, soft)), hard))
 
-    proc = None
+    server = None
     if args.url:
         url = args.url
-    else:
-        proc, url = start_service(args.cwd, dict(kv.split("=", 1) for kv in args.set))
+    else:  # make run's defaults but --set
+        settings = dict(kv.split("=", 1) for kv in args.set)
+        server = Server("slow-clients", env=settings, cwd=args.cwd, inherit_settings=False)
+        server.wait_ready(timeout=90)
+        url = server.url
     rng = np.random.default_rng(0)
     held: list[socket.socket] = []
     try:
@@ -187,9 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for s in held:
             s.close()
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=40)
+        if server is not None:
+            server.stop()
 
     ms = [t * 1000 for t in times]
     print(

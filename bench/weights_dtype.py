@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages
 
-from bench.__main__ import Server  # noqa: E402
+from bench.server import Server  # noqa: E402
 
 
 def body(q, k, v, weights_dtype: str | None) -> bytes:

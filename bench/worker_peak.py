@@ -1,4 +1,4 @@
-"""Peak RSS of one gunicorn worker over single large requests (issue 10, finding 6): what a
+"""Peak RSS of one gunicorn worker over single large requests: what a
 worker's lone request can take, against the pod's memory limit (deploy/k8s).
 
 Starts `python -m service` with one worker on a free loopback port, sends one after another a
@@ -12,17 +12,13 @@ bench/garbage.py, and prints the worker's RSS before, its peak (VmHWM, reset thr
 from __future__ import annotations
 
 import http.client
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import numpy as np
 import orjson
 
 from bench.garbage import CATALOGUE
+from bench.server import Server
 from client import encode_tensor
 
 MiB = 2**20
@@ -42,33 +38,11 @@ def _post(port: int, body: bytes) -> int:
     return resp.status
 
 
-def _wait_ready(port: int, proc: subprocess.Popen) -> None:
-    for _ in range(300):
-        if proc.poll() is not None:
-            raise SystemExit("the server exited")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            conn.request("GET", "/readyz")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("the server did not become ready")
-
-
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(port), "WEB_CONCURRENCY": "1", "ATTN_WARMUP": "0"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+    server = Server("worker-peak", env={"WEB_CONCURRENCY": "1", "ATTN_WARMUP": "0"})
     try:
-        _wait_ready(port, proc)
-        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-            worker = int(f.read().split()[0])
+        server.wait_ready(timeout=60)
+        worker, port = server.workers()[0], server.port
         q = np.random.default_rng(0).standard_normal((8, 4096, 63), np.float32)
         valid = orjson.dumps(
             {"q": encode_tensor(q, "b64"), "k": encode_tensor(q, "b64"), "v": encode_tensor(q, "b64"), "return_weights": False}
@@ -92,8 +66,7 @@ def main() -> None:
                 flush=True,
             )
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        server.stop()
 
 
 if __name__ == "__main__":

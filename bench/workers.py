@@ -10,7 +10,8 @@ import sys
 import threading
 import time
 
-from bench.__main__ import Client, Server, request_body
+from bench.__main__ import Client, request_body
+from bench.server import Server
 
 MODELS = [(2, 1), (1, 2), (2, 2)]  # (workers, BLAS threads per worker)
 

@@ -15,24 +15,18 @@ Memory and fds need the server's arbiter pid: known when the soak starts the ser
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import requests
+from bench.server import Server
 
 from . import resources
 from .traffic import Outcome, Traffic
 
-ROOT = Path(__file__).resolve().parent.parent
 FD_SLACK = 4
 
 
@@ -88,49 +82,6 @@ def _mib(kb) -> str:
 def _median(trace, pid, t0, t1, index):
     values = [s[pid][index] for t, s in trace if t0 <= t <= t1 and pid in s]
     return statistics.median(values) if values else None
-
-
-def start_server(env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m service` on a free loopback port, ready on every worker."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    log = tempfile.NamedTemporaryFile(prefix="soak-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service"],
-        cwd=ROOT,
-        env={**inherited, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    proc.log_path = log.name
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {Path(log.name).read_text()[-2000:]}")
-        try:
-            if all(requests.get(f"{url}/readyz", timeout=2).status_code == 200 for _ in range(8)):
-                return proc, url
-        except requests.ConnectionError:
-            pass
-        time.sleep(0.2)
-    stop_server(proc)
-    raise RuntimeError("server not ready within 60 s")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=35)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def soak(
@@ -236,15 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     window = min(10.0, warmup / 2)
     if args.url and not args.url.startswith(("http://127.0.0.1", "http://localhost")):
         ap.error("--url must be a loopback address")
-    proc = None
+    server = None
     try:
         if args.url:
             url, arbiter = args.url.rstrip("/"), args.pid
         else:
-            proc, url = start_server()
-            arbiter = proc.pid
+            server = Server("soak")
+            server.wait_ready(timeout=60, in_a_row=8)  # every worker warmed up
+            url, arbiter = server.url, server.proc.pid
             print(
-                f"soak: server {url} (arbiter {arbiter}, log {proc.log_path}), {args.duration:.0f} s, {args.clients} clients, warm-up {warmup:.0f} s"
+                f"soak: server {url} (arbiter {arbiter}, log {server.log.name}), {args.duration:.0f} s, {args.clients} clients, warm-up {warmup:.0f} s"
             )
         report = soak(
             url,
@@ -259,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             max_growth=args.max_growth,
         )
     finally:
-        if proc is not None:
-            stop_server(proc)
+        if server is not None:
+            server.stop()
     print(report.text(warmup, window))
     return 0 if report.ok else 1

@@ -8,6 +8,7 @@ is JSON (numeric_core() imports the core when an answer is checked against it)."
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.client
 import io
 import json
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +77,13 @@ def tensor(value) -> np.ndarray:
     return np.array(value["data"], dtype=value.get("dtype")).reshape(value["shape"])
 
 
+def post(client, body, path: str = "/attention", **kwargs):
+    """POST body (a dict as JSON, or bytes or str as they are) through a Flask test client."""
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body, allow_nan=False)  # stdlib: any int size
+    kwargs.setdefault("content_type", "application/json")
+    return client.post(path, data=data, **kwargs)
+
+
 def big_body(T: int, weights: bool = True, seed: int = 0) -> bytes:
     """A /attention body of B=1, H=8, d=64 float32 q, k, v in b64: 8.4 MB at T=1024 (and 47 MB of
     weights back, if asked for)."""
@@ -92,16 +102,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1):
-    """Poll predicate() until it returns a true value (returned), or fail after timeout seconds.
-    The timeout only stops a hang: callers wait for an event, never for a time."""
+def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1, what: str | None = None):
+    """Poll predicate() until it returns a true value (returned), or fail after timeout seconds
+    naming `what` (else the predicate's docstring). The timeout only stops a hang: callers wait
+    for an event, never for a time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"not true within {timeout} s: {predicate.__doc__ or predicate}")
+    raise AssertionError(f"not true within {timeout} s: {what or predicate.__doc__ or predicate}")
 
 
 # Each worker warms up on its own: one 200 may come from the first one ready while another still
@@ -151,6 +162,32 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@dataclass
+class Server:
+    """A server started by serving(): its process, base URL, port and log file."""
+
+    proc: subprocess.Popen
+    url: str
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def log_text(self) -> str:
+        """Everything the server has logged so far (stdout and stderr)."""
+        return Path(self.proc.log_path).read_text(errors="replace")
+
+
+@contextlib.contextmanager
+def serving(env: dict | None = None, timeout: float = 120.0) -> Iterator[Server]:
+    """start_server() as a context: the Server while it runs, stopped at the end."""
+    proc, url = start_server(env, timeout=timeout)
+    try:
+        yield Server(proc, url)
+    finally:
+        stop_server(proc)
 
 
 def all_ready(url: str) -> bool:

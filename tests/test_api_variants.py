@@ -13,8 +13,7 @@ from schemas import AttentionRequest, MhaRequest
 from service import core
 from service.config import Settings
 
-from .helpers import WORKED, b64, tensor
-from .test_api import post
+from .helpers import WORKED, b64, post, tensor
 
 # --- /attention: accepted --------------------------------------------------------------------------
 

@@ -225,7 +225,7 @@ def test_equals_oracle(problem):
     np.testing.assert_allclose(out, eo, atol=1e-10)
 
 
-# --- overflow: never a wrong answer (issue 10, finding 4) ---------------------------------------
+# --- overflow: never a wrong answer -------------------------------------------------------------
 
 
 @pytest.mark.parametrize("weights", [True, False])

@@ -32,7 +32,7 @@ def blocks(request, monkeypatch):
 
 @pytest.fixture(scope="module")
 def torch():
-    return pytest.importorskip("torch")
+    return pytest.importorskip("torch", reason="torch is in requirements-dev.txt: run make test")
 
 
 def allowed_by(T, S, causal=False, window=None):

@@ -245,7 +245,7 @@ def test_fast_path_is_taken():
 
 
 def test_short_rows_take_the_fast_path():
-    """Rows of one or two numbers are checked on the text in C, not as Python lists (issue 10, #6)."""
+    """Rows of one or two numbers are checked on the text in C, not as Python lists."""
     for doc in ({"q": [[float(i)] for i in range(1000)]}, {"q": [[i, 2] for i in range(1000)]}):
         assert isinstance(codec.loads(orjson.dumps(doc))["q"], np.ndarray)
 
@@ -375,7 +375,7 @@ def test_b64_sent_in_a_narrower_dtype_is_cast_chunk_by_chunk(monkeypatch, rng, c
         assert np.asarray(eager["data"] if encoding == "flat" else eager).dtype == np.float16
 
 
-# --- integers are range-checked before they are narrowed (issue 10, finding 4) -----------------
+# --- integers are range-checked before they are narrowed --------------------------------------
 
 
 @pytest.mark.parametrize("dtype, value", [("int32", 4294967297), ("int32", -(2**31) - 1), ("int32", 2**31)])

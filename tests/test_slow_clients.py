@@ -7,27 +7,23 @@ Waits are bounded by generous hang guards; nothing asserts how long anything too
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
-import os
 import re
 import resource
 import select
 import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 
+from . import helpers
+from .helpers import Server, b64
+
 pytestmark = pytest.mark.live
 
-ROOT = Path(__file__).resolve().parent.parent
 HANG = 30.0  # seconds: only ever stops a hang
 ENV = {
     "WEB_CONCURRENCY": "1",
@@ -43,39 +39,11 @@ ENV = {
 # --- the server ---------------------------------------------------------------------------------
 
 
-class Server:
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
-        self.proc, self.port, self.log = proc, port, log
-        self.url = f"http://127.0.0.1:{port}"
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-
 @contextlib.contextmanager
 def serving(**extra: str):
-    """`python -m service` (deploy/gunicorn.conf.py, as `make run`) on a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
-    env.update(ENV, HOST="127.0.0.1", PORT=str(port), **extra)
-    log = tempfile.NamedTemporaryFile(prefix="attention-slow-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    srv = Server(proc, port, Path(log.name))
-    try:
-        wait_until(lambda: proc.poll() is not None or get(srv, "/readyz") == 200, "server ready")
-        assert proc.poll() is None, srv.log_text()[-2000:]
+    """`python -m service` (deploy/gunicorn.conf.py, as `make run`) with ENV and extra."""
+    with helpers.serving({**ENV, **extra}) as srv:
         yield srv
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +52,8 @@ def server():
         yield srv
 
 
-def wait_until(predicate, what: str, timeout: float = HANG):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s: {what}")
+def wait_until(predicate, what: str):
+    return helpers.wait_until(predicate, timeout=HANG, interval=0.05, what=what)
 
 
 def get(srv: Server, path: str) -> int | None:
@@ -105,8 +67,7 @@ def get(srv: Server, path: str) -> int | None:
 
 
 def tensor(rng, *shape) -> dict:
-    a = rng.standard_normal(shape).astype("<f4")
-    return {"shape": list(shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode("ascii")}
+    return b64(rng.standard_normal(shape))
 
 
 def body_of(T: int, weights: bool = False, seed: int = 0) -> bytes:
