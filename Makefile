@@ -39,7 +39,7 @@ loadtest: $(VENV)/.dev-stamp
 	$(PY) -m loadtest $(LOADTEST_ARGS)
 
 # Mixed traffic against a server it starts on 127.0.0.1 (10 min by default; not part of `make test`, which
-# runs a 40 s version): make soak SOAK_ARGS="--duration 1800"; --url/--pid soak a running server.
+# runs a 50 s version): make soak SOAK_ARGS="--duration 1800"; --url/--pid soak a running server.
 SOAK_ARGS ?= --duration 600
 soak: $(VENV)/.dev-stamp
 	$(PY) -m soak $(SOAK_ARGS)
