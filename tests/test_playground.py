@@ -345,6 +345,119 @@ def test_json_the_page_cannot_parse_is_not_sent(page):
     assert page.inner_text("#error-message").startswith("k is not valid JSON")
 
 
+def expected_mask(T: int, S: int, causal: bool | str, window: list[int] | None) -> np.ndarray:
+    """The cells the API leaves out, from the contract's formulas: causal (key s > query t, or
+    s > t + S - T bottom-right), OR'ed with outside the window t + S - T - left <= s <= t + S - T + right."""
+    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
+    masked = np.zeros((T, S), bool)
+    if causal:
+        masked |= s > (t + S - T if causal == "bottom_right" else t)
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            masked |= s < t + S - T - left
+        if right >= 0:
+            masked |= s > t + S - T + right
+    return masked
+
+
+def set_window(page, left: str, right: str) -> tuple[str, dict]:
+    """Turn the sliding window on (if it is off), type left and right as a keyboard user would
+    (each change sends a request: wait for it), then press the send button; (state, body sent)."""
+    if not page.is_checked("#window-on"):
+        act(page, lambda: page.check("#window-on"))
+    for side, value in (("left", left), ("right", right)):
+        page.fill(f"#window-{side}", value)
+        page.press(f"#window-{side}", "Tab")
+        wait_for_answer(page, None)  # settled: the latest request sent (if the value changed) is answered
+    return act(page, lambda: page.click("#run"))
+
+
+@live
+def test_a_sliding_window_masks_the_cells_outside_it(page, live_server):
+    """On the worked example (ANDed with the causal mask) and on the soft lookup (a band)."""
+    for preset, window in (("worked", [1, 0]), ("lookup", [1, 2]), ("lookup", [-1, 0])):
+        if page.input_value("#preset") != preset:
+            choose(page, preset)
+        state, body = set_window(page, str(window[0]), str(window[1]))
+        assert state == "done" and body["window"] == window, (preset, window, page.inner_text("#error"))
+        answer = requests.post(f"{live_server}/attention", json=body, timeout=30).json()
+        weights, masked = drawn(page)
+        np.testing.assert_array_equal(weights, answer["weights"], err_msg=f"{preset} {window}")
+        T, S = weights.shape
+        np.testing.assert_array_equal(masked, expected_mask(T, S, body["causal"], window), err_msg=f"{preset} {window}")
+        assert (weights[masked] == 0).all() and masked.any() and not masked.all(axis=1).any()
+        assert f"window [{window[0]}, {window[1]}]" in page.inner_text("#heatmap caption")
+    screenshot(page, "window-lookup")
+    # Off again: no window in the request, and only the causal mask (none here) is marked.
+    state, body = act(page, lambda: page.uncheck("#window-on"))
+    assert state == "done" and "window" not in body and not drawn(page)[1].any()
+    assert page.is_disabled("#window-left") and page.is_disabled("#window-right")
+
+
+@live
+def test_a_window_on_a_bottom_right_kv_cache_case(page, live_server):
+    """T = 2 queries over S = 5 keys: the window is aligned bottom-right, whatever the causal mask."""
+    choose(page, "custom")
+    act(page, lambda: page.select_option("#causal", "false"))
+    page.fill("#custom-q", json.dumps([[1, 0], [0, 1]]))
+    page.fill("#custom-k", json.dumps(np.eye(5, 2).round(1).tolist()))
+    page.fill("#custom-v", json.dumps(np.arange(10.0).reshape(5, 2).tolist()))
+    act(page, lambda: page.press("#custom-v", "Tab"))
+    state, body = set_window(page, "1", "0")
+    assert state == "done", page.inner_text("#error")
+    answer = requests.post(f"{live_server}/attention", json=body, timeout=30).json()
+    weights, masked = drawn(page)
+    np.testing.assert_array_equal(weights, answer["weights"])
+    np.testing.assert_array_equal(masked, [[True, True, False, False, True], [True, True, True, False, False]])
+    np.testing.assert_array_equal(masked, expected_mask(2, 5, False, [1, 0]))
+
+
+@live
+def test_grouped_query_and_a_window_in_mha(page, live_server):
+    choose(page, "mha")
+    assert page.eval_on_selector_all("#kv-heads option", "os => os.map(o => o.value)") == ["1", "2", "4"]
+    state, body = act(page, lambda: page.select_option("#kv-heads", "2"))
+    assert state == "done", page.inner_text("#error")
+    heads = body["heads"]
+    assert (heads, body["kv_heads"]) == (4, 2) and np.shape(body["wk"]) == np.shape(body["wv"]) == (8, 4)
+    answer = np.array(requests.post(f"{live_server}/mha", json=body, timeout=30).json()["weights"])
+    assert answer.shape == (heads, 6, 6)
+    for head in (0, 3):
+        page.select_option("#head", str(head))
+        weights, masked = drawn(page)
+        np.testing.assert_array_equal(weights, answer[head])
+        np.testing.assert_array_equal(masked, expected_mask(6, 6, True, None))
+    # With a window too: the band under the diagonal, ANDed with causal.
+    state, body = set_window(page, "2", "-1")
+    assert state == "done" and body["window"] == [2, -1] and body["kv_heads"] == 2, page.inner_text("#error")
+    answer = np.array(requests.post(f"{live_server}/mha", json=body, timeout=30).json()["weights"])
+    page.select_option("#head", "1")
+    weights, masked = drawn(page)
+    np.testing.assert_array_equal(weights, answer[1])
+    np.testing.assert_array_equal(masked, expected_mask(6, 6, True, [2, -1]))
+    assert (weights[masked] == 0).all()
+    screenshot(page, "mha-gqa-window")
+    # The choices follow heads: the divisors of 8; 2 still divides, so it stays.
+    state, body = act(page, lambda: page.select_option("#heads", "8"))
+    assert state == "done" and (body["heads"], body["kv_heads"]) == (8, 2)
+    assert page.eval_on_selector_all("#kv-heads option", "os => os.map(o => o.value)") == ["1", "2", "4", "8"]
+
+
+@live
+def test_an_invalid_window_shows_the_api_message(page, live_server):
+    state, body = set_window(page, "-2", "0")
+    assert state == "error" and body["window"] == [-2, 0]
+    answer = requests.post(f"{live_server}/attention", json=body, timeout=30)
+    assert answer.status_code == 422
+    error = answer.json()["error"]
+    assert page.is_visible("#error") and page.is_hidden("#result")
+    assert page.inner_text("#error-message") == error["message"]
+    assert page.inner_text("#error-code").startswith(f"422 {error['code']}")
+    state, _ = act(page, lambda: (page.fill("#window-left", "0"), page.press("#window-left", "Tab")))
+    assert state == "done" and page.is_hidden("#error")
+
+
 @live
 def test_the_controls_are_labelled_and_reached_by_keyboard(page):
     unlabelled = page.eval_on_selector_all("select, input, textarea", "els => els.filter(e => !e.labels.length).map(e => e.id)")
@@ -376,8 +489,11 @@ def test_the_controls_are_labelled_and_reached_by_keyboard(page):
 
 @live
 def test_the_readme_screenshot(page):
-    """docs/playground.png in the README is this, copied: the multi-head preset, head 1."""
+    """docs/playground.png in the README is this, copied: the multi-head preset with 2 key/value
+    heads and a window of 2 keys back, head 1."""
     choose(page, "mha")
+    act(page, lambda: page.select_option("#kv-heads", "2"))
+    assert set_window(page, "2", "-1")[0] == "done"
     page.select_option("#head", "1")
     page.focus("#heatmap td[data-row='3'][data-col='1']")
     path = screenshot(page, "playground")

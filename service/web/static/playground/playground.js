@@ -6,12 +6,6 @@
 // (T, S) slice at a time, the leading axes (heads, batch) chosen with the head selector.
 "use strict";
 
-// Attention variants (sliding window, grouped-query) are in the API contract but not yet served.
-// When they are, each gets a control in the "Variants" fieldset and adds its fields here, e.g.
-// {window: [left, right]} or {enable_gqa: true}; the masked cells must then follow the window too
-// (see maskedCell). Nothing is sent for them until then.
-const VARIANTS = [];
-
 const $ = (id) => document.getElementById(id);
 
 const WORKED = {q: [[1, 0], [0, 1], [1, 1]], k: [[1, 0], [0, 1], [1, 1]], v: [[1, 0], [0, 10], [5, 5]]};
@@ -65,6 +59,22 @@ function causalValue() {
   return c === "false" ? false : c;
 }
 
+/** [left, right] of the sliding-window control, or null when it is off. Sent as typed (even -2):
+ * the API's own message says what is wrong with a window, so the page does not second-guess it. */
+function windowValue() {
+  if (!$("window-on").checked) return null;
+  return ["left", "right"].map((side) => {
+    const text = $(`window-${side}`).value.trim();
+    if (!text) throw new InputError(`window ${side} is empty: type an integer, -1 for no limit.`);
+    return Number(text);
+  });
+}
+
+/** The divisors of n, ascending: the key/value head counts that /mha takes for n heads. */
+function divisors(n) {
+  return Array.from({length: n}, (_, i) => i + 1).filter((d) => n % d === 0);
+}
+
 function parseTensor(id, name) {
   const text = $(id).value.trim();
   if (!text) throw new InputError(`${name} is empty: paste a JSON array such as [[1, 0], [0, 1]].`);
@@ -86,11 +96,13 @@ function buildRequest() {
     const keys = scaledEye(8, Number($("sharpness").value));
     req = {path: "attention", body: {q: keys, k: keys, v: keys, causal, scale: 1}};
   } else if (preset === "mha") {
+    const heads = Number($("heads").value), kvHeads = Number($("kv-heads").value);
+    const kvWidth = (MHA_D / heads) * kvHeads; // kv_heads heads of width d / heads (Llama's layout)
     const rand = mulberry32(Number($("seed").value) || 0);
     const x = normalMatrix(rand, MHA_N, MHA_D, 1);
-    const [wq, wk, wv, wo] = [0, 1, 2, 3].map(() => normalMatrix(rand, MHA_D, MHA_D, 0.5));
+    const [wq, wk, wv, wo] = [MHA_D, kvWidth, kvWidth, MHA_D].map((cols) => normalMatrix(rand, MHA_D, cols, 0.5));
     // /mha is self-attention (T = S): both alignments are the same mask, and it takes a boolean.
-    req = {path: "mha", body: {x, wq, wk, wv, wo, heads: Number($("heads").value), causal: causal !== false}};
+    req = {path: "mha", body: {x, wq, wk, wv, wo, heads, kv_heads: kvHeads, causal: causal !== false}};
   } else {
     const body = {q: parseTensor("custom-q", "q"), k: parseTensor("custom-k", "k"), v: parseTensor("custom-v", "v"), causal};
     const scale = $("custom-scale").value.trim();
@@ -101,7 +113,8 @@ function buildRequest() {
     }
     req = {path: "attention", body};
   }
-  for (const variant of VARIANTS) Object.assign(req.body, variant.fields());
+  const win = windowValue(); // every preset takes it: /attention and /mha alike
+  if (win) req.body.window = win;
   req.kind = req.path;
   return req;
 }
@@ -147,8 +160,15 @@ function fmt(x, digits = 4) {
   return a >= 1e-3 && a < 1e5 ? String(Number(x.toPrecision(digits))) : x.toExponential(digits - 1);
 }
 
-/** Whether cell (t, s) of a T x S weights matrix is masked by the causal setting the page sent. */
-function maskedCell(causal, t, s, T, S) {
+/** Whether cell (t, s) of a T x S weights matrix is masked by the causal setting and the window
+ * [left, right] (or null) the page sent. The window is bottom-right aligned (FlashAttention's
+ * window_size): t + S - T - left <= s <= t + S - T + right, -1 leaving a side open; ANDed with causal. */
+function maskedCell(causal, win, t, s, T, S) {
+  if (win) {
+    const [left, right] = win, diag = t + S - T;
+    if (left >= 0 && s < diag - left) return true;
+    if (right >= 0 && s > diag + right) return true;
+  }
   if (causal === false) return false;
   if (causal === "bottom_right") return s > t + S - T;
   return s > t; // true or "top_left"
@@ -167,7 +187,7 @@ function describe(cell) {
     : `query ${t}, key ${s}: weight ${fmt(Number(cell.dataset.weight), 6)}`;
 }
 
-function drawHeatmap(matrix, causal, caption) {
+function drawHeatmap(matrix, causal, win, caption) {
   const T = matrix.length, S = matrix[0].length;
   const table = document.createElement("table");
   table.className = "heatmap" + (S > 12 ? " dense" : "");
@@ -193,7 +213,7 @@ function drawHeatmap(matrix, causal, caption) {
     tr.appendChild(th);
     row.forEach((w, s) => {
       const td = tr.insertCell();
-      const masked = maskedCell(causal, t, s, T, S);
+      const masked = maskedCell(causal, win, t, s, T, S);
       td.dataset.weight = String(w);
       td.dataset.row = t;
       td.dataset.col = s;
@@ -318,11 +338,14 @@ function drawResult() {
   $("head-row").querySelector("label").textContent = req.kind === "mha" ? "Head" : "Slice";
 
   const causal = req.kind === "mha" ? (req.body.causal ? "top_left" : false) : req.body.causal;
+  const win = req.body.window || null;
   const [T, S] = shape.slice(-2);
+  for (const side of ["left", "right"]) $(`window-${side}`).max = String(Math.max(T, S));
   const which = mats.length > 1 ? ` of ${sliceLabel(req.kind, leading, chosen)}` : "";
   $("heatmap-title").textContent = `Weights${which}`;
-  $("heatmap").replaceChildren(drawHeatmap(mats[chosen], causal,
-    `${T} queries × ${S} keys of weights (${shape.join(", ")}); causal mask: ${causal === false ? "off" : causal.replace("_", "-")}`));
+  const windowNote = win ? `; window [${win.join(", ")}]` : "";
+  $("heatmap").replaceChildren(drawHeatmap(mats[chosen], causal, win,
+    `${T} queries × ${S} keys of weights (${shape.join(", ")}); causal mask: ${causal === false ? "off" : causal.replace("_", "-")}${windowNote}`));
 
   $("thumbs").replaceChildren(...(mats.length > 1 ? mats.map((m, i) => {
     const thumb = document.createElement("div");
@@ -330,7 +353,7 @@ function drawResult() {
     thumb.style.gridTemplateColumns = `repeat(${m[0].length}, 6px)`;
     m.forEach((row, t) => row.forEach((w, s) => {
       const span = document.createElement("span");
-      span.style.background = maskedCell(causal, t, s, m.length, row.length) ? "#fff" : cellColour(w).bg;
+      span.style.background = maskedCell(causal, win, t, s, m.length, row.length) ? "#fff" : cellColour(w).bg;
       thumb.appendChild(span);
     }));
     thumb.addEventListener("click", () => { select.value = String(i); drawResult(); });
@@ -416,6 +439,14 @@ function runSoon() {
   timer = setTimeout(run, 120);
 }
 
+function fitKvHeads() {
+  // The key/value head choices are the divisors of heads; keep the choice if it still divides.
+  const heads = Number($("heads").value), select = $("kv-heads");
+  const kept = heads % Number(select.value) === 0 ? select.value : String(heads);
+  select.replaceChildren(...divisors(heads).map((d) => new Option(String(d), String(d))));
+  select.value = kept;
+}
+
 function applyPreset() {
   const name = $("preset").value;
   const preset = PRESETS[name];
@@ -432,7 +463,12 @@ document.addEventListener("DOMContentLoaded", () => {
     $("sharpness-value").textContent = $("sharpness").value;
     runSoon();
   });
-  for (const id of ["seed", "heads", "causal", "custom-q", "custom-k", "custom-v", "custom-scale"]) {
+  $("heads").addEventListener("change", fitKvHeads);
+  $("window-on").addEventListener("change", () => {
+    for (const side of ["left", "right"]) $(`window-${side}`).disabled = !$("window-on").checked;
+    run();
+  });
+  for (const id of ["seed", "heads", "kv-heads", "window-left", "window-right", "causal", "custom-q", "custom-k", "custom-v", "custom-scale"]) {
     $(id).addEventListener("change", run);
   }
   $("head").addEventListener("change", drawResult);
