@@ -178,14 +178,14 @@ class Conn(TConn):
 
     READING, IN_THREAD, WRITING, CLOSING = "reading", "in_thread", "writing", "closing"
 
-    def __init__(self, cfg, sock, client, server, settings: Settings):
+    def __init__(self, cfg, sock, client, server):
         super().__init__(cfg, sock, client, server)
         self.initialized = True  # no TLS, no HTTP/2: gunicorn's init() has nothing to do
-        self.settings = settings
+        # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
         self.buf = bytearray()
-        self.scanner = framing.RequestScanner(MAX_HEAD_BYTES, settings.max_body_bytes)
-        self.started = self.body_started = 0.0
+        self.scanner: framing.RequestScanner | None = None
+        self.body_started = 0.0
         self.deadline = 0.0
         self.keep = False  # after the response: keep-alive (True) or close
         self.registered = False
@@ -229,7 +229,7 @@ class FrontWorker(ThreadWorker):
             return
         sock = ClientSocket(raw.family, raw.type, raw.proto, fileno=raw.detach(), budget=self.budget)
         self.nr_conns += 1
-        conn = Conn(self.cfg, sock, addr, listener.getsockname(), self.settings)
+        conn = Conn(self.cfg, sock, addr, listener.getsockname())
         self.conns[conn] = None
         self._start_request(conn, b"", new=True)
 
@@ -274,7 +274,6 @@ class FrontWorker(ThreadWorker):
         self.received += len(pending)
         conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
         conn.sock.setblocking(False)
-        conn.started = now
         # A new connection has the header timeout to send its head; a kept-alive one, the keepalive.
         idle = self.settings.header_timeout_s if new or pending else self.cfg.keepalive
         conn.deadline = now + idle
@@ -300,8 +299,7 @@ class FrontWorker(ThreadWorker):
                 self._close(conn)
             return
         if not conn.buf:
-            conn.started = time.monotonic()
-            conn.deadline = conn.started + self.settings.header_timeout_s
+            conn.deadline = time.monotonic() + self.settings.header_timeout_s
         conn.buf += data
         self.received += len(data)
         if self.received > self.settings.max_inflight_bytes:
