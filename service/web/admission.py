@@ -160,8 +160,9 @@ class Ticket:
 
 def admit(job: AttentionJob | MhaJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
-    not fit in memory beside the others (503), then wait for a compute slot."""
-    predicted = current_app.extensions["attention.cost"].predict_job(job)
+    not fit in memory beside the others (503), then wait for a compute slot. The prediction is
+    kept in g.predicted_ms, for the compute metrics and the response's cost."""
+    predicted = g.predicted_ms = current_app.extensions["attention.cost"].predict_job(job)
     deadline = g.get("deadline_ms")
     if deadline is not None:
         left = deadline - elapsed_ms()
