@@ -60,6 +60,7 @@ def _text(exc: ValidationError) -> str:
 
 
 def show(value) -> str:
+    """A client's value (or field name) as a message shows it: its repr, cut if long."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 

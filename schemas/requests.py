@@ -14,7 +14,7 @@ from service import core, wire
 from service.config import Settings
 
 from .errors import RequestError
-from .fields import Bool, Choice, PositiveFloat, PositiveInt, Tensor, Window
+from .fields import Bool, Choice, PositiveFloat, PositiveInt, Tensor, Window, show
 from .jobs import COMPUTE_DTYPES, WEIGHTS_DTYPES, AttentionJob, MhaJob
 
 CAUSAL = (False, True, "top_left", "bottom_right")
@@ -62,7 +62,7 @@ class _Request(Schema):
 
     def _unknown(self, name: str):
         known = ", ".join(sorted(self.fields))
-        raise RequestError("unknown_field", f"{_show_name(name)} is not a field of this request; the fields are: {known}.", name[:60])
+        raise RequestError("unknown_field", f"{show(name)} is not a field of this request; the fields are: {known}.", name[:60])
 
     def handle_error(self, error: ValidationError, data, *, many: bool, **kwargs):
         """Only marshmallow's own checks reach here (our fields raise RequestError): unknown fields."""
@@ -349,12 +349,6 @@ class MhaRequest(_Request):
             window=data["window"],
             weights_dtype=data["weights_dtype"],
         )
-
-
-def _show_name(name: str, limit: int = 40) -> str:
-    """A client's field name as a message shows it: quoted, and cut if long (names are unbounded)."""
-    text = repr(name)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
