@@ -63,9 +63,13 @@ class Model:
     schema: type
     inputs: dict[str, tuple[tuple[str, ...], list[int], str]]
     optional: frozenset[str]
-    options: tuple[str, ...]  # the request parameters, named as the native JSON fields
     outputs: dict[str, tuple[list[int], str]]
-    parameters: dict[str, str]  # option -> what it takes, for the metadata
+    parameters: dict[str, str]  # the request parameters, named as the native JSON fields -> what each takes
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The request parameters' names."""
+        return tuple(self.parameters)
 
     def labels(self) -> dict[str, str]:
         """What the schema's messages call each field: the protocol's input or parameter."""
@@ -94,7 +98,6 @@ MODELS = {
             ),
         },
         optional=frozenset({"mask", "key_lengths", "bias", "alibi_slopes"}),
-        options=("causal", "scale", "return_weights", "dtype", "enable_gqa", "window", "average_weights", "weights_dtype"),
         outputs={
             "out": ([-1, -1, -1, -1], "(..., T, dv)"),
             "weights": ([-1, -1, -1, -1], "(..., T, S); (..., T, S) without axis -3 when averaged"),
@@ -121,7 +124,6 @@ MODELS = {
             "wo": (FLOAT, [-1, -1], "optional; output projection (heads*dv, d_out); without it the heads are concatenated"),
         },
         optional=frozenset({"wo"}),
-        options=("heads", "causal", "return_weights", "dtype", "scale", "kv_heads", "window", "weights_dtype"),
         outputs={"out": ([-1, -1, -1], "(n, d_out) or (B, n, d_out)"), "weights": ([-1, -1, -1, -1], "(h, n, n) or (B, h, n, n)")},
         parameters={
             "heads": "int: query heads, dividing wq's width",
