@@ -1,7 +1,7 @@
 """Fields that raise the contract's error codes. Each knows its name, so every error names its
 field: a type error is bad_type, a failed validator bad_option, an absent required field
 missing_field. Messages call the field by its label, which the schema sets (the name itself, or
-the front door's term for it, say "input q"). The Tensor field decodes once with the wire codec
+the front door's term for it, say "input q"). The Tensor field decodes once with wire.decode
 and checks the whole array."""
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ the envelope differs:
                   -> {"shape": [2, 3], "dtype": "float32", "data": [flat] or NestedData([nested])}
   binary input  {"name": "q", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}}
                 plus 24 raw little-endian bytes after the JSON header (Inference-Header-Content-Length)
-                  -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as the
-                     wire codec's loads() gives a b64 value: the bytes are never re-encoded
+                  -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as
+                     service.wire's loads() gives a b64 value: the bytes are never re-encoded
 
 Outputs are `out` and `weights`, as JSON `data` (flat, row-major) or, per output
 (`parameters.binary_data`) or request-wide (`parameters.binary_data_output`), as raw bytes after
@@ -415,7 +415,7 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     if datatype not in accepted:
         raise RequestError("bad_type", f"input {name} has datatype {show(datatype)}; it must be {' or '.join(accepted)}.", name)
     dtype = DATATYPES[datatype]
-    shape = spec.get("shape")  # the codec checks it: a list of positive integers
+    shape = spec.get("shape")  # wire.decode checks it: a list of positive integers
     params = _object(spec.get("parameters", {}), f"input {name} parameters")
     unsupported = sorted(set(params) - {"binary_data_size"})
     if unsupported:
@@ -433,7 +433,7 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
         raise RequestError("missing_field", f"input {name} has neither data nor parameters.binary_data_size.", name)
     data = spec["data"]
     if isinstance(data, list) and data and isinstance(data[0], list):
-        data = wire.NestedData(data)  # nested as the shape: the codec checks that it is
+        data = wire.NestedData(data)  # nested as the shape: wire.decode checks that it is
     return {"shape": shape, "dtype": dtype, "data": data}
 
 

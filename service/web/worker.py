@@ -14,10 +14,10 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   408 `timeout` and the connection closes. A request whose framing cannot be trusted gets 400
   `bad_framing` (a bad Content-Length or chunk, both Content-Length and Transfer-Encoding), an
   unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
-  request is complete 400 `incomplete_request` (it can still read the answer); each then closes. Only a complete request reaches a thread, already in
-  memory; the thread never reads the socket. A body over ATTN_MAX_BODY_BYTES gets 413 from here;
-  the bytes of requests being read count against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the
-  upload that goes past it).
+  request is complete 400 `incomplete_request` (it can still read the answer); each then closes.
+  Only a complete request reaches a thread, already in memory; the thread never reads the socket.
+  A body over ATTN_MAX_BODY_BYTES gets 413 from here; the bytes of requests being read count
+  against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it).
 - Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
   and the thread goes on: the response is finished (its compute slot freed) and the event loop
   sends the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is
@@ -28,8 +28,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   and no thread.
 
 These answers are in the API's error shapes (errors.py, kserve.py) and counted in /metrics as the
-app's own are. Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is gunicorn's. Not
-for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
+app's own are. Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is
+gunicorn's. Not for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
 
 from __future__ import annotations
 
