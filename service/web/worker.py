@@ -120,13 +120,14 @@ class ClientSocket(socket.socket):
                 self.settimeout(timeout)
             if not view:
                 return
-        self.budget.charge(len(view))
         self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
 
     def queue(self, data) -> None:
-        """Hold data for the event loop to send (its bytes already charged to the budget)."""
-        self.outbox.append(memoryview(data).cast("B"))
-        self.outbox_bytes += len(self.outbox[-1])
+        """Hold data for the event loop to send, charged to the budget until it is sent or dropped."""
+        view = memoryview(data).cast("B")
+        self.budget.charge(len(view))
+        self.outbox.append(view)
+        self.outbox_bytes += len(view)
 
     def send_some(self) -> int:
         """Event loop, non-blocking socket: send what the kernel takes from the outbox; bytes sent."""
@@ -377,9 +378,7 @@ class FrontWorker(ThreadWorker):
         metrics.REJECTIONS.labels(endpoint, code).inc()
         self._release_buf(conn)
         conn.keep = False
-        answer = error_response(code, message, scanner.path)
-        self.budget.charge(len(answer))
-        conn.sock.queue(answer)
+        conn.sock.queue(error_response(code, message, scanner.path))
         self._write(conn)
 
     def _endpoint(self, path: str, method: str) -> str:
