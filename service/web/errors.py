@@ -50,8 +50,9 @@ Shape = Callable[[RequestError, int], dict]
 
 
 class ApiError(RequestError):
-    """A refusal of the web layer itself, with the headers it needs (Retry-After, Allow, ...).
-    status is only ever given for an HTTP error werkzeug raised that no code names."""
+    """A refusal that needs more than a code: headers (Retry-After, Allow, WWW-Authenticate), or,
+    for an HTTP error werkzeug raised that no code names, its status. Any other refusal, from any
+    layer, is a plain RequestError."""
 
     def __init__(self, code: str, message: str, field: str | None = None, *, headers: dict | None = None, status: int | None = None):
         super().__init__(code, message, field)

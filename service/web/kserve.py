@@ -34,7 +34,6 @@ from service.config import VERSION, Settings
 
 from .admission import admit
 from .api import cost, run
-from .errors import ApiError
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
 from .ops import readiness
 
@@ -328,7 +327,7 @@ def _split_body(body: bytes) -> tuple[bytes, memoryview]:
     except ValueError:
         size = -1
     if not 0 <= size <= len(body):
-        raise ApiError(
+        raise RequestError(
             "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}."
         )
     return body[:size], memoryview(body)[size:]
@@ -443,9 +442,9 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
 def _model(name: str, version: str | None) -> Model:
     model = MODELS.get(name)
     if model is None:
-        raise ApiError("not_found", f"Model {name!r} is not served here; the models are: {', '.join(MODELS)}.")
+        raise RequestError("not_found", f"Model {name!r} is not served here; the models are: {', '.join(MODELS)}.")
     if version is not None and version != MODEL_VERSION:
-        raise ApiError("not_found", f"Model {name} has no version {version!r}; its only version is {MODEL_VERSION}.")
+        raise RequestError("not_found", f"Model {name} has no version {version!r}; its only version is {MODEL_VERSION}.")
     return model
 
 
