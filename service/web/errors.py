@@ -68,6 +68,11 @@ def status_of(code: str) -> int:
     return STATUS.get(code, 422)
 
 
+def body_too_large(limit: int) -> str:
+    """The 413 message, the same whether the app or the worker's event loop refuses the body."""
+    return f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES)."
+
+
 def native_body(err: RequestError, status: int) -> dict:
     """The native API's shape: {"error": {status, code, message, field}}."""
     return {"error": {"status": status, "code": err.code, "message": err.message, "field": err.field}}
@@ -77,7 +82,7 @@ def _from_http(exc: HTTPException) -> ApiError:
     status = exc.code or 500
     code = _HTTP_CODES.get(status, "http_error")
     if status == 413:
-        message = f"The request body is larger than the limit of {request.max_content_length} bytes (ATTN_MAX_BODY_BYTES)."
+        message = body_too_large(request.max_content_length)
     elif status == 405:
         message = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(exc.valid_methods or []))}."
     elif status == 404:

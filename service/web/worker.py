@@ -341,8 +341,7 @@ class FrontWorker(ThreadWorker):
         elif verdict.kind == framing.NOT_IMPLEMENTED:
             self._answer(conn, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
         elif verdict.kind == framing.BODY_TOO_LARGE:
-            limit = self.settings.max_body_bytes
-            self._answer(conn, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).")
+            self._answer(conn, "body_too_large", errors.body_too_large(self.settings.max_body_bytes))
         elif verdict.kind == framing.HEAD_TOO_LARGE:
             self._answer(conn, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
 
