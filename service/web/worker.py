@@ -65,7 +65,9 @@ def error_response(code: str, message: str, path: str) -> bytes:
     """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS),
     the body in the shape of the front door path is under (the /v2 protocol's, else the native)."""
     status = errors.status_of(code)
-    shape = kserve.error_body if path == "/v2" or path.startswith(("/v2/", "/v2?")) else errors.native_body
+    door = path.partition("?")[0]
+    prefix = kserve.bp.url_prefix
+    shape = kserve.error_body if door == prefix or door.startswith(prefix + "/") else errors.native_body
     body = wire.dumps(shape(RequestError(code, message), status))
     headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
     if status == 503:
