@@ -91,11 +91,11 @@ control_socket_disable = True
 
 # --- worker class: chosen for admission control -------------------------------------------------
 # Threaded workers (with the 2 workers x 1 BLAS thread above), so that requests past a worker's
-# bounds reach the app and are
-# refused with 503 at once. A sync worker holds one request and the excess waits unseen in the
-# listen backlog, where nothing can count or shed it. Each worker admits ATTN_MAX_INFLIGHT
-# computing + ATTN_MAX_QUEUE waiting requests; the 16 other threads read and refuse the excess and
-# answer /healthz, /readyz and /metrics meanwhile (a connection waiting for a thread is unseen too).
+# bounds reach the app and are refused with 503 at once. A sync worker holds one request and the
+# excess waits unseen in the listen backlog, where nothing can count or shed it. Each worker admits
+# ATTN_MAX_INFLIGHT computing + ATTN_MAX_QUEUE waiting requests; the 16 other threads refuse the
+# excess (the event loop below has read it) and answer /healthz, /readyz and /metrics meanwhile
+# (a request waiting for a thread is unseen too).
 # Measured here, 2 workers on the 2 shared cores, with `python -m tests.test_overload burst` (48
 # concurrent T=1024 requests, B=1 H=8 d=64, b64, weights) and `... rate` (closed loop), sync run
 # with GUNICORN_CMD_ARGS="--worker-class sync --threads 1" (threads > 1 turn sync into gthread):

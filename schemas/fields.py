@@ -1,7 +1,7 @@
 """Fields that raise the contract's error codes. Each knows its name, so every error names its
 field: a type error is bad_type, a failed validator bad_option, an absent required field
 missing_field. Messages call the field by its label, which the schema sets (the name itself, or
-the front door's term for it, say "input q"). The Tensor field decodes once with the wire codec
+the front door's term for it, say "input q"). The Tensor field decodes once with wire.decode
 and checks the whole array."""
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def _text(exc: ValidationError) -> str:
 
 
 def show(value) -> str:
+    """A client's value (or field name) as a message shows it: its repr, cut if long."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 

@@ -56,6 +56,8 @@ class _Job:
     window: tuple[int, int] | None = None  # FlashAttention's window_size, or no window
     groups: int = 1  # query heads per key/value head (grouped-query attention)
     weights_dtype: str | None = None  # the weights' precision on the wire (cast as they are sent); None: the compute dtype
+    averaged_over: int = 1  # the heads the returned weights are averaged over (1: not averaged)
+    overflow_field = "q"  # the field a score overflow is blamed on
 
     @property
     def score_elements(self) -> int:
@@ -85,8 +87,6 @@ class _Job:
     def weights_elements(self) -> int:
         """The weights returned: B*T*S, without the heads axis when they are averaged over it."""
         return self.score_elements // self.averaged_over if self.return_weights else 0
-
-    averaged_over: int = 1  # the heads the returned weights are averaged over (1: not averaged)
 
     @property
     def weights_itemsize(self) -> int:
@@ -149,8 +149,6 @@ class _Job:
                 "non_finite", f'The result ({exc.what}) overflows {exc.dtype}; send "dtype": "float64" or smaller values.', None
             ) from None
         return out, weights  # in the compute dtype: the front doors send them in weights_dtype
-
-    overflow_field = "q"
 
     def _compute(self) -> tuple[np.ndarray, np.ndarray | None]:
         raise NotImplementedError

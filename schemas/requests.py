@@ -14,7 +14,7 @@ from service import core, wire
 from service.config import Settings
 
 from .errors import RequestError
-from .fields import Bool, Choice, PositiveFloat, PositiveInt, Tensor, Window
+from .fields import Bool, Choice, PositiveFloat, PositiveInt, Tensor, Window, show
 from .jobs import COMPUTE_DTYPES, WEIGHTS_DTYPES, AttentionJob, MhaJob
 
 CAUSAL = (False, True, "top_left", "bottom_right")
@@ -62,7 +62,7 @@ class _Request(Schema):
 
     def _unknown(self, name: str):
         known = ", ".join(sorted(self.fields))
-        raise RequestError("unknown_field", f"{_show_name(name)} is not a field of this request; the fields are: {known}.", name[:60])
+        raise RequestError("unknown_field", f"{show(name)} is not a field of this request; the fields are: {known}.", name[:60])
 
     def handle_error(self, error: ValidationError, data, *, many: bool, **kwargs):
         """Only marshmallow's own checks reach here (our fields raise RequestError): unknown fields."""
@@ -109,6 +109,19 @@ class _Request(Schema):
         if d > self.settings.max_d:
             raise RequestError(
                 "too_large", f"{self._label(field)} has width {d}, over the maximum of {self.settings.max_d} (ATTN_MAX_D).", field
+            )
+
+    def _check_scale(self, data) -> None:
+        scale, dtype = data["scale"], self._dtype(data)
+        if scale is not None and not np.isfinite(dtype.type(scale)):
+            raise RequestError("non_finite", f"{self._label('scale')}={scale} is not finite in {dtype.name}.", "scale")
+
+    def _check_broadcast(self, data, field: str, target: tuple[int, ...], code: str, what: str, hint: str = "") -> None:
+        """field (if sent) must broadcast to target, which the message calls what."""
+        arr = data[field]
+        if arr is not None and not _broadcasts(arr.shape, target):
+            raise RequestError(
+                code, f"{self._label(field)} has shape {list(arr.shape)}, which does not broadcast to {what} {list(target)}{hint}.", field
             )
 
     def _cast(self, name: str, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -186,45 +199,18 @@ class AttentionRequest(_Request):
         weights = B * T * S // (q.shape[-3] if data["average_weights"] else 1)
         self._check_scores(scores, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}", weights)
         self._check_output(B * T * v.shape[-1], f"{L('q')} {list(q.shape)} with {L('v')} {list(v.shape)}")
-        bias = data["bias"]
-        if bias is not None and not _broadcasts(bias.shape, (*lead, T, S)):
-            raise RequestError(
-                "shape_mismatch",
-                f"{L('bias')} has shape {list(bias.shape)}, which does not broadcast to (..., T, S) = {list((*lead, T, S))}.",
-                "bias",
-            )
-        slopes = data["alibi_slopes"]
-        if slopes is not None and not _broadcasts(slopes.shape, lead):
-            raise RequestError(
-                "shape_mismatch",
-                f"{L('alibi_slopes')} has shape {list(slopes.shape)}, which does not broadcast to the leading axes {list(lead)} "
-                "(one slope per head: (H,) or (B, H)).",
-                "alibi_slopes",
-            )
-        mask = data["mask"]
-        if mask is not None and not _broadcasts(mask.shape, (*lead, T, S)):
-            raise RequestError(
-                "mask_not_broadcastable",
-                f"{L('mask')} has shape {list(mask.shape)}, which does not broadcast to (..., T, S) = {list((*lead, T, S))}.",
-                "mask",
-            )
+        self._check_broadcast(data, "bias", (*lead, T, S), "shape_mismatch", "(..., T, S) =")
+        self._check_broadcast(data, "alibi_slopes", lead, "shape_mismatch", "the leading axes", " (one slope per head: (H,) or (B, H))")
+        self._check_broadcast(data, "mask", (*lead, T, S), "mask_not_broadcastable", "(..., T, S) =")
+        self._check_broadcast(data, "key_lengths", lead, "shape_mismatch", "the leading axes")
         lengths = data["key_lengths"]
-        if lengths is not None:
-            if not _broadcasts(lengths.shape, lead):
-                raise RequestError(
-                    "shape_mismatch",
-                    f"{L('key_lengths')} has shape {list(lengths.shape)}, which does not broadcast to the leading axes {list(lead)}.",
-                    "key_lengths",
-                )
-            if lengths.min() < 0 or lengths.max() > S:
-                raise RequestError(
-                    "bad_option",
-                    f"{L('key_lengths')} must lie in 0..S = 0..{S}; got {int(lengths.min())}..{int(lengths.max())}.",
-                    "key_lengths",
-                )
-        scale = data["scale"]
-        if scale is not None and not np.isfinite(self._dtype(data).type(scale)):
-            raise RequestError("non_finite", f"{L('scale')}={scale} is not finite in {self._dtype(data).name}.", "scale")
+        if lengths is not None and (lengths.min() < 0 or lengths.max() > S):
+            raise RequestError(
+                "bad_option",
+                f"{L('key_lengths')} must lie in 0..S = 0..{S}; got {int(lengths.min())}..{int(lengths.max())}.",
+                "key_lengths",
+            )
+        self._check_scale(data)
 
     def _heads(self, q: np.ndarray, k: np.ndarray, enable_gqa: bool) -> None:
         """k's leading axes are q's; under enable_gqa but for the heads axis -3, whose count divides q's."""
@@ -345,9 +331,7 @@ class MhaRequest(_Request):
         self._check_scores(scores, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads", B * n * n)
         d_out = heads * dv if wo is None else wo.shape[-1]
         self._check_output(math.prod(x.shape[:-1]) * d_out, f"{L('x')} {list(x.shape)}")  # out (..., n, d_out)
-        scale = data["scale"]
-        if scale is not None and not np.isfinite(self._dtype(data).type(scale)):
-            raise RequestError("non_finite", f"{L('scale')}={scale} is not finite in {self._dtype(data).name}.", "scale")
+        self._check_scale(data)
 
     @post_load(pass_original=True)
     def _job(self, data, original, **kwargs) -> MhaJob:
@@ -365,12 +349,6 @@ class MhaRequest(_Request):
             window=data["window"],
             weights_dtype=data["weights_dtype"],
         )
-
-
-def _show_name(name: str, limit: int = 40) -> str:
-    """A client's field name as a message shows it: quoted, and cut if long (names are unbounded)."""
-    text = repr(name)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

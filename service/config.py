@@ -45,8 +45,7 @@ class Settings:
     max_output_elements: int = 2**25  # out returned, B*T*dv (or B*n*d for /mha): 134 MB f32, as the weights
     # Request body, refused before it is parsed. 32 MiB: parsing a hostile JSON body peaks at up to
     # 33x its size (service.web.admission.PARSE_FACTOR), ~1.1 GB here, which a worker's lone
-    # request may take; at 128 MiB that was ~4.3 GB, past the pod. Valid b64 bodies up to
-    # q, k, v (8, 4096, 63) float32 fit.
+    # request may take. Valid b64 bodies up to q, k, v (8, 4096, 63) float32 fit.
     max_body_bytes: int = 32 * 2**20
     max_rank: int = 6  # rank of q, k, v
     max_d: int = 4096  # head dimension / model width

@@ -32,6 +32,7 @@ import time
 
 from flask import Flask, Response, current_app, g, request
 
+from schemas import RequestError
 from schemas.jobs import AttentionJob, MhaJob
 
 from . import metrics
@@ -160,8 +161,9 @@ class Ticket:
 
 def admit(job: AttentionJob | MhaJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
-    not fit in memory beside the others (503), then wait for a compute slot."""
-    predicted = current_app.extensions["attention.cost"].predict_job(job)
+    not fit in memory beside the others (503), then wait for a compute slot. The prediction is
+    kept in g.predicted_ms, for the compute metrics and the response's cost."""
+    predicted = g.predicted_ms = current_app.extensions["attention.cost"].predict_job(job)
     deadline = g.get("deadline_ms")
     if deadline is not None:
         left = deadline - elapsed_ms()
@@ -187,8 +189,8 @@ def elapsed_ms() -> float:
     return (time.perf_counter() - g.t0) * 1000
 
 
-def _deadline(why: str) -> ApiError:
-    return ApiError("deadline", f"Refused before computing: {why}; allow more time or send a smaller request.")
+def _deadline(why: str) -> RequestError:
+    return RequestError("deadline", f"Refused before computing: {why}; allow more time or send a smaller request.")
 
 
 def _check_key(keys: tuple[str, ...]) -> None:
@@ -214,7 +216,7 @@ def _parse_deadline() -> float | None:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ApiError("bad_option", f"X-Deadline-Ms must be a positive number of milliseconds, not {raw[:40]!r}.", "X-Deadline-Ms")
+        raise RequestError("bad_option", f"X-Deadline-Ms must be a positive number of milliseconds, not {raw[:40]!r}.", "X-Deadline-Ms")
     return value
 
 
@@ -249,7 +251,7 @@ def install(app: Flask) -> None:
             if nbytes is None or over:
                 nbytes = settings.max_body_bytes  # chunked: read up to the limit
             g.admission = app.extensions["attention.gate"].enter(nbytes, 0 if over else nbytes * PARSE_FACTOR)
-        except ApiError:
+        except RequestError:
             _drain()
             raise
 

@@ -5,7 +5,7 @@ run() and cost() are shared with the KServe door: one computation, two envelopes
 from __future__ import annotations
 
 import numpy as np
-from flask import Blueprint, Response, current_app
+from flask import Blueprint, Response, current_app, g
 
 from schemas import AttentionRequest, MhaRequest
 from schemas.jobs import AttentionJob, MhaJob
@@ -45,21 +45,19 @@ def load_job(schema_cls: type) -> Job:
 
 def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
     """Compute an admitted job, timed as the compute phase; the measured time refines the cost
-    model and is counted against its prediction. Both front doors compute through here."""
-    model = current_app.extensions["attention.cost"]
+    model and is counted against admit()'s prediction. Both front doors compute through here."""
     work = job.work()
-    predicted_ms = model.predict_work(work)
     with phase("compute") as timer:
         result = job.compute()
-    metrics.observe_compute(work, timer.ms, predicted_ms)
-    model.observe(work, timer.ms)
+    metrics.observe_compute(work, timer.ms, g.predicted_ms)
+    current_app.extensions["attention.cost"].observe(work, timer.ms)
     return result
 
 
 def cost(job: Job) -> dict:
-    """The cost summary of a response: what the job is, and what the cost model predicts."""
-    predicted = current_app.extensions["attention.cost"].predict_job(job)
-    return {"flops": job.flops, "score_elements": job.score_elements, "predicted_ms": round(predicted, 3)}
+    """The cost summary of a response: what the job is, and what the cost model predicted for it
+    when admitting it."""
+    return {"flops": job.flops, "score_elements": job.score_elements, "predicted_ms": round(g.predicted_ms, 3)}
 
 
 def respond_job(job: Job, out: np.ndarray, weights: np.ndarray | None) -> Response:

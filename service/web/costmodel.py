@@ -4,9 +4,10 @@
 
 a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
 numeric core's blocks (a few numpy calls; a request is at least one block). Counting blocks
-matters for small causal requests without weights, which the core cuts into many thin blocks. calibrate()
-fits them at start-up on a few shapes run through the numeric core (bounded to a second or two);
-observe() refines them from every computed request by a small weighted least squares.
+matters for small causal requests without weights, which the core cuts into many thin blocks.
+calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
+second or two); observe() refines them from every computed request by a small weighted least
+squares.
 
 The fit minimises relative error, sum(((x·θ - ms) / ms)^2), since what matters is the ratio of
 prediction to measurement from 0.2 ms to seconds alike; old observations fade (forget), and a

@@ -50,8 +50,9 @@ Shape = Callable[[RequestError, int], dict]
 
 
 class ApiError(RequestError):
-    """A refusal of the web layer itself, with the headers it needs (Retry-After, Allow, ...).
-    status is only ever given for an HTTP error werkzeug raised that no code names."""
+    """A refusal that needs more than a code: headers (Retry-After, Allow, WWW-Authenticate), or,
+    for an HTTP error werkzeug raised that no code names, its status. Any other refusal, from any
+    layer, is a plain RequestError."""
 
     def __init__(self, code: str, message: str, field: str | None = None, *, headers: dict | None = None, status: int | None = None):
         super().__init__(code, message, field)
@@ -67,6 +68,11 @@ def status_of(code: str) -> int:
     return STATUS.get(code, 422)
 
 
+def body_too_large(limit: int) -> str:
+    """The 413 message, the same whether the app or the worker's event loop refuses the body."""
+    return f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES)."
+
+
 def native_body(err: RequestError, status: int) -> dict:
     """The native API's shape: {"error": {status, code, message, field}}."""
     return {"error": {"status": status, "code": err.code, "message": err.message, "field": err.field}}
@@ -76,7 +82,7 @@ def _from_http(exc: HTTPException) -> ApiError:
     status = exc.code or 500
     code = _HTTP_CODES.get(status, "http_error")
     if status == 413:
-        message = f"The request body is larger than the limit of {request.max_content_length} bytes (ATTN_MAX_BODY_BYTES)."
+        message = body_too_large(request.max_content_length)
     elif status == 405:
         message = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(exc.valid_methods or []))}."
     elif status == 404:

@@ -12,9 +12,8 @@ import orjson
 from flask import Flask, Response, g, request
 from gunicorn.http.errors import NoMoreData, ParseException
 
+from schemas import RequestError
 from service import wire
-
-from .errors import ApiError
 
 MAX_JSON_DEPTH = 12  # a rank-6 tensor inside a request object is 8 deep; KServe's envelope adds a few
 
@@ -42,10 +41,10 @@ def phases_ms() -> dict[str, float]:
 def check_media_type(require_json: bool = True) -> None:
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("", "identity"):
-        raise ApiError("unsupported_media_type", f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed.")
+        raise RequestError("unsupported_media_type", f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed.")
     if require_json and request.mimetype != "application/json":
         got = request.mimetype or "none"
-        raise ApiError("unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
+        raise RequestError("unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
 
 
 def read_body() -> bytes | bytearray:
@@ -59,7 +58,7 @@ def read_body() -> bytes | bytearray:
         # The HTTP server found the body's framing broken as it read it (a bad chunk, the stream
         # ended early): the client's fault, 400, never the catch-all 500. FrontWorker refuses these
         # before a thread sees them; another worker class finds them only here.
-        raise ApiError("bad_framing", f"The request body could not be read: {type(exc).__name__}: {exc}.") from None
+        raise RequestError("bad_framing", f"The request body could not be read: {type(exc).__name__}: {exc}.") from None
 
 
 def _read(length: int | None) -> bytes | bytearray:
@@ -80,13 +79,13 @@ def parse_json(body: bytes) -> dict:
     try:
         doc = wire.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(
+        raise RequestError(
             "bad_json", f"The body is not valid strict JSON ({exc}); NaN, Infinity and out-of-range numbers are not JSON."
         ) from None
     if not isinstance(doc, dict):
-        raise ApiError("bad_json", f"The body must be a JSON object, not a {type(doc).__name__}.")
+        raise RequestError("bad_json", f"The body must be a JSON object, not a {type(doc).__name__}.")
     if wire.depth(doc, MAX_JSON_DEPTH + 1) > MAX_JSON_DEPTH:
-        raise ApiError("bad_json", f"The body nests deeper than {MAX_JSON_DEPTH} levels, deeper than any tensor may.")
+        raise RequestError("bad_json", f"The body nests deeper than {MAX_JSON_DEPTH} levels, deeper than any tensor may.")
     return doc
 
 

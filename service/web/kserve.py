@@ -9,8 +9,8 @@ the envelope differs:
                   -> {"shape": [2, 3], "dtype": "float32", "data": [flat] or NestedData([nested])}
   binary input  {"name": "q", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}}
                 plus 24 raw little-endian bytes after the JSON header (Inference-Header-Content-Length)
-                  -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as the
-                     wire codec's loads() gives a b64 value: the bytes are never re-encoded
+                  -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as
+                     service.wire's loads() gives a b64 value: the bytes are never re-encoded
 
 Outputs are `out` and `weights`, as JSON `data` (flat, row-major) or, per output
 (`parameters.binary_data`) or request-wide (`parameters.binary_data_output`), as raw bytes after
@@ -34,7 +34,6 @@ from service.config import VERSION, Settings
 
 from .admission import admit
 from .api import cost, run
-from .errors import ApiError
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
 from .ops import readiness
 
@@ -63,9 +62,13 @@ class Model:
     schema: type
     inputs: dict[str, tuple[tuple[str, ...], list[int], str]]
     optional: frozenset[str]
-    options: tuple[str, ...]  # the request parameters, named as the native JSON fields
     outputs: dict[str, tuple[list[int], str]]
-    parameters: dict[str, str]  # option -> what it takes, for the metadata
+    parameters: dict[str, str]  # the request parameters, named as the native JSON fields -> what each takes
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        """The request parameters' names."""
+        return tuple(self.parameters)
 
     def labels(self) -> dict[str, str]:
         """What the schema's messages call each field: the protocol's input or parameter."""
@@ -94,7 +97,6 @@ MODELS = {
             ),
         },
         optional=frozenset({"mask", "key_lengths", "bias", "alibi_slopes"}),
-        options=("causal", "scale", "return_weights", "dtype", "enable_gqa", "window", "average_weights", "weights_dtype"),
         outputs={
             "out": ([-1, -1, -1, -1], "(..., T, dv)"),
             "weights": ([-1, -1, -1, -1], "(..., T, S); (..., T, S) without axis -3 when averaged"),
@@ -121,7 +123,6 @@ MODELS = {
             "wo": (FLOAT, [-1, -1], "optional; output projection (heads*dv, d_out); without it the heads are concatenated"),
         },
         optional=frozenset({"wo"}),
-        options=("heads", "causal", "return_weights", "dtype", "scale", "kv_heads", "window", "weights_dtype"),
         outputs={"out": ([-1, -1, -1], "(n, d_out) or (B, n, d_out)"), "weights": ([-1, -1, -1, -1], "(h, n, n) or (B, h, n, n)")},
         parameters={
             "heads": "int: query heads, dividing wq's width",
@@ -326,7 +327,7 @@ def _split_body(body: bytes) -> tuple[bytes, memoryview]:
     except ValueError:
         size = -1
     if not 0 <= size <= len(body):
-        raise ApiError(
+        raise RequestError(
             "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}."
         )
     return body[:size], memoryview(body)[size:]
@@ -413,7 +414,7 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     if datatype not in accepted:
         raise RequestError("bad_type", f"input {name} has datatype {show(datatype)}; it must be {' or '.join(accepted)}.", name)
     dtype = DATATYPES[datatype]
-    shape = spec.get("shape")  # the codec checks it: a list of positive integers
+    shape = spec.get("shape")  # wire.decode checks it: a list of positive integers
     params = _object(spec.get("parameters", {}), f"input {name} parameters")
     unsupported = sorted(set(params) - {"binary_data_size"})
     if unsupported:
@@ -431,7 +432,7 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
         raise RequestError("missing_field", f"input {name} has neither data nor parameters.binary_data_size.", name)
     data = spec["data"]
     if isinstance(data, list) and data and isinstance(data[0], list):
-        data = wire.NestedData(data)  # nested as the shape: the codec checks that it is
+        data = wire.NestedData(data)  # nested as the shape: wire.decode checks that it is
     return {"shape": shape, "dtype": dtype, "data": data}
 
 
@@ -441,9 +442,9 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
 def _model(name: str, version: str | None) -> Model:
     model = MODELS.get(name)
     if model is None:
-        raise ApiError("not_found", f"Model {name!r} is not served here; the models are: {', '.join(MODELS)}.")
+        raise RequestError("not_found", f"Model {name!r} is not served here; the models are: {', '.join(MODELS)}.")
     if version is not None and version != MODEL_VERSION:
-        raise ApiError("not_found", f"Model {name} has no version {version!r}; its only version is {MODEL_VERSION}.")
+        raise RequestError("not_found", f"Model {name} has no version {version!r}; its only version is {MODEL_VERSION}.")
     return model
 
 

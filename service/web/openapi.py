@@ -17,12 +17,11 @@ from flask import Blueprint, Flask, Response, current_app, send_from_directory
 from marshmallow import Schema, fields, validate
 from swagger_ui_bundle import swagger_ui_path
 
-from schemas import AttentionRequest, MhaRequest
+from schemas import AttentionRequest, MhaRequest, RequestError
 from schemas.fields import Tensor, Window
 from service.config import VERSION, Settings
 from service.wire import WIRE_DTYPES
 
-from .errors import ApiError
 from .http import json_response
 
 bp = Blueprint("openapi", __name__)
@@ -412,7 +411,7 @@ def docs():
 def docs_asset(filename: str):
     """Swagger UI's files, from the swagger-ui-bundle package."""
     if filename not in DOCS_ASSETS:
-        raise ApiError("not_found", f"There is no documentation asset {filename!r}.")
+        raise RequestError("not_found", f"There is no documentation asset {filename!r}.")
     return send_from_directory(str(swagger_ui_path), filename, max_age=3600)
 
 

@@ -14,10 +14,10 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   408 `timeout` and the connection closes. A request whose framing cannot be trusted gets 400
   `bad_framing` (a bad Content-Length or chunk, both Content-Length and Transfer-Encoding), an
   unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
-  request is complete 400 `incomplete_request` (it can still read the answer); each then closes. Only a complete request reaches a thread, already in
-  memory; the thread never reads the socket. A body over ATTN_MAX_BODY_BYTES gets 413 from here;
-  the bytes of requests being read count against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the
-  upload that goes past it).
+  request is complete 400 `incomplete_request` (it can still read the answer); each then closes.
+  Only a complete request reaches a thread, already in memory; the thread never reads the socket.
+  A body over ATTN_MAX_BODY_BYTES gets 413 from here; the bytes of requests being read count
+  against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it).
 - Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
   and the thread goes on: the response is finished (its compute slot freed) and the event loop
   sends the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is
@@ -28,8 +28,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   and no thread.
 
 These answers are in the API's error shapes (errors.py, kserve.py) and counted in /metrics as the
-app's own are. Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is gunicorn's. Not
-for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
+app's own are. Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is
+gunicorn's. Not for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,9 @@ def error_response(code: str, message: str, path: str) -> bytes:
     """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS),
     the body in the shape of the front door path is under (the /v2 protocol's, else the native)."""
     status = errors.status_of(code)
-    shape = kserve.error_body if path == "/v2" or path.startswith(("/v2/", "/v2?")) else errors.native_body
+    door = path.partition("?")[0]
+    prefix = kserve.bp.url_prefix
+    shape = kserve.error_body if door == prefix or door.startswith(prefix + "/") else errors.native_body
     body = wire.dumps(shape(RequestError(code, message), status))
     headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
     if status == 503:
@@ -120,13 +122,14 @@ class ClientSocket(socket.socket):
                 self.settimeout(timeout)
             if not view:
                 return
-        self.budget.charge(len(view))
         self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
 
     def queue(self, data) -> None:
-        """Hold data for the event loop to send (its bytes already charged to the budget)."""
-        self.outbox.append(memoryview(data).cast("B"))
-        self.outbox_bytes += len(self.outbox[-1])
+        """Hold data for the event loop to send, charged to the budget until it is sent or dropped."""
+        view = memoryview(data).cast("B")
+        self.budget.charge(len(view))
+        self.outbox.append(view)
+        self.outbox_bytes += len(view)
 
     def send_some(self) -> int:
         """Event loop, non-blocking socket: send what the kernel takes from the outbox; bytes sent."""
@@ -178,14 +181,14 @@ class Conn(TConn):
 
     READING, IN_THREAD, WRITING, CLOSING = "reading", "in_thread", "writing", "closing"
 
-    def __init__(self, cfg, sock, client, server, settings: Settings):
+    def __init__(self, cfg, sock, client, server):
         super().__init__(cfg, sock, client, server)
         self.initialized = True  # no TLS, no HTTP/2: gunicorn's init() has nothing to do
-        self.settings = settings
+        # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
         self.buf = bytearray()
-        self.scanner = framing.RequestScanner(MAX_HEAD_BYTES, settings.max_body_bytes)
-        self.started = self.body_started = 0.0
+        self.scanner: framing.RequestScanner | None = None
+        self.body_started = 0.0
         self.deadline = 0.0
         self.keep = False  # after the response: keep-alive (True) or close
         self.registered = False
@@ -229,7 +232,7 @@ class FrontWorker(ThreadWorker):
             return
         sock = ClientSocket(raw.family, raw.type, raw.proto, fileno=raw.detach(), budget=self.budget)
         self.nr_conns += 1
-        conn = Conn(self.cfg, sock, addr, listener.getsockname(), self.settings)
+        conn = Conn(self.cfg, sock, addr, listener.getsockname())
         self.conns[conn] = None
         self._start_request(conn, b"", new=True)
 
@@ -274,7 +277,6 @@ class FrontWorker(ThreadWorker):
         self.received += len(pending)
         conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
         conn.sock.setblocking(False)
-        conn.started = now
         # A new connection has the header timeout to send its head; a kept-alive one, the keepalive.
         idle = self.settings.header_timeout_s if new or pending else self.cfg.keepalive
         conn.deadline = now + idle
@@ -300,8 +302,7 @@ class FrontWorker(ThreadWorker):
                 self._close(conn)
             return
         if not conn.buf:
-            conn.started = time.monotonic()
-            conn.deadline = conn.started + self.settings.header_timeout_s
+            conn.deadline = time.monotonic() + self.settings.header_timeout_s
         conn.buf += data
         self.received += len(data)
         if self.received > self.settings.max_inflight_bytes:
@@ -342,8 +343,7 @@ class FrontWorker(ThreadWorker):
         elif verdict.kind == framing.NOT_IMPLEMENTED:
             self._answer(conn, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
         elif verdict.kind == framing.BODY_TOO_LARGE:
-            limit = self.settings.max_body_bytes
-            self._answer(conn, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).")
+            self._answer(conn, "body_too_large", errors.body_too_large(self.settings.max_body_bytes))
         elif verdict.kind == framing.HEAD_TOO_LARGE:
             self._answer(conn, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
 
@@ -379,9 +379,7 @@ class FrontWorker(ThreadWorker):
         metrics.REJECTIONS.labels(endpoint, code).inc()
         self._release_buf(conn)
         conn.keep = False
-        answer = error_response(code, message, scanner.path)
-        self.budget.charge(len(answer))
-        conn.sock.queue(answer)
+        conn.sock.queue(error_response(code, message, scanner.path))
         self._write(conn)
 
     def _endpoint(self, path: str, method: str) -> str:

@@ -41,8 +41,8 @@ class B64Text:
             yield pybase64.b64encode(memoryview(part).cast("B"))
 
     def text(self) -> str:
-        raw = self.arr.reshape(-1).astype(self.dtype, copy=False)
-        return pybase64.b64encode(memoryview(raw).cast("B")).decode("ascii")
+        """The whole text at once: the chunks joined (each is whole base64 quanta)."""
+        return b"".join(self.chunks()).decode("ascii")
 
 
 def dump_chunks(obj) -> tuple[bytes | Iterator[bytes], int | None]:

@@ -187,6 +187,15 @@ function describe(cell) {
     : `query ${t}, key ${s}: weight ${fmt(Number(cell.dataset.weight), 6)}`;
 }
 
+// A header cell of a table: scope "col" or "row", its text, and a tooltip if given.
+function headerCell(scope, text, title) {
+  const th = document.createElement("th");
+  th.scope = scope;
+  th.textContent = text;
+  if (title) th.title = title;
+  return th;
+}
+
 function drawHeatmap(matrix, causal, win, caption) {
   const T = matrix.length, S = matrix[0].length;
   const table = document.createElement("table");
@@ -197,20 +206,12 @@ function drawHeatmap(matrix, causal, win, caption) {
   const head = table.createTHead().insertRow();
   head.appendChild(Object.assign(document.createElement("td"), {className: "corner"}));
   for (let s = 0; s < S; s++) {
-    const th = document.createElement("th");
-    th.scope = "col";
-    th.textContent = `k${s}`;
-    th.title = `key ${s}`;
-    head.appendChild(th);
+    head.appendChild(headerCell("col", `k${s}`, `key ${s}`));
   }
   const body = table.createTBody();
   matrix.forEach((row, t) => {
     const tr = body.insertRow();
-    const th = document.createElement("th");
-    th.scope = "row";
-    th.textContent = `q${t}`;
-    th.title = `query ${t}`;
-    tr.appendChild(th);
+    tr.appendChild(headerCell("row", `q${t}`, `query ${t}`));
     row.forEach((w, s) => {
       const td = tr.insertCell();
       const masked = maskedCell(causal, win, t, s, T, S);
@@ -268,18 +269,12 @@ function drawValues(matrix) {
   const head = table.createTHead().insertRow();
   head.appendChild(document.createElement("td"));
   matrix[0].forEach((_, j) => {
-    const th = document.createElement("th");
-    th.scope = "col";
-    th.textContent = j;
-    head.appendChild(th);
+    head.appendChild(headerCell("col", j));
   });
   const body = table.createTBody();
   matrix.forEach((row, t) => {
     const tr = body.insertRow();
-    const th = document.createElement("th");
-    th.scope = "row";
-    th.textContent = `q${t}`;
-    tr.appendChild(th);
+    tr.appendChild(headerCell("row", `q${t}`));
     row.forEach((x) => (tr.insertCell().textContent = fmt(x)));
   });
   const wrap = document.createElement("div");
@@ -291,10 +286,7 @@ function drawValues(matrix) {
 function fillRows(tbody, rows) {
   tbody.replaceChildren(...rows.map(([k, v]) => {
     const tr = document.createElement("tr");
-    const th = document.createElement("th");
-    th.scope = "row";
-    th.textContent = k;
-    tr.appendChild(th);
+    tr.appendChild(headerCell("row", k));
     tr.insertCell().textContent = v;
     return tr;
   }));
