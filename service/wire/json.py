@@ -25,12 +25,13 @@ from .stream import default
 
 FAST_MIN_ELEMENTS = 64  # smaller arrays stay Python lists: nothing to gain, and messages show them as sent
 # A simdjson parser keeps its buffers between documents: reusing one saves allocation and page
-# faults, but it keeps the capacity of the largest document it parsed, and a hostile 32 MiB body
-# left a worker holding 290-513 MiB after its 422 (`python -m bench.worker_peak`). One per process
-# is reused for bodies up to this size, so an idle worker holds at most a few times this much; a
-# larger body gets a fresh parser, freed with it, at 15-20% more decode time (nested 15.5 MiB:
-# 55 ms against 45 ms reused; measured in-process, medians of 7).
-PARSER_REUSE_MAX_BYTES = 4 * 2**20
+# faults, but it keeps the capacity of the largest document it parsed (a hostile 32 MiB body left
+# a worker holding 290-513 MiB after its 422, `python -m bench.worker_peak`; a 4 MiB one about
+# 10 MiB, a step the short soak saw as growth). One per process is reused for bodies up to this
+# size, so an idle worker holds a few MiB at most; a larger body gets a fresh parser, freed with it:
+# no measurable cost at 2-4 MiB (nested 3.9 MiB: 14.8 ms fresh, 15.0 ms reused), 15-20% more at
+# 15.5 MiB (55 ms against 45 ms; in-process, medians of 7-15).
+PARSER_REUSE_MAX_BYTES = 2**20
 # Bounds on the fast path's Python work, past any valid request (a few fields, at most a dozen
 # tensors): a body beyond them is parsed by orjson alone, in time linear in its bytes.
 MAX_FAST_KEYS = 64  # keys of one object looked up through simdjson (each lookup scans the keys)
