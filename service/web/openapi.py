@@ -22,7 +22,7 @@ from schemas.fields import Tensor, Window
 from service.config import VERSION, Settings
 from service.wire import WIRE_DTYPES
 
-from .http import json_response
+from .http import MAX_REQUEST_ID, json_response
 
 bp = Blueprint("openapi", __name__)
 
@@ -199,7 +199,7 @@ COMPUTE_PARAMETERS = [
         "in": "header",
         "required": False,
         "schema": {"type": "string"},
-        "description": "echoed in the response's X-Request-Id if at most 128 characters (else a fresh one is made)",
+        "description": f"echoed in the response's X-Request-Id if it is 1 to {MAX_REQUEST_ID} printable ASCII characters (else a fresh one is made)",
     },
 ]
 DEADLINE_NOTE = (
