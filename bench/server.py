@@ -68,7 +68,7 @@ class Server:
         return [int(p) for p in text.split()]
 
     def stop(self) -> None:
-        """SIGTERM, and time for gunicorn's 30 s graceful shutdown; then SIGKILL."""
+        """SIGTERM, and time for gunicorn's 30 s graceful shutdown; then SIGKILL. The log file goes too."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -76,3 +76,4 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        Path(self.log.name).unlink(missing_ok=True)

@@ -155,6 +155,7 @@ def start_server(env: dict | None = None, timeout: float = 120.0):
 
 
 def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM (gunicorn drains for up to 30 s), then SIGKILL; the server's log file goes with it."""
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -162,6 +163,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    Path(proc.log_path).unlink(missing_ok=True)
 
 
 @dataclass
