@@ -156,8 +156,7 @@ def render(prom: LocalPrometheus, start: float, end: float, out: Path, scrape_s:
     ri = rate_interval(step, scrape_s)
     grid = [p for p in panels(dash) if p.get("type") == "timeseries"]
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in grid)
-    fig = plt.figure(figsize=(20, rows * 0.42 + 1.2), facecolor=BG)
-    spec = fig.add_gridspec(rows, 24, left=0.04, right=0.99, top=1 - 0.9 / (rows * 0.42 + 1.2), bottom=0.02, hspace=1.2, wspace=1.6)
+    fig = plt.figure(figsize=(WIDTH_IN, HEADER_IN + rows * ROW_IN), facecolor=BG)
     fig.suptitle(
         f"{dash['title']}   ·   {datetime.fromtimestamp(start, UTC):%Y-%m-%d %H:%M:%S} to {datetime.fromtimestamp(end, UTC):%H:%M:%S} UTC   ·   {note}",
         color=TEXT,
@@ -168,7 +167,7 @@ def render(prom: LocalPrometheus, start: float, end: float, out: Path, scrape_s:
     summary = []
     for panel in grid:
         g = panel["gridPos"]
-        ax = fig.add_subplot(spec[g["y"] : g["y"] + g["h"], g["x"] : g["x"] + g["w"]])
+        ax = fig.add_axes(_box(g, fig.get_size_inches()))
         ax.set_facecolor(PANEL)
         for side in ax.spines.values():
             side.set_color(GRID)
@@ -213,6 +212,12 @@ def render(prom: LocalPrometheus, start: float, end: float, out: Path, scrape_s:
         ax.set_xlim(_dt(start), _dt(end))
         ax.xaxis.set_major_formatter(mdates.DateFormatter("%H:%M:%S"))
         ax.yaxis.set_major_formatter(unit_formatter(unit))
+        if unit == "bytes":  # ticks at round MiB, not at round bytes
+            from matplotlib.ticker import MultipleLocator
+
+            top_mib = ax.get_ylim()[1] / 2**20
+            mib = next(m for m in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10**9) if top_mib / m <= 6)
+            ax.yaxis.set_major_locator(MultipleLocator(mib * 2**20))
         if series:
             ax.legend(fontsize=6.5, loc="upper left", ncol=max(1, min(4, len(series) // 5 + 1)), frameon=False, labelcolor=TEXT)
         summary.append(f"{panel['title']}: {len(series)} series")
@@ -220,6 +225,21 @@ def render(prom: LocalPrometheus, start: float, end: float, out: Path, scrape_s:
     fig.savefig(out, dpi=80, facecolor=BG)
     plt.close(fig)
     return summary
+
+
+WIDTH_IN, ROW_IN, HEADER_IN = 20.0, 0.42, 0.6  # the figure's width, a grid row's height, the title's band
+PAD_IN = {"left": 0.75, "right": 0.12, "top": 0.32, "bottom": 0.32}  # around each panel's plot: ticks, its title
+
+
+def _box(grid_pos: dict, size: tuple[float, float]) -> list[float]:
+    """A panel's plot area in figure fractions from its gridPos (24 columns, rows of ROW_IN)."""
+    fig_w, fig_h = size
+    col_in = (fig_w - 0.2) / 24
+    left = 0.1 + grid_pos["x"] * col_in + PAD_IN["left"]
+    width = grid_pos["w"] * col_in - PAD_IN["left"] - PAD_IN["right"]
+    top = HEADER_IN + grid_pos["y"] * ROW_IN + PAD_IN["top"]
+    height = grid_pos["h"] * ROW_IN - PAD_IN["top"] - PAD_IN["bottom"]
+    return [left / fig_w, 1 - (top + height) / fig_h, width / fig_w, height / fig_h]
 
 
 def _dt(epoch: float) -> datetime:
