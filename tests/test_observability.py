@@ -7,13 +7,15 @@ installed here when missing and we are root with apt-get):
 - the Grafana dashboard is well formed and provisioned as compose mounts it;
 - a real scrape: the live service (2 workers) and a Prometheus on loopback scraping it every
   second; after traffic of every kind, every metric that the dashboard and the alerts name is
-  there, every panel's query returns data, the rules evaluate without error, and the 504s sent
-  make AttentionServerErrors fire."""
+  there, every panel's query returns data, the rules evaluate without error, the 504s sent
+  make AttentionServerErrors fire, and a killed worker shows as a drop of the ready workers."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +26,7 @@ import yaml
 
 from bench import prometheus as prom_
 from bench.dashboard import b64_body, every_kind
-from tests.helpers import serving, wait_until
+from tests.helpers import serving, wait_until, worker_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -164,21 +166,21 @@ def scraped(prometheus_installed):
             for _ in range(2):
                 counts.append(every_kind(server.url, big))
                 prom.wait_for_scrape_after(time.time())
-            yield prom, counts
+            yield prom, counts, server
         finally:
             prom.stop()
 
 
 @pytest.mark.live
 def test_the_traffic_had_every_kind(scraped):
-    _, counts = scraped
+    _, counts, _ = scraped
     for round_ in counts:
         assert {200, 404, 422, 503, 504} <= set(round_), round_
 
 
 @pytest.mark.live
 def test_every_metric_of_the_dashboard_and_the_alerts_is_scraped(scraped):
-    prom, _ = scraped
+    prom, _, _ = scraped
     names = set().union(*(prom_.metric_names(t.expr) for t in prom_.targets(prom_.dashboard())))
     names |= set().union(*map(prom_.metric_names, prom_.alert_exprs().values()))
     assert len(names) >= 10, names
@@ -188,7 +190,7 @@ def test_every_metric_of_the_dashboard_and_the_alerts_is_scraped(scraped):
 
 @pytest.mark.live
 def test_every_dashboard_query_returns_data(scraped):
-    prom, _ = scraped
+    prom, _, _ = scraped
     empty = []
     for target in prom_.targets(prom_.dashboard()):
         result = prom.query(prom_.grafana_expr(target.expr, RATE_INTERVAL))
@@ -199,7 +201,7 @@ def test_every_dashboard_query_returns_data(scraped):
 
 @pytest.mark.live
 def test_the_alert_rules_evaluate_and_the_504s_fire_server_errors(scraped):
-    prom, _ = scraped
+    prom, _, _ = scraped
 
     def evaluated():
         """every rule of alerts.yaml has been evaluated by the real Prometheus"""
@@ -218,3 +220,41 @@ def test_the_alert_rules_evaluate_and_the_504s_fire_server_errors(scraped):
 
     alerts = wait_until(firing, timeout=30)
     assert {(a["labels"]["endpoint"], a["labels"]["status"]) for a in alerts} >= {("/attention", "504")}, json.dumps(alerts)
+
+
+@pytest.mark.live
+def test_worker_metrics_name_the_live_workers(scraped):
+    """attention_worker_resident_memory_bytes has one series per live worker, by pid, and
+    attention_workers_ready counts them all ready."""
+    prom, _, server = scraped
+    pids = worker_pids(server.proc)
+    assert len(pids) == 2
+    rss = {int(r["metric"]["pid"]): float(r["value"][1]) for r in prom.query("attention_worker_resident_memory_bytes")}
+    assert set(rss) == pids and all(v > 10 * 2**20 for v in rss.values()), rss
+    (ready,) = prom.query("attention_workers_ready")
+    assert float(ready["value"][1]) == 2
+
+
+@pytest.mark.live
+def test_a_lost_worker_drops_the_ready_workers(scraped):
+    """Killed, a worker leaves the ready count (its live gauge is removed) until its replacement
+    has warmed up: Prometheus sees the drop that AttentionReadinessFlapping counts. Last in this
+    module: it replaces a worker."""
+    prom, _, server = scraped
+    victim = min(worker_pids(server.proc))
+    os.kill(victim, signal.SIGKILL)
+
+    def dropped():
+        """Prometheus has seen the ready workers drop"""
+        result = prom.query("resets(attention_workers_ready[5m])")
+        return result and float(result[0]["value"][1]) >= 1
+
+    wait_until(dropped, timeout=60)
+
+    def back():
+        """the replacement is ready and scraped: 2 ready workers again"""
+        result = prom.query("attention_workers_ready")
+        return result and float(result[0]["value"][1]) == 2
+
+    wait_until(back, timeout=60)
+    assert victim not in worker_pids(server.proc)
