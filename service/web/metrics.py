@@ -9,7 +9,7 @@ single process) the ordinary in-process registry is used.
 Label values are bounded: endpoint is the route's rule ("unmatched" for 404/405), method is one
 of METHODS or "other" (the HTTP server accepts any token as a method), status is a code the app
 emits, T is bucketed to a power of two, phase is one of the code's phase names, code is one of
-the contract's error codes.
+the contract's error codes, pid (worker memory, read when scraped) one of the live workers.
 """
 
 from __future__ import annotations
@@ -119,6 +119,9 @@ def metrics():
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
 
 
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # /proc/PID/statm counts pages
+
+
 class WorkerMemory:
     """attention_worker_resident_memory_bytes{pid}: each live worker's RSS, read from /proc when
     scraped. Multiprocess mode merges no process_* metrics (each worker's would be its own), so the
@@ -146,7 +149,6 @@ class WorkerMemory:
         yield family
 
 
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 WORKER_MEMORY = WorkerMemory()
 if not MULTIPROCESS:
     REGISTRY.register(WORKER_MEMORY)
