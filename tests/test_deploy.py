@@ -295,11 +295,11 @@ def test_manifest_settings_are_accepted(docs, monkeypatch):
 
 def test_compose_structure_and_agreement(docs, routes):
     services = yaml.safe_load(COMPOSE.read_text())["services"]
-    assert set(services) == {"attention", "prometheus"}
+    assert set(services) == {"attention", "prometheus", "grafana"}
     app = services["attention"]
     assert (COMPOSE.parent / app["build"]["context"] / app["build"].get("dockerfile", "Dockerfile")).resolve() == ROOT / "Dockerfile"
     # Published on loopback only, to the container's port.
-    for mapping in app["ports"] + services["prometheus"]["ports"]:
+    for mapping in app["ports"] + services["prometheus"]["ports"] + services["grafana"]["ports"]:
         assert mapping.startswith("127.0.0.1:"), mapping
     (mapping,) = app["ports"]
     assert int(mapping.rsplit(":", 1)[1]) == exposed_port()
@@ -311,7 +311,7 @@ def test_compose_structure_and_agreement(docs, routes):
     assert health[0] == "CMD" and f"127.0.0.1:{exposed_port()}/healthz" in health[-1]
     # Prometheus scrapes the service by its compose name, on a path the app serves.
     mounted = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
-    config_path = (COMPOSE.parent / mounted["/etc/prometheus/prometheus.yml"]).resolve()
+    config_path = (COMPOSE.parent / mounted["/etc/prometheus"] / "prometheus.yml").resolve()
     prom = yaml.safe_load(config_path.read_text())
     (job,) = prom["scrape_configs"]
     assert job.get("metrics_path", "/metrics") in routes

@@ -9,7 +9,7 @@ single process) the ordinary in-process registry is used.
 Label values are bounded: endpoint is the route's rule ("unmatched" for 404/405), method is one
 of METHODS or "other" (the HTTP server accepts any token as a method), status is a code the app
 emits, T is bucketed to a power of two, phase is one of the code's phase names, code is one of
-the contract's error codes.
+the contract's error codes, pid (worker memory, read when scraped) one of the live workers.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from prometheus_client import (  # noqa: E402  (after the directory exists)
     multiprocess,
     values,
 )
+from prometheus_client.core import GaugeMetricFamily  # noqa: E402
 
 MULTIPROCESS = getattr(values.ValueClass, "_multiprocess", False)
 
@@ -95,6 +96,11 @@ BYTES = Gauge(
     "Request and estimated working bytes held by admitted requests, summed over live workers.",
     multiprocess_mode="livesum",
 )
+READY = Gauge(
+    "attention_workers_ready",
+    "Live workers that are ready (warm-up done, not draining): a drop is a worker lost or going.",
+    multiprocess_mode="livesum",
+)
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
@@ -107,9 +113,45 @@ def metrics():
     if MULTIPROCESS:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        registry.register(WORKER_MEMORY)
     else:
         registry = REGISTRY
     return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # /proc/PID/statm counts pages
+
+
+class WorkerMemory:
+    """attention_worker_resident_memory_bytes{pid}: each live worker's RSS, read from /proc when
+    scraped. Multiprocess mode merges no process_* metrics (each worker's would be its own), so the
+    scraping worker reads its siblings': the children of its parent, gunicorn's arbiter. In one
+    process (no gunicorn), that process alone. Nothing on a system without /proc."""
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "attention_worker_resident_memory_bytes", "Resident memory of each live worker, read from /proc at scrape time.", labels=["pid"]
+        )
+        pids = [os.getpid()]
+        if MULTIPROCESS:
+            try:
+                ppid = os.getppid()
+                with open(f"/proc/{ppid}/task/{ppid}/children") as f:
+                    pids = [int(p) for p in f.read().split()]
+            except OSError:
+                pass
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    family.add_metric([str(pid)], int(f.read().split()[1]) * PAGE_BYTES)
+            except (OSError, IndexError, ValueError):  # gone meanwhile, or no /proc
+                pass
+        yield family
+
+
+WORKER_MEMORY = WorkerMemory()
+if not MULTIPROCESS:
+    REGISTRY.register(WORKER_MEMORY)
 
 
 def t_bucket(T: int) -> str:
@@ -159,6 +201,7 @@ def _endpoint() -> str:
 def install(app: Flask) -> None:
     """Count every request: register before the admission hooks so rejections are counted too."""
     app.register_blueprint(bp)
+    READY.set(1 if app.extensions["attention.state"]["ready"] else 0)  # ops.warm_up() and drain() change it
 
     @app.before_request
     def _start():

@@ -10,6 +10,7 @@ from flask import Blueprint, Flask, current_app
 
 from service.config import VERSION
 
+from . import metrics
 from .http import json_response
 
 bp = Blueprint("ops", __name__)
@@ -59,6 +60,7 @@ def warm_up(app: Flask) -> None:
     except Exception:
         log.exception("cost model calibration failed; serving with the default coefficients")
     app.extensions["attention.state"]["ready"] = True
+    metrics.READY.set(1)
 
 
 def start_warm_up(app: Flask) -> threading.Thread | None:
@@ -74,3 +76,4 @@ def start_warm_up(app: Flask) -> threading.Thread | None:
 def drain(app: Flask) -> None:
     """From now on /readyz says 503; requests in flight finish (the server stops accepting)."""
     app.extensions["attention.state"]["draining"] = True
+    metrics.READY.set(0)
