@@ -173,20 +173,22 @@ def install(app: Flask) -> None:
 
     @app.before_request
     def _start():
-        trace = g.trace = start(request.headers.get("traceparent"))
+        ctx = g._get_current_object()  # once through the proxy
+        trace = ctx.trace = start(request.headers.get("traceparent"))
         spans = app.extensions["attention.spans"]
         if spans is not None:
             rule, method = request.url_rule, metrics.method_label(request.method)  # a bounded span name
             name = method if rule is None else f"{method} {rule.rule}"
-            g.trace_clock = (time.time_ns(), time.perf_counter())
-            g.span = spans.start(trace, name)
-            g.spans = []  # http.phase() appends (name, start, ms) to it
+            ctx.trace_clock = (time.time_ns(), time.perf_counter())
+            ctx.span = spans.start(trace, name)
+            ctx.spans = []  # http.phase() appends (name, start, ms) to it
 
     @app.after_request
     def _propagate(resp: Response):
-        trace = g.get("trace")
+        ctx = g._get_current_object()
+        trace = ctx.get("trace")
         if trace is not None:
             resp.headers["traceparent"] = trace.traceparent()
-            if (span := g.pop("span", None)) is not None:
+            if (span := ctx.pop("span", None)) is not None:
                 app.extensions["attention.spans"].finish(span, resp)
         return resp
