@@ -167,6 +167,7 @@ def line_of(server, request_id: str) -> dict:
     return wait_until(found, timeout=30)
 
 
+@pytest.mark.live
 def test_live_200_and_401_never_log_the_key(server):
     r = requests.post(
         f"{server.url}/attention", json=WORKED, headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "live-200"}, timeout=30
@@ -183,6 +184,7 @@ def test_live_200_and_401_never_log_the_key(server):
     assert KEY not in text and "wrong-key-x" not in text
 
 
+@pytest.mark.live
 def test_live_worker_answers_are_logged(server):
     """413 (a Content-Length over the limit) and 408 (a head that never ends) are answered by the
     worker's event loop, before Flask: logged in the same format."""
@@ -200,6 +202,7 @@ def test_live_worker_answers_are_logged(server):
     assert lines[0]["code"] == "timeout" and lines[0]["duration_ms"] >= 500
 
 
+@pytest.mark.live
 def test_live_gunicorn_messages_are_json(server):
     first = server.log_text().splitlines()[0]
     doc = orjson.loads(first)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import orjson
 import pytest
+import requests
 
 from service.config import Settings
 from service.web import tracing
 
-from .helpers import ROOT, WORKED, post
+from .helpers import ROOT, WORKED, post, serving, wait_until
 
 TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 VALID = f"00-{TRACE_ID}-{PARENT_ID}-01"
@@ -178,3 +180,23 @@ def test_mha_spans_have_its_heads(client, spans, rng):
     assert r.status_code == 200, r.json
     (root,) = [s for s in spans.get_finished_spans() if s.name == "POST /mha"]
     assert (root.attributes["attention.H"], root.attributes["attention.T"], root.attributes["attention.d"]) == (2, 4, 4)
+
+
+@pytest.mark.live
+def test_live_spans_from_the_standard_variables():
+    """A real server configured only by OTEL_TRACES_EXPORTER exports the request's span (the SDK's
+    console exporter, on stdout), under the caller's span; the access line, the response's
+    traceparent and the span share the trace and span ids."""
+    pytest.importorskip("opentelemetry.sdk.trace")
+    with serving({"ATTN_WARMUP": "0", "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "50"}) as srv:
+        r = requests.post(f"{srv.url}/attention", json=WORKED, headers={"traceparent": VALID, "X-Request-Id": "otel-live"}, timeout=30)
+        assert r.status_code == 200
+        _, trace_id, span_id, _ = r.headers["traceparent"].split("-")
+        assert trace_id == TRACE_ID
+        wait_until(lambda: f'"span_id": "0x{span_id}"' in srv.log_text(), timeout=30, what="the request's span exported")
+        text = srv.log_text()
+        assert '"name": "POST /attention"' in text and f'"parent_id": "0x{PARENT_ID}"' in text
+        assert '"attention.request_id": "otel-live"' in text and '"name": "compute"' in text
+        lines = [orjson.loads(x) for x in text.splitlines() if x.startswith('{"ts"')]
+        (line,) = [x for x in lines if x.get("request_id") == "otel-live"]
+        assert (line["trace_id"], line["span_id"]) == (trace_id, span_id)
