@@ -21,7 +21,8 @@ import time
 import timeit
 
 from service.config import Settings
-from service.web import accesslog, app as app_module, tracing
+from service.web import accesslog, tracing
+from service.web import app as app_module
 
 RECORD = {
     "ts": "2026-12-01T00:40:12.345Z",
