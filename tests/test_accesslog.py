@@ -207,3 +207,42 @@ def test_live_gunicorn_messages_are_json(server):
     first = server.log_text().splitlines()[0]
     doc = orjson.loads(first)
     assert doc["logger"] == "gunicorn.error" and doc["level"] == "info" and "gunicorn" in doc["msg"].lower()
+
+
+@pytest.fixture
+def service_logger():
+    """The "service" logger; it and gunicorn's are restored after a test that lets gunicorn's
+    logger configure them."""
+    logs = [logging.getLogger(name) for name in ("service", "gunicorn.error", "gunicorn.access")]
+    saved = [(list(log.handlers), log.level, log.propagate) for log in logs]
+    yield logs[0]
+    for log, (handlers, level, propagate) in zip(logs, saved, strict=True):
+        log.handlers, log.propagate = handlers, propagate
+        log.setLevel(level)
+
+
+@pytest.mark.parametrize("fmt", ["json", "plain"])
+def test_gunicorn_logger(monkeypatch, capfd, service_logger, fmt):
+    """gunicorn's messages and the service's own errors (with their traceback) on stderr: one JSON
+    line each when the format is json, gunicorn's usual text when plain; no access log of its own."""
+    from gunicorn.config import Config
+
+    monkeypatch.setenv("ATTN_LOG_FORMAT", fmt)
+    logger = accesslog.GunicornLogger(Config())
+    logger.info("Listening at: %s", "http://127.0.0.1:8000")
+    try:
+        raise RuntimeError("kaput")
+    except RuntimeError:
+        service_logger.exception("unexpected error on %s", "POST /attention")
+    logger.access(None, None, {}, None)
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    if fmt == "plain":
+        assert "[INFO] Listening at: http://127.0.0.1:8000" in lines[0] and "Traceback" in captured.err
+        return
+    assert len(lines) == 2
+    first, second = (orjson.loads(x) for x in lines)
+    assert (first["logger"], first["level"], first["msg"]) == ("gunicorn.error", "info", "Listening at: http://127.0.0.1:8000")
+    assert (second["logger"], second["level"], second["msg"]) == ("service", "error", "unexpected error on POST /attention")
+    assert "RuntimeError: kaput" in second["exc"]
