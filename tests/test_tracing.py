@@ -200,3 +200,12 @@ def test_live_spans_from_the_standard_variables():
         lines = [orjson.loads(x) for x in text.splitlines() if x.startswith('{"ts"')]
         (line,) = [x for x in lines if x.get("request_id") == "otel-live"]
         assert (line["trace_id"], line["span_id"]) == (trace_id, span_id)
+
+
+def test_an_exporter_that_is_not_installed_turns_tracing_off(caplog):
+    """OTEL_TRACES_EXPORTER naming an exporter whose package is missing: a warning, and no
+    provider, so no spans are made."""
+    pytest.importorskip("opentelemetry.sdk.trace")
+    with caplog.at_level("WARNING", logger="service"):
+        assert tracing._provider(("no_such_exporter",)) is None
+    assert "no_such_exporter" in caplog.text

@@ -140,8 +140,9 @@ def use_provider(app: Flask, provider) -> None:
 
 
 def _provider(exporters: tuple[str, ...]):
-    """A TracerProvider exporting to the named exporters in batches, or None without the SDK. The
-    SDK reads the rest of its configuration (sampler, endpoint, headers, service name) itself."""
+    """A TracerProvider exporting to the named exporters in batches, or None without the SDK or
+    any of the exporters. The SDK reads the rest of its configuration (sampler, endpoint, headers,
+    service name: "attention" unless OTEL_SERVICE_NAME says) itself."""
     try:
         from importlib.metadata import entry_points
 
@@ -154,14 +155,15 @@ def _provider(exporters: tuple[str, ...]):
     resource = Resource.create()
     if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
         resource = resource.merge(Resource({"service.name": "attention"}))
-    provider = TracerProvider(resource=resource)
+    provider, exporting = TracerProvider(resource=resource), False
     for name in exporters:
         found = entry_points(group="opentelemetry_traces_exporter", name=name)
         if not found:
             log.warning("no OpenTelemetry span exporter named %r is installed (pip install opentelemetry-exporter-otlp)", name)
             continue
         provider.add_span_processor(BatchSpanProcessor(next(iter(found)).load()()))
-    return provider
+        exporting = True
+    return provider if exporting else None  # spans nobody receives are not made
 
 
 def install(app: Flask) -> None:
