@@ -31,6 +31,7 @@ def _keys(raw: str) -> tuple[str, ...]:
 
 
 def log_format(raw: str) -> str:
+    """ATTN_LOG_FORMAT: json or plain (any case)."""
     if raw.strip().lower() not in ("json", "plain"):
         raise ValueError(raw)
     return raw.strip().lower()
