@@ -29,7 +29,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
 
 These answers are in the API's error shapes (errors.py, kserve.py) and counted in /metrics as the
 app's own are, and logged in the same access-log line (accesslog.worker_answer). Everything else
-(WSGI, keep-alive, graceful stop, max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
+(WSGI, keep-alive, graceful stop, max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service
+serves plain HTTP/1.1 behind an ingress)."""
 
 from __future__ import annotations
 
