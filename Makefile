@@ -16,8 +16,9 @@ $(VENV)/.dev-stamp: requirements.txt requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $(VENV)/.run-stamp $@
 
+# A terminal reads the plain access log better; ATTN_LOG_FORMAT=json make run gives the JSON lines deployments get.
 run: $(VENV)/.run-stamp
-	$(PY) -m service
+	ATTN_LOG_FORMAT=$${ATTN_LOG_FORMAT:-plain} $(PY) -m service
 
 test: lint
 	$(PY) -m pytest

@@ -82,9 +82,14 @@ workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
 timeout = 60  # a worker silent this long is killed and replaced
 graceful_timeout = 30  # SIGTERM: in-flight requests get this long to finish
 keepalive = 5
-accesslog = "-"
+# Logs: the service writes its own access log, one line per request on stdout (JSON, or plain with
+# ATTN_LOG_FORMAT=plain: service/web/accesslog.py), with the request id, trace, phases and shape that
+# gunicorn's line lacks; gunicorn's is off. Its error log (start-up, workers, errors) goes to stderr,
+# as JSON lines too when the format is json (the logger class).
+accesslog = None
 errorlog = "-"
 loglevel = "info"
+logger_class = "service.web.accesslog.GunicornLogger"
 # gunicorn 27's control socket lives in $HOME/.gunicorn, which the container's user cannot write
 # (read-only root filesystem); the service does not use it.
 control_socket_disable = True

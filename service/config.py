@@ -30,6 +30,29 @@ def _keys(raw: str) -> tuple[str, ...]:
     return tuple(k.strip() for k in raw.split(",") if k.strip())
 
 
+def log_format(raw: str) -> str:
+    """ATTN_LOG_FORMAT: json or plain (any case)."""
+    if raw.strip().lower() not in ("json", "plain"):
+        raise ValueError(raw)
+    return raw.strip().lower()
+
+
+def _otel_trace_exporters() -> tuple[str, ...]:
+    """The OpenTelemetry span exporters the SDK's standard variables ask for, as entry-point names
+    of the group opentelemetry_traces_exporter ("otlp" resolved by OTEL_EXPORTER_OTLP_PROTOCOL as
+    the SDK does: grpc unless http/protobuf). None unless OTEL_TRACES_EXPORTER names one or an OTLP
+    endpoint is set: tracing is off by default, and costs nothing then (service.web.tracing)."""
+    env = os.environ
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return ()
+    names = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if not names and (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        names = "otlp"
+    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc").strip()
+    otlp = "otlp_proto_http" if protocol.startswith("http") else "otlp_proto_grpc"
+    return tuple(otlp if n == "otlp" else n for n in (n.strip() for n in names.split(",")) if n and n != "none")
+
+
 @dataclass(frozen=True)
 class Settings:
     """The limits and options in force. Defaults keep one request within about a second and a
@@ -62,6 +85,10 @@ class Settings:
     body_min_rate: int = 64 * 2**10  # bytes/s a body must average beyond body_timeout_s (408 below)
     send_timeout_s: int = 30  # a client that reads nothing of its response this long is dropped
     send_buffer_bytes: int = 256 * 2**20  # unread response bytes held per worker; past it new POSTs get 503
+    # Logs and traces (service/web/accesslog.py, tracing.py): one JSON line per request on stdout,
+    # or a plain one for a terminal; OpenTelemetry span exporters, set by the standard OTEL_* variables.
+    log_format: str = "json"
+    otel_trace_exporters: tuple[str, ...] = ()
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -88,8 +115,14 @@ class Settings:
             body_min_rate=_env("ATTN_BODY_MIN_RATE", d.body_min_rate, int),
             send_timeout_s=_env("ATTN_SEND_TIMEOUT_S", d.send_timeout_s, int),
             send_buffer_bytes=_env("ATTN_SEND_BUFFER_BYTES", d.send_buffer_bytes, int),
+            log_format=_env("ATTN_LOG_FORMAT", d.log_format, log_format),
+            otel_trace_exporters=_otel_trace_exporters(),
         )
 
     def limits(self) -> dict:
         """The public view of the limits (no secrets)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in {"api_keys", "host", "port", "warmup"}}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in {"api_keys", "host", "port", "warmup", "log_format", "otel_trace_exporters"}
+        }

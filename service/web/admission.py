@@ -163,6 +163,7 @@ def admit(job: AttentionJob | MhaJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
     not fit in memory beside the others (503), then wait for a compute slot. The prediction is
     kept in g.predicted_ms, for the compute metrics and the response's cost."""
+    g.job = job  # its shape, for the access log and the trace
     predicted = g.predicted_ms = current_app.extensions["attention.cost"].predict_job(job)
     deadline = g.get("deadline_ms")
     if deadline is not None:

@@ -8,7 +8,7 @@ from flask import Flask
 from schemas import AttentionRequest, MhaRequest
 from service.config import Settings
 
-from . import admission, api, errors, http, kserve, metrics, openapi, ops, playground
+from . import accesslog, admission, api, errors, http, kserve, metrics, openapi, ops, playground, tracing
 from .costmodel import CostModel
 
 
@@ -22,6 +22,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["attention.cost"] = CostModel()
     app.extensions["attention.state"] = {"ready": not settings.warmup, "draining": False}  # ops.warm_up() readies it
     http.install(app)
+    tracing.install(app)  # after http (its clock), before the rest: every request has a trace
+    accesslog.install(app)
     metrics.install(app)  # before admission: its refusals are counted too
     admission.install(app)
     errors.register(app, shapes={kserve.bp: kserve.error_body})

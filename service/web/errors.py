@@ -112,6 +112,7 @@ class Responder:
     def respond(self, err: RequestError, headers: dict | None = None, status: int | None = None) -> Response:
         status = status or status_of(err.code)
         g.error_code = err.code  # counted by metrics as a rejection
+        g.error_field = err.field  # logged beside it (accesslog)
         resp = Response(wire.dumps(self.shape()(err, status)), status=status, mimetype="application/json")
         resp.headers.update(headers or {})
         return resp

@@ -32,6 +32,8 @@ def phase(name: str):
     finally:
         timer.ms = (time.perf_counter() - start) * 1000
         g.phases[name] = g.phases.get(name, 0.0) + timer.ms
+        if "spans" in g:  # OpenTelemetry is on: each phase is also a child span (service.web.tracing)
+            g.spans.append((name, start, timer.ms))
 
 
 def phases_ms() -> dict[str, float]:

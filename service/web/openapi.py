@@ -190,6 +190,11 @@ TIMING_HEADERS = {
         "description": "W3C Server-Timing: decode, validate, compute, encode, total (ms)",
     },
     "X-Request-Id": {"required": True, "schema": {"type": "string"}, "description": "echoed if the client sent one"},
+    "traceparent": {
+        "required": True,
+        "schema": {"type": "string"},
+        "description": "W3C Trace Context: the caller's trace (or a new one) and this request's span id",
+    },
 }
 # X-Deadline-Ms is described in words, not as a parameter: a deadline too short to meet is
 # answered 504 by design, which a fuzzer sending tiny deadlines would report as a server error.
@@ -200,6 +205,13 @@ COMPUTE_PARAMETERS = [
         "required": False,
         "schema": {"type": "string"},
         "description": f"echoed in the response's X-Request-Id if it is 1 to {MAX_REQUEST_ID} printable ASCII characters (else a fresh one is made)",
+    },
+    {
+        "name": "traceparent",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "W3C Trace Context (version 00): the request's span continues this trace; a malformed one is ignored",
     },
 ]
 DEADLINE_NOTE = (

@@ -28,8 +28,9 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   and no thread.
 
 These answers are in the API's error shapes (errors.py, kserve.py) and counted in /metrics as the
-app's own are. Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is
-gunicorn's. Not for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an ingress)."""
+app's own are, and logged in the same access-log line (accesslog.worker_answer). Everything else
+(WSGI, keep-alive, graceful stop, max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service
+serves plain HTTP/1.1 behind an ingress)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ from schemas import RequestError
 from service import wire
 from service.config import Settings
 
-from . import errors, framing, kserve, metrics
+from . import accesslog, errors, framing, kserve, metrics
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
@@ -195,6 +196,7 @@ class Conn(TConn):
         self.lingered = 0
         self.pending = b""  # bytes received after the request in a thread (pipelined)
         self.dropped = False  # the thread gave up on a client that did not read
+        self.started = 0.0  # monotonic time of the request's first byte (an early answer's duration)
 
 
 class FrontWorker(ThreadWorker):
@@ -274,6 +276,7 @@ class FrontWorker(ThreadWorker):
         now = time.monotonic()
         conn.state = Conn.READING
         conn.buf = bytearray(pending)
+        conn.started = now
         self.received += len(pending)
         conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
         conn.sock.setblocking(False)
@@ -302,7 +305,8 @@ class FrontWorker(ThreadWorker):
                 self._close(conn)
             return
         if not conn.buf:
-            conn.deadline = time.monotonic() + self.settings.header_timeout_s
+            conn.started = time.monotonic()
+            conn.deadline = conn.started + self.settings.header_timeout_s
         conn.buf += data
         self.received += len(data)
         if self.received > self.settings.max_inflight_bytes:
@@ -377,9 +381,14 @@ class FrontWorker(ThreadWorker):
         endpoint = self._endpoint(scanner.path, scanner.method)
         metrics.REQUESTS.labels(endpoint, metrics.method_label(scanner.method), str(status)).inc()
         metrics.REJECTIONS.labels(endpoint, code).inc()
+        answer = error_response(code, message, scanner.path)
+        head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
+        accesslog.worker_answer(
+            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, (len(conn.buf), len(answer)), conn.started
+        )
         self._release_buf(conn)
         conn.keep = False
-        conn.sock.queue(error_response(code, message, scanner.path))
+        conn.sock.queue(answer)
         self._write(conn)
 
     def _endpoint(self, path: str, method: str) -> str:
