@@ -18,6 +18,8 @@ numpy arrays, q, k, v (1, 8, T, 64) float32, causal:
 
 - latency at T = 64, 256, 1024, with and without weights (the request names its outputs), one
   request at a time, the servers alternating within each repetition (order rotated), median;
+  --runs repetitions at T=64, fewer at 256 and 1024, and a cell stops early (after 3) once it
+  has taken --cell-budget seconds, so that a slow peer on a loaded machine cannot stretch the run;
 - throughput at T = 64 without weights: --clients threads, each with its own client, for
   --duration seconds per server, --rounds rounds alternating, median of the rounds' req/s.
 
@@ -176,21 +178,30 @@ def check(targets: list[Target], clients: dict) -> None:
                 raise RuntimeError(f"{t.name} answers a different {name} than service.core")
 
 
-def latency(targets: list[Target], clients: dict, runs: int) -> None:
+def latency(targets: list[Target], clients: dict, runs: int, cell_budget: float) -> None:
+    """Per (T, weights): repetitions of one request to each server in turn (the order rotated, so
+    nobody always goes first), after one warm-up round at each new T; a cell stops repeating
+    once it has at least 3 timed rounds and has taken more than cell_budget seconds."""
     for T in LENGTHS:
         qkv = arrays(T)
         reps = {64: runs, 256: max(3, runs * 3 // 5), 1024: max(3, runs // 3)}[T]
         for weights in (False, True):
-            for i in range(1 + reps):  # the first is a warm-up
-                order = targets[i % len(targets) :] + targets[: i % len(targets)]  # rotated: nobody always goes first
+            warmup = 0 if weights else 1
+            began = time.monotonic()
+            for i in range(warmup + reps):
+                order = targets[i % len(targets) :] + targets[: i % len(targets)]
                 for t in order:
-                    began = time.perf_counter()
+                    start = time.perf_counter()
                     infer(clients[t.name], t.binary, qkv, weights)
-                    ms = (time.perf_counter() - began) * 1000
-                    if i:
+                    ms = (time.perf_counter() - start) * 1000
+                    if i >= warmup:
                         t.latency.setdefault((T, weights), []).append(ms)
+                if i + 1 - warmup >= 3 and time.monotonic() - began > cell_budget:
+                    break
+            n = len(targets[0].latency[T, weights])
             print(
-                f"  T={T} weights={weights}: " + ", ".join(f"{t.name} {statistics.median(t.latency[T, weights]):.1f} ms" for t in targets),
+                f"  T={T} weights={weights} ({n} runs): "
+                + ", ".join(f"{t.name} {statistics.median(t.latency[T, weights]):.1f} ms" for t in targets),
                 flush=True,
             )
 
@@ -234,11 +245,11 @@ def throughput(target: Target, clients: int, duration: float) -> float:
 def report(targets: list[Target], args, load_start, load_end) -> str:
     names = [t.name for t in targets]
     lines = [
-        f"Made by `make bench-peers` (`python -m bench.peers --runs {args.runs} --duration {args.duration:g} --rounds {args.rounds} --clients {args.clients}`) on {time.strftime('%Y-%m-%d %H:%M')}.",
+        f"Made by `make bench-peers` (`python -m bench.peers --runs {args.runs} --cell-budget {args.cell_budget:g} --duration {args.duration:g} --rounds {args.rounds} --clients {args.clients}`) on {time.strftime('%Y-%m-%d %H:%M')}.",
         "",
         f"- machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}; client tritonclient {importlib.metadata.version('tritonclient')} in this process",
         f"- load average at start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, at end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f}",
-        "- q, k, v (1, 8, T, 64) float32, causal; end to end numpy to numpy through tritonclient.http; medians",
+        f"- q, k, v (1, 8, T, 64) float32, causal; end to end numpy to numpy through tritonclient.http; medians; latency runs per cell: {', '.join(f'T={T} {len(targets[0].latency[T, False])}/{len(targets[0].latency[T, True])}' for T in LENGTHS)} (without/with weights)",
     ]
     for t in targets:
         wire = "binary tensors both ways" if t.binary else "JSON both ways (no binary extension on its REST server)"
@@ -272,7 +283,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default="ours,kserve,mlserver", help="comma-separated: ours, kserve, mlserver")
     p.add_argument("--runs", type=int, default=15, help="timed repetitions at T=64 (3/5 of them at 256, 1/3 at 1024, at least 3)")
-    p.add_argument("--duration", type=float, default=5.0, help="seconds per throughput round")
+    p.add_argument("--cell-budget", type=float, default=45.0, help="seconds after which a latency cell stops repeating (at least 3 runs)")
+    p.add_argument("--duration", type=float, default=4.0, help="seconds per throughput round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--clients", type=int, default=8)
     args = p.parse_args()
@@ -289,7 +301,7 @@ def main() -> None:
         clients = {t.name: t.client() for t in targets}
         check(targets, clients)
         print("latency (median so far):", flush=True)
-        latency(targets, clients, args.runs)
+        latency(targets, clients, args.runs, args.cell_budget)
         print("throughput:", flush=True)
         for r in range(args.rounds):
             for t in targets[r % len(targets) :] + targets[: r % len(targets)]:
