@@ -275,7 +275,7 @@ def report(targets: list[Target], args, load_start, load_end) -> str:
     lines.append("|---|" + "---|" * len(names))
     lines.append("| req/s | " + " | ".join(f"{statistics.median(t.rounds):,.1f}" for t in targets) + " |")
     lines.append("| failed requests | " + " | ".join(str(t.errors) for t in targets) + " |")
-    lines += [f"\n{t.name}'s first failure: {t.first_error}" for t in targets if t.first_error]
+    lines += [f"\nFirst failure ({t.name}): {t.first_error}" for t in targets if t.first_error]
     return "\n".join(lines) + "\n"
 
 
@@ -309,9 +309,15 @@ def main() -> None:
             print(f"  round {r + 1}: " + ", ".join(f"{t.name} {t.rounds[-1]:.1f} req/s" for t in targets), flush=True)
         for c in clients.values():
             c.close()
+    except BaseException:
+        for t in targets:
+            print(f"{t.name}'s log: {t.server.log.name}", file=sys.stderr)
+        raise
     finally:
         for t in targets:
             t.server.stop()
+    for t in targets:  # a clean run keeps no server logs
+        Path(t.server.log.name).unlink(missing_ok=True)
     text = report(targets, args, load_start, os.getloadavg())
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(text)
