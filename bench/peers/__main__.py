@@ -215,19 +215,21 @@ def throughput(target: Target, clients: int, duration: float) -> float:
     gate = threading.Barrier(clients + 1)
     deadline = [0.0]
 
-    def loop(i: int) -> None:
-        client = target.client()
+    def attempt(client: triton.InferenceServerClient) -> bool:
         try:
             infer(client, target.binary, qkv, False)
-        finally:
-            gate.wait()
+            return True
+        except Exception as e:  # a refusal or a reset is counted and shown, not fatal
+            target.errors += 1
+            target.first_error = target.first_error or f"{type(e).__name__}: {e}"[:300]
+            return False
+
+    def loop(i: int) -> None:
+        client = target.client()
+        attempt(client)  # connect
+        gate.wait()
         while time.perf_counter() < deadline[0]:
-            try:
-                infer(client, target.binary, qkv, False)
-                counts[i] += 1
-            except Exception as e:  # a refusal or a reset is counted and shown, not fatal
-                target.errors += 1
-                target.first_error = target.first_error or f"{type(e).__name__}: {e}"[:300]
+            counts[i] += attempt(client)
         client.close()
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(clients)]
