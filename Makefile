@@ -35,6 +35,13 @@ lint: $(VENV)/.dev-stamp
 bench: $(VENV)/.dev-stamp
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench
 
+# This service against KServe's Python model server and MLServer, the same attention model on each,
+# side by side in one run (~4 min): bench/out/peers.md. Not part of `make test`. The peers' venvs
+# are built on first use (PyPI, a few minutes) in .peers/, or $BENCH_PEERS_DIR if set.
+.PHONY: bench-peers
+bench-peers: $(VENV)/.dev-stamp
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench.peers $(BENCH_PEERS_ARGS)
+
 # The latency-limit sweep against a running server: make loadtest LOADTEST_ARGS="--url http://127.0.0.1:8000 --slo-ms 250"
 loadtest: $(VENV)/.dev-stamp
 	$(PY) -m loadtest $(LOADTEST_ARGS)

@@ -1,0 +1,63 @@
+"""The attention model on KServe's Python model server (a kserve.Model subclass, v2 REST).
+
+Run by `python -m bench.peers` in the KServe virtual environment (requirements-kserve.txt), with
+the repository root on PYTHONPATH so that `service.core` (numpy only) is the same code this service
+runs, and KServe's own flags on the command line:
+
+    python bench/peers/kserve_model.py --http_port 8080 --workers 2 --enable_grpc false
+
+Inputs q (B, H, T, d), k (B, H, S, d), v (B, H, S, dv), FP32, as JSON data or binary
+(KServe speaks the binary tensor extension); request parameter `causal` (bool, default false);
+outputs `out` (B, H, T, dv) and `weights` (B, H, T, S), both unless the request names its outputs
+(the weights are computed only when asked for), binary when the request asks for binary.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per worker process, as this service's workers have (set before numpy loads).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import kserve  # noqa: E402  (after the BLAS setting)
+from kserve import InferOutput, InferRequest, InferResponse  # noqa: E402
+
+from service import core  # noqa: E402
+
+OUTPUTS = ("out", "weights")
+
+
+class AttentionModel(kserve.Model):
+    """Scaled dot-product attention, computed by this service's numeric core."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.ready = False
+
+    def load(self) -> bool:
+        self.ready = True  # nothing to load: the model is a function
+        return self.ready
+
+    def predict(self, payload: InferRequest, headers: dict | None = None, response_headers: dict | None = None) -> InferResponse:
+        q, k, v = (payload.get_input_by_name(name).as_numpy() for name in ("q", "k", "v"))
+        params = payload.parameters or {}
+        wanted = [o.name for o in payload.request_outputs] if payload.request_outputs else list(OUTPUTS)
+        out, weights = core.attention(q, k, v, causal=bool(params.get("causal", False)), return_weights="weights" in wanted)
+        arrays = {"out": out, "weights": weights}
+        # The arrays themselves: InferResponse encodes each as the request asked (binary or JSON,
+        # per output or request-wide) when it writes the response, once.
+        outputs = [InferOutput(name, list(arrays[name].shape), "FP32", data=arrays[name]) for name in wanted]
+        return InferResponse(
+            payload.id,
+            self.name,
+            outputs,
+            use_binary_outputs=payload.use_binary_outputs,
+            requested_outputs=payload.request_outputs,
+        )
+
+
+if __name__ == "__main__":
+    model = AttentionModel("attention")
+    model.load()
+    kserve.ModelServer().start([model])  # port, workers, gRPC: from the command line (kserve's parser)

@@ -1,0 +1,48 @@
+"""The attention model as an MLServer custom runtime (an MLModel subclass, v2 REST).
+
+Loaded by `mlserver start bench/peers/mlserver` in the MLServer virtual environment
+(requirements-mlserver.txt), as model-settings.json beside this file names it, with the repository
+root on PYTHONPATH so that `service.core` (numpy only) is the same code this service runs.
+settings.json beside the model folder sets the inference worker processes (parallel_workers);
+`python -m bench.peers` gives the ports through MLSERVER_HTTP_PORT, _GRPC_PORT and _METRICS_PORT.
+
+Inputs q (B, H, T, d), k (B, H, S, d), v (B, H, S, dv), FP32, as JSON data (MLServer's REST
+server does not speak the binary tensor extension); request parameter `causal` (bool, default
+false); outputs `out` (B, H, T, dv) and `weights` (B, H, T, S), both unless the request names its
+outputs (the weights are computed only when asked for).
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per inference worker process, as this service's workers have (before numpy loads).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+from mlserver import MLModel  # noqa: E402  (after the BLAS setting)
+from mlserver.codecs import NumpyCodec  # noqa: E402
+from mlserver.types import InferenceRequest, InferenceResponse  # noqa: E402
+
+from service import core  # noqa: E402
+
+OUTPUTS = ("out", "weights")
+
+
+class AttentionRuntime(MLModel):
+    """Scaled dot-product attention, computed by this service's numeric core."""
+
+    async def load(self) -> bool:
+        return True  # nothing to load: the model is a function
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        inputs = {i.name: NumpyCodec.decode_input(i) for i in payload.inputs}
+        causal = bool(getattr(payload.parameters, "causal", False))
+        wanted = [o.name for o in payload.outputs] if payload.outputs else list(OUTPUTS)
+        out, weights = core.attention(inputs["q"], inputs["k"], inputs["v"], causal=causal, return_weights="weights" in wanted)
+        arrays = {"out": out, "weights": weights}
+        return InferenceResponse(
+            id=payload.id,
+            model_name=self.name,
+            outputs=[NumpyCodec.encode_output(name, arrays[name]) for name in wanted],
+        )
