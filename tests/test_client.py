@@ -221,7 +221,8 @@ def test_causal_rows_are_the_full_masks_rows(align):
 
 
 class Stub(BaseHTTPRequestHandler):
-    """POST /attention: `busy` 503s with Retry-After, then the seed's answer."""
+    """POST /attention (native JSON) or /v2/models/attention/infer (the protocol's JSON): `busy`
+    503s with Retry-After, each in its door's error shape, then the seed's answer."""
 
     busy = 0
     retry_after = "2"
@@ -230,11 +231,13 @@ class Stub(BaseHTTPRequestHandler):
     def do_POST(self):
         type(self).calls += 1
         self.rfile.read(int(self.headers["Content-Length"]))
+        v2 = self.path.startswith("/v2/")
         if type(self).busy > 0:
             type(self).busy -= 1
-            self._send(
-                503, {"error": {"status": 503, "code": "overloaded", "message": "busy", "field": None}}, {"Retry-After": self.retry_after}
-            )
+            error = {"error": "busy"} if v2 else {"error": {"status": 503, "code": "overloaded", "message": "busy", "field": None}}
+            self._send(503, error, {"Retry-After": self.retry_after})
+        elif v2:
+            self._send(200, {"model_name": "attention", "outputs": [{"name": "out", "datatype": "FP32", "shape": [1, 1], "data": [4.0]}]})
         else:
             self._send(200, {"out": {"shape": [1, 1], "dtype": "float32", "data": [4.0]}, "cost": {}, "timing_ms": {}})
 
@@ -261,9 +264,10 @@ def stub():
     server.server_close()
 
 
-def test_503_is_retried_after_retry_after(stub):
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_503_is_retried_after_retry_after(stub, wire):
     Stub.busy = 2
-    with AttentionClient(stub, retries=3, split=False) as client:
+    with AttentionClient(stub, retries=3, split=False, wire=wire) as client:
         sleeps = []
         client._sleep = sleeps.append
         out, weights = client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)), return_weights=False)
@@ -271,18 +275,20 @@ def test_503_is_retried_after_retry_after(stub):
     assert Stub.calls == 3 and sleeps == [2.0, 2.0]
 
 
-def test_503_after_the_last_retry_is_raised(stub):
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_503_after_the_last_retry_is_raised(stub, wire):
     Stub.busy, Stub.retry_after = 10, "0"
-    with AttentionClient(stub, retries=2, split=False) as client:
+    with AttentionClient(stub, retries=2, split=False, wire=wire) as client:
         client._sleep = lambda s: None
         with pytest.raises(AttentionError) as info:
             client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
     assert (info.value.status, info.value.code) == (503, "overloaded") and Stub.calls == 3
 
 
-def test_retry_after_is_capped_and_dates_are_read(stub):
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_retry_after_is_capped_and_dates_are_read(stub, wire):
     Stub.busy, Stub.retry_after = 1, "Wed, 21 Oct 2015 07:28:00 GMT"  # in the past: retry at once
-    with AttentionClient(stub, split=False, max_retry_after=5) as client:
+    with AttentionClient(stub, split=False, max_retry_after=5, wire=wire) as client:
         sleeps = []
         client._sleep = sleeps.append
         client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
@@ -291,8 +297,9 @@ def test_retry_after_is_capped_and_dates_are_read(stub):
     assert sleeps == [0.0, 5.0]
 
 
-def test_connection_errors_are_retried_with_backoff():
-    with AttentionClient(f"http://127.0.0.1:{free_port()}", retries=3, backoff=0.1, split=False) as client:
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_connection_errors_are_retried_with_backoff(wire):
+    with AttentionClient(f"http://127.0.0.1:{free_port()}", retries=3, backoff=0.1, split=False, wire=wire) as client:
         sleeps = []
         client._sleep = sleeps.append
         with pytest.raises(AttentionError) as info:
