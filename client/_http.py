@@ -1,21 +1,26 @@
-"""The client's HTTP: keep-alive HTTP/1.1 connections of http.client, pooled, one per request in flight.
+"""The client's HTTP/1.1: keep-alive sockets, pooled, one per request in flight; http.client's
+HTTPResponse parses the answer's status line and headers.
 
-Why not requests: at T=64 its per-request work (hooks, adapters, cookie jar, header merging) was a
-third of the client's end-to-end time, and it reads a body in 10 KiB pieces joined at the end (a
-copy of 34 MB at T=1024 with weights). Here a request is sent as its parts (the JSON head, then
-each tensor's buffer, never joined) and a response body is read once into one preallocated
-bytearray that numpy then views (bench/client_wire.py measures both).
+Why not requests: at T=64 its per-request work (hooks, adapters, cookie jar, header merging) made
+the client slower than tritonclient end to end, and it reads a body in 10 KiB pieces joined at
+the end (one more copy of 34 MB at T=1024 with weights). Here a request's head and its body's
+parts (the JSON head, then each tensor's buffer as it lies in memory) go in one gathered send
+(sendmsg: no copy, no write per part), and the answer's body is read once, straight into one
+preallocated bytearray that numpy then views. bench/client_wire.py measures the result.
 """
 
 from __future__ import annotations
 
 import http.client
 import select
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+IOV_MAX = 1024  # buffers per sendmsg (Linux's limit)
 Buffer = bytes | bytearray | memoryview  # or anything with the buffer protocol (a numpy array)
 
 
@@ -50,17 +55,19 @@ class Pool:
             raise ValueError(f"base_url must be http://host[:port][/prefix] or https://..., not {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.prefix = parts.path.rstrip("/")
-        self._factory = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        self._host, self._port = parts.hostname, parts.port
+        self._tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self._host, self._port = parts.hostname, parts.port or (443 if self._tls else 80)
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        self._host_header = host if parts.port is None else f"{host}:{parts.port}"
         self.timeout, self.max_idle, self.headers = timeout, max_idle, dict(headers)
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        for sock in idle:
+            sock.close()
 
     def request(
         self,
@@ -70,76 +77,94 @@ class Pool:
         headers: dict[str, str] | None = None,
         align_at: Callable[[http.client.HTTPResponse], int] | None = None,
     ) -> Answer:
-        """Send the body's parts in order (the first one with the head, in one send: no Nagle
-        wait) and read the whole answer. align_at(response) names a body offset that is placed on
-        a 64-byte boundary of the buffer (where the tensors start, so numpy views are aligned).
-        A reused connection that the server had closed meanwhile is replaced once, at once
-        (attention is idempotent)."""
-        conn, reused = self._take()
+        """Send the request (its head and the body's parts in one gathered send, no copy of the
+        parts) and read the whole answer. align_at(response) names a body offset that is placed
+        on a 64-byte boundary of the buffer (where the tensors start, so numpy views are
+        aligned). A reused connection that the server had closed meanwhile is replaced once, at
+        once (attention is idempotent)."""
+        head = self._head(method, path, parts, headers or {})
+        sock, reused = self._take()
         try:
-            answer, keep = self._exchange(conn, method, path, parts, headers or {}, align_at)
+            answer, keep = self._exchange(sock, head, parts, method, path, align_at)
         except TransportError as exc:
-            conn.close()
+            sock.close()
             if not (reused and exc.kind == "connection_error"):
                 raise
-            conn, reused = self._new(), False
+            sock = self._connect()
             try:
-                answer, keep = self._exchange(conn, method, path, parts, headers or {}, align_at)
+                answer, keep = self._exchange(sock, head, parts, method, path, align_at)
             except TransportError:
-                conn.close()
+                sock.close()
                 raise
-        self._give(conn) if keep else conn.close()
+        self._give(sock) if keep else sock.close()
         return answer
 
     # --- connections ---
 
-    def _take(self) -> tuple[http.client.HTTPConnection, bool]:
+    def _take(self) -> tuple[socket.socket, bool]:
         with self._lock:
             while self._idle:
-                conn = self._idle.pop()
-                if _still_open(conn):
-                    return conn, True
-                conn.close()
-        return self._new(), False
+                sock = self._idle.pop()
+                if _still_open(sock):
+                    return sock, True
+                sock.close()
+        return self._connect(), False
 
-    def _give(self, conn: http.client.HTTPConnection) -> None:
+    def _give(self, sock: socket.socket) -> None:
         with self._lock:
             if len(self._idle) < self.max_idle:
-                self._idle.append(conn)
+                self._idle.append(sock)
                 return
-        conn.close()
+        sock.close()
 
-    def _new(self) -> http.client.HTTPConnection:
-        return self._factory(self._host, self._port, timeout=self.timeout)
+    def _connect(self) -> socket.socket:
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the last segment of a request goes at once
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._host)
+        except OSError as exc:  # refused, unreachable, DNS, connect timeout: all worth a retry
+            raise TransportError("connection_error", f"cannot connect to {self.base_url}: {exc}") from exc
+        return sock
 
     # --- one exchange ---
 
-    def _exchange(self, conn, method, path, parts, headers, align_at) -> tuple[Answer, bool]:
+    def _head(self, method: str, path: str, parts: Sequence[Buffer], headers: dict[str, str]) -> bytes:
+        lines = [f"{method} {self.prefix}{path} HTTP/1.1", f"Host: {self._host_header}"]
+        lines += [f"{key}: {value}" for key, value in {**self.headers, **headers}.items()]
+        if parts or method in ("POST", "PUT"):
+            lines.append(f"Content-Length: {sum(memoryview(p).nbytes for p in parts)}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def _exchange(self, sock, head, parts, method, path, align_at) -> tuple[Answer, bool]:
         url = self.base_url + path
-        if conn.sock is None:
-            try:
-                conn.connect()
-            except OSError as exc:  # refused, unreachable, DNS, connect timeout: all worth a retry
-                raise TransportError("connection_error", f"{method} {url}: cannot connect: {exc}") from exc
         try:
-            conn.putrequest(method, self.prefix + path, skip_accept_encoding=True)
-            for key, value in {**self.headers, **headers}.items():
-                conn.putheader(key, value)
-            if parts or method in ("POST", "PUT"):
-                conn.putheader("Content-Length", str(sum(memoryview(p).nbytes for p in parts)))
-            first = bytes(parts[0]) if parts and not isinstance(parts[0], bytes) else (parts[0] if parts else None)
-            conn.endheaders(first)  # bytes are sent with the head in one send
-            for part in parts[1:]:
-                conn.sock.sendall(part)  # buffers, never joined: no copy of the tensors
-            resp = conn.getresponse()
+            if hasattr(sock, "sendmsg") and not isinstance(sock, ssl.SSLSocket):
+                _send_gathered(sock, [head, *parts])
+            else:  # TLS sockets (and Windows') have no sendmsg
+                for part in [head, *parts]:
+                    sock.sendall(part)
+            resp = http.client.HTTPResponse(sock, method=method)
+            resp.begin()
             pad = 0 if align_at is None else -align_at(resp) % 64
             body = _read_body(resp, pad)
         except TimeoutError as exc:
             raise TransportError("timeout", f"{method} {url} got no answer within {self.timeout} s.") from exc
         except (OSError, http.client.HTTPException) as exc:  # reset, closed, broken pipe, truncated
             raise TransportError("connection_error", f"{method} {url} failed: {exc!r}") from exc
-        answer = Answer(resp.status, resp.reason, resp.headers, body, url)
-        return answer, not resp.will_close
+        return Answer(resp.status, resp.reason, resp.headers, body, url), not resp.will_close
+
+
+def _send_gathered(sock: socket.socket, parts: Sequence[Buffer]) -> None:
+    """sendall of the parts in order, gathered: one sendmsg (writev) for all of them while the
+    socket takes them, so the server reads the request in as few pieces as the kernel allows."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+    while views:
+        sent = sock.sendmsg(views[:IOV_MAX])
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def _read_body(resp: http.client.HTTPResponse, pad: int) -> memoryview:
@@ -162,13 +187,11 @@ def _read_body(resp: http.client.HTTPResponse, pad: int) -> memoryview:
     return view
 
 
-def _still_open(conn: http.client.HTTPConnection) -> bool:
+def _still_open(sock: socket.socket) -> bool:
     """An idle keep-alive connection is usable if nothing is readable on it: readable means the
     server closed it (EOF) or sent something unasked."""
-    if conn.sock is None:
-        return False
     try:
-        readable, _, _ = select.select([conn.sock], [], [], 0)
+        readable, _, _ = select.select([sock], [], [], 0)
     except (OSError, ValueError):
         return False
     return not readable

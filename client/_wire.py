@@ -59,7 +59,9 @@ def v2_request(tensors: dict[str, np.ndarray], parameters: dict, outputs: list[s
         "outputs": [{"name": name, "parameters": {"binary_data": True}} for name in outputs],
         "parameters": parameters,
     }
-    return [dumps(head), *(a.reshape(-1).view(np.uint8) for a in arrays.values())]
+    text = dumps(head)
+    text += b" " * (-len(text) % 64)  # JSON may end in spaces: the tensors start 64-byte aligned in the server's buffer
+    return [text, *(a.reshape(-1).view(np.uint8) for a in arrays.values())]
 
 
 def v2_head_length(resp) -> int:
