@@ -472,3 +472,145 @@ def test_cli_variants(live_server, tmp_path, rng):
     np.testing.assert_allclose(saved["weights"], want_w, rtol=0, atol=1e-6)
     bad = run_cli("--url", live_server, "attention", *files, "--window", "2", "-o", str(result))
     assert bad.returncode == 2 and "LEFT,RIGHT" in bad.stderr
+
+
+# --- the two wires: binary tensors at /v2 (the default) and JSON at the native door -------------------
+
+
+def spy_paths(client: AttentionClient) -> list[str]:
+    """Record the path of every compute request the client sends (not its GET /limits)."""
+    seen, request = [], client._http.request
+
+    def recording(method, path, *args, **kwargs):
+        if method == "POST":
+            seen.append(path)
+        return request(method, path, *args, **kwargs)
+
+    client._http.request = recording
+    return seen
+
+
+WIRE_CASES = {
+    # id: (q shape, S, options); float64 inputs are computed (and answered) in float64
+    "plain": ((5, 4), 6, {}),
+    "causal-no-weights": ((2, 3, 16, 8), 16, {"causal": True, "return_weights": False}),
+    "bottom-right-mask-key-lengths": ((2, 3, 7, 8), 11, {"causal": "bottom_right", "mask": True, "key_lengths": True}),
+    "int-mask-scale-float64": ((3, 9, 4), 9, {"mask": "int", "scale": 0.5, "dtype": "float64"}),
+    "variants": ((2, 4, 9, 8), 11, {"enable_gqa": True, "window": (3, 1), "bias": True, "alibi_slopes": True, "average_weights": True}),
+}
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("wire", ["binary", "json"])
+@pytest.mark.parametrize("case", list(WIRE_CASES), ids=list(WIRE_CASES))
+def test_both_wires_give_the_cores_attention(live_server, rng, wire, case):
+    shape, S, options = WIRE_CASES[case]
+    *lead, T, d = shape
+    dtype = np.float64 if options.get("dtype") == "float64" else np.float32
+    kv_lead = [*lead[:-1], lead[-1] // 2] if options.get("enable_gqa") else lead
+    q = rng.standard_normal(shape).astype(dtype)
+    k, v = rng.standard_normal((*kv_lead, S, d)).astype(dtype), rng.standard_normal((*kv_lead, S, 3)).astype(dtype)
+    kwargs = {
+        key: val for key, val in options.items() if key in ("causal", "return_weights", "scale", "enable_gqa", "window", "average_weights")
+    }
+    if options.get("mask") is True:
+        kwargs["mask"] = rng.random((T, S)) > 0.3
+    elif options.get("mask") == "int":
+        kwargs["mask"] = (rng.random((*lead, T, S)) > 0.3).astype(np.int32)  # 0/1 numbers: sent as BOOL on /v2
+    if options.get("key_lengths"):
+        kwargs["key_lengths"] = rng.integers(0, S + 1, size=lead[:1] + [1])
+    if options.get("bias"):
+        kwargs["bias"] = rng.standard_normal((T, S)).astype(dtype)
+    if options.get("alibi_slopes"):
+        kwargs["alibi_slopes"] = np.linspace(0.5, 0.0625, lead[-1]).astype(dtype)
+    with AttentionClient(live_server, wire=wire) as client:
+        paths = spy_paths(client)
+        out, weights = client.attention(q, k, v, **kwargs)
+    assert paths == (["/v2/models/attention/infer"] if wire == "binary" else ["/attention"])
+    want_out, want_w = core.attention(q, k, v, **{key: val for key, val in kwargs.items() if key != "return_weights"})
+    tol = 1e-12 if dtype == np.float64 else 1e-6
+    assert out.dtype == dtype and out.shape == want_out.shape
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=tol)
+    if options.get("return_weights") is False:
+        assert weights is None
+    else:
+        assert weights.dtype == dtype and weights.shape == want_w.shape
+        np.testing.assert_allclose(weights, want_w, rtol=0, atol=tol)
+    assert out.flags.writeable and out.flags.aligned  # binary: a view of the answer's buffer, placed aligned
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("wire", ["binary", "json"])
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
+def test_both_wires_give_the_cores_mha(live_server, rng, wire, weights):
+    x = rng.standard_normal((2, 7, 8), dtype=np.float32)
+    ws = [(rng.standard_normal(shape) / 3).astype(np.float32) for shape in ((8, 12), (8, 6), (8, 10), (20, 5))]
+    with AttentionClient(live_server, wire=wire) as client:
+        paths = spy_paths(client)
+        out, w = client.mha(x, *ws, 4, kv_heads=2, window=(2, 0), return_weights=weights)
+        out_concat, _ = client.mha(x, *ws[:3], None, 4, kv_heads=2, causal=False, return_weights=weights)
+    assert paths == (["/v2/models/mha/infer"] if wire == "binary" else ["/mha"]) * 2
+    want_out, want_w = core.mha(x, *ws, 4, kv_heads=2, window=(2, 0))
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out_concat, core.mha(x, *ws[:3], None, 4, kv_heads=2, causal=False)[0], rtol=0, atol=1e-6)
+    if weights:
+        np.testing.assert_allclose(w, want_w, rtol=0, atol=1e-6)
+    else:
+        assert w is None
+
+
+@pytest.mark.live
+def test_float16_weights_on_the_binary_wire(live_server, rng):
+    q, k, v = (rng.standard_normal((2, 6, 4)).astype(np.float16) for _ in range(3))
+    with AttentionClient(live_server, wire="binary") as client:
+        out, weights = client.attention(q, k, v, weights_dtype="float16")
+    assert out.dtype == np.float32 and weights.dtype == np.float16
+    np.testing.assert_allclose(weights, core.attention(*(a.astype(np.float32) for a in (q, k, v)))[1], rtol=0, atol=1e-3)
+
+
+REFUSALS = {
+    # id: (call, status, code): each refused by the schema, the limits or the options
+    "shape": (lambda api, r: api.attention(r((3, 4)), r((3, 5)), r((3, 2))), 422, "shape_mismatch"),
+    "window": (lambda api, r: api.attention(r((3, 4)), r((3, 4)), r((3, 2)), window=(-2, 0)), 422, None),
+    "mask-numbers": (lambda api, r: api.attention(r((3, 4)), r((3, 4)), r((3, 2)), mask=np.full((3, 3), 2)), 422, None),
+    "heads": (lambda api, r: api.mha(r((5, 8)), r((8, 8)), r((8, 8)), r((8, 8)), r((8, 8)), 3), 422, None),
+    "too-long": (lambda api, r: api.attention(r((4, 8)), r((200, 8)), r((200, 8))), 413, "too_long"),
+}
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("case", list(REFUSALS), ids=list(REFUSALS))
+def test_refusals_are_the_same_on_both_wires(small_server, rng, case):
+    """The /v2 door answers {"error": message}; the client's error still has the native code, field
+    and message, whichever wire it took."""
+    call, status, code = REFUSALS[case]
+    errors = {}
+    for wire in ("binary", "json"):
+        with AttentionClient(small_server, wire=wire, split=False) as client, pytest.raises(AttentionError) as info:
+            call(client, lambda shape: rng.standard_normal(shape).astype(np.float32))
+        errors[wire] = info.value
+    binary, native = errors["binary"], errors["json"]
+    assert (binary.status, binary.code, binary.message, binary.field) == (native.status, native.code, native.message, native.field)
+    assert binary.status == status and (code is None or binary.code == code)
+    assert binary.code not in ("http_error", "bad_response") and binary.response.status_code == status
+    if case == "shape":
+        assert binary.message == "k has d=5 but q has d=4." and binary.field == "k"
+
+
+@pytest.mark.live
+def test_cli_json_wire(live_server, tmp_path, rng):
+    q, k, v = (rng.standard_normal((2, 5, 4)) for _ in range(3))
+    for name, arr in {"q": q, "k": k, "v": v}.items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    result = tmp_path / "result.npz"
+    proc = run_cli("--url", live_server, "--wire", "json", "attention", *(str(tmp_path / f"{n}.npy") for n in "qkv"), "-o", str(result))
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(result)["out"], core.attention(q, k, v)[0], rtol=0, atol=1e-12)
+
+
+def test_wire_and_encoding_choose_the_door():
+    assert AttentionClient("http://127.0.0.1:9").wire == "binary"
+    assert AttentionClient("http://127.0.0.1:9", encoding="nested").wire == "json"  # an encoding is the JSON door's
+    assert AttentionClient("http://127.0.0.1:9", wire="json").encoding == "b64"
+    with pytest.raises(ValueError):
+        AttentionClient("http://127.0.0.1:9", wire="grpc")
