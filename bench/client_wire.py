@@ -5,8 +5,9 @@
 
 One request: q, k, v (B, H, T, d) = (1, 8, T, 64) float32, causal, weights returned, at T=64 and
 T=1024. Four ways in, each with its own keep-alive connection, taken in turn within every
-repetition (the order rotates from one repetition to the next, so drift from other load on the
-machine hits them alike):
+repetition, in a new (seeded) random order each time: drift from other load on the machine hits
+them alike, and each follows each other one as often (a fixed rotation would always put the same
+path after the heaviest one, with its garbage to collect and its server-side after-work):
 
 - AttentionClient, wire="binary" (the default): /v2/models/attention/infer, raw bytes both ways;
 - AttentionClient, wire="json" (b64): POST /attention, orjson + pybase64;
@@ -23,6 +24,7 @@ import argparse
 import base64
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -97,8 +99,10 @@ def measure(url: str, T: int, runs: int, warmup: int) -> dict[str, list[float]]:
     names = list(calls)
     times = {name: [] for name in names}
     results = {}
+    order = random.Random(T)
     for i in range(warmup + runs):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+        order.shuffle(names)  # not a rotation: that would keep each path's predecessor (its garbage, its server-side after-work) fixed
+        for name in names:
             start = time.perf_counter()
             out, weights = calls[name](q, k, v)
             elapsed = (time.perf_counter() - start) * 1000
@@ -137,7 +141,7 @@ def main() -> None:
         load = os.getloadavg()
         print("q, k, v (1, 8, T, 64) float32, causal, weights returned; end to end numpy to numpy, one keep-alive connection each;")
         print(
-            f"the paths alternate within each repetition. machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+            f"the paths alternate, shuffled, within each repetition. machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
         )
         print()
         print("| T | path | median ms | min ms | / tritonclient |")
