@@ -15,7 +15,8 @@ path after the heaviest one, with its garbage to collect and its server-side aft
   same /v2 door, as a Triton/KServe user would call it;
 - requests + stdlib json and base64 to POST /attention: what a user writes by hand.
 
-Reported: the median (and min) of each in ms, its ratio to tritonclient's median, the load average.
+Reported: the median (and min) of each in ms, its ratio to tritonclient's median, the median CPU
+time of this process per request (the client's own work: encoding, copies, HTTP), the load average.
 tritonclient[http] is a bench-only dependency (requirements-dev.txt)."""
 
 from __future__ import annotations
@@ -91,23 +92,26 @@ PATHS = {
 REFERENCE = "tritonclient.http binary"
 
 
-def measure(url: str, T: int, runs: int, warmup: int) -> dict[str, list[float]]:
-    """ms per request of each path, alternating; checks that all paths give the same arrays."""
+def measure(url: str, T: int, runs: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """ms per request of each path, end to end and of this process's CPU, alternating; checks
+    that all paths give the same arrays."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
     calls = {name: make(url) for name, make in PATHS.items()}
     names = list(calls)
     times = {name: [] for name in names}
+    cpus = {name: [] for name in names}  # this process's CPU time: the client's own work
     results = {}
     order = random.Random(T)
     for i in range(warmup + runs):
         order.shuffle(names)  # not a rotation: that would keep each path's predecessor (its garbage, its server-side after-work) fixed
         for name in names:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             out, weights = calls[name](q, k, v)
-            elapsed = (time.perf_counter() - start) * 1000
+            elapsed, cpu = (time.perf_counter() - start) * 1000, (time.process_time() - cpu) * 1000
             if i >= warmup:
                 times[name].append(elapsed)
+                cpus[name].append(cpu)
             results[name] = (out, weights)
     want_out, want_w = results[REFERENCE]
     for name, (out, weights) in results.items():
@@ -116,7 +120,7 @@ def measure(url: str, T: int, runs: int, warmup: int) -> dict[str, list[float]]:
         assert out.dtype == weights.dtype == np.float32, f"{name}: {out.dtype}, {weights.dtype}"
         np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-5, err_msg=name)
         np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-5, err_msg=name)
-    return times
+    return times, cpus
 
 
 def main() -> None:
@@ -144,14 +148,14 @@ def main() -> None:
             f"the paths alternate, shuffled, within each repetition. machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
         )
         print()
-        print("| T | path | median ms | min ms | / tritonclient |")
-        print("|---|---|---|---|---|")
+        print("| T | path | median ms | min ms | / tritonclient | client CPU ms (median) |")
+        print("|---|---|---:|---:|---:|---:|")
         for T, n in zip(lengths, runs, strict=True):
-            times = measure(url, T, n, args.warmup)
+            times, cpus = measure(url, T, n, args.warmup)
             ref = statistics.median(times[REFERENCE])
             for name, ts in times.items():
                 med = statistics.median(ts)
-                print(f"| {T} | {name} | {med:.2f} | {min(ts):.2f} | {med / ref:.2f}x |")
+                print(f"| {T} | {name} | {med:.2f} | {min(ts):.2f} | {med / ref:.2f}x | {statistics.median(cpus[name]):.2f} |")
         load = os.getloadavg()
         print(
             f"\n{sum(runs)} repetitions per path in all (after {args.warmup} warm-up per T); load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
