@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import requests
 
-from client import AttentionClient, AttentionError, _split
+from client import AttentionClient, AttentionError, _http, _split
 from service import core
 
 from .helpers import ROOT, Q, V, free_port, start_server, stop_server
@@ -614,3 +614,41 @@ def test_wire_and_encoding_choose_the_door():
     assert AttentionClient("http://127.0.0.1:9", wire="json").encoding == "b64"
     with pytest.raises(ValueError):
         AttentionClient("http://127.0.0.1:9", wire="grpc")
+
+
+class ClosingStub(Stub):
+    """HTTP/1.1 answers that do not say Connection: close, then the connection is closed: what a
+    server does to an idle keep-alive connection after its keepalive timeout."""
+
+    protocol_version = "HTTP/1.1"
+    connections = 0
+
+    def setup(self):
+        type(self).connections += 1
+        super().setup()
+
+    def do_POST(self):
+        super().do_POST()
+        self.close_connection = True
+
+
+@pytest.mark.parametrize("race", [False, True], ids=["seen-closed", "closed-unseen"])
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_a_connection_the_server_closed_is_replaced(monkeypatch, wire, race):
+    """A pooled connection the server has closed is replaced before use when the close is seen
+    (EOF readable), and else retried once at once on a new one: with retries=0, no call fails."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ClosingStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    ClosingStub.calls, ClosingStub.busy, ClosingStub.connections = 0, 0, 0
+    if race:  # the server's close lands after the pool looked: the send or the read fails
+        monkeypatch.setattr(_http, "_still_open", lambda sock: True)
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=0, split=False, wire=wire) as client:
+            for _ in range(3):
+                out, _ = client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)), return_weights=False)
+                assert out.tolist() == [[4.0]]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert ClosingStub.calls == ClosingStub.connections == 3  # each call answered once, each on a new connection
