@@ -1,7 +1,7 @@
 """The Python client against tritonclient, end to end numpy to numpy, on the same server.
 
     .venv/bin/python -m bench.client_wire                        # starts `python -m service` on a free port
-    .venv/bin/python -m bench.client_wire --url http://127.0.0.1:8000 --runs 200,20
+    .venv/bin/python -m bench.client_wire --url http://127.0.0.1:8000 --runs 400,20
 
 One request: q, k, v (B, H, T, d) = (1, 8, T, 64) float32, causal, weights returned, at T=64 and
 T=1024. Four ways in, each with its own keep-alive connection, taken in turn within every
@@ -127,7 +127,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", help="a running server (default: start `python -m service` on a free port)")
     p.add_argument("-T", default="64,1024", help="sequence lengths, comma-separated (default %(default)s)")
-    p.add_argument("--runs", default="200,20", help="repetitions per T, comma-separated (default %(default)s)")
+    p.add_argument("--runs", default="400,20", help="repetitions per T, comma-separated (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3)
     args = p.parse_args()
     lengths = [int(t) for t in args.T.split(",")]
