@@ -6,7 +6,7 @@ the client slower than tritonclient end to end, and it reads a body in 10 KiB pi
 the end (one more copy of 34 MB at T=1024 with weights). Here a request's head and its body's
 parts (the JSON head, then each tensor's buffer as it lies in memory) go in one gathered send
 (sendmsg: no copy, no write per part), and the answer's body is read once, straight into one
-preallocated bytearray that numpy then views. bench/client_wire.py measures the result.
+preallocated buffer that numpy then views. bench/client_wire.py measures the result.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
+
+import numpy as np
 
 IOV_MAX = 1024  # buffers per sendmsg (Linux's limit)
 Buffer = bytes | bytearray | memoryview  # or anything with the buffer protocol (a numpy array)
@@ -35,8 +37,8 @@ class TransportError(Exception):
 
 @dataclass
 class Answer:
-    """One HTTP response, read whole. body is a memoryview of a bytearray (writable, so numpy
-    arrays viewing it are writable); see Pool.request's align_at."""
+    """One HTTP response, read whole. body is a writable memoryview (numpy arrays viewing it
+    are writable); see Pool.request's align_at."""
 
     status: int
     reason: str
@@ -168,14 +170,14 @@ def _send_gathered(sock: socket.socket, parts: Sequence[Buffer]) -> None:
 
 
 def _read_body(resp: http.client.HTTPResponse, pad: int) -> memoryview:
-    """The whole body, into one bytearray, starting at buf[pad:]: one recv_into after another
-    straight into it when the length is known (no intermediate buffers)."""
+    """The whole body, into one writable buffer, starting at buf[pad:]: one recv_into after
+    another straight into it when the length is known (no intermediate buffers)."""
     if resp.length is None:  # chunked, or up to the close
         data = resp.read()
         buf = bytearray(pad + len(data))
         buf[pad:] = data
         return memoryview(buf)[pad:]
-    buf = bytearray(pad + resp.length)
+    buf = np.empty(pad + resp.length, dtype=np.uint8)  # not zeroed first, unlike bytearray(n): the socket fills it
     view = memoryview(buf)[pad:]
     got = 0
     while got < len(view):
