@@ -33,9 +33,13 @@ except ImportError:  # pragma: no cover
 try:  # SIMD base64, several times the standard library's speed; same output
     import pybase64
 
-    b64encode, b64decode = pybase64.b64encode, pybase64.b64decode
+    b64encode, b64decode = pybase64.b64encode, pybase64.b64decode_as_bytearray
 except ImportError:  # pragma: no cover
-    b64encode, b64decode = base64.b64encode, base64.b64decode
+    b64encode = base64.b64encode
+
+    def b64decode(text) -> bytearray:
+        return bytearray(base64.b64decode(text))
+
 
 # numpy dtype <-> the protocol's datatype, for every dtype the client sends or the server answers.
 DATATYPES = {"float32": "FP32", "float64": "FP64", "float16": "FP16", "bool": "BOOL", "int64": "INT64", "int32": "INT32"}
@@ -133,8 +137,8 @@ def decode_tensor(value) -> np.ndarray:
     if isinstance(value, dict):
         dtype = np.dtype(value["dtype"]).newbyteorder("<")
         if "b64" in value:
-            arr = np.frombuffer(b64decode(value["b64"]), dtype=dtype)
+            arr = np.frombuffer(b64decode(value["b64"]), dtype=dtype)  # decoded into a bytearray: writable as it is
         else:
             arr = np.asarray(value["data"], dtype=dtype)
-        return arr.reshape(value["shape"]).astype(dtype.newbyteorder("="))  # a writable native-order copy
+        return arr.reshape(value["shape"]).astype(dtype.newbyteorder("="), copy=False)
     return np.asarray(value, dtype=np.float64)
