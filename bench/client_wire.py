@@ -4,8 +4,9 @@
     .venv/bin/python -m bench.client_wire --url http://127.0.0.1:8000 --runs 400,20
 
 One request: q, k, v (B, H, T, d) = (1, 8, T, 64) float32, causal, weights returned, at T=64 and
-T=1024. Four ways in, each with its own keep-alive connection, taken in turn within every
-repetition, in a new (seeded) random order each time: drift from other load on the machine hits
+T=1024. Four ways in, each with its own keep-alive connection (new ones every 20 repetitions, so
+that which server worker serves which path changes), taken in turn within every repetition, in a
+new (seeded) random order each time: drift from other load on the machine hits
 them alike, and each follows each other one as often (a fixed rotation would always put the same
 path after the heaviest one, with its garbage to collect and its server-side after-work):
 
@@ -38,17 +39,19 @@ import tritonclient.http as triton
 from bench.server import Server
 from client import AttentionClient
 
+Path = tuple[Callable, Callable]  # (call(q, k, v) -> (out, weights), close())
 
-def client_path(url: str, wire: str) -> Callable:
+
+def client_path(url: str, wire: str) -> Path:
     api = AttentionClient(url, wire=wire, retries=0, split=False, timeout=120)
 
     def call(q, k, v):
         return api.attention(q, k, v, causal=True)
 
-    return call
+    return call, api.close
 
 
-def triton_path(url: str) -> Callable:
+def triton_path(url: str) -> Path:
     client = triton.InferenceServerClient(url.removeprefix("http://"), network_timeout=120, connection_timeout=120)
     outputs = [triton.InferRequestedOutput("out", binary_data=True), triton.InferRequestedOutput("weights", binary_data=True)]
 
@@ -61,10 +64,10 @@ def triton_path(url: str) -> Callable:
         result = client.infer("attention", inputs, outputs=outputs, parameters={"causal": True})
         return result.as_numpy("out"), result.as_numpy("weights")
 
-    return call
+    return call, client.close
 
 
-def requests_path(url: str) -> Callable:
+def requests_path(url: str) -> Path:
     session = requests.Session()
 
     def enc(a):
@@ -80,7 +83,7 @@ def requests_path(url: str) -> Callable:
         doc = resp.json()
         return dec(doc["out"]), dec(doc["weights"])
 
-    return call
+    return call, session.close
 
 
 PATHS = {
@@ -92,19 +95,28 @@ PATHS = {
 REFERENCE = "tritonclient.http binary"
 
 
-def measure(url: str, T: int, runs: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def measure(url: str, T: int, runs: int, warmup: int, reconnect: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """ms per request of each path, end to end and of this process's CPU, alternating; checks
-    that all paths give the same arrays."""
+    that all paths give the same arrays. Every `reconnect` repetitions each path reconnects (and
+    makes one unmeasured call): which of the server's workers holds which path's connection
+    changes, so no path keeps the worker that also serves the heaviest one for the whole run."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
-    calls = {name: make(url) for name, make in PATHS.items()}
-    names = list(calls)
+    names = list(PATHS)
+    paths: dict[str, Path] = {}
     times = {name: [] for name in names}
     cpus = {name: [] for name in names}  # this process's CPU time: the client's own work
     results = {}
     order = random.Random(T)
     for i in range(warmup + runs):
         order.shuffle(names)  # not a rotation: that would keep each path's predecessor (its garbage, its server-side after-work) fixed
+        if i % reconnect == 0:
+            for name in names:
+                if name in paths:
+                    paths[name][1]()
+                paths[name] = PATHS[name](url)
+                paths[name][0](q, k, v)  # connects
+        calls = {name: path[0] for name, path in paths.items()}
         for name in names:
             start, cpu = time.perf_counter(), time.process_time()
             out, weights = calls[name](q, k, v)
@@ -113,6 +125,8 @@ def measure(url: str, T: int, runs: int, warmup: int) -> tuple[dict[str, list[fl
                 times[name].append(elapsed)
                 cpus[name].append(cpu)
             results[name] = (out, weights)
+    for _, close in paths.values():
+        close()
     want_out, want_w = results[REFERENCE]
     for name, (out, weights) in results.items():
         # Equal to float32 rounding: tritonclient's tensors start unaligned in the server's buffer
@@ -129,6 +143,7 @@ def main() -> None:
     p.add_argument("-T", default="64,1024", help="sequence lengths, comma-separated (default %(default)s)")
     p.add_argument("--runs", default="400,20", help="repetitions per T, comma-separated (default %(default)s)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reconnect", type=int, default=20, help="new connections every this many repetitions (default %(default)s)")
     args = p.parse_args()
     lengths = [int(t) for t in args.T.split(",")]
     runs = [int(n) for n in args.runs.split(",")]
@@ -143,7 +158,9 @@ def main() -> None:
         url = server.url
     try:
         load = os.getloadavg()
-        print("q, k, v (1, 8, T, 64) float32, causal, weights returned; end to end numpy to numpy, one keep-alive connection each;")
+        print(
+            "q, k, v (1, 8, T, 64) float32, causal, weights returned; end to end numpy to numpy, one keep-alive connection each (new every --reconnect repetitions);"
+        )
         print(
             f"the paths alternate, shuffled, within each repetition. machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
         )
@@ -151,7 +168,7 @@ def main() -> None:
         print("| T | path | median ms | min ms | / tritonclient | client CPU ms (median) |")
         print("|---|---|---:|---:|---:|---:|")
         for T, n in zip(lengths, runs, strict=True):
-            times, cpus = measure(url, T, n, args.warmup)
+            times, cpus = measure(url, T, n, args.warmup, args.reconnect)
             ref = statistics.median(times[REFERENCE])
             for name, ts in times.items():
                 med = statistics.median(ts)
