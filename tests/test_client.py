@@ -652,3 +652,18 @@ def test_a_connection_the_server_closed_is_replaced(monkeypatch, wire, race):
         server.shutdown()
         server.server_close()
     assert ClosingStub.calls == ClosingStub.connections == 3  # each call answered once, each on a new connection
+
+
+def test_request_head_carries_prefix_host_and_length():
+    pool = _http.Pool("https://example.com/api/", timeout=5, max_idle=1, headers={"User-Agent": "t"})
+    head = pool._head("POST", "/v2/models/attention/infer", [b"{}", np.zeros(3, np.float32).view(np.uint8)], {"X-A": "1"})
+    assert (
+        head
+        == b"POST /api/v2/models/attention/infer HTTP/1.1\r\nHost: example.com\r\nUser-Agent: t\r\nX-A: 1\r\nContent-Length: 14\r\n\r\n"
+    )
+    assert (pool._port, _http.Pool("http://[::1]:8080", 5, 1, {})._head("GET", "/readyz", (), {})) == (
+        443,
+        b"GET /readyz HTTP/1.1\r\nHost: [::1]:8080\r\n\r\n",
+    )
+    with pytest.raises(ValueError):
+        _http.Pool("ftp://example.com", 5, 1, {})
