@@ -7,6 +7,7 @@
 Requests over the server's advertised /limits are split along the leading axes and query rows,
 sent concurrently and reassembled; the result is the one a single request would give."""
 
-from ._client import AttentionClient, AttentionError, encode_tensor
+from ._client import AttentionClient, AttentionError
+from ._wire import encode_tensor
 
 __all__ = ["AttentionClient", "AttentionError", "encode_tensor"]

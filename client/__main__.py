@@ -7,6 +7,9 @@
     python -m client --url URL limits
     python -m client --url URL ready
 
+Tensors travel as raw bytes both ways (the /v2 door's binary extension); --wire json sends b64 JSON
+to the native endpoints instead.
+
 The result file holds `out` and, unless --no-weights, `weights`. Exit status: 0 on success, 1 when
 the service refuses (its status, code and message on stderr), 2 for bad arguments."""
 
@@ -30,6 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("ATTN_API_KEY"), help="bearer key (default $ATTN_API_KEY)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
     p.add_argument("--retries", type=int, default=3, help="retries on connection errors and 503")
+    p.add_argument(
+        "--wire",
+        choices=["binary", "json"],
+        default="binary",
+        help="binary: raw tensors both ways at /v2 (default, the fastest); json: b64 JSON at the native endpoints",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     a = sub.add_parser("attention", help="scaled dot-product attention")
@@ -90,7 +99,7 @@ def _load(path: str | None) -> np.ndarray | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    with AttentionClient(args.url, timeout=args.timeout, retries=args.retries, api_key=args.api_key) as api:
+    with AttentionClient(args.url, timeout=args.timeout, retries=args.retries, api_key=args.api_key, wire=args.wire) as api:
         try:
             if args.command == "ready":
                 ok = api.ready()

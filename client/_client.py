@@ -1,12 +1,15 @@
-"""AttentionClient: the service's endpoints as numpy functions, over one pooled requests.Session.
+"""AttentionClient: the service's endpoints as numpy functions, over pooled keep-alive connections.
+
+Wires (_wire): "binary" (default) sends the tensors as raw bytes to the Open Inference Protocol's
+/v2/models/{attention,mha}/infer and views the outputs' bytes in place; "json" posts to the native
+/attention and /mha (b64, flat or nested). Both reach the same schema, limits and core on the
+server, so the results are the same; the binary wire costs no encoding on either side.
 
 Shape legend: ... leading axes (batch, heads), T queries, S keys, d width, dv value width."""
 
 from __future__ import annotations
 
-import base64
 import email.utils
-import json
 import math
 import random
 import time
@@ -15,41 +18,49 @@ from datetime import UTC, datetime
 
 import numpy as np
 import requests
-from requests.adapters import HTTPAdapter
+from requests.structures import CaseInsensitiveDict
 
-from . import _split
+from . import _split, _wire
+from ._http import Answer, Pool, TransportError
 from ._split import Block
 
-try:  # orjson writes numpy arrays and long strings much faster; the standard library also works
-    import orjson
-
-    def _dumps(obj) -> bytes:
-        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
-
-    _loads = orjson.loads
-except ImportError:  # pragma: no cover
-
-    def _dumps(obj) -> bytes:
-        return json.dumps(obj, default=lambda a: a.tolist()).encode()
-
-    _loads = json.loads
-
 ENCODINGS = ("b64", "flat", "nested")
+WIRES = ("binary", "json")
 BODY_SLACK = 4096  # bytes of JSON around the tensors, kept free under max_body_bytes
+# The /v2 door's errors are {"error": message}, without the native code. Where the status names
+# one code, that is it; otherwise (400, 413, 422) the request is asked again at the native door,
+# whose answer has the code, the field and the native message (the client's errors are the same
+# whichever wire it takes; the second request only happens for a refusal).
+V2_STATUS_CODES = {
+    401: "unauthorized",
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "timeout",
+    415: "unsupported_media_type",
+    431: "headers_too_large",
+    500: "internal",
+    501: "not_implemented",
+    503: "overloaded",
+    504: "deadline",
+}
 
 
 class AttentionError(Exception):
     """Anything the service (or the way to it) refused. status is the HTTP status (None when no
     answer came), code the service's error code (e.g. "shape_mismatch", "too_large",
-    "connection_error"), message its sentence, response the requests.Response if there was one."""
+    "connection_error"), message its sentence, field the request field it names (or None),
+    response the answer as a requests.Response if there was one."""
 
-    def __init__(self, status: int | None, code: str, message: str, response: requests.Response | None = None):
+    def __init__(self, status: int | None, code: str, message: str, response: requests.Response | None = None, field: str | None = None):
         super().__init__(f"{status or 'no response'} {code}: {message}")
-        self.status, self.code, self.message, self.response = status, code, message, response
+        self.status, self.code, self.message, self.response, self.field = status, code, message, response, field
 
 
 class AttentionClient:
-    """numpy in, numpy out. Tensors travel as b64 by default (raw bytes: exact and compact).
+    """numpy in, numpy out. Tensors travel as raw bytes both ways by default (wire="binary": the
+    /v2 door's binary tensors); wire="json" posts to the native endpoints in `encoding` (b64 by
+    default, "flat" or "nested"). Giving an encoding without a wire means wire="json" (the
+    client's behaviour before the binary wire existed).
 
     Retries: connection failures and 503 are retried up to `retries` times, waiting Retry-After
     when the server gives one (capped at max_retry_after), else an exponential backoff with jitter;
@@ -63,24 +74,25 @@ class AttentionClient:
         timeout: float = 60.0,
         retries: int = 3,
         api_key: str | None = None,
-        encoding: str = "b64",
+        encoding: str | None = None,
         max_workers: int = 4,
         backoff: float = 0.1,
         max_retry_after: float = 30.0,
         split: bool = True,
+        wire: str | None = None,
     ):
-        if encoding not in ENCODINGS:
+        if encoding is not None and encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
+        wire = wire or ("binary" if encoding is None else "json")
+        if wire not in WIRES:
+            raise ValueError(f"wire must be one of {WIRES}, not {wire!r}")
         self.base_url = base_url.rstrip("/")
-        self.timeout, self.retries, self.encoding = timeout, retries, encoding
+        self.timeout, self.retries, self.encoding, self.wire = timeout, retries, encoding or "b64", wire
         self.max_workers, self.backoff, self.max_retry_after, self.split = max_workers, backoff, max_retry_after, split
-        self.session = requests.Session()
-        adapter = HTTPAdapter(pool_connections=1, pool_maxsize=max(1, max_workers))
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
-        self.session.headers.update({"Accept": "application/json", "User-Agent": "attention-client/1"})
+        headers = {"Accept": "application/json", "User-Agent": "attention-client/2"}
         if api_key:
-            self.session.headers["Authorization"] = f"Bearer {api_key}"
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = Pool(self.base_url, timeout, max(1, max_workers), headers)
         self._limits: dict | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._sleep = time.sleep  # replaced in tests
@@ -91,7 +103,7 @@ class AttentionClient:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self.session.close()
+        self._http.close()
 
     def __enter__(self) -> AttentionClient:
         return self
@@ -104,8 +116,8 @@ class AttentionClient:
     def ready(self) -> bool:
         """True when the server answers /readyz with 200 (no retries)."""
         try:
-            return self.session.get(self.base_url + "/readyz", timeout=self.timeout).status_code == 200
-        except requests.RequestException:
+            return self._http.request("GET", "/readyz").status == 200
+        except TransportError:
             return False
 
     def limits(self, refresh: bool = False) -> dict:
@@ -317,7 +329,10 @@ class AttentionClient:
 
     def _fits(self, lim: dict, *, rows: int, keys: int, scores: int, return_weights: bool, nbytes: int) -> bool:
         """Would a request of this size pass the server's limits? nbytes: raw tensor bytes."""
-        wire = _split.b64_len(nbytes) if self.encoding == "b64" else nbytes * 6  # flat/nested: ~24 JSON chars per float32
+        if self.wire == "binary":
+            wire = nbytes
+        else:
+            wire = _split.b64_len(nbytes) if self.encoding == "b64" else nbytes * 6  # flat/nested: ~24 JSON chars per float32
         return (
             rows <= lim["max_t"]
             and keys <= lim["max_s"]
@@ -340,49 +355,75 @@ class AttentionClient:
     # --- the wire ---
 
     def _compute(self, path: str, body: dict) -> tuple[np.ndarray, np.ndarray | None]:
-        wire = {
-            key: encode_tensor(_wire_array(key, value), self.encoding) if isinstance(value, np.ndarray) else value
-            for key, value in body.items()
-        }
-        wire["response_encoding"] = self.encoding
-        doc = self._call("POST", path, _dumps(wire))
-        weights = doc.get("weights")
-        return _decode(doc["out"]), (None if weights is None else _decode(weights))
+        """One request: path "/attention" or "/mha", body its native fields (arrays and options)."""
+        arrays = {key: _wire_array(key, value) for key, value in body.items() if isinstance(value, np.ndarray)}
+        if self.wire == "binary":
+            binary = _binary_arrays(arrays)
+            if binary is not None:
+                return self._compute_binary(path, body, binary)
+        return self._compute_json(path, body, arrays)
 
-    def _call(self, method: str, path: str, body: bytes | None = None) -> dict:
-        """One call with retries; the parsed JSON of a 200, else AttentionError."""
-        resp = self._send(method, path, body)
-        if resp.status_code != 200:
-            raise _error(resp)
+    def _compute_binary(self, path: str, body: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        """At /v2/models/{model}/infer: tensors as raw bytes both ways, outputs viewed in place."""
+        options = {key: _wire.v2_parameter(value) for key, value in body.items() if key not in arrays}
+        outputs = ["out", "weights"] if body.get("return_weights", True) else ["out"]
+        parts = _wire.v2_request(arrays, options, outputs)
+        headers = {_wire.HEAD_LENGTH: str(len(parts[0])), "Content-Type": "application/octet-stream"}
+        answer = self._send("POST", f"/v2/models/{_wire.V2_MODELS[path]}/infer", parts, headers, align_at=_wire.v2_head_length)
+        if answer.status != 200:
+            code = V2_STATUS_CODES.get(answer.status)
+            if code is None:  # 400, 413, 422: the native door's answer has the code and field
+                return self._compute_json(path, body, arrays)
+            raise AttentionError(answer.status, code, _v2_message(answer), _response(answer))
         try:
-            return _loads(resp.content)
-        except ValueError as exc:
-            raise AttentionError(resp.status_code, "bad_response", f"the server's answer is not JSON: {exc}", resp) from None
+            results = _wire.v2_outputs(answer.body, int(answer.headers.get(_wire.HEAD_LENGTH) or 0))
+            return results["out"], results.get("weights")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AttentionError(
+                answer.status, "bad_response", f"the server's infer response is malformed: {exc!r}", _response(answer)
+            ) from None
 
-    def _send(self, method: str, path: str, body: bytes | None) -> requests.Response:
-        headers = {"Content-Type": "application/json"} if body is not None else {}
+    def _compute_json(self, path: str, body: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        """At the native endpoint, tensors in self.encoding (b64 by pybase64, spliced into orjson's text)."""
+        doc = self._call("POST", path, _wire.json_request({**body, **arrays, "response_encoding": self.encoding}, self.encoding))
+        weights = doc.get("weights")
+        return _wire.decode_tensor(doc["out"]), (None if weights is None else _wire.decode_tensor(weights))
+
+    def _call(self, method: str, path: str, parts: list[bytes] | None = None) -> dict:
+        """One call with retries; the parsed JSON of a 200, else AttentionError."""
+        headers = {"Content-Type": "application/json"} if parts is not None else {}
+        answer = self._send(method, path, parts or (), headers)
+        if answer.status != 200:
+            raise _error(answer)
+        try:
+            return _wire.loads(answer.body)
+        except ValueError as exc:
+            raise AttentionError(answer.status, "bad_response", f"the server's answer is not JSON: {exc}", _response(answer)) from None
+
+    def _send(self, method: str, path: str, parts, headers: dict, align_at=None) -> Answer:
+        """The answer, after retrying connection failures (backoff) and 503 (Retry-After)."""
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                resp = self.session.request(method, self.base_url + path, data=body, headers=headers, timeout=self.timeout)
-            except requests.ConnectionError as exc:  # refused, reset, DNS, connect timeout
+                answer = self._http.request(method, path, parts, headers, align_at)
+            except TransportError as exc:
+                if exc.kind == "timeout":
+                    raise AttentionError(None, "timeout", str(exc)) from exc
                 if last:
                     raise AttentionError(
                         None, "connection_error", f"{method} {self.base_url}{path} failed after {attempt + 1} attempts: {exc}"
                     ) from exc
                 self._sleep(self._backoff(attempt))
                 continue
-            except requests.Timeout as exc:
-                raise AttentionError(None, "timeout", f"{method} {self.base_url}{path} got no answer within {self.timeout} s.") from exc
-            if resp.status_code != 503 or last:
-                return resp
-            self._sleep(self._retry_after(resp, attempt))
+            if answer.status != 503 or last:
+                return answer
+            self._sleep(self._retry_after(answer, attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _backoff(self, attempt: int) -> float:
         return self.backoff * 2**attempt * (0.5 + random.random() / 2)
 
-    def _retry_after(self, resp: requests.Response, attempt: int) -> float:
+    def _retry_after(self, resp: Answer, attempt: int) -> float:
         """Retry-After in seconds (a number or an HTTP date), capped; else the backoff."""
         raw = resp.headers.get("Retry-After")
         if raw is None:
@@ -421,27 +462,15 @@ def _wire_array(name: str, a: np.ndarray) -> np.ndarray:
     return a if a.dtype in (np.float64, np.float16) else a.astype(np.float32, copy=False)
 
 
-def encode_tensor(a: np.ndarray, encoding: str = "b64"):
-    """An array in one of the API's wire encodings (nested, flat or b64), ready for orjson (numpy
-    arrays are left for it to write) or, after .tolist() of any array, for any JSON encoder."""
-    a = np.ascontiguousarray(a)
-    if encoding == "nested":
-        return a
-    if encoding == "flat":
-        return {"shape": list(a.shape), "dtype": a.dtype.name, "data": a.reshape(-1)}
-    little = a.astype(a.dtype.newbyteorder("<"), copy=False)
-    return {"shape": list(a.shape), "dtype": a.dtype.name, "b64": base64.b64encode(little.tobytes()).decode("ascii")}
-
-
-def _decode(value) -> np.ndarray:
-    if isinstance(value, dict):
-        dtype = np.dtype(value["dtype"]).newbyteorder("<")
-        if "b64" in value:
-            arr = np.frombuffer(base64.b64decode(value["b64"]), dtype=dtype)
-        else:
-            arr = np.asarray(value["data"], dtype=dtype)
-        return arr.reshape(value["shape"]).astype(dtype.newbyteorder("="))  # a writable native-order copy
-    return np.asarray(value, dtype=np.float64)
+def _binary_arrays(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+    """The arrays as the /v2 door takes them, or None if one can only go as JSON: a mask of
+    numbers that are not all 0 and 1 (the native door says why it refuses it)."""
+    mask = arrays.get("mask")
+    if mask is None or mask.dtype == np.bool_:
+        return arrays
+    if not np.isin(mask, (0, 1)).all():
+        return None
+    return {**arrays, "mask": mask != 0}
 
 
 def _flat_mask(mask: np.ndarray, lead: tuple[int, ...]) -> np.ndarray:
@@ -460,13 +489,35 @@ def _assemble(parts: list[np.ndarray], blocks: list[Block], shape: tuple[int, ..
     return full
 
 
-def _error(resp: requests.Response) -> AttentionError:
-    """The service's {"error": {status, code, message}} (or anything else) -> AttentionError."""
+def _response(answer: Answer) -> requests.Response:
+    """The answer as a requests.Response (AttentionError.response's documented type), built the
+    way requests' own adapter builds one."""
+    resp = requests.Response()
+    resp.status_code, resp.reason, resp.url, resp.encoding = answer.status, answer.reason, answer.url, "utf-8"
+    resp.headers = CaseInsensitiveDict(answer.headers.items())
+    resp._content = bytes(answer.body)
+    return resp
+
+
+def _v2_message(answer: Answer) -> str:
+    """The /v2 door's {"error": message}, or the body's text."""
     try:
-        err = _loads(resp.content)["error"]
+        message = _wire.loads(answer.body)["error"]
+        if isinstance(message, str):
+            return message
+    except (ValueError, KeyError, TypeError):
+        pass
+    return bytes(answer.body[:200]).decode("utf-8", "replace").strip() or answer.reason or "no body"
+
+
+def _error(answer: Answer) -> AttentionError:
+    """The native door's {"error": {status, code, message, field}} (or anything else) -> AttentionError."""
+    resp = _response(answer)
+    try:
+        err = _wire.loads(answer.body)["error"]
         if isinstance(err, dict):
-            return AttentionError(resp.status_code, err.get("code", "http_error"), err.get("message", ""), resp)
-        return AttentionError(resp.status_code, "http_error", str(err), resp)
+            return AttentionError(answer.status, err.get("code", "http_error"), err.get("message", ""), resp, err.get("field"))
+        return AttentionError(answer.status, "http_error", str(err), resp)
     except (ValueError, KeyError, TypeError):
         text = resp.text.strip().replace("\n", " ")[:200]
-        return AttentionError(resp.status_code, "http_error", text or resp.reason or "no body", resp)
+        return AttentionError(answer.status, "http_error", text or answer.reason or "no body", resp)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import requests
 
-from client import AttentionClient, AttentionError, _split
+from client import AttentionClient, AttentionError, _http, _split
 from service import core
 
 from .helpers import ROOT, Q, V, free_port, start_server, stop_server
@@ -221,7 +221,8 @@ def test_causal_rows_are_the_full_masks_rows(align):
 
 
 class Stub(BaseHTTPRequestHandler):
-    """POST /attention: `busy` 503s with Retry-After, then the seed's answer."""
+    """POST /attention (native JSON) or /v2/models/attention/infer (the protocol's JSON): `busy`
+    503s with Retry-After, each in its door's error shape, then the seed's answer."""
 
     busy = 0
     retry_after = "2"
@@ -230,11 +231,13 @@ class Stub(BaseHTTPRequestHandler):
     def do_POST(self):
         type(self).calls += 1
         self.rfile.read(int(self.headers["Content-Length"]))
+        v2 = self.path.startswith("/v2/")
         if type(self).busy > 0:
             type(self).busy -= 1
-            self._send(
-                503, {"error": {"status": 503, "code": "overloaded", "message": "busy", "field": None}}, {"Retry-After": self.retry_after}
-            )
+            error = {"error": "busy"} if v2 else {"error": {"status": 503, "code": "overloaded", "message": "busy", "field": None}}
+            self._send(503, error, {"Retry-After": self.retry_after})
+        elif v2:
+            self._send(200, {"model_name": "attention", "outputs": [{"name": "out", "datatype": "FP32", "shape": [1, 1], "data": [4.0]}]})
         else:
             self._send(200, {"out": {"shape": [1, 1], "dtype": "float32", "data": [4.0]}, "cost": {}, "timing_ms": {}})
 
@@ -261,9 +264,10 @@ def stub():
     server.server_close()
 
 
-def test_503_is_retried_after_retry_after(stub):
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_503_is_retried_after_retry_after(stub, wire):
     Stub.busy = 2
-    with AttentionClient(stub, retries=3, split=False) as client:
+    with AttentionClient(stub, retries=3, split=False, wire=wire) as client:
         sleeps = []
         client._sleep = sleeps.append
         out, weights = client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)), return_weights=False)
@@ -271,18 +275,20 @@ def test_503_is_retried_after_retry_after(stub):
     assert Stub.calls == 3 and sleeps == [2.0, 2.0]
 
 
-def test_503_after_the_last_retry_is_raised(stub):
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_503_after_the_last_retry_is_raised(stub, wire):
     Stub.busy, Stub.retry_after = 10, "0"
-    with AttentionClient(stub, retries=2, split=False) as client:
+    with AttentionClient(stub, retries=2, split=False, wire=wire) as client:
         client._sleep = lambda s: None
         with pytest.raises(AttentionError) as info:
             client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
     assert (info.value.status, info.value.code) == (503, "overloaded") and Stub.calls == 3
 
 
-def test_retry_after_is_capped_and_dates_are_read(stub):
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_retry_after_is_capped_and_dates_are_read(stub, wire):
     Stub.busy, Stub.retry_after = 1, "Wed, 21 Oct 2015 07:28:00 GMT"  # in the past: retry at once
-    with AttentionClient(stub, split=False, max_retry_after=5) as client:
+    with AttentionClient(stub, split=False, max_retry_after=5, wire=wire) as client:
         sleeps = []
         client._sleep = sleeps.append
         client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
@@ -291,8 +297,9 @@ def test_retry_after_is_capped_and_dates_are_read(stub):
     assert sleeps == [0.0, 5.0]
 
 
-def test_connection_errors_are_retried_with_backoff():
-    with AttentionClient(f"http://127.0.0.1:{free_port()}", retries=3, backoff=0.1, split=False) as client:
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_connection_errors_are_retried_with_backoff(wire):
+    with AttentionClient(f"http://127.0.0.1:{free_port()}", retries=3, backoff=0.1, split=False, wire=wire) as client:
         sleeps = []
         client._sleep = sleeps.append
         with pytest.raises(AttentionError) as info:
@@ -465,3 +472,198 @@ def test_cli_variants(live_server, tmp_path, rng):
     np.testing.assert_allclose(saved["weights"], want_w, rtol=0, atol=1e-6)
     bad = run_cli("--url", live_server, "attention", *files, "--window", "2", "-o", str(result))
     assert bad.returncode == 2 and "LEFT,RIGHT" in bad.stderr
+
+
+# --- the two wires: binary tensors at /v2 (the default) and JSON at the native door -------------------
+
+
+def spy_paths(client: AttentionClient) -> list[str]:
+    """Record the path of every compute request the client sends (not its GET /limits)."""
+    seen, request = [], client._http.request
+
+    def recording(method, path, *args, **kwargs):
+        if method == "POST":
+            seen.append(path)
+        return request(method, path, *args, **kwargs)
+
+    client._http.request = recording
+    return seen
+
+
+WIRE_CASES = {
+    # id: (q shape, S, options); float64 inputs are computed (and answered) in float64
+    "plain": ((5, 4), 6, {}),
+    "causal-no-weights": ((2, 3, 16, 8), 16, {"causal": True, "return_weights": False}),
+    "bottom-right-mask-key-lengths": ((2, 3, 7, 8), 11, {"causal": "bottom_right", "mask": True, "key_lengths": True}),
+    "int-mask-scale-float64": ((3, 9, 4), 9, {"mask": "int", "scale": 0.5, "dtype": "float64"}),
+    "variants": ((2, 4, 9, 8), 11, {"enable_gqa": True, "window": (3, 1), "bias": True, "alibi_slopes": True, "average_weights": True}),
+}
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("wire", ["binary", "json"])
+@pytest.mark.parametrize("case", list(WIRE_CASES), ids=list(WIRE_CASES))
+def test_both_wires_give_the_cores_attention(live_server, rng, wire, case):
+    shape, S, options = WIRE_CASES[case]
+    *lead, T, d = shape
+    dtype = np.float64 if options.get("dtype") == "float64" else np.float32
+    kv_lead = [*lead[:-1], lead[-1] // 2] if options.get("enable_gqa") else lead
+    q = rng.standard_normal(shape).astype(dtype)
+    k, v = rng.standard_normal((*kv_lead, S, d)).astype(dtype), rng.standard_normal((*kv_lead, S, 3)).astype(dtype)
+    kwargs = {
+        key: val for key, val in options.items() if key in ("causal", "return_weights", "scale", "enable_gqa", "window", "average_weights")
+    }
+    if options.get("mask") is True:
+        kwargs["mask"] = rng.random((T, S)) > 0.3
+    elif options.get("mask") == "int":
+        kwargs["mask"] = (rng.random((*lead, T, S)) > 0.3).astype(np.int32)  # 0/1 numbers: sent as BOOL on /v2
+    if options.get("key_lengths"):
+        kwargs["key_lengths"] = rng.integers(0, S + 1, size=lead[:1] + [1])
+    if options.get("bias"):
+        kwargs["bias"] = rng.standard_normal((T, S)).astype(dtype)
+    if options.get("alibi_slopes"):
+        kwargs["alibi_slopes"] = np.linspace(0.5, 0.0625, lead[-1]).astype(dtype)
+    with AttentionClient(live_server, wire=wire) as client:
+        paths = spy_paths(client)
+        out, weights = client.attention(q, k, v, **kwargs)
+    assert paths == (["/v2/models/attention/infer"] if wire == "binary" else ["/attention"])
+    want_out, want_w = core.attention(q, k, v, **{key: val for key, val in kwargs.items() if key != "return_weights"})
+    tol = 1e-12 if dtype == np.float64 else 1e-6
+    assert out.dtype == dtype and out.shape == want_out.shape
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=tol)
+    if options.get("return_weights") is False:
+        assert weights is None
+    else:
+        assert weights.dtype == dtype and weights.shape == want_w.shape
+        np.testing.assert_allclose(weights, want_w, rtol=0, atol=tol)
+    assert out.flags.writeable and out.flags.aligned  # binary: a view of the answer's buffer, placed aligned
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("wire", ["binary", "json"])
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no-weights"])
+def test_both_wires_give_the_cores_mha(live_server, rng, wire, weights):
+    x = rng.standard_normal((2, 7, 8), dtype=np.float32)
+    ws = [(rng.standard_normal(shape) / 3).astype(np.float32) for shape in ((8, 12), (8, 6), (8, 10), (20, 5))]
+    with AttentionClient(live_server, wire=wire) as client:
+        paths = spy_paths(client)
+        out, w = client.mha(x, *ws, 4, kv_heads=2, window=(2, 0), return_weights=weights)
+        out_concat, _ = client.mha(x, *ws[:3], None, 4, kv_heads=2, causal=False, return_weights=weights)
+    assert paths == (["/v2/models/mha/infer"] if wire == "binary" else ["/mha"]) * 2
+    want_out, want_w = core.mha(x, *ws, 4, kv_heads=2, window=(2, 0))
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(out_concat, core.mha(x, *ws[:3], None, 4, kv_heads=2, causal=False)[0], rtol=0, atol=1e-6)
+    if weights:
+        np.testing.assert_allclose(w, want_w, rtol=0, atol=1e-6)
+    else:
+        assert w is None
+
+
+@pytest.mark.live
+def test_float16_weights_on_the_binary_wire(live_server, rng):
+    q, k, v = (rng.standard_normal((2, 6, 4)).astype(np.float16) for _ in range(3))
+    with AttentionClient(live_server, wire="binary") as client:
+        out, weights = client.attention(q, k, v, weights_dtype="float16")
+    assert out.dtype == np.float32 and weights.dtype == np.float16
+    np.testing.assert_allclose(weights, core.attention(*(a.astype(np.float32) for a in (q, k, v)))[1], rtol=0, atol=1e-3)
+
+
+REFUSALS = {
+    # id: (call, status, code): each refused by the schema, the limits or the options
+    "shape": (lambda api, r: api.attention(r((3, 4)), r((3, 5)), r((3, 2))), 422, "shape_mismatch"),
+    "window": (lambda api, r: api.attention(r((3, 4)), r((3, 4)), r((3, 2)), window=(-2, 0)), 422, None),
+    "mask-numbers": (lambda api, r: api.attention(r((3, 4)), r((3, 4)), r((3, 2)), mask=np.full((3, 3), 2)), 422, None),
+    "heads": (lambda api, r: api.mha(r((5, 8)), r((8, 8)), r((8, 8)), r((8, 8)), r((8, 8)), 3), 422, None),
+    "too-long": (lambda api, r: api.attention(r((4, 8)), r((200, 8)), r((200, 8))), 413, "too_long"),
+}
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("case", list(REFUSALS), ids=list(REFUSALS))
+def test_refusals_are_the_same_on_both_wires(small_server, rng, case):
+    """The /v2 door answers {"error": message}; the client's error still has the native code, field
+    and message, whichever wire it took."""
+    call, status, code = REFUSALS[case]
+    errors = {}
+    for wire in ("binary", "json"):
+        with AttentionClient(small_server, wire=wire, split=False) as client, pytest.raises(AttentionError) as info:
+            call(client, lambda shape: rng.standard_normal(shape).astype(np.float32))
+        errors[wire] = info.value
+    binary, native = errors["binary"], errors["json"]
+    assert (binary.status, binary.code, binary.message, binary.field) == (native.status, native.code, native.message, native.field)
+    assert binary.status == status and (code is None or binary.code == code)
+    assert binary.code not in ("http_error", "bad_response") and binary.response.status_code == status
+    if case == "shape":
+        assert binary.message == "k has d=5 but q has d=4." and binary.field == "k"
+
+
+@pytest.mark.live
+def test_cli_json_wire(live_server, tmp_path, rng):
+    q, k, v = (rng.standard_normal((2, 5, 4)) for _ in range(3))
+    for name, arr in {"q": q, "k": k, "v": v}.items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    result = tmp_path / "result.npz"
+    proc = run_cli("--url", live_server, "--wire", "json", "attention", *(str(tmp_path / f"{n}.npy") for n in "qkv"), "-o", str(result))
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(result)["out"], core.attention(q, k, v)[0], rtol=0, atol=1e-12)
+
+
+def test_wire_and_encoding_choose_the_door():
+    assert AttentionClient("http://127.0.0.1:9").wire == "binary"
+    assert AttentionClient("http://127.0.0.1:9", encoding="nested").wire == "json"  # an encoding is the JSON door's
+    assert AttentionClient("http://127.0.0.1:9", wire="json").encoding == "b64"
+    with pytest.raises(ValueError):
+        AttentionClient("http://127.0.0.1:9", wire="grpc")
+
+
+class ClosingStub(Stub):
+    """HTTP/1.1 answers that do not say Connection: close, then the connection is closed: what a
+    server does to an idle keep-alive connection after its keepalive timeout."""
+
+    protocol_version = "HTTP/1.1"
+    connections = 0
+
+    def setup(self):
+        type(self).connections += 1
+        super().setup()
+
+    def do_POST(self):
+        super().do_POST()
+        self.close_connection = True
+
+
+@pytest.mark.parametrize("race", [False, True], ids=["seen-closed", "closed-unseen"])
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_a_connection_the_server_closed_is_replaced(monkeypatch, wire, race):
+    """A pooled connection the server has closed is replaced before use when the close is seen
+    (EOF readable), and else retried once at once on a new one: with retries=0, no call fails."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ClosingStub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    ClosingStub.calls, ClosingStub.busy, ClosingStub.connections = 0, 0, 0
+    if race:  # the server's close lands after the pool looked: the send or the read fails
+        monkeypatch.setattr(_http, "_still_open", lambda sock: True)
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=0, split=False, wire=wire) as client:
+            for _ in range(3):
+                out, _ = client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)), return_weights=False)
+                assert out.tolist() == [[4.0]]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert ClosingStub.calls == ClosingStub.connections == 3  # each call answered once, each on a new connection
+
+
+def test_request_head_carries_prefix_host_and_length():
+    pool = _http.Pool("https://example.com/api/", timeout=5, max_idle=1, headers={"User-Agent": "t"})
+    head = pool._head("POST", "/v2/models/attention/infer", [b"{}", np.zeros(3, np.float32).view(np.uint8)], {"X-A": "1"})
+    assert (
+        head
+        == b"POST /api/v2/models/attention/infer HTTP/1.1\r\nHost: example.com\r\nUser-Agent: t\r\nX-A: 1\r\nContent-Length: 14\r\n\r\n"
+    )
+    assert (pool._port, _http.Pool("http://[::1]:8080", 5, 1, {})._head("GET", "/readyz", (), {})) == (
+        443,
+        b"GET /readyz HTTP/1.1\r\nHost: [::1]:8080\r\n\r\n",
+    )
+    with pytest.raises(ValueError):
+        _http.Pool("ftp://example.com", 5, 1, {})

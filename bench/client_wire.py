@@ -1,0 +1,205 @@
+"""The Python client against tritonclient, end to end numpy to numpy, on the same server.
+
+    .venv/bin/python -m bench.client_wire                        # starts `python -m service` on a free port
+    .venv/bin/python -m bench.client_wire --url http://127.0.0.1:8000 --runs 400,20
+
+One request: q, k, v (B, H, T, d) = (1, 8, T, 64) float32, causal, weights returned, at T=64 and
+T=1024. Five ways in, each with its own keep-alive connection (new ones every 20 repetitions, so
+that which server worker serves which path changes), taken in turn within every repetition, in a
+new (seeded) random order each time: drift from other load on the machine hits
+them alike, and each follows each other one as often (a fixed rotation would always put the same
+path after the heaviest one, with its garbage to collect and its server-side after-work):
+
+- AttentionClient, wire="binary" (the default): /v2/models/attention/infer, raw bytes both ways;
+- AttentionClient, wire="json" (b64): POST /attention, orjson + pybase64;
+- the client's binary wire (its codecs) over a requests.Session instead of its own sockets;
+- tritonclient.http, inputs set_data_from_numpy(binary_data=True), outputs binary_data=True: the
+  same /v2 door, as a Triton/KServe user would call it;
+- requests + stdlib json and base64 to POST /attention: what a user writes by hand.
+
+Reported: the median (and min) of each in ms, its ratio to tritonclient's median, the median CPU
+time of this process per request (the client's own work: encoding, copies, HTTP), the load average.
+tritonclient[http] is a bench-only dependency (requirements-dev.txt)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import requests
+import tritonclient.http as triton
+
+from bench.server import Server
+from client import AttentionClient, _wire
+
+Path = tuple[Callable, Callable]  # (call(q, k, v) -> (out, weights), close())
+
+
+def client_path(url: str, wire: str) -> Path:
+    api = AttentionClient(url, wire=wire, retries=0, split=False, timeout=120)
+
+    def call(q, k, v):
+        return api.attention(q, k, v, causal=True)
+
+    return call, api.close
+
+
+def triton_path(url: str) -> Path:
+    client = triton.InferenceServerClient(url.removeprefix("http://"), network_timeout=120, connection_timeout=120)
+    outputs = [triton.InferRequestedOutput("out", binary_data=True), triton.InferRequestedOutput("weights", binary_data=True)]
+
+    def call(q, k, v):
+        inputs = []
+        for name, a in (("q", q), ("k", k), ("v", v)):
+            tensor = triton.InferInput(name, list(a.shape), "FP32")
+            tensor.set_data_from_numpy(a, binary_data=True)
+            inputs.append(tensor)
+        result = client.infer("attention", inputs, outputs=outputs, parameters={"causal": True})
+        return result.as_numpy("out"), result.as_numpy("weights")
+
+    return call, client.close
+
+
+def requests_path(url: str) -> Path:
+    session = requests.Session()
+
+    def enc(a):
+        return {"shape": list(a.shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode("ascii")}
+
+    def dec(t):
+        return np.frombuffer(base64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
+
+    def call(q, k, v):
+        body = json.dumps({"q": enc(q), "k": enc(k), "v": enc(v), "causal": True, "response_encoding": "b64"}).encode()
+        resp = session.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)
+        resp.raise_for_status()
+        doc = resp.json()
+        return dec(doc["out"]), dec(doc["weights"])
+
+    return call, session.close
+
+
+def requests_binary_path(url: str) -> Path:
+    """The client's binary wire (its own request and response codecs) over a requests.Session
+    instead of its sockets: what the HTTP layer alone is worth."""
+    session = requests.Session()
+
+    def call(q, k, v):
+        parts = _wire.v2_request({"q": q, "k": k, "v": v}, {"causal": True}, ["out", "weights"])
+        resp = session.post(
+            f"{url}/v2/models/attention/infer", data=b"".join(parts), headers={_wire.HEAD_LENGTH: str(len(parts[0]))}, timeout=120
+        )
+        resp.raise_for_status()
+        outputs = _wire.v2_outputs(memoryview(resp.content), int(resp.headers[_wire.HEAD_LENGTH]))
+        return outputs["out"], outputs["weights"]
+
+    return call, session.close
+
+
+PATHS = {
+    "AttentionClient binary (default)": lambda url: client_path(url, "binary"),
+    "same binary wire over requests.Session": requests_binary_path,
+    "AttentionClient json (b64)": lambda url: client_path(url, "json"),
+    "tritonclient.http binary": triton_path,
+    "requests + json b64 /attention": requests_path,
+}
+REFERENCE = "tritonclient.http binary"
+
+
+def measure(url: str, T: int, runs: int, warmup: int, reconnect: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """ms per request of each path, end to end and of this process's CPU, alternating; checks
+    that all paths give the same arrays. Every `reconnect` repetitions each path reconnects (and
+    makes one unmeasured call): which of the server's workers holds which path's connection
+    changes, so no path keeps the worker that also serves the heaviest one for the whole run."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
+    names = list(PATHS)
+    paths: dict[str, Path] = {}
+    times = {name: [] for name in names}
+    cpus = {name: [] for name in names}  # this process's CPU time: the client's own work
+    results = {}
+    order = random.Random(T)
+    for i in range(warmup + runs):
+        order.shuffle(names)  # not a rotation: that would keep each path's predecessor (its garbage, its server-side after-work) fixed
+        if i % reconnect == 0:
+            for name in names:
+                if name in paths:
+                    paths[name][1]()
+                paths[name] = PATHS[name](url)
+                paths[name][0](q, k, v)  # connects
+        calls = {name: path[0] for name, path in paths.items()}
+        for name in names:
+            start, cpu = time.perf_counter(), time.process_time()
+            out, weights = calls[name](q, k, v)
+            elapsed, cpu = (time.perf_counter() - start) * 1000, (time.process_time() - cpu) * 1000
+            if i >= warmup:
+                times[name].append(elapsed)
+                cpus[name].append(cpu)
+            results[name] = (out, weights)
+    for _, close in paths.values():
+        close()
+    want_out, want_w = results[REFERENCE]
+    for name, (out, weights) in results.items():
+        # Equal to float32 rounding: tritonclient's tensors start unaligned in the server's buffer
+        # (its JSON head is not padded), which changes the last bit of a few results.
+        assert out.dtype == weights.dtype == np.float32, f"{name}: {out.dtype}, {weights.dtype}"
+        np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-5, err_msg=name)
+    return times, cpus
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", help="a running server (default: start `python -m service` on a free port)")
+    p.add_argument("-T", default="64,1024", help="sequence lengths, comma-separated (default %(default)s)")
+    p.add_argument("--runs", default="400,20", help="repetitions per T, comma-separated (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--reconnect", type=int, default=20, help="new connections every this many repetitions (default %(default)s)")
+    args = p.parse_args()
+    lengths = [int(t) for t in args.T.split(",")]
+    runs = [int(n) for n in args.runs.split(",")]
+    runs += runs[-1:] * (len(lengths) - len(runs))
+
+    server = None
+    if args.url:
+        url = args.url.rstrip("/")
+    else:
+        server = Server("service")
+        server.wait_ready(in_a_row=4)
+        url = server.url
+    try:
+        load = os.getloadavg()
+        print(
+            "q, k, v (1, 8, T, 64) float32, causal, weights returned; end to end numpy to numpy, one keep-alive connection each (new every --reconnect repetitions);"
+        )
+        print(
+            f"the paths alternate, shuffled, within each repetition. machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        )
+        print()
+        print("| T | path | median ms | min ms | / tritonclient | client CPU ms (median) |")
+        print("|---|---|---:|---:|---:|---:|")
+        for T, n in zip(lengths, runs, strict=True):
+            times, cpus = measure(url, T, n, args.warmup, args.reconnect)
+            ref = statistics.median(times[REFERENCE])
+            for name, ts in times.items():
+                med = statistics.median(ts)
+                print(f"| {T} | {name} | {med:.2f} | {min(ts):.2f} | {med / ref:.2f}x | {statistics.median(cpus[name]):.2f} |")
+        load = os.getloadavg()
+        print(
+            f"\n{sum(runs)} repetitions per path in all (after {args.warmup} warm-up per T); load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        )
+    finally:
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

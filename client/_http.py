@@ -1,0 +1,199 @@
+"""The client's HTTP/1.1: keep-alive sockets, pooled, one per request in flight; http.client's
+HTTPResponse parses the answer's status line and headers.
+
+Why not requests: at T=64 its per-request work (hooks, adapters, cookie jar, header merging) made
+the client slower than tritonclient end to end, and it reads a body in 10 KiB pieces joined at
+the end (one more copy of 34 MB at T=1024 with weights). Here a request's head and its body's
+parts (the JSON head, then each tensor's buffer as it lies in memory) go in one gathered send
+(sendmsg: no copy, no write per part), and the answer's body is read once, straight into one
+preallocated buffer that numpy then views. bench/client_wire.py measures the result.
+"""
+
+from __future__ import annotations
+
+import http.client
+import select
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import numpy as np
+
+IOV_MAX = 1024  # buffers per sendmsg (Linux's limit)
+Buffer = bytes | bytearray | memoryview  # or anything with the buffer protocol (a numpy array)
+
+
+class TransportError(Exception):
+    """No answer: kind "connection_error" (refused, reset, closed, DNS, connect timeout; worth a
+    retry) or "timeout" (connected, but no answer within the timeout)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class Answer:
+    """One HTTP response, read whole. body is a writable memoryview (numpy arrays viewing it
+    are writable); see Pool.request's align_at."""
+
+    status: int
+    reason: str
+    headers: http.client.HTTPMessage
+    body: memoryview
+    url: str
+
+
+class Pool:
+    """Connections to one base URL (http or https, with an optional path prefix), reused LIFO;
+    at most max_idle are kept between requests. Thread-safe: each request takes its own."""
+
+    def __init__(self, base_url: str, timeout: float, max_idle: int, headers: dict[str, str]):
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"base_url must be http://host[:port][/prefix] or https://..., not {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.prefix = parts.path.rstrip("/")
+        self._tls = ssl.create_default_context() if parts.scheme == "https" else None
+        self._host, self._port = parts.hostname, parts.port or (443 if self._tls else 80)
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        self._host_header = host if parts.port is None else f"{host}:{parts.port}"
+        self.timeout, self.max_idle, self.headers = timeout, max_idle, dict(headers)
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        parts: Sequence[Buffer] = (),
+        headers: dict[str, str] | None = None,
+        align_at: Callable[[http.client.HTTPResponse], int] | None = None,
+    ) -> Answer:
+        """Send the request (its head and the body's parts in one gathered send, no copy of the
+        parts) and read the whole answer. align_at(response) names a body offset that is placed
+        on a 64-byte boundary of the buffer (where the tensors start, so numpy views are
+        aligned). A reused connection that the server had closed meanwhile is replaced once, at
+        once (attention is idempotent)."""
+        head = self._head(method, path, parts, headers or {})
+        sock, reused = self._take()
+        try:
+            answer, keep = self._exchange(sock, head, parts, method, path, align_at)
+        except TransportError as exc:
+            sock.close()
+            if not (reused and exc.kind == "connection_error"):
+                raise
+            sock = self._connect()
+            try:
+                answer, keep = self._exchange(sock, head, parts, method, path, align_at)
+            except TransportError:
+                sock.close()
+                raise
+        self._give(sock) if keep else sock.close()
+        return answer
+
+    # --- connections ---
+
+    def _take(self) -> tuple[socket.socket, bool]:
+        with self._lock:
+            while self._idle:
+                sock = self._idle.pop()
+                if _still_open(sock):
+                    return sock, True
+                sock.close()
+        return self._connect(), False
+
+    def _give(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < self.max_idle:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _connect(self) -> socket.socket:
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=self.timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the last segment of a request goes at once
+            if self._tls is not None:
+                sock = self._tls.wrap_socket(sock, server_hostname=self._host)
+        except OSError as exc:  # refused, unreachable, DNS, connect timeout: all worth a retry
+            raise TransportError("connection_error", f"cannot connect to {self.base_url}: {exc}") from exc
+        return sock
+
+    # --- one exchange ---
+
+    def _head(self, method: str, path: str, parts: Sequence[Buffer], headers: dict[str, str]) -> bytes:
+        lines = [f"{method} {self.prefix}{path} HTTP/1.1", f"Host: {self._host_header}"]
+        lines += [f"{key}: {value}" for key, value in {**self.headers, **headers}.items()]
+        if parts or method in ("POST", "PUT"):
+            lines.append(f"Content-Length: {sum(memoryview(p).nbytes for p in parts)}")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def _exchange(self, sock, head, parts, method, path, align_at) -> tuple[Answer, bool]:
+        url = self.base_url + path
+        try:
+            if hasattr(sock, "sendmsg") and not isinstance(sock, ssl.SSLSocket):
+                _send_gathered(sock, [head, *parts])
+            else:  # TLS sockets (and Windows') have no sendmsg
+                for part in [head, *parts]:
+                    sock.sendall(part)
+            resp = http.client.HTTPResponse(sock, method=method)
+            resp.begin()
+            pad = 0 if align_at is None else -align_at(resp) % 64
+            body = _read_body(resp, pad)
+        except TimeoutError as exc:
+            raise TransportError("timeout", f"{method} {url} got no answer within {self.timeout} s.") from exc
+        except (OSError, http.client.HTTPException) as exc:  # reset, closed, broken pipe, truncated
+            raise TransportError("connection_error", f"{method} {url} failed: {exc!r}") from exc
+        return Answer(resp.status, resp.reason, resp.headers, body, url), not resp.will_close
+
+
+def _send_gathered(sock: socket.socket, parts: Sequence[Buffer]) -> None:
+    """sendall of the parts in order, gathered: one sendmsg (writev) for all of them while the
+    socket takes them, so the server reads the request in as few pieces as the kernel allows."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+    while views:
+        sent = sock.sendmsg(views[:IOV_MAX])
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if sent:
+            views[0] = views[0][sent:]
+
+
+def _read_body(resp: http.client.HTTPResponse, pad: int) -> memoryview:
+    """The whole body, into one writable buffer, starting at buf[pad:]: one recv_into after
+    another straight into it when the length is known (no intermediate buffers)."""
+    if resp.length is None:  # chunked, or up to the close
+        data = resp.read()
+        buf = bytearray(pad + len(data))
+        buf[pad:] = data
+        return memoryview(buf)[pad:]
+    buf = np.empty(pad + resp.length, dtype=np.uint8)  # not zeroed first, unlike bytearray(n): the socket fills it
+    view = memoryview(buf)[pad:]
+    got = 0
+    while got < len(view):
+        n = resp.readinto(view[got:])
+        if not n:
+            raise http.client.IncompleteRead(bytes(0), len(view) - got)
+        got += n
+    resp.close()
+    return view
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """An idle keep-alive connection is usable if nothing is readable on it: readable means the
+    server closed it (EOF) or sent something unasked."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
