@@ -27,22 +27,8 @@ from ._split import Block
 ENCODINGS = ("b64", "flat", "nested")
 WIRES = ("binary", "json")
 BODY_SLACK = 4096  # bytes of JSON around the tensors, kept free under max_body_bytes
-# The /v2 door's errors are {"error": message}, without the native code. Where the status names
-# one code, that is it; otherwise (400, 413, 422) the request is asked again at the native door,
-# whose answer has the code, the field and the native message (the client's errors are the same
-# whichever wire it takes; the second request only happens for a refusal).
-V2_STATUS_CODES = {
-    401: "unauthorized",
-    404: "not_found",
-    405: "method_not_allowed",
-    408: "timeout",
-    415: "unsupported_media_type",
-    431: "headers_too_large",
-    500: "internal",
-    501: "not_implemented",
-    503: "overloaded",
-    504: "deadline",
-}
+# The /v2 door's error body is the protocol's {"error": message}; the code and the field it names
+# come in the X-Error-Code and X-Error-Field headers, which this service puts on every error answer.
 
 
 class AttentionError(Exception):
@@ -371,10 +357,8 @@ class AttentionClient:
         headers = {_wire.HEAD_LENGTH: str(len(parts[0])), "Content-Type": "application/octet-stream"}
         answer = self._send("POST", f"/v2/models/{_wire.V2_MODELS[path]}/infer", parts, headers, align_at=_wire.v2_head_length)
         if answer.status != 200:
-            code = V2_STATUS_CODES.get(answer.status)
-            if code is None:  # 400, 413, 422: the native door's answer has the code and field
-                return self._compute_json(path, body, arrays)
-            raise AttentionError(answer.status, code, _v2_message(answer), _response(answer))
+            code = answer.headers.get("X-Error-Code") or "http_error"
+            raise AttentionError(answer.status, code, _v2_message(answer), _response(answer), answer.headers.get("X-Error-Field"))
         try:
             results = _wire.v2_outputs(answer.body, int(answer.headers.get(_wire.HEAD_LENGTH) or 0))
             return results["out"], results.get("weights")

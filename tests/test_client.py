@@ -108,7 +108,8 @@ def test_refusal_is_attention_error_with_code(api, rng):
     with pytest.raises(AttentionError) as info:
         api.attention(q, rng.standard_normal((3, 5)), rng.standard_normal((3, 2)))
     err = info.value
-    assert (err.status, err.code, err.message) == (422, "shape_mismatch", "k has d=5 but q has d=4.")
+    assert (err.status, err.code, err.field) == (422, "shape_mismatch", "k")
+    assert err.message.endswith("k has d=5 but q has d=4.")  # the /v2 door says "input k has ..."
     assert err.response is not None and err.response.status_code == 422
 
 
@@ -235,7 +236,7 @@ class Stub(BaseHTTPRequestHandler):
         if type(self).busy > 0:
             type(self).busy -= 1
             error = {"error": "busy"} if v2 else {"error": {"status": 503, "code": "overloaded", "message": "busy", "field": None}}
-            self._send(503, error, {"Retry-After": self.retry_after})
+            self._send(503, error, {"Retry-After": self.retry_after, "X-Error-Code": "overloaded"})
         elif v2:
             self._send(200, {"model_name": "attention", "outputs": [{"name": "out", "datatype": "FP32", "shape": [1, 1], "data": [4.0]}]})
         else:
@@ -352,7 +353,7 @@ def test_cli_reports_refusals(live_server, tmp_path):
         "--url", live_server, "attention", *(str(tmp_path / f) for f in ("q.npy", "k.npy", "k.npy")), "-o", str(tmp_path / "r.npz")
     )
     assert proc.returncode == 1
-    assert proc.stderr.strip() == "error: 422 shape_mismatch: k has d=5 but q has d=4."
+    assert proc.stderr.strip() == "error: 422 shape_mismatch: input k has d=5 but q has d=4."  # the /v2 door's words
     assert not (tmp_path / "r.npz").exists()
 
 
@@ -581,8 +582,9 @@ REFUSALS = {
 @pytest.mark.live
 @pytest.mark.parametrize("case", list(REFUSALS), ids=list(REFUSALS))
 def test_refusals_are_the_same_on_both_wires(small_server, rng, case):
-    """The /v2 door answers {"error": message}; the client's error still has the native code, field
-    and message, whichever wire it took."""
+    """The /v2 door answers {"error": message} with the code and field in X-Error-Code and
+    X-Error-Field: the client's error has the same status, code and field whichever wire it took
+    (the message is each door's wording: the /v2 one names "input k"), from one request."""
     call, status, code = REFUSALS[case]
     errors = {}
     for wire in ("binary", "json"):
@@ -590,11 +592,14 @@ def test_refusals_are_the_same_on_both_wires(small_server, rng, case):
             call(client, lambda shape: rng.standard_normal(shape).astype(np.float32))
         errors[wire] = info.value
     binary, native = errors["binary"], errors["json"]
-    assert (binary.status, binary.code, binary.message, binary.field) == (native.status, native.code, native.message, native.field)
+    assert (binary.status, binary.code, binary.field) == (native.status, native.code, native.field)
     assert binary.status == status and (code is None or binary.code == code)
     assert binary.code not in ("http_error", "bad_response") and binary.response.status_code == status
+    if case != "mask-numbers":  # (a mask of numbers other than 0/1 is sent to the native door, which says why)
+        assert binary.response.url.split("/")[-3:] == ["models", "attention" if case != "heads" else "mha", "infer"]  # one request
     if case == "shape":
-        assert binary.message == "k has d=5 but q has d=4." and binary.field == "k"
+        assert binary.message == "input k has d=5 but q has d=4." and binary.field == "k"
+        assert native.message == "k has d=5 but q has d=4."
 
 
 @pytest.mark.live

@@ -523,3 +523,32 @@ def test_metadata_lists_the_variants(client):
     mha = client.get("/v2/models/mha").get_json()
     assert {t["name"]: t for t in mha["inputs"]}["wo"]["parameters"]["optional"]
     assert {"kv_heads", "scale", "window", "weights_dtype"} <= set(mha["parameters"])
+
+
+def test_refusals_carry_their_code_and_field_in_headers(client):
+    """The protocol's error body has only a message: X-Error-Code and X-Error-Field give a /v2
+    client the code and field the native door's body has."""
+    v2 = infer(client, with_input("k", shape=[3, 3], data=[1.0] * 9))
+    native_resp = client.post("/attention", json={"q": Q, "k": [[1.0] * 3] * 3, "v": V})
+    for resp in (v2, native_resp):
+        assert resp.status_code == 422, resp.data[:300]
+        assert (resp.headers["X-Error-Code"], resp.headers.get("X-Error-Field")) == ("shape_mismatch", "k"), resp.data[:300]
+    assert native_resp.get_json()["error"]["code"] == "shape_mismatch"
+    no_field = infer(client, b"{", headers={})
+    assert no_field.status_code == 400 and no_field.headers["X-Error-Code"] == "bad_json" and "X-Error-Field" not in no_field.headers
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2, 3])
+def test_unaligned_binary_inputs_give_the_native_bits(client, rng, pad):
+    """tritonclient does not pad its JSON header, so a tensor can start at any byte of the body:
+    the answer is still bit for bit the one of aligned arrays (numpy's unaligned loops round differently)."""
+    q, k, v = (rng.standard_normal((1, 2, 48, 40)).astype(np.float32) for _ in range(3))
+    body, headers = binary_request({"q": q, "k": k, "v": v}, dict.fromkeys("qkv", "FP32"), parameters={"causal": True})
+    header_len = int(headers["Inference-Header-Content-Length"])
+    body = body[:header_len] + b" " * pad + body[header_len:]  # JSON allows trailing whitespace in the header
+    resp = infer(client, body, headers={"Inference-Header-Content-Length": str(header_len + pad)})
+    assert resp.status_code == 200, resp.data[:300]
+    outputs = {o["name"]: np.array(o["data"], np.float32).reshape(o["shape"]) for o in resp.get_json()["outputs"]}
+    want_out, want_w = core.attention(q, k, v, causal="top_left")
+    np.testing.assert_array_equal(outputs["out"], want_out)
+    np.testing.assert_array_equal(outputs["weights"], want_w)

@@ -142,6 +142,7 @@ def assert_error(data: bytes, status: int, code: str) -> None:
     [(got, headers, body)] = responses(data)
     assert got == status, data[:300]
     assert headers["connection"] == "close"
+    assert headers["x-error-code"] == code and "x-error-field" not in headers
     doc = json.loads(body)
     assert doc["error"]["status"] == status and doc["error"]["code"] == code and doc["error"]["field"] is None
     assert isinstance(doc["error"]["message"], str) and doc["error"]["message"]

@@ -73,6 +73,12 @@ def body_too_large(limit: int) -> str:
     return f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES)."
 
 
+def code_headers(err: RequestError) -> dict[str, str]:
+    """X-Error-Code (and X-Error-Field) on every error answer, whichever door: the /v2 protocol's
+    body is only {"error": message}, and a client of that door still needs the code and field."""
+    return {"X-Error-Code": err.code, **({"X-Error-Field": err.field} if err.field else {})}
+
+
 def native_body(err: RequestError, status: int) -> dict:
     """The native API's shape: {"error": {status, code, message, field}}."""
     return {"error": {"status": status, "code": err.code, "message": err.message, "field": err.field}}
@@ -114,6 +120,7 @@ class Responder:
         g.error_code = err.code  # counted by metrics as a rejection
         g.error_field = err.field  # logged beside it (accesslog)
         resp = Response(wire.dumps(self.shape()(err, status)), status=status, mimetype="application/json")
+        resp.headers.update(code_headers(err))
         resp.headers.update(headers or {})
         return resp
 

@@ -265,17 +265,26 @@ def _spec(settings: Settings) -> APISpec:
     return spec
 
 
+# On every error answer of both doors (the /v2 protocol's body carries only a message).
+ERROR_HEADERS = {
+    "X-Error-Code": {"required": True, "schema": {"type": "string"}, "description": "the error's code, as in the body's error.code"},
+    "X-Error-Field": {"schema": {"type": "string"}, "description": "the request field the error names, when it names one"},
+}
+
+
 def _errors(settings: Settings, *statuses: int) -> dict:
     """The error responses of an operation (401 too when API keys are in force)."""
     if settings.api_keys:
         statuses = (*statuses, 401)
     out = {}
     for status in sorted(set(statuses)):
-        headers = {"Retry-After": {"required": True, "schema": {"type": "integer"}, "description": "seconds"}} if status == 503 else {}
+        headers = dict(ERROR_HEADERS)
+        if status == 503:
+            headers["Retry-After"] = {"required": True, "schema": {"type": "integer"}, "description": "seconds"}
         out[str(status)] = {
             "description": ERROR_DESCRIPTIONS[status],
             "content": {"application/json": {"schema": "Error"}},
-            **({"headers": headers} if headers else {}),
+            "headers": headers,
         }
     return out
 

@@ -69,8 +69,10 @@ def error_response(code: str, message: str, path: str) -> bytes:
     door = path.partition("?")[0]
     prefix = kserve.bp.url_prefix
     shape = kserve.error_body if door == prefix or door.startswith(prefix + "/") else errors.native_body
-    body = wire.dumps(shape(RequestError(code, message), status))
+    err = RequestError(code, message)
+    body = wire.dumps(shape(err, status))
     headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    headers += [f"{name}: {value}" for name, value in errors.code_headers(err).items()]
     if status == 503:
         headers.append("Retry-After: 1")
     headers.append("Connection: close")
