@@ -40,11 +40,13 @@ def readiness() -> str:
 
 @bp.get("/limits")
 def limits():
-    """The limits in force, the default dtype, the cost model's coefficients, the version."""
+    """The limits in force (server_slots: the compute requests the whole server admits at once), the
+    default dtype, the cost model's coefficients, the version."""
     settings = current_app.extensions["attention.settings"]
     return json_response(
         {
             **settings.limits(),
+            "server_slots": current_app.extensions["attention.gate"].server_slots(),
             "cost_model": current_app.extensions["attention.cost"].coefficients(),
             "version": VERSION,
         }
