@@ -153,6 +153,40 @@ def test_keep_alive_clients_get_no_503_while_the_server_has_room():
         stop_server(proc)
 
 
+@pytest.mark.live
+def test_a_crowded_worker_sends_keep_alive_clients_elsewhere():
+    """With its sibling stopped (SIGSTOP: alive, holding nothing), the one worker that accepted 8
+    keep-alive clients holds 2 or more requests than it: it answers some POSTs with Connection:
+    close, so that those clients reconnect, and the next connection can land on the sibling. Every
+    request is served."""
+    proc, url = start_server({"WEB_CONCURRENCY": "2"})
+    try:
+        wait_until(lambda: all_ready(url), timeout=30)
+        sibling = min(wait_for_workers(proc))
+        os.kill(sibling, signal.SIGSTOP)
+        try:
+            body, closes, statuses, lock = big_body(256, weights=False), [], {}, threading.Lock()
+
+            def loop():
+                with requests.Session() as session:
+                    for _ in range(20):
+                        r = session.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)
+                        with lock:
+                            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                            closes.append(r.headers.get("Connection", "").lower() == "close")
+
+            threads = [threading.Thread(target=loop) for _ in range(8)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+        finally:
+            os.kill(sibling, signal.SIGCONT)
+        print(f"\n{sum(closes)} of {len(closes)} answers said Connection: close")
+        assert statuses == {200: 160}, statuses
+        assert any(closes) and not all(closes)
+    finally:
+        stop_server(proc)
+
+
 def _running(url: str) -> float:
     """compute requests holding a compute slot now, in every worker (/metrics)"""
     text = requests.get(f"{url}/metrics", timeout=10).text

@@ -58,6 +58,12 @@ MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
 LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
 LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
 SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a second)
+# Connection placement: a keep-alive connection stays with the worker that accepted it, so clients
+# that all landed on one worker queue there while its sibling idles. A POST that arrives while this
+# worker holds this many more admitted requests than its least busy sibling is answered with
+# Connection: close; the client's next connection goes to whichever worker accepts it first, most
+# often the idle one (the busy one's event loop waits for the GIL behind its computing threads).
+PLACEMENT_MARGIN = 2
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
 
@@ -404,6 +410,8 @@ class FrontWorker(ThreadWorker):
             req = next(conn.parser)
             if not req:
                 return False
+            if req.method == "POST" and self._crowded():
+                req.force_close()  # this answer says Connection: close: the client's next connection may land elsewhere
             keep = self.handle_request(req, conn)
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
@@ -417,6 +425,12 @@ class FrontWorker(ThreadWorker):
         except Exception as e:
             self.handle_error(req, conn.sock, conn.client, e)
         return False
+
+    def _crowded(self) -> bool:
+        """This worker holds PLACEMENT_MARGIN or more admitted requests than its least busy sibling
+        (the shared census; never when it is alone)."""
+        gate = self.wsgi.extensions.get("attention.gate") if hasattr(self.wsgi, "extensions") else None
+        return gate is not None and gate.table.busiest_margin(gate.row) >= PLACEMENT_MARGIN
 
     # -- sending ----------------------------------------------------------------------------------
 
