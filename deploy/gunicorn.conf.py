@@ -92,8 +92,9 @@ control_socket_disable = True
 # --- worker class: chosen for admission control -------------------------------------------------
 # Threaded workers (with the 2 workers x 1 BLAS thread above), so that requests past a worker's
 # bounds reach the app and are refused with 503 at once. A sync worker holds one request and the
-# excess waits unseen in the listen backlog, where nothing can count or shed it. Each worker admits
-# ATTN_MAX_INFLIGHT computing + ATTN_MAX_QUEUE waiting requests; the 16 other threads refuse the
+# excess waits unseen in the listen backlog, where nothing can count or shed it. The server admits
+# (ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE) x workers requests, in any worker (service/web/census.py);
+# each worker computes ATTN_MAX_INFLIGHT at a time; the 16 other threads refuse the
 # excess (the event loop below has read it) and answer /healthz, /readyz and /metrics meanwhile
 # (a request waiting for a thread is unseen too).
 # Measured here, 2 workers on the 2 shared cores, with `python -m tests.test_overload burst` (48

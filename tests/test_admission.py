@@ -18,7 +18,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import AttentionRequest
-from service.web import admission, census, create_app
+from service.web import admission, census, create_app, ops
 from service.web.costmodel import CostModel
 from service.web.errors import ApiError
 
@@ -426,3 +426,28 @@ def test_busiest_margin_compares_with_the_least_busy_sibling():
 
 def test_limits_reports_the_servers_slots(client, settings):
     assert client.get("/limits").json["server_slots"] == settings.max_inflight + settings.max_queue  # one worker, alone
+
+
+def test_a_draining_worker_draws_no_clients(settings, monkeypatch):
+    """After SIGTERM (ops.drain) a worker accepts no connection: siblings stop comparing themselves
+    with it (busiest_margin), while its slots and what it holds still count until it exits."""
+    table = census.Table(rows=4)
+    monkeypatch.setattr(census, "_shared", table)
+    started, stop = FORK.Event(), FORK.Event()
+    sibling = FORK.Process(target=_compute_until, args=(table, started, stop))  # holds 1
+    sibling.start()
+    try:
+        assert started.wait(HANG)
+        app = create_app(settings)
+        gate = app.extensions["attention.gate"]
+        held = [gate.enter(0) for _ in range(3)]
+        row = next(r for r in range(table.rows) if table.cells[r * census.FIELDS + census.PID] == sibling.pid)
+        assert table.busiest_margin(row) == -2 and table.busiest_margin(gate.row) == 2
+        ops.drain(app)
+        assert table.busiest_margin(row) == 0  # as if alone: nothing to send its way
+        assert table.total(census.ADMITTED) == 4 and table.total(census.CAPACITY) == 6 + gate.max_inflight + gate.max_queue
+        for ticket in held:
+            ticket.release()
+    finally:
+        stop.set()
+        sibling.join(HANG)

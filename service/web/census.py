@@ -1,9 +1,9 @@
 """How many compute requests the whole server holds: a table in memory shared by the gunicorn
 arbiter and its workers, one row per worker, so that admission bounds the server, not one worker.
 
-A row is (pid, capacity, admitted, computing): the worker's pid, the requests it brings to the
-server's bound (its ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE), the requests it has admitted and those of
-them computing now. A free row is all zeros, so sums over every row are sums over live workers.
+A row is (pid, capacity, admitted, computing, draining): the worker's pid, the requests it brings
+to the server's bound (its ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE), the requests it has admitted, those
+of them computing now, and 1 once it drains (SIGTERM). A free row is all zeros, so sums over every row are sums over live workers.
 
 - Made once in the arbiter (create(), from deploy/gunicorn.conf.py's on_starting), before any
   worker forks: a memfd (an anonymous file; a temporary file where there is none) mapped shared,
@@ -32,15 +32,15 @@ import tempfile
 import threading
 
 ROWS = 16  # workers that can share one table; one past it counts alone (a private table)
-PID, CAPACITY, ADMITTED, COMPUTING = range(4)
-FIELDS = 4
+PID, CAPACITY, ADMITTED, COMPUTING, DRAINING = range(5)
+FIELDS = 5
 CELL = 8  # bytes: int64 cells
 
 _shared: Table | None = None  # the server's table, inherited by the workers from the arbiter
 
 
 class Table:
-    """Rows of int64 (pid, capacity, admitted, computing) in a shared mapping (shared=True) or in
+    """Rows of int64 (pid, capacity, admitted, computing, draining) in a shared mapping (shared=True) or in
     this process's memory alone."""
 
     def __init__(self, rows: int = ROWS, shared: bool = True):
@@ -95,7 +95,7 @@ class Table:
 
     def _zero(self, row: int) -> None:
         base = row * FIELDS
-        for field in (CAPACITY, ADMITTED, COMPUTING, PID):  # pid last: a reader never sees a live row with stale counts
+        for field in (CAPACITY, ADMITTED, COMPUTING, DRAINING, PID):  # pid last: a reader never sees a live row with stale counts
             self.cells[base + field] = 0
 
     def admit(self, row: int) -> tuple[bool, int, int]:
@@ -115,6 +115,13 @@ class Table:
         with self._thread_lock:
             self.cells[row * FIELDS + field] += n
 
+    def retire(self, row: int) -> None:
+        """Row's worker is draining (SIGTERM): it accepts no new connection, so busiest_margin()
+        no longer sends clients its way. Its slots still count until it exits: it still answers
+        what arrives on the connections it has."""
+        with self._thread_lock:
+            self.cells[row * FIELDS + DRAINING] = 1
+
     def total(self, field: int) -> int:
         """field summed over every row (a snapshot without the lock: each row's count is true at
         some instant of the read)."""
@@ -123,8 +130,9 @@ class Table:
     def busiest_margin(self, row: int) -> int:
         """How many more requests row's worker holds than the least busy other worker (0 if it is
         alone). A snapshot without the lock."""
-        pids, admitted = self.cells[PID::FIELDS].tolist(), self.cells[ADMITTED::FIELDS].tolist()
-        others = [n for i, (pid, n) in enumerate(zip(pids, admitted, strict=True)) if pid and i != row]
+        pids, draining = self.cells[PID::FIELDS].tolist(), self.cells[DRAINING::FIELDS].tolist()
+        admitted = self.cells[ADMITTED::FIELDS].tolist()
+        others = [n for i, (pid, gone, n) in enumerate(zip(pids, draining, admitted, strict=True)) if pid and not gone and i != row]
         return admitted[row] - min(others) if others else 0
 
 

@@ -26,6 +26,9 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
 - Idle: a new connection must send a request head within ATTN_HEADER_TIMEOUT_S; a kept-alive
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
   and no thread.
+- Placement: a POST reaching this worker while it holds PLACEMENT_MARGIN more admitted requests
+  than its least busy sibling (admission's shared census) is answered with Connection: close, so
+  that keep-alive clients the kernel happened to put on one worker spread over all of them.
 
 These answers are in the API's error shapes (errors.py, kserve.py) and counted in /metrics as the
 app's own are. Everything else (WSGI, keep-alive, access logs, graceful stop, max_requests) is
