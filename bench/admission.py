@@ -9,8 +9,10 @@ servers start first, then wrk runs against each in turn, --reps times (alternati
 machine's other load falls on all alike). The body: T=64, B=1, H=8, d=64, causal, float32 b64, no
 weights (bench/wrk_post.lua). Prints a markdown table: each run's req/s and non-2xx, the medians,
 how the connections were spread over the workers 2 s into each run and at its middle (ss), the
-load average before each run. --crowd opens every connection on one worker (the others are
-stopped for wrk's first second), the kernel's worst placement, which connection placement undoes. Needs wrk (apt-get install wrk). 127.0.0.1 only."""
+load average before each run, the workers' CPU time per request (from /proc: less sensitive to
+the machine's other load than req/s). --crowd opens every connection on one worker (the others
+are stopped for wrk's first second), the kernel's worst placement, which connection placement
+undoes. Needs wrk (apt-get install wrk). 127.0.0.1 only."""
 
 from __future__ import annotations
 
@@ -51,11 +53,22 @@ def split(server: Server) -> str:
     return "+".join(str(n) for n in sorted((out.count(f"pid={pid},") for pid in server.workers()), reverse=True))
 
 
-def wrk(server: Server, body_file: str, connections: int, seconds: int, crowd: bool = False) -> tuple[float, int, str]:
-    """(requests per second, non-2xx answers, the connections' split 2 s in and at the middle) of
-    one run. crowd: every connection opens on one worker (the others are stopped, SIGSTOP, for
-    the first second), the worst placement the kernel can make."""
-    stopped = server.workers()[1:] if crowd else []
+def cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes pids have used so far."""
+    ticks = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(server: Server, body_file: str, connections: int, seconds: int, crowd: bool = False) -> tuple[float, int, str, float]:
+    """(requests per second, non-2xx answers, the connections' split 2 s in and at the middle, the
+    workers' CPU ms per request) of one run. crowd: every connection opens on one worker (the
+    others are stopped, SIGSTOP, for the first second), the worst placement the kernel can make."""
+    pids = server.workers()
+    cpu0 = cpu_s(pids)
+    stopped = pids[1:] if crowd else []
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)
     proc = subprocess.Popen(
@@ -76,7 +89,8 @@ def wrk(server: Server, body_file: str, connections: int, seconds: int, crowd: b
     out = proc.communicate(timeout=seconds + 60)[0]
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
-    return rate, int(bad.group(1)) if bad else 0, spread
+    total = int(re.search(r"(\d+) requests in", out).group(1))
+    return rate, int(bad.group(1)) if bad else 0, spread, 1000 * (cpu_s(pids) - cpu0) / max(total, 1)
 
 
 def main() -> None:
@@ -95,26 +109,30 @@ def main() -> None:
         try:
             for server in servers:
                 server.wait_ready(in_a_row=20)
-            runs: dict[str, list[tuple[float, int, float, str]]] = {s.name: [] for s in servers}
+            runs: dict[str, list[tuple[float, int, float, str, float]]] = {s.name: [] for s in servers}
             for rep in range(args.reps):
                 for server in servers:
                     load = os.getloadavg()[0]
-                    rate, bad, spread = wrk(server, body.name, args.connections, args.seconds, args.crowd)
-                    runs[server.name].append((rate, bad, load, spread))
+                    rate, bad, spread, cpu_ms = wrk(server, body.name, args.connections, args.seconds, args.crowd)
+                    runs[server.name].append((rate, bad, load, spread, cpu_ms))
                     print(
-                        f"rep {rep + 1} {server.name}: {rate:.0f} req/s, {bad} non-2xx, connections {spread} (load {load:.1f})", flush=True
+                        f"rep {rep + 1} {server.name}: {rate:.0f} req/s, {bad} non-2xx, connections {spread}, {cpu_ms:.2f} CPU ms/request (load {load:.1f})",
+                        flush=True,
                     )
         finally:
             for server in servers:
                 server.stop()
-    print("\n| server | req/s per run | median req/s | non-2xx per run | connections per worker | load average |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| server | req/s per run | median req/s | non-2xx per run | connections per worker | worker CPU ms per request (median) | load average |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, rows in runs.items():
         rates = " / ".join(f"{r[0]:.0f}" for r in rows)
         bads = " / ".join(str(r[1]) for r in rows)
         loads = " / ".join(f"{r[2]:.1f}" for r in rows)
         spreads = " / ".join(r[3] for r in rows)
-        print(f"| {name} | {rates} | {statistics.median(r[0] for r in rows):.0f} | {bads} | {spreads} | {loads} |")
+        cpu = statistics.median(r[4] for r in rows)
+        print(f"| {name} | {rates} | {statistics.median(r[0] for r in rows):.0f} | {bads} | {spreads} | {cpu:.2f} | {loads} |")
 
 
 if __name__ == "__main__":

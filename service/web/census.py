@@ -50,6 +50,7 @@ class Table:
         self._map = mmap.mmap(-1 if self._fd is None else self._fd, size)  # MAP_SHARED: the workers see our bytes
         self.cells = memoryview(self._map).cast("q")
         self._thread_lock = threading.Lock()  # record locks belong to a process: its threads take turns here first
+        self._row_lock = threading.Lock()  # this process's writes to its own row (never held across the record lock's wait)
 
     @property
     def shared(self) -> bool:
@@ -106,20 +107,21 @@ class Table:
             held, bound = sum(cells[ADMITTED::FIELDS]), sum(cells[CAPACITY::FIELDS])
             if held >= bound:
                 return False, held, bound
-            cells[row * FIELDS + ADMITTED] += 1
+            with self._row_lock:
+                cells[row * FIELDS + ADMITTED] += 1
             return True, held, bound
 
     def add(self, row: int, field: int, n: int) -> None:
         """Change one of row's own counts (ADMITTED down, COMPUTING up or down). Only row's worker
-        writes its row, under its threads' lock: no record lock needed."""
-        with self._thread_lock:
+        writes its row, under its threads' lock: no record lock needed (nor a wait behind one)."""
+        with self._row_lock:
             self.cells[row * FIELDS + field] += n
 
     def retire(self, row: int) -> None:
         """Row's worker is draining (SIGTERM): it accepts no new connection, so busiest_margin()
         no longer sends clients its way. Its slots still count until it exits: it still answers
         what arrives on the connections it has."""
-        with self._thread_lock:
+        with self._row_lock:
             self.cells[row * FIELDS + DRAINING] = 1
 
     def total(self, field: int) -> int:
