@@ -156,7 +156,7 @@ def test_keep_alive_clients_get_no_503_while_the_server_has_room():
 @pytest.mark.live
 def test_a_crowded_worker_sends_keep_alive_clients_elsewhere():
     """With its sibling stopped (SIGSTOP: alive, holding nothing), the one worker that accepted 8
-    keep-alive clients holds 2 or more requests than it: it answers some POSTs with Connection:
+    keep-alive clients holds 3 or more requests than it (worker.PLACEMENT_MARGIN): it answers some POSTs with Connection:
     close, so that those clients reconnect, and the next connection can land on the sibling. Every
     request is served."""
     proc, url = start_server({"WEB_CONCURRENCY": "2"})

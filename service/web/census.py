@@ -3,7 +3,8 @@ arbiter and its workers, one row per worker, so that admission bounds the server
 
 A row is (pid, capacity, admitted, computing, draining): the worker's pid, the requests it brings
 to the server's bound (its ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE), the requests it has admitted, those
-of them computing now, and 1 once it drains (SIGTERM). A free row is all zeros, so sums over every row are sums over live workers.
+of them computing now, and 1 once it drains (SIGTERM). A free row is all zeros, so sums over
+every row are sums over live workers.
 
 - Made once in the arbiter (create(), from deploy/gunicorn.conf.py's on_starting), before any
   worker forks: a memfd (an anonymous file; a temporary file where there is none) mapped shared,
@@ -13,11 +14,11 @@ of them computing now, and 1 once it drains (SIGTERM). A free row is all zeros, 
 - The only decision that reads other rows and must be exact, admitting one more request while
   the server's total is under its bound (admit()), holds a POSIX record lock (fcntl) on the file:
   the kernel releases it if its holder dies, so a worker killed at any moment cannot wedge the
-  others. Giving back (leave(), computing counts) is a store to the worker's own row, no lock: a
-  reader sees the count before or after, both true at some instant.
+  others. Giving back and computing counts (add()) are stores to the worker's own row, under a
+  lock of its threads only: a reader sees the count before or after, both true at some instant.
+- Connection placement (service/web/worker.py) reads busiest_margin(), a snapshot without lock.
 - A dead worker's counts do not leak: the arbiter zeroes its row (forget(), from child_exit), and
-  a worker that joins zeroes any row whose process is gone (a missed hook, a SIGKILLed arbiter's
-  orphans aside).
+  a worker that joins zeroes any row whose process is gone (should the hook not have run).
 
 Without a shared table (the Flask test client, create_app() in a script) a worker counts alone in a
 private one-row table: the bound is then its own, as before."""
@@ -40,8 +41,8 @@ _shared: Table | None = None  # the server's table, inherited by the workers fro
 
 
 class Table:
-    """Rows of int64 (pid, capacity, admitted, computing, draining) in a shared mapping (shared=True) or in
-    this process's memory alone."""
+    """Rows of int64 (pid, capacity, admitted, computing, draining) in a shared mapping
+    (shared=True) or in this process's memory alone."""
 
     def __init__(self, rows: int = ROWS, shared: bool = True):
         self.rows = rows

@@ -66,7 +66,10 @@ SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a s
 # worker holds this many more admitted requests than its least busy sibling is answered with
 # Connection: close; the client's next connection goes to whichever worker accepts it first, most
 # often the idle one (the busy one's event loop waits for the GIL behind its computing threads).
-PLACEMENT_MARGIN = 2
+# 3, not 2: with 8 wrk connections at T=64, 2 answered 5% of requests with a close (a 5+3 split
+# flapping to 4+4 and back) at more CPU per request; 3 closed ~1%, at main's CPU per request, and
+# still spread 8 connections opened on one worker 4+4 within a second (python -m bench.admission).
+PLACEMENT_MARGIN = 3
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
 
