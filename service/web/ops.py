@@ -74,8 +74,7 @@ def start_warm_up(app: Flask) -> threading.Thread | None:
 
 
 def drain(app: Flask) -> None:
-    """From now on /readyz says 503; requests in flight finish (the server stops accepting), and
-    the other workers no longer send keep-alive clients this way (admission's census)."""
-    app.extensions["attention.state"]["draining"] = True
-    gate = app.extensions["attention.gate"]
+    """From now on /readyz says 503; requests in flight finish (the server stops accepting)."""
+    gate = app.extensions["attention.gate"]  # the other workers send no keep-alive clients this way (admission's census)
     gate.table.retire(gate.row)
+    app.extensions["attention.state"]["draining"] = True
