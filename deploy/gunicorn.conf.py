@@ -97,8 +97,9 @@ control_socket_disable = True
 # --- worker class: chosen for admission control -------------------------------------------------
 # Threaded workers (with the 2 workers x 1 BLAS thread above), so that requests past a worker's
 # bounds reach the app and are refused with 503 at once. A sync worker holds one request and the
-# excess waits unseen in the listen backlog, where nothing can count or shed it. Each worker admits
-# ATTN_MAX_INFLIGHT computing + ATTN_MAX_QUEUE waiting requests; the 16 other threads refuse the
+# excess waits unseen in the listen backlog, where nothing can count or shed it. The server admits
+# (ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE) x workers requests, in any worker (service/web/census.py);
+# each worker computes ATTN_MAX_INFLIGHT at a time; the 16 other threads refuse the
 # excess (the event loop below has read it) and answer /healthz, /readyz and /metrics meanwhile
 # (a request waiting for a thread is unseen too).
 # Measured here, 2 workers on the 2 shared cores, with `python -m tests.test_overload burst` (48
@@ -124,7 +125,9 @@ control_socket_disable = True
 # Idle connections cost a file descriptor and no thread; worker_connections bounds them per worker
 # (the worker raises its soft open-files limit to fit). README: "Slow and stalled clients".
 worker_class = "service.web.worker.FrontWorker"
-threads = _settings.max_inflight + _settings.max_queue + 16
+# Admission bounds the whole server (service/web/census.py): one worker may hold every admitted
+# request while its siblings idle, so its threads fit all of them, and 16 more.
+threads = workers * (_settings.max_inflight + _settings.max_queue) + 16
 worker_connections = 4096
 sendfile = False  # every byte goes through the worker's sendall, which never blocks a thread
 
@@ -133,7 +136,11 @@ sendfile = False  # every byte goes through the worker's sendall, which never bl
 
 
 def on_starting(server):
-    """Arbiter start: empty the metrics directory, so a previous run's counts do not come back."""
+    """Arbiter start: the admission census the workers will share (they inherit it when they fork),
+    and an empty metrics directory, so a previous run's counts do not come back."""
+    from service.web import census
+
+    census.create()
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     for name in os.listdir(directory):
         if name.endswith(".db"):
@@ -172,7 +179,12 @@ def worker_abort(worker):
 
 
 def child_exit(server, worker):
-    """A worker is gone (exited or killed): its live gauges (in flight, queued) stop counting."""
+    """A worker is gone (exited or killed): its live gauges (in flight, queued) and its admission
+    counts stop counting."""
     from prometheus_client import multiprocess
 
+    from service.web import census
+
     multiprocess.mark_process_dead(worker.pid)
+    if census.shared() is not None:
+        census.shared().forget(worker.pid)

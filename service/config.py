@@ -75,7 +75,7 @@ class Settings:
     default_dtype: str = "float32"
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     max_inflight: int = 2  # computing requests per worker; the rest wait or get 503
-    max_queue: int = 4  # requests allowed to wait per worker before 503
+    max_queue: int = 4  # waiting requests per worker: the server admits (max_inflight + max_queue) x workers, then 503
     max_inflight_bytes: int = 512 * 2**20  # bodies + estimated working bytes per worker before 503
     warmup: bool = True  # calibrate the cost model at start-up
     # Slow and stalled clients (service/web/worker.py): a request is read by the event loop, under

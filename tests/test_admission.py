@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import base64
 import json
+import multiprocessing
+import os
+import signal
 import socket
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -14,7 +18,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import AttentionRequest
-from service.web import admission, create_app
+from service.web import admission, census, create_app, ops
 from service.web.costmodel import CostModel
 from service.web.errors import ApiError
 
@@ -270,3 +274,180 @@ def test_working_bytes_are_reserved_after_validation(settings, rng, monkeypatch)
     finally:
         held.release()
     assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+# --- the server's bound: a census shared by the workers (service/web/census.py) -----------------
+
+FORK = multiprocessing.get_context("fork")  # a worker is forked from the arbiter that made the table
+HANG = 30.0  # seconds: only ever stops a hang
+
+
+def _in_child(target, *args) -> int:
+    """Run target(*args) in a forked process to its end; its exit code (0: its asserts held)."""
+    proc = FORK.Process(target=target, args=args)
+    proc.start()
+    proc.join(HANG)
+    assert not proc.is_alive(), "the child hung"
+    return proc.exitcode
+
+
+def _admit_n_and_exit(table, capacity, n):
+    """A worker that joins, admits n requests and dies holding them (no release, no goodbye)."""
+    row = table.join(capacity)
+    ok = [table.admit(row)[0] for _ in range(n)]
+    os._exit(0 if all(ok) else 1)
+
+
+def test_one_worker_may_hold_more_than_its_share_while_the_server_has_room():
+    table = census.Table(rows=4)
+    mine = table.join(2)
+    child = FORK.Process(target=_admit_n_and_exit, args=(table, 2, 3))  # 3 > its own 2: the server has 4
+    child.start()
+    child.join(HANG)
+    assert child.exitcode == 0
+    assert table.total(census.ADMITTED) == 3 and table.total(census.CAPACITY) == 4
+    assert table.admit(mine) == (True, 3, 4)
+    assert table.admit(mine) == (False, 4, 4)  # the server's bound, whichever worker asks
+    table.forget(child.pid)  # the arbiter's child_exit: the dead worker's counts do not leak
+    assert (table.total(census.ADMITTED), table.total(census.CAPACITY)) == (1, 2)
+    assert table.admit(mine) == (True, 1, 2) and table.admit(mine)[0] is False
+
+
+def test_a_joining_worker_frees_the_rows_of_dead_processes():
+    table = census.Table(rows=2)
+    assert _in_child(_admit_n_and_exit, table, 6, 5) == 0  # gone, its row not forgotten by anyone
+    assert table.total(census.ADMITTED) == 5
+    row = table.join(6)
+    assert (table.total(census.ADMITTED), table.total(census.CAPACITY)) == (0, 6)
+    assert table.join(6) == row  # joining again keeps one row
+
+
+def _die_holding_the_lock(table):
+    with table._locked():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_holding_the_lock_does_not_wedge_the_others():
+    table = census.Table(rows=4)
+    row = table.join(2)
+    assert _in_child(_die_holding_the_lock, table) == -signal.SIGKILL
+    done = []
+    thread = threading.Thread(target=lambda: done.append(table.admit(row)), daemon=True)
+    thread.start()
+    thread.join(HANG)
+    assert done == [(True, 0, 2)]  # the kernel released the dead process's record lock
+
+
+def _compute_until(table, started, stop, capacity=6):
+    """A sibling worker: joins, admits one request that computes until stop is set."""
+    row = table.join(capacity)
+    table.admit(row)
+    table.add(row, census.COMPUTING, 1)
+    started.set()
+    stop.wait(HANG)
+    os._exit(0)
+
+
+def test_server_computing_counts_every_worker(settings, monkeypatch):
+    table = census.Table(rows=4)
+    monkeypatch.setattr(census, "_shared", table)  # as in a worker forked from the arbiter
+    app = create_app(settings)
+    gate = app.extensions["attention.gate"]
+    assert gate.table is table
+    started, stop = FORK.Event(), FORK.Event()
+    child = FORK.Process(target=_compute_until, args=(table, started, stop))
+    child.start()
+    try:
+        assert started.wait(HANG)
+        ticket = gate.enter(0)
+        assert ticket.take_slot()
+        with app.app_context():
+            assert admission.server_computing() == 2  # this worker's and the other's
+        ticket.release()
+        assert admission.server_computing() == 1  # outside a request too
+    finally:
+        stop.set()
+        child.join(HANG)
+
+
+def test_without_a_shared_table_server_computing_is_this_apps_count(app, client):
+    gate = app.extensions["attention.gate"]
+    assert not gate.table.shared
+    ticket = gate.enter(0)
+    with app.app_context():
+        assert admission.server_computing() == 0
+        assert ticket.take_slot()
+        assert admission.server_computing() == 1
+    ticket.release()
+    with app.app_context():
+        assert admission.server_computing() == 0
+
+
+def test_the_gate_refuses_at_the_servers_bound_with_retry_after():
+    table = census.Table(rows=4)
+    gate = admission.Gate(max_inflight=1, max_queue=1, max_bytes=1_000, table=table)
+    started, stop = FORK.Event(), FORK.Event()
+    sibling = FORK.Process(target=_compute_until, args=(table, started, stop, 2))  # holds 1 of its 2
+    sibling.start()
+    try:
+        assert started.wait(HANG)
+        held = [gate.enter(0) for _ in range(3)]  # 3 > this worker's own 2: the server's bound is 4
+        with pytest.raises(ApiError) as err:
+            gate.enter(0)
+        assert err.value.status == 503 and int(err.value.headers["Retry-After"]) >= 1
+        assert "already holds 4" in err.value.message and "x 2 workers" in err.value.message
+        held.pop().release()
+        gate.enter(0).release()  # room again
+        for ticket in held:
+            ticket.release()
+        assert (gate.admitted, table.total(census.ADMITTED)) == (0, 1)
+    finally:
+        stop.set()
+        sibling.join(HANG)
+
+
+def test_busiest_margin_compares_with_the_least_busy_sibling():
+    """What the worker's connection placement reads (worker.FrontWorker._crowded)."""
+    table = census.Table(rows=4)
+    mine = table.join(6)
+    assert table.busiest_margin(mine) == 0  # alone: never crowded
+    started, stop = FORK.Event(), FORK.Event()
+    sibling = FORK.Process(target=_compute_until, args=(table, started, stop))  # holds 1
+    sibling.start()
+    try:
+        assert started.wait(HANG)
+        for _ in range(3):
+            table.admit(mine)
+        assert table.busiest_margin(mine) == 2
+    finally:
+        stop.set()
+        sibling.join(HANG)
+
+
+def test_limits_reports_the_servers_slots(client, settings):
+    assert client.get("/limits").json["server_slots"] == settings.max_inflight + settings.max_queue  # one worker, alone
+
+
+def test_a_draining_worker_draws_no_clients(settings, monkeypatch):
+    """After SIGTERM (ops.drain) a worker accepts no connection: siblings stop comparing themselves
+    with it (busiest_margin), while its slots and what it holds still count until it exits."""
+    table = census.Table(rows=4)
+    monkeypatch.setattr(census, "_shared", table)
+    started, stop = FORK.Event(), FORK.Event()
+    sibling = FORK.Process(target=_compute_until, args=(table, started, stop))  # holds 1
+    sibling.start()
+    try:
+        assert started.wait(HANG)
+        app = create_app(settings)
+        gate = app.extensions["attention.gate"]
+        held = [gate.enter(0) for _ in range(3)]
+        row = next(r for r in range(table.rows) if table.cells[r * census.FIELDS + census.PID] == sibling.pid)
+        assert table.busiest_margin(row) == -2 and table.busiest_margin(gate.row) == 2
+        ops.drain(app)
+        assert table.busiest_margin(row) == 0  # as if alone: nothing to send its way
+        assert table.total(census.ADMITTED) == 4 and table.total(census.CAPACITY) == 6 + gate.max_inflight + gate.max_queue
+        for ticket in held:
+            ticket.release()
+    finally:
+        stop.set()
+        sibling.join(HANG)

@@ -10,6 +10,9 @@ Requests are B=1, H=8, d=64, float32 b64, with weights returned unless W=0."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import statistics
 import sys
 import threading
@@ -18,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from .helpers import all_ready, big_body, start_server, stop_server, wait_for_workers, wait_until
 
@@ -43,11 +47,15 @@ def burst(url: str, body: bytes, n: int, pids: set[int] = frozenset()) -> dict:
                     pass
             time.sleep(0.05)
 
+    messages = []
+
     def one(_):
         t0 = time.perf_counter()
         try:
             r = requests.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)
             code = r.json()["error"]["code"] if r.status_code != 200 else None
+            if code:
+                messages.append(r.json()["error"]["message"])
             return r.status_code, r.headers.get("Retry-After"), code, time.perf_counter() - t0
         except requests.RequestException as exc:
             return type(exc).__name__, None, None, time.perf_counter() - t0
@@ -67,6 +75,7 @@ def burst(url: str, body: bytes, n: int, pids: set[int] = frozenset()) -> dict:
     return {
         "statuses": statuses,
         "results": results,
+        "messages": messages,  # of the refusals
         "wall_s": round(wall, 2),
         "ok_s": spread([dt for s, _, _, dt in results if s == 200]),
         "refused_s": spread([dt for s, _, _, dt in results if s == 503]),
@@ -103,6 +112,140 @@ def test_a_burst_of_48_T1024_gets_only_200s_and_503s():
         assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
         r = requests.post(f"{url}/attention", data=big_body(256), headers={"Content-Type": "application/json"}, timeout=30)
         assert r.status_code == 200  # and it serves as before
+    finally:
+        stop_server(proc)
+
+
+def keep_alive_load(url: str, body: bytes, connections: int, each: int) -> dict:
+    """connections threads, each POSTing body `each` times back to back over its own keep-alive
+    session (requests.Session reconnects if the server closes a connection): statuses counted,
+    and the first refusal's code, message and Retry-After."""
+    statuses, refusals, lock = {}, [], threading.Lock()
+
+    def loop():
+        with requests.Session() as session:
+            for _ in range(each):
+                r = session.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)
+                with lock:
+                    statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                    if r.status_code != 200 and not refusals:
+                        refusals.append((r.status_code, r.headers.get("Retry-After"), r.text[:300]))
+
+    threads = [threading.Thread(target=loop) for _ in range(connections)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    return {"statuses": statuses, "first_refusal": refusals[0] if refusals else None}
+
+
+@pytest.mark.live
+def test_keep_alive_clients_get_no_503_while_the_server_has_room():
+    """As many keep-alive connections at T=64 as the server's slots, 2 workers x (2 + 4) = 12: however
+    the kernel placed them (any split but 6 and 6 overloaded one worker when each counted alone), no
+    request is refused, since the server as a whole never holds more than its 12."""
+    proc, url = start_server({"WEB_CONCURRENCY": "2"})
+    try:
+        wait_until(lambda: all_ready(url), timeout=30)
+        assert requests.get(f"{url}/limits", timeout=10).json()["server_slots"] == 12
+        result = keep_alive_load(url, big_body(64, weights=False), connections=12, each=100)
+        print("\n" + json.dumps(result))
+        assert result["statuses"] == {200: 1200}, result
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.live
+def test_a_crowded_worker_sends_keep_alive_clients_elsewhere():
+    """With its sibling stopped (SIGSTOP: alive, holding nothing), the one worker that accepted 8
+    keep-alive clients holds 3 or more requests than it (worker.PLACEMENT_MARGIN): it answers some POSTs with Connection:
+    close, so that those clients reconnect, and the next connection can land on the sibling. Every
+    request is served."""
+    proc, url = start_server({"WEB_CONCURRENCY": "2"})
+    try:
+        wait_until(lambda: all_ready(url), timeout=30)
+        sibling = min(wait_for_workers(proc))
+        os.kill(sibling, signal.SIGSTOP)
+        try:
+            body, closes, statuses, lock = big_body(256, weights=False), [], {}, threading.Lock()
+
+            def loop():
+                with requests.Session() as session:
+                    for _ in range(20):
+                        r = session.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)
+                        with lock:
+                            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                            closes.append(r.headers.get("Connection", "").lower() == "close")
+
+            threads = [threading.Thread(target=loop) for _ in range(8)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+        finally:
+            os.kill(sibling, signal.SIGCONT)
+        print(f"\n{sum(closes)} of {len(closes)} answers said Connection: close")
+        assert statuses == {200: 160}, statuses
+        assert any(closes) and not all(closes)
+    finally:
+        stop_server(proc)
+
+
+def _running(url: str) -> float:
+    """compute requests holding a compute slot now, in every worker (/metrics)"""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "attention_admission_running_requests")
+
+
+@pytest.mark.live
+def test_a_worker_killed_while_it_holds_requests_leaks_no_slots():
+    """SIGKILL a worker while the server computes a burst: once its replacement is up, the server's
+    bound is 12 again and 12 keep-alive clients are all served (counts of the dead worker, had they
+    stayed, would refuse some)."""
+    proc, url = start_server({"WEB_CONCURRENCY": "2"})
+    try:
+        wait_until(lambda: all_ready(url), timeout=30)
+        pids = wait_for_workers(proc)
+        with ThreadPoolExecutor(8) as pool:
+            body = big_body(1024, weights=False)
+            post = lambda _: requests.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)  # noqa: E731
+            futures = [pool.submit(post, i) for i in range(8)]
+            wait_until(lambda: _running(url) >= 2, timeout=60, interval=0.02)
+            victim = min(pids)
+            os.kill(victim, signal.SIGKILL)
+            for future in futures:  # answered, or cut off with the worker
+                try:
+                    future.result()
+                except requests.RequestException:
+                    pass
+        wait_for_workers(proc, gone=victim)
+        wait_until(lambda: all_ready(url), timeout=60)
+        slots = {requests.get(f"{url}/limits", timeout=10).json()["server_slots"] for _ in range(8)}
+        assert slots == {12}, slots
+        result = keep_alive_load(url, big_body(64, weights=False), connections=12, each=50)
+        assert result["statuses"] == {200: 600}, result
+    finally:
+        stop_server(proc)
+
+
+@pytest.mark.live
+def test_past_the_servers_bound_is_503_with_retry_after():
+    """2 workers x (1 computing + 1 queued): the server's bound is 4 requests, whichever workers
+    hold them. A burst of 16 T=1024 requests (a bytes bound too large to refuse any) gets 200s and
+    503 overloaded with Retry-After, refused only with 4 or more held; those 4 are then answered."""
+    env = {"WEB_CONCURRENCY": "2", "ATTN_MAX_INFLIGHT": "1", "ATTN_MAX_QUEUE": "1", "ATTN_MAX_INFLIGHT_BYTES": str(2**40)}
+    proc, url = start_server(env)
+    try:
+        wait_until(lambda: all_ready(url), timeout=30)
+        result = burst(url, big_body(1024, weights=False), 16)
+        print("\n" + summary(result))
+        assert set(result["statuses"]) <= {200, 503}, result["statuses"]
+        refused = [r for r in result["results"] if r[0] == 503]
+        assert refused, "the burst was never past the bound"
+        assert result["statuses"][200] >= 4  # the ones held when the first refusal was made
+        for _, retry_after, code, _ in refused:
+            assert code == "overloaded" and int(retry_after) >= 1
+        for message in result["messages"]:
+            held = int(re.search(r"already holds (\d+) compute requests", message).group(1))
+            assert held >= 4 and "x 2 workers" in message, message
+        r = requests.post(f"{url}/attention", data=big_body(1024, weights=False), headers={"Content-Type": "application/json"}, timeout=60)
+        assert r.status_code == 200  # nothing leaked: alone again, it is served
     finally:
         stop_server(proc)
 

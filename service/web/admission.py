@@ -4,9 +4,10 @@ Before the body is read (a before_request hook, so a refusal costs no parsing):
   401 unauthorized  when ATTN_API_KEYS is set and no key matches (constant-time comparison);
   422 bad_option    when X-Deadline-Ms is not a positive number of milliseconds;
   504 deadline      when even receiving and parsing its Content-Length would outlast the deadline;
-  503 overloaded    when this worker already holds max_inflight + max_queue compute requests, or
-                    the request's Content-Length, with what parsing it can take (PARSE_FACTOR
-                    times it), would take its bytes past max_inflight_bytes.
+  503 overloaded    when the server as a whole already holds its bound of compute requests,
+                    (max_inflight + max_queue) x the workers running, or the request's
+                    Content-Length, with what parsing it can take (PARSE_FACTOR times it), would
+                    take this worker's bytes past max_inflight_bytes.
 
 After validation, before compute (admit(job), called by the routes):
   504 deadline      when the cost model's prediction exceeds what is left of X-Deadline-Ms;
@@ -19,7 +20,17 @@ slow to read its answer holds no compute. The request's bytes stay charged again
 max_inflight_bytes until the response has been sent or the connection dropped, since the answer
 is in memory until then. Every 503 carries Retry-After.
 
-All counts are per worker process: the bounds multiply by the number of workers.
+What is counted where. The request bound is the server's: the workers share a census of their
+admitted and computing requests (census.py, made by the gunicorn arbiter before they fork), so a
+client is refused only when the server holds (max_inflight + max_queue) x workers requests, however
+its keep-alive connections landed (a connection stays with the worker that accepted it: with
+per-worker counts, 7 of 8 connections on one worker got 503 while the other idled). One worker may
+then hold more than its own share waiting; gunicorn's threads are sized to hold them all
+(deploy/gunicorn.conf.py). Compute slots (max_inflight) and bytes (max_inflight_bytes) stay per
+worker: a worker computes on its own threads, and the bytes bound keeps one process's memory
+bounded, whatever its siblings hold. Without the shared census (the Flask test client) a gate
+counts alone: the bound is then its own max_inflight + max_queue. server_computing() tells how many
+requests compute now in the whole server (for splitting one request over idle cores).
 """
 
 from __future__ import annotations
@@ -30,12 +41,12 @@ import re
 import threading
 import time
 
-from flask import Flask, Response, current_app, g, request
+from flask import Flask, Response, current_app, g, has_app_context, request
 
 from schemas import RequestError
 from schemas.jobs import AttentionJob, MhaJob
 
-from . import metrics
+from . import census, metrics
 from .errors import ApiError
 from .http import phase
 
@@ -54,27 +65,45 @@ PARSE_FACTOR = 33
 
 
 class Gate:
-    """One worker's admission state: admitted requests, their bytes, and the compute slots."""
+    """One worker's admission state: its admitted requests (counted in the server's census too),
+    their bytes, and its compute slots."""
 
-    def __init__(self, max_inflight: int, max_queue: int, max_bytes: int):
+    def __init__(self, max_inflight: int, max_queue: int, max_bytes: int, table: census.Table | None = None):
+        """table: the server's shared census (census.shared() in a gunicorn worker); None, or a
+        table with no free row, and this gate counts alone (its own bound)."""
         self.max_inflight, self.max_queue, self.max_bytes = max_inflight, max_queue, max_bytes
         self._lock = threading.Lock()
         self._slots = threading.Semaphore(max_inflight)
-        self.admitted = 0  # requests past the gate, until their response has been built
+        self.admitted = 0  # this worker's requests past the gate, until their response has been built
         self.bytes = 0  # their Content-Length plus estimated working bytes, until sent
         self.pending_ms = 0.0  # predicted compute of the admitted jobs that have been validated
+        row = table.join(max_inflight + max_queue) if table is not None else None
+        if row is None:
+            table = census.Table(rows=1, shared=False)
+            row = table.join(max_inflight + max_queue)
+        self.table, self.row = table, row
+
+    def server_slots(self) -> int:
+        """Compute requests the server admits at once: ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE for each
+        worker that shares this gate's table (this one alone without a shared table)."""
+        return self.table.total(census.CAPACITY)
+
+    def computing(self) -> int:
+        """Requests computing now in every worker that shares this gate's table."""
+        return self.table.total(census.COMPUTING)
 
     def enter(self, nbytes: int, parse_bytes: int = 0) -> Ticket:
         """Admit one more request of nbytes of body and parse_bytes of parsing it, or 503 now. A
         lone request is always admitted."""
         with self._lock:
-            if self.admitted >= self.max_inflight + self.max_queue:
-                raise self._overloaded(
-                    f"this worker already holds {self.admitted} compute requests (ATTN_MAX_INFLIGHT={self.max_inflight} + ATTN_MAX_QUEUE={self.max_queue})"
-                )
             if self.bytes and self.bytes + nbytes + parse_bytes > self.max_bytes:
                 raise self._overloaded(
                     f"a body of {nbytes} bytes and its parse ({parse_bytes} bytes) would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)"
+                )
+            admitted, held, bound = self.table.admit(self.row)
+            if not admitted:
+                raise self._overloaded(
+                    f"the server already holds {held} compute requests, its bound: (ATTN_MAX_INFLIGHT={self.max_inflight} + ATTN_MAX_QUEUE={self.max_queue}) x {bound // (self.max_inflight + self.max_queue)} workers"
                 )
             self.admitted += 1
             self._add_bytes(nbytes + parse_bytes)
@@ -134,6 +163,7 @@ class Ticket:
         if got:
             self.running = True
             metrics.RUNNING.inc()
+            self.gate.table.add(self.gate.row, census.COMPUTING, 1)
         return got
 
     def end_compute(self) -> None:
@@ -142,11 +172,13 @@ class Ticket:
         if self.running:
             self.running = False
             metrics.RUNNING.dec()
+            gate.table.add(gate.row, census.COMPUTING, -1)
             gate._slots.release()
         with gate._lock:
             if self.computing:
                 self.computing = False
                 gate.admitted -= 1
+                gate.table.add(gate.row, census.ADMITTED, -1)
                 gate.pending_ms -= self.predicted_ms
                 self.predicted_ms = 0
 
@@ -184,6 +216,18 @@ def admit(job: AttentionJob | MhaJob) -> None:
             if deadline is not None:
                 raise _deadline(f"waiting for a compute slot left less than the predicted {predicted:.3g} ms of X-Deadline-Ms={deadline:g}")
             raise ticket.gate._overloaded(f"no compute slot came free within {MAX_WAIT_S:g} s")
+
+
+def server_computing() -> int:
+    """Requests computing right now in the whole server, in every worker (a lock-free snapshot of
+    the shared census), the caller's own request included if it holds a compute slot. Without a
+    shared table (the Flask test client) this app's own count; outside a request, the count of the
+    last app created in this process (0 if none)."""
+    gate = current_app.extensions.get("attention.gate") if has_app_context() else _last_gate
+    return gate.computing() if gate is not None else 0
+
+
+_last_gate: Gate | None = None  # for server_computing() outside a request
 
 
 def elapsed_ms() -> float:
@@ -230,8 +274,11 @@ def _drain() -> None:
 
 
 def install(app: Flask) -> None:
+    global _last_gate
     settings = app.extensions["attention.settings"]
-    app.extensions["attention.gate"] = Gate(settings.max_inflight, settings.max_queue, settings.max_inflight_bytes)
+    app.extensions["attention.gate"] = _last_gate = Gate(
+        settings.max_inflight, settings.max_queue, settings.max_inflight_bytes, census.shared()
+    )
 
     @app.before_request
     def _gate():

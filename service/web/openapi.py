@@ -362,6 +362,10 @@ def _json(description: str, schema: str) -> dict:
 def _limits_schema(settings: Settings) -> dict:
     kinds = {int: "integer", "int": "integer", str: "string", "str": "string"}
     props = {f.name: {"type": kinds.get(f.type, "string")} for f in dataclass_fields(settings) if f.name in settings.limits()}
+    props["server_slots"] = {
+        "type": "integer",
+        "description": "compute requests the whole server admits at once: (max_inflight + max_queue) x the workers running; past it, 503",
+    }
     props["cost_model"] = {"type": "object", "description": "ms = a*GFLOP + b*M_score_elements + c*blocks"}
     props["version"] = {"type": "string"}
     return {"type": "object", "required": sorted(props), "properties": props}

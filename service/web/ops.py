@@ -41,11 +41,13 @@ def readiness() -> str:
 
 @bp.get("/limits")
 def limits():
-    """The limits in force, the default dtype, the cost model's coefficients, the version."""
+    """The limits in force (server_slots: the compute requests the whole server admits at once), the
+    default dtype, the cost model's coefficients, the version."""
     settings = current_app.extensions["attention.settings"]
     return json_response(
         {
             **settings.limits(),
+            "server_slots": current_app.extensions["attention.gate"].server_slots(),
             "cost_model": current_app.extensions["attention.cost"].coefficients(),
             "version": VERSION,
         }
@@ -75,5 +77,7 @@ def start_warm_up(app: Flask) -> threading.Thread | None:
 
 def drain(app: Flask) -> None:
     """From now on /readyz says 503; requests in flight finish (the server stops accepting)."""
+    gate = app.extensions["attention.gate"]  # the other workers send no keep-alive clients this way (admission's census)
+    gate.table.retire(gate.row)
     app.extensions["attention.state"]["draining"] = True
     metrics.READY.set(0)

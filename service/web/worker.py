@@ -26,6 +26,9 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
 - Idle: a new connection must send a request head within ATTN_HEADER_TIMEOUT_S; a kept-alive
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
   and no thread.
+- Placement: a POST reaching this worker while it holds PLACEMENT_MARGIN more admitted requests
+  than its least busy sibling (admission's shared census) is answered with Connection: close, so
+  that keep-alive clients the kernel happened to put on one worker spread over all of them.
 
 These answers are in the API's error shapes (errors.py, kserve.py) and counted in /metrics as the
 app's own are, and logged in the same access-log line (accesslog.worker_answer). Everything else
@@ -59,6 +62,15 @@ MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
 LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
 LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
 SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a second)
+# Connection placement: a keep-alive connection stays with the worker that accepted it, so clients
+# that all landed on one worker queue there while its sibling idles. A POST that arrives while this
+# worker holds this many more admitted requests than its least busy sibling is answered with
+# Connection: close; the client's next connection goes to whichever worker accepts it first, most
+# often the idle one (the busy one's event loop waits for the GIL behind its computing threads).
+# 3, not 2: with 8 wrk connections at T=64, 2 answered 5% of requests with a close (a 5+3 split
+# flapping to 4+4 and back) at more CPU per request; 3 closed ~1%, at main's CPU per request, and
+# still spread 8 connections opened on one worker 4+4 within a second (python -m bench.admission).
+PLACEMENT_MARGIN = 3
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
 
@@ -415,6 +427,8 @@ class FrontWorker(ThreadWorker):
             req = next(conn.parser)
             if not req:
                 return False
+            if req.method == "POST" and self._crowded():
+                req.force_close()  # this answer says Connection: close: the client's next connection may land elsewhere
             keep = self.handle_request(req, conn)
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
@@ -428,6 +442,12 @@ class FrontWorker(ThreadWorker):
         except Exception as e:
             self.handle_error(req, conn.sock, conn.client, e)
         return False
+
+    def _crowded(self) -> bool:
+        """This worker holds PLACEMENT_MARGIN or more admitted requests than its least busy sibling
+        (the shared census; never when it is alone)."""
+        gate = self.wsgi.extensions.get("attention.gate") if hasattr(self.wsgi, "extensions") else None
+        return gate is not None and gate.table.busiest_margin(gate.row) >= PLACEMENT_MARGIN
 
     # -- sending ----------------------------------------------------------------------------------
 
