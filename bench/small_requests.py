@@ -9,7 +9,9 @@ ratio (attention / healthz) and the non-2xx answers of each.
 
 Needs wrk (Debian: apt-get install wrk). Each server is `python -m service` as `make run` starts
 it (bench/server.py: a free loopback port, ATTN_* settings from a clean shell); WEB_CONCURRENCY
-sets its workers. Rounds alternate servers and endpoints, so noise from other work on the
+sets its workers, and where the default slots (2 computing + 4 queued per worker) are fewer than
+the connections (one worker, 8 connections), ATTN_MAX_QUEUE is raised to fit them, so that the
+fixed cost is measured apart from refusals by design. Rounds alternate servers and endpoints, so noise from other work on the
 machine falls on all of them alike. Not part of `make test`.
 """
 
@@ -95,9 +97,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, tree in trees:
             for n in args.workers:
                 key = f"{name} {n}w"
-                servers[key] = Server(
-                    key.replace(" ", "-"), [sys.executable, "-m", "service"], {"WEB_CONCURRENCY": str(n)}, cwd=tree, inherit_settings=False
-                )
+                env = {"WEB_CONCURRENCY": str(n)}
+                if n * (2 + 4) < args.connections:  # the default slots per worker: 2 computing + 4 queued
+                    env["ATTN_MAX_QUEUE"] = str(-(-args.connections // n) - 2)  # room for every connection: no 503 by design
+                servers[key] = Server(key.replace(" ", "-"), [sys.executable, "-m", "service"], env, cwd=tree, inherit_settings=False)
         for server in servers.values():
             server.wait_ready(in_a_row=8)
         runs = {
