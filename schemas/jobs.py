@@ -93,10 +93,16 @@ class _Job:
         return np.dtype(self.weights_dtype or self.dtype).itemsize
 
     def work(self) -> Work:
-        share = self.computed_share
-        attention_flops = self.flops - self.other_flops
-        flops = self.other_flops + share * attention_flops
-        return Work(int(flops), int(self.score_elements * share), self.dtype, int(self.T), self.blocks)
+        """Computed once: admission predicts from it and the compute is measured against it (a job
+        is frozen, so the answer cannot change; ~50 us of a small request's fixed cost)."""
+        work = self.__dict__.get("_work")
+        if work is None:
+            share = self.computed_share
+            attention_flops = self.flops - self.other_flops
+            flops = self.other_flops + share * attention_flops
+            work = Work(int(flops), int(self.score_elements * share), self.dtype, int(self.T), self.blocks)
+            object.__setattr__(self, "_work", work)  # frozen dataclass: its fields are fixed, this is a cache
+        return work
 
     @property
     def output_elements(self) -> int:

@@ -53,6 +53,7 @@ def test_every_encoding_roundtrips_exactly(rng, encoding, dtype, shape, lazy):
 
 def test_b64_streams_in_chunks_that_join(monkeypatch, rng):
     monkeypatch.setattr(stream, "B64_CHUNK", 30)
+    monkeypatch.setattr(stream, "JOIN_MAX_BYTES", 0)  # streamed, however small
     arr = rng.standard_normal((7, 11)).astype(np.float32)
     body = {"out": codec.encode(arr, "b64", lazy=True), "weights": codec.encode(arr[:2], "b64", lazy=True), "cost": {"flops": 1}}
     data, length = codec.dump_chunks(body)
@@ -64,6 +65,17 @@ def test_b64_streams_in_chunks_that_join(monkeypatch, rng):
 def test_dump_chunks_without_b64_is_one_buffer():
     data, length = codec.dump_chunks({"out": np.arange(3.0)})
     assert data == b'{"out":[0.0,1.0,2.0]}' and length == len(data)
+
+
+def test_a_small_b64_response_is_one_buffer(rng):
+    """Up to JOIN_MAX_BYTES a b64 response is joined (one write); past it, it streams."""
+    small = rng.standard_normal((8, 64, 64)).astype(np.float32)  # 175 KB of text
+    data, length = codec.dump_chunks({"out": codec.encode(small, "b64", lazy=True)})
+    assert isinstance(data, bytes) and len(data) == length
+    assert orjson.loads(data)["out"]["b64"] == base64.b64encode(small.tobytes()).decode()
+    large = np.zeros(stream.JOIN_MAX_BYTES // 3, np.float32)  # 1.33 MiB of text
+    data, length = codec.dump_chunks({"out": codec.encode(large, "b64", lazy=True)})
+    assert not isinstance(data, bytes) and len(b"".join(data)) == length
 
 
 # --- the fast path answers as orjson would -----------------------------------------------------
@@ -360,6 +372,7 @@ def test_streamed_nested_arrays_are_orjsons_bytes(shape):
 def test_b64_sent_in_a_narrower_dtype_is_cast_chunk_by_chunk(monkeypatch, rng, chunk):
     """weights_dtype: a float32 array sent as float16 is the bytes of arr.astype(float16), whatever the chunking."""
     monkeypatch.setattr(stream, "B64_CHUNK", chunk)
+    monkeypatch.setattr(stream, "JOIN_MAX_BYTES", 0)  # streamed, however small
     arr = rng.standard_normal((5, 13)).astype(np.float32)
     value = codec.encode(arr, "b64", lazy=True, dtype="float16")
     data, length = codec.dump_chunks({"weights": value})

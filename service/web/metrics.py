@@ -180,12 +180,25 @@ def when_sent(resp: Response, done: Callable[[], None]) -> None:
     resp.call_on_close(finish)
 
 
+_children: dict[tuple, object] = {}
+
+
+def child(metric, *labels: str):
+    """metric.labels(*labels), looked up once per label set: .labels() takes a lock and checks and
+    converts its values on every call (label values are bounded, so the cache is too)."""
+    key = (metric, labels)
+    found = _children.get(key)
+    if found is None:
+        found = _children.setdefault(key, metric.labels(*labels))
+    return found
+
+
 def observe_compute(work: Work, ms: float, predicted_ms: float) -> None:
     """One computed job: its compute time by T, and how it compares with the prediction."""
     endpoint = _endpoint()
-    COMPUTE.labels(endpoint, t_bucket(work.T)).observe(ms / 1000)
+    child(COMPUTE, endpoint, t_bucket(work.T)).observe(ms / 1000)
     if predicted_ms > 0:
-        PREDICTION.labels(endpoint).observe(ms / predicted_ms)
+        child(PREDICTION, endpoint).observe(ms / predicted_ms)
 
 
 def method_label(method: str) -> str:
@@ -215,8 +228,8 @@ def install(app: Flask) -> None:
         if t0 is None:
             return resp
         endpoint, method, status = _endpoint(), method_label(request.method), str(resp.status_code)
-        REQUESTS.labels(endpoint, method, status).inc()
-        latency = LATENCY.labels(endpoint, method, status)
+        child(REQUESTS, endpoint, method, status).inc()
+        latency = child(LATENCY, endpoint, method, status)
 
         def sent():
             latency.observe(time.perf_counter() - t0)
@@ -225,9 +238,9 @@ def install(app: Flask) -> None:
 
         when_sent(resp, sent)
         for name, ms in g.get("phases", {}).items():
-            PHASES.labels(endpoint, name).observe(ms / 1000)
+            child(PHASES, endpoint, name).observe(ms / 1000)
         if "error_code" in g:  # an error answer (not, say, /readyz's 503)
-            REJECTIONS.labels(endpoint, g.error_code).inc()
+            child(REJECTIONS, endpoint, g.error_code).inc()
         return resp
 
     @app.teardown_request

@@ -48,6 +48,7 @@ from functools import partial
 from http import HTTPStatus
 
 from gunicorn import http as gunicorn_http
+from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.unreader import Unreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
@@ -191,6 +192,59 @@ class BufferedUnreader(Unreader):
         return out
 
 
+class MemoryBody:
+    """A request body of known length that is already in memory (segments of the received buffer),
+    as gunicorn's Body reads it: readinto() copies it once into the reader's buffer. gunicorn's own
+    Body over the unreader copied a body up to eight times on its way to the app (BytesIO buffers at
+    each layer, slices of them): for a 530 KB request, ~5% of a small request's CPU."""
+
+    failed = False  # gunicorn's parser asks: reading never fails here
+
+    def __init__(self, segments: list):
+        self.segments = deque(memoryview(s).cast("B") for s in segments if len(s))
+
+    def readinto(self, b) -> int:
+        out, got = memoryview(b).cast("B"), 0
+        while self.segments and got < len(out):
+            head = self.segments[0]
+            n = min(len(head), len(out) - got)
+            out[got : got + n] = head[:n]
+            got += n
+            if n == len(head):
+                self.segments.popleft()
+            else:
+                self.segments[0] = head[n:]
+        return got
+
+    def read(self, size: int | None = None) -> bytes:
+        left = sum(map(len, self.segments))
+        size = left if size is None or size < 0 else min(size, left)
+        buf = bytearray(size)
+        return bytes(buf[: self.readinto(buf)])
+
+    def readline(self, size: int | None = None) -> bytes:
+        limit = sum(map(len, self.segments)) if size is None or size < 0 else size
+        line = bytearray()
+        while self.segments and len(line) < limit:
+            head = self.segments[0]
+            end = bytes(head[: limit - len(line)]).find(b"\n")
+            n = min(len(head), limit - len(line)) if end < 0 else end + 1
+            line += head[:n]
+            if n == len(head):
+                self.segments.popleft()
+            else:
+                self.segments[0] = head[n:]
+            if end >= 0:
+                break
+        return bytes(line)
+
+    def readlines(self, size: int | None = None) -> list[bytes]:
+        return list(iter(self.readline, b""))
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+
 class Conn(TConn):
     """A client connection and where it is: reading a request, in a thread, writing, closing."""
 
@@ -211,6 +265,25 @@ class Conn(TConn):
         self.pending = b""  # bytes received after the request in a thread (pipelined)
         self.dropped = False  # the thread gave up on a client that did not read
         self.started = 0.0  # monotonic time of the request's first byte (an early answer's duration)
+
+
+def _body_from_memory(req) -> None:
+    """Serve a Content-Length body straight from the received buffer (MemoryBody): what the parser
+    holds after the head, then the unread segments, which are the body and nothing else (the event
+    loop cut the buffer at the request's end). Left to gunicorn if the count is not exactly the
+    Content-Length (never seen: the scanner checked the framing)."""
+    body = req.body
+    if type(body) is not Body or type(body.reader) is not LengthReader or body.buf.tell():
+        return
+    unreader = body.reader.unreader
+    if not isinstance(unreader, BufferedUnreader):
+        return
+    segments = [unreader.take_buffered(), *unreader.segments]
+    if sum(map(len, segments)) != body.reader.length:
+        unreader.unread(segments[0])  # put back what was taken: gunicorn reads as before
+        return
+    unreader.segments.clear()
+    req.body = MemoryBody(segments)
 
 
 class FrontWorker(ThreadWorker):
@@ -429,6 +502,7 @@ class FrontWorker(ThreadWorker):
                 return False
             if req.method == "POST" and self._crowded():
                 req.force_close()  # this answer says Connection: close: the client's next connection may land elsewhere
+            _body_from_memory(req)
             keep = self.handle_request(req, conn)
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:

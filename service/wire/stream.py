@@ -16,6 +16,10 @@ import pybase64
 
 B64_CHUNK = 3 * 2**20  # raw bytes per streamed b64 chunk (4 MiB of text): a multiple of 3, so chunks join
 NESTED_CHUNK_ELEMENTS = 2**18  # numbers per block of a streamed nested array (~2.5 MB of float32 text)
+# A response of known length up to this is joined into one buffer: one write to the socket rather
+# than one per piece (each a system call, and a turn of the GIL among the worker's threads), for
+# one copy of at most this many bytes. A T=64 b64 answer (B=1, H=8, d=64) is 175 KB.
+JOIN_MAX_BYTES = 2**20
 
 
 class B64Text:
@@ -48,8 +52,9 @@ class B64Text:
 def dump_chunks(obj) -> tuple[bytes | Iterator[bytes], int | None]:
     """JSON for a response and its length in bytes. Where obj holds B64Text or NestedArray, the
     JSON comes as an iterator of chunks that encodes each tensor as it is sent, so the text is
-    never whole in memory and the client reads while the rest is written; otherwise it is the
-    bytes. The length is None where a NestedArray's text cannot be known before it is written."""
+    never whole in memory and the client reads while the rest is written; otherwise, or when it
+    is at most JOIN_MAX_BYTES long, it is the bytes. The length is None where a NestedArray's
+    text cannot be known before it is written."""
     lazy: list[B64Text | NestedArray] = []
     nonce = os.urandom(8).hex()
 
@@ -75,6 +80,8 @@ def dump_chunks(obj) -> tuple[bytes | Iterator[bytes], int | None]:
             pos = at + len(mark) + 1
             length = None
     parts.append((skeleton[pos:],))
+    if length is not None and length <= JOIN_MAX_BYTES:
+        return b"".join(itertools.chain.from_iterable(parts)), length
     return itertools.chain.from_iterable(parts), length
 
 
