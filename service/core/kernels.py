@@ -24,6 +24,9 @@ or bias is ever built.
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -182,6 +185,8 @@ def attention(
     bias: np.ndarray | None = None,
     alibi_slopes: np.ndarray | None = None,
     average_weights: bool = False,
+    threads: int = 1,
+    pool: Executor | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """softmax(q kᵀ · scale + bias + alibi, masked) v over any leading axes.
 
@@ -196,6 +201,8 @@ def attention(
     when average_weights (their mean over it); None unless return_weights. Masked weights
     are exactly 0; a row with no allowed key has all-zero weights and output. Raises ScoreOverflow
     when a score leaves the dtype's range, ResultOverflow when out or weights would not be finite.
+    threads > 1 computes the blocks on that many threads (pool's, plus the caller's; a pool of
+    threads - 1 made for the call without one): the same blocks as one thread, so the same bits.
     """
     *lead, T, d = q.shape
     S, dv = k.shape[-2], v.shape[-1]
@@ -217,7 +224,8 @@ def attention(
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
     tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # the weights path has no sums scratch
-    scratch = None if return_weights else np.empty(nb * g * tn * (masks.widest(tn) + dv + 1), dtype)
+    scratch_size = 0 if return_weights else nb * g * tn * (masks.widest(tn) + dv + 1)
+    blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
         vv = vb[:, 0, :, :dv]  # max and -min rather than abs: no copy of v
@@ -225,11 +233,14 @@ def attention(
         bound = _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
         big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
-        for b0 in range(0, B // g, nb):
-            b1 = min(B // g, b0 + nb)
-            for t0 in range(0, T, tn):
-                t1 = min(T, t0 + tn)
+
+    def compute(todo) -> None:  # the blocks todo yields, with this thread's own scratch
+        scratch = np.empty(scratch_size, dtype) if scratch_size else None
+        with np.errstate(over="ignore", invalid="ignore"):  # per thread: numpy's error state is not inherited
+            for b0, b1, t0, t1 in todo:
                 _block(qs, kt, vb, out, weights, scratch, masks, bound, big_v, b0, b1, t0, t1)
+
+    _share(compute, blocks, threads, pool)
     _check_finite("out", out)
     _check_finite("weights", weights)
     out = out.reshape(*lead, T, dv)
@@ -237,6 +248,48 @@ def attention(
         return out, None
     weights = weights.reshape(*lead, T, S)
     return out, (weights.mean(axis=-3) if average_weights else weights)
+
+
+def _share(compute: Callable[[Iterator], None], blocks: list, threads: int, pool: Executor | None) -> None:
+    """compute(todo) over every block, on up to `threads` threads at once: the caller's and
+    threads - 1 tasks on pool. Each thread takes the next block from one shared queue, in order,
+    so a causal mask's heavier late rows are balanced as they come; blocks write disjoint parts
+    of the outputs, and each is computed exactly as on one thread. The first error stops the
+    others at their next block and is raised here."""
+    threads = min(threads, len(blocks))
+    if threads <= 1:
+        compute(iter(blocks))
+        return
+    lock, queue, errors = threading.Lock(), iter(blocks), []
+
+    def todo() -> Iterator:
+        while True:
+            with lock:
+                block = None if errors else next(queue, None)
+            if block is None:
+                return
+            yield block
+
+    def task() -> None:
+        try:
+            compute(todo())
+        except BaseException as exc:  # raised again below, in the caller's thread
+            with lock:
+                errors.append(exc)
+
+    own = pool is None
+    pool = ThreadPoolExecutor(threads - 1) if own else pool
+    try:
+        tasks = [pool.submit(task) for _ in range(threads - 1)]
+        task()
+        for t in tasks:
+            if not t.cancel():  # one still queued behind another caller's work has nothing left to do
+                t.result()
+    finally:
+        if own:
+            pool.shutdown()
+    if errors:
+        raise errors[0]
 
 
 def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0) -> tuple[int, int]:
@@ -518,13 +571,16 @@ def mha(
     scale: float | None = None,
     kv_heads: int | None = None,
     window: tuple[int, int] | None = None,
+    threads: int = 1,
+    pool: Executor | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Multi-head self-attention: the GPT block's, and grouped-query (Llama's layout).
 
     x (..., n, d); wq (d, h * dk), wk (d, hkv * dk), wv (d, hkv * dv) with hkv = kv_heads (default
     heads, dividing it); wo (h * dv, d_out) or None. Returns out (..., n, d_out), or the heads
     concatenated (..., n, h * dv) without wo, and weights (..., h, n, n) (None unless
-    return_weights); scores are scaled by scale, default 1/sqrt(dk). window as in attention().
+    return_weights); scores are scaled by scale, default 1/sqrt(dk). window, threads and pool as
+    in attention() (the projections run on the caller's thread).
     """
     kv_heads = heads if kv_heads is None else kv_heads
     if heads < 1 or kv_heads < 1 or heads % kv_heads:
@@ -540,7 +596,16 @@ def mha(
         q, k, v = split(x @ wq, heads), split(x @ wk, kv_heads), split(x @ wv, kv_heads)  # (..., h|hkv, n, dk|dv)
     scale = 1.0 / np.sqrt(dk) if scale is None else scale
     out, weights = attention(
-        q, k, v, causal=causal, scale=scale, return_weights=return_weights, enable_gqa=kv_heads != heads, window=window
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        return_weights=return_weights,
+        enable_gqa=kv_heads != heads,
+        window=window,
+        threads=threads,
+        pool=pool,
     )
     out = np.swapaxes(out, -2, -3).reshape(*x.shape[:-1], heads * dv)  # (..., h, n, dv) -> (..., n, h * dv)
     if wo is not None:
