@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 VERSION = "1.0.0"
 
@@ -24,6 +24,14 @@ def _bool(raw: str) -> bool:
     if raw.lower() in {"0", "false", "no", "off"}:
         return False
     raise ValueError(raw)
+
+
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity; a container's CPU quota is not seen)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _keys(raw: str) -> tuple[str, ...]:
@@ -62,6 +70,9 @@ class Settings:
     body_min_rate: int = 64 * 2**10  # bytes/s a body must average beyond body_timeout_s (408 below)
     send_timeout_s: int = 30  # a client that reads nothing of its response this long is dropped
     send_buffer_bytes: int = 256 * 2**20  # unread response bytes held per worker; past it new POSTs get 503
+    # One large request alone on the server is computed on this many threads (service/web/parallel.py);
+    # under load every request keeps one. Default: the cores; 1 turns splitting off.
+    split_threads: int = field(default_factory=_cores)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -88,6 +99,7 @@ class Settings:
             body_min_rate=_env("ATTN_BODY_MIN_RATE", d.body_min_rate, int),
             send_timeout_s=_env("ATTN_SEND_TIMEOUT_S", d.send_timeout_s, int),
             send_buffer_bytes=_env("ATTN_SEND_BUFFER_BYTES", d.send_buffer_bytes, int),
+            split_threads=_env("ATTN_SPLIT_THREADS", d.split_threads, int),
         )
 
     def limits(self) -> dict:

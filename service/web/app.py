@@ -8,7 +8,7 @@ from flask import Flask
 from schemas import AttentionRequest, MhaRequest
 from service.config import Settings
 
-from . import admission, api, errors, http, kserve, metrics, openapi, ops, playground
+from . import admission, api, errors, http, kserve, metrics, openapi, ops, parallel, playground
 from .costmodel import CostModel
 
 
@@ -24,6 +24,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     http.install(app)
     metrics.install(app)  # before admission: its refusals are counted too
     admission.install(app)
+    parallel.install(app)
     errors.register(app, shapes={kserve.bp: kserve.error_body})
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)

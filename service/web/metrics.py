@@ -95,6 +95,10 @@ BYTES = Gauge(
     "Request and estimated working bytes held by admitted requests, summed over live workers.",
     multiprocess_mode="livesum",
 )
+SPLITS = Counter(
+    "attention_split_computations_total",
+    "Computations split across threads: a large request alone on the server, on several cores (ATTN_SPLIT_THREADS).",
+)
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 

@@ -1,0 +1,60 @@
+"""One request on several cores: whether a computation is split across threads, and the pool it
+is split on.
+
+A worker computes with one BLAS thread (deploy/gunicorn.conf.py): under load, requests x 1 thread
+fill the cores, and splitting one request would only take a core from another. A request alone
+on an idle server leaves the other cores idle, so a large one is computed on ATTN_SPLIT_THREADS
+threads: the numeric core's blocks shared between the request's thread and this worker's pool
+(service.core.attention's threads; the same blocks, so the same bits). Small requests are not
+split: below MIN_FLOPS the split costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, ThreadPoolExecutor
+
+from flask import Flask, current_app
+
+from schemas import Work
+
+from . import metrics
+
+# The least work worth splitting, in flops as the cost model counts them (Work.flops: the scores
+# the core computes). Measured with `python -m bench.one_request --only threshold` (bench/README.md):
+# on this 2-core machine, in-process, one thread against two, B=1 H=8 d=64 causal float32.
+MIN_FLOPS = 100_000_000
+
+
+def threads_for(work: Work, computing: int, max_threads: int, min_flops: int = MIN_FLOPS) -> int:
+    """How many threads to compute work on: max_threads (at most its blocks) when it is the only
+    request computing (computing counts it too, so 1) and has at least min_flops; else 1."""
+    if max_threads <= 1 or computing > 1 or work.flops < min_flops:
+        return 1
+    return max(1, min(max_threads, work.blocks))
+
+
+def computing() -> int:
+    """Requests being computed now, this one included: this worker's admitted requests (past the
+    gate and not yet answered; those waiting for a slot or still being validated count too, as
+    they are about to compute)."""
+    # server-wide: admission.server_computing()
+    return current_app.extensions["attention.gate"].admitted
+
+
+def threads(work: Work) -> int:
+    """The threads for this request's computation, by the policy above; counted when split."""
+    n = threads_for(work, computing(), current_app.extensions["attention.settings"].split_threads, MIN_FLOPS)
+    if n > 1:
+        metrics.SPLITS.inc()
+    return n
+
+
+def pool() -> Executor | None:
+    """This worker's pool of ATTN_SPLIT_THREADS - 1 threads (None when splitting is off)."""
+    return current_app.extensions["attention.pool"]
+
+
+def install(app: Flask) -> None:
+    """Give the app its pool. Its threads start at the first split, so in the worker after the fork."""
+    n = app.extensions["attention.settings"].split_threads
+    app.extensions["attention.pool"] = ThreadPoolExecutor(n - 1, thread_name_prefix="attention-split") if n > 1 else None
