@@ -20,9 +20,12 @@ from schemas import Work
 from . import metrics
 
 # The least work worth splitting, in flops as the cost model counts them (Work.flops: the scores
-# the core computes). Measured with `python -m bench.one_request --only threshold` (bench/README.md):
-# on this 2-core machine, in-process, one thread against two, B=1 H=8 d=64 causal float32.
-MIN_FLOPS = 100_000_000
+# the core computes): 5e8 is T=512 with weights (537 MFLOP, ~8 ms on one thread here) or T~700
+# without, B=1 H=8 d=64 causal float32. Measured with `python -m bench.one_request --only
+# threshold` (bench/README.md) on the 2-core machine while other work held its cores: from there
+# up the split did not lose (0.96-1.36x); below it, it lost up to 5-8x (T=128-256: 1-3 ms became
+# 3-17 ms), since the caller waits for a pool thread that the OS has preempted mid-block.
+MIN_FLOPS = 500_000_000
 
 
 def threads_for(work: Work, computing: int, max_threads: int, min_flops: int = MIN_FLOPS) -> int:
