@@ -15,6 +15,11 @@ keys before its first row's window, so a window of W keys costs O(T * W), not O(
 weights the memory beyond the inputs and the output is O(block), not O(T * S), and the output is
 normalised instead of the weights (T * dv divisions, not T * S).
 
+The blocks write disjoint parts of the outputs, so one computation can be shared between threads
+(threads=, pool=; numpy releases the GIL in its matmuls and ufuncs): each thread takes the next
+block from one queue and computes it exactly as one thread would, so the result is the same to
+the bit. The caller decides when that pays (the web layer: a large request alone on the server).
+
 The variants of PyTorch's SDPA (enable_gqa, a float bias) and of FlashAttention (window_size,
 alibi_slopes) are computed per block too, with those references' semantics exactly: grouped query
 heads share their key/value head through a broadcast matmul (no repeat), and no (..., T, S) mask
@@ -239,8 +244,8 @@ def attention(
         with np.errstate(over="ignore", invalid="ignore"):  # per thread: numpy's error state is not inherited
             for b0, b1, t0, t1 in todo:
                 _block(qs, kt, vb, out, weights, scratch, masks, bound, big_v, b0, b1, t0, t1)
-                # Checked while the block is in the cache: a pass over the whole weights afterwards
-                # took 15% of T=1024's compute, and one thread's.
+                # Checked while the block is in the cache: one pass over all the weights afterwards
+                # took ~15% of T=1024's compute, on one thread however many computed the blocks.
                 _check_finite("out", out[b0:b1, :, t0:t1])
                 _check_finite("weights", None if weights is None else weights[b0:b1, :, t0:t1])
 
