@@ -4,7 +4,8 @@ side in one run. B=1, H=8, d=64, causal, float32, b64 on the wire. Medians.
   threshold   in-process, the numeric core on one thread against split on two, T = 64 .. 1024 with
               and without weights: the least work worth splitting (service.web.parallel.MIN_FLOPS)
   latency     concurrency 1, end to end through requests (body built with pybase64 and orjson,
-              response parsed and decoded to numpy: numpy to numpy), on two servers started as
+              response parsed and decoded to numpy: numpy to numpy) and on the wire alone (as
+              `make bench`: body built beforehand, response read, not parsed), on two servers started as
               `make run` does, split on (the default) and off (ATTN_SPLIT_THREADS=1), alternately,
               beside the same attention in this process on both cores (the core split on two
               threads, and one call with two OpenBLAS threads) and, for T=4096 without weights,
@@ -33,6 +34,7 @@ import pybase64
 import requests
 from threadpoolctl import threadpool_limits
 
+from bench.__main__ import Client, request_body
 from bench.server import Server
 from schemas.jobs import AttentionJob
 from service.core import attention
@@ -110,20 +112,22 @@ def latency(servers: dict, reps: int) -> None:
 
     print(f"\n### Latency, concurrency 1 (torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
     print(
-        "| T | weights | split on, end to end | split off, end to end | in-process, split on 2 threads | in-process, 2 OpenBLAS threads"
-        " | torch SDPA | on / in-process (best of numpy) | on / torch | off / on |"
+        "| T | weights | split on: numpy to numpy | split off: numpy to numpy | split on: wire | split off: wire"
+        " | in-process, split on 2 threads | in-process, 2 OpenBLAS threads | torch SDPA"
+        " | on / in-process (best of numpy): numpy to numpy, wire | on / torch: numpy to numpy, wire | off / on: numpy to numpy, wire |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     sessions = {name: requests.Session() for name in servers}
     with ThreadPoolExecutor(1) as pool:
         for T, weights in ((1024, True), (4096, False)):
             m = _latency_row(servers, sessions, tensors(T), weights, pool, torch if not weights else None, reps)
             best = min(m["split"], m["blas2"])
             t = m.get("torch")
-            torch_ms, on_torch = ("–", "–") if t is None else (f"{t:.1f}", f"{m['on'] / t:.2f}x")
+            torch_ms, on_torch = ("–", "–") if t is None else (f"{t:.1f}", f"{m['on'] / t:.2f}x, {m['on wire'] / t:.2f}x")
             print(
-                f"| {T} | {'yes' if weights else 'no'} | {m['on']:.1f} | {m['off']:.1f} | {m['split']:.1f} | {m['blas2']:.1f} | "
-                f"{torch_ms} | {m['on'] / best:.2f}x | {on_torch} | {m['off'] / m['on']:.2f}x |",
+                f"| {T} | {'yes' if weights else 'no'} | {m['on']:.1f} | {m['off']:.1f} | {m['on wire']:.1f} | {m['off wire']:.1f} | "
+                f"{m['split']:.1f} | {m['blas2']:.1f} | {torch_ms} | {m['on'] / best:.2f}x, {m['on wire'] / best:.2f}x | {on_torch} | "
+                f"{m['off'] / m['on']:.2f}x, {m['off wire'] / m['on wire']:.2f}x |",
                 flush=True,
             )
 
@@ -138,6 +142,10 @@ def _latency_row(servers: dict, sessions: dict, qkv, weights: bool, pool, torch,
             attention(q, k, v, **kw)
 
     fns = {name: (lambda s=sessions[name], url=srv.url: call(s, url, q, k, v, weights)) for name, srv in servers.items()}
+    body = request_body(q.shape[-2], "b64", weights)  # the same q, k, v (seed 0)
+    for name, srv in servers.items():  # as `make bench` times it: body built beforehand, response read, not parsed
+        client = Client(srv.port)
+        fns[f"{name} wire"] = lambda client=client: client.post(body)
     fns["split"] = lambda: attention(q, k, v, threads=2, pool=pool, **kw)
     fns["blas2"] = blas2
     if torch is not None:
