@@ -22,9 +22,10 @@ from . import metrics
 # The least work worth splitting, in flops as the cost model counts them (Work.flops: the scores
 # the core computes): 5e8 is T=512 with weights (537 MFLOP, ~8 ms on one thread here) or T~700
 # without, B=1 H=8 d=64 causal float32. Measured with `python -m bench.one_request --only
-# threshold` (bench/README.md) on the 2-core machine while other work held its cores: from there
-# up the split did not lose (0.96-1.36x); below it, it lost up to 5-8x (T=128-256: 1-3 ms became
-# 3-17 ms), since the caller waits for a pool thread that the OS has preempted mid-block.
+# threshold` (bench/README.md) on the 2-core machine: idle, the split gains from ~7e7 (T=256:
+# 1.2x; T=512: 1.5x; T=1024: 1.6-2x); while other work held the cores it ranged 0.8-1.4x above
+# 5e8 and lost up to 5-8x below it (T=128-256: 1-3 ms became 3-17 ms: the caller waits for a
+# pool thread that the OS preempted mid-block). 5e8 gives up ~0.5 ms at T=256 to stay safe there.
 MIN_FLOPS = 500_000_000
 
 
