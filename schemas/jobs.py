@@ -9,6 +9,7 @@ T queries, S keys, d query/key width, dv value width, n sequence length, h heads
 from __future__ import annotations
 
 import math
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,11 +140,12 @@ class _Job:
         total += min(RESPONSE_CHUNK_BYTES, answered * 24)  # a chunk of text: up to ~24 bytes a number
         return total + min(SCRATCH_BYTES, self.score_elements * itemsize)
 
-    def compute(self) -> tuple[np.ndarray, np.ndarray | None]:
-        """(out, weights or None) from the numeric core; non_finite if the scores or the result
-        overflow (never a 200 with inf or NaN in it)."""
+    def compute(self, threads: int = 1, pool: Executor | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """(out, weights or None) from the numeric core, on threads threads (pool's and the
+        caller's; the same bits as one); non_finite if the scores or the result overflow (never a
+        200 with inf or NaN in it)."""
         try:
-            out, weights = self._compute()
+            out, weights = self._compute(threads, pool)
         except core.ScoreOverflow as exc:
             raise RequestError(
                 "non_finite",
@@ -156,7 +158,7 @@ class _Job:
             ) from None
         return out, weights  # in the compute dtype: the front doors send them in weights_dtype
 
-    def _compute(self) -> tuple[np.ndarray, np.ndarray | None]:
+    def _compute(self, threads: int, pool: Executor | None) -> tuple[np.ndarray, np.ndarray | None]:
         raise NotImplementedError
 
 
@@ -218,7 +220,7 @@ class AttentionJob(_Job):
         rows = self.v.size // self.v.shape[-1]
         return (self.q.size + self.v.size + rows + self.output_elements) * itemsize
 
-    def _compute(self):
+    def _compute(self, threads, pool):
         return core.attention(
             self.q,
             self.k,
@@ -233,6 +235,8 @@ class AttentionJob(_Job):
             bias=self.bias,
             alibi_slopes=self.alibi_slopes,
             average_weights=self.average_weights,
+            threads=threads,
+            pool=pool,
         )
 
 
@@ -300,7 +304,7 @@ class MhaJob(_Job):
         heads_out = self.heads * self.head_widths[1]
         return rows * (2 * widths + 2 * heads_out + (0 if self.wo is None else self.wo.shape[-1])) * itemsize
 
-    def _compute(self):
+    def _compute(self, threads, pool):
         return core.mha(
             self.x,
             self.wq,
@@ -313,4 +317,6 @@ class MhaJob(_Job):
             scale=self.scale,
             kv_heads=self.kv_heads,
             window=self.window,
+            threads=threads,
+            pool=pool,
         )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 VERSION = "1.0.0"
 
@@ -24,6 +24,14 @@ def _bool(raw: str) -> bool:
     if raw.lower() in {"0", "false", "no", "off"}:
         return False
     raise ValueError(raw)
+
+
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity; a container's CPU quota is not seen)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _keys(raw: str) -> tuple[str, ...]:
@@ -89,6 +97,9 @@ class Settings:
     # or a plain one for a terminal; OpenTelemetry span exporters, set by the standard OTEL_* variables.
     log_format: str = "json"
     otel_trace_exporters: tuple[str, ...] = ()
+    # One large request alone on the server is computed on this many threads (service/web/parallel.py);
+    # under load every request keeps one. Default: the cores; 1 turns splitting off.
+    split_threads: int = field(default_factory=_cores)
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -117,6 +128,7 @@ class Settings:
             send_buffer_bytes=_env("ATTN_SEND_BUFFER_BYTES", d.send_buffer_bytes, int),
             log_format=_env("ATTN_LOG_FORMAT", d.log_format, log_format),
             otel_trace_exporters=_otel_trace_exporters(),
+            split_threads=_env("ATTN_SPLIT_THREADS", d.split_threads, int),
         )
 
     def limits(self) -> dict:

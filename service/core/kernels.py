@@ -15,6 +15,11 @@ keys before its first row's window, so a window of W keys costs O(T * W), not O(
 weights the memory beyond the inputs and the output is O(block), not O(T * S), and the output is
 normalised instead of the weights (T * dv divisions, not T * S).
 
+The blocks write disjoint parts of the outputs, so one computation can be shared between threads
+(threads=, pool=; numpy releases the GIL in its matmuls and ufuncs): each thread takes the next
+block from one queue and computes it exactly as one thread would, so the result is the same to
+the bit. The caller decides when that pays (the web layer: a large request alone on the server).
+
 The variants of PyTorch's SDPA (enable_gqa, a float bias) and of FlashAttention (window_size,
 alibi_slopes) are computed per block too, with those references' semantics exactly: grouped query
 heads share their key/value head through a broadcast matmul (no repeat), and no (..., T, S) mask
@@ -24,6 +29,9 @@ or bias is ever built.
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
 from functools import lru_cache
 
 import numpy as np
@@ -192,6 +200,8 @@ def attention(
     bias: np.ndarray | None = None,
     alibi_slopes: np.ndarray | None = None,
     average_weights: bool = False,
+    threads: int = 1,
+    pool: Executor | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """softmax(q kᵀ · scale + bias + alibi, masked) v over any leading axes.
 
@@ -206,6 +216,8 @@ def attention(
     when average_weights (their mean over it); None unless return_weights. Masked weights
     are exactly 0; a row with no allowed key has all-zero weights and output. Raises ScoreOverflow
     when a score leaves the dtype's range, ResultOverflow when out or weights would not be finite.
+    threads > 1 computes the blocks on that many threads (pool's, plus the caller's; a pool of
+    threads - 1 made for the call without one): the same blocks as one thread, so the same bits.
     """
     *lead, T, d = q.shape
     S, dv = k.shape[-2], v.shape[-1]
@@ -227,7 +239,8 @@ def attention(
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
     tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # the weights path has no sums scratch
-    scratch = None if return_weights else np.empty(nb * g * tn * (masks.widest(tn) + dv + 1), dtype)
+    scratch_size = 0 if return_weights else nb * g * tn * (masks.widest(tn) + dv + 1)
+    blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
         vv = vb[:, 0, :, :dv]  # max and -min rather than abs: no copy of v
@@ -235,18 +248,65 @@ def attention(
         bound = _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
         big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
-        for b0 in range(0, B // g, nb):
-            b1 = min(B // g, b0 + nb)
-            for t0 in range(0, T, tn):
-                t1 = min(T, t0 + tn)
+
+    def compute(todo) -> None:  # the blocks todo yields, with this thread's own scratch
+        scratch = np.empty(scratch_size, dtype) if scratch_size else None
+        with np.errstate(over="ignore", invalid="ignore"):  # per thread: numpy's error state is not inherited
+            for b0, b1, t0, t1 in todo:
                 _block(qs, kt, vb, out, weights, scratch, masks, bound, big_v, b0, b1, t0, t1)
-    _check_finite("out", out)
-    _check_finite("weights", weights)
+                # Checked while the block is in the cache: one pass over all the weights afterwards
+                # took ~15% of T=1024's compute, on one thread however many computed the blocks.
+                _check_finite("out", out[b0:b1, :, t0:t1])
+                _check_finite("weights", None if weights is None else weights[b0:b1, :, t0:t1])
+
+    _share(compute, blocks, threads, pool)
     out = out.reshape(*lead, T, dv)
     if not return_weights:
         return out, None
     weights = weights.reshape(*lead, T, S)
     return out, (weights.mean(axis=-3) if average_weights else weights)
+
+
+def _share(compute: Callable[[Iterator], None], blocks: list, threads: int, pool: Executor | None) -> None:
+    """compute(todo) over every block, on up to `threads` threads at once: the caller's and
+    threads - 1 tasks on pool. Each thread takes the next block from one shared queue, in order,
+    so a causal mask's heavier late rows are balanced as they come; blocks write disjoint parts
+    of the outputs, and each is computed exactly as on one thread. The first error stops the
+    others at their next block and is raised here."""
+    threads = min(threads, len(blocks))
+    if threads <= 1:
+        compute(iter(blocks))
+        return
+    lock, queue, errors = threading.Lock(), iter(blocks), []
+
+    def todo() -> Iterator:
+        while True:
+            with lock:
+                block = None if errors else next(queue, None)
+            if block is None:
+                return
+            yield block
+
+    def task() -> None:
+        try:
+            compute(todo())
+        except BaseException as exc:  # raised again below, in the caller's thread
+            with lock:
+                errors.append(exc)
+
+    own = pool is None
+    pool = ThreadPoolExecutor(threads - 1) if own else pool
+    try:
+        tasks = [pool.submit(task) for _ in range(threads - 1)]
+        task()
+        for t in tasks:
+            if not t.cancel():  # one still queued behind another caller's work has nothing left to do
+                t.result()
+    finally:
+        if own:
+            pool.shutdown()
+    if errors:
+        raise errors[0]
 
 
 def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0) -> tuple[int, int]:
@@ -528,13 +588,16 @@ def mha(
     scale: float | None = None,
     kv_heads: int | None = None,
     window: tuple[int, int] | None = None,
+    threads: int = 1,
+    pool: Executor | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Multi-head self-attention: the GPT block's, and grouped-query (Llama's layout).
 
     x (..., n, d); wq (d, h * dk), wk (d, hkv * dk), wv (d, hkv * dv) with hkv = kv_heads (default
     heads, dividing it); wo (h * dv, d_out) or None. Returns out (..., n, d_out), or the heads
     concatenated (..., n, h * dv) without wo, and weights (..., h, n, n) (None unless
-    return_weights); scores are scaled by scale, default 1/sqrt(dk). window as in attention().
+    return_weights); scores are scaled by scale, default 1/sqrt(dk). window, threads and pool as
+    in attention() (the projections run on the caller's thread).
     """
     kv_heads = heads if kv_heads is None else kv_heads
     if heads < 1 or kv_heads < 1 or heads % kv_heads:
@@ -550,7 +613,16 @@ def mha(
         q, k, v = split(x @ wq, heads), split(x @ wk, kv_heads), split(x @ wv, kv_heads)  # (..., h|hkv, n, dk|dv)
     scale = 1.0 / np.sqrt(dk) if scale is None else scale
     out, weights = attention(
-        q, k, v, causal=causal, scale=scale, return_weights=return_weights, enable_gqa=kv_heads != heads, window=window
+        q,
+        k,
+        v,
+        causal=causal,
+        scale=scale,
+        return_weights=return_weights,
+        enable_gqa=kv_heads != heads,
+        window=window,
+        threads=threads,
+        pool=pool,
     )
     out = np.swapaxes(out, -2, -3).reshape(*x.shape[:-1], heads * dv)  # (..., h, n, dv) -> (..., n, h * dv)
     if wo is not None:

@@ -92,6 +92,11 @@ class Gate:
         """Requests computing now in every worker that shares this gate's table."""
         return self.table.total(census.COMPUTING)
 
+    def server_admitted(self) -> int:
+        """Requests admitted now in every worker that shares this gate's table: computing, waiting
+        for a slot, or still being read and validated (about to compute)."""
+        return self.table.total(census.ADMITTED)
+
     def enter(self, nbytes: int, parse_bytes: int = 0) -> Ticket:
         """Admit one more request of nbytes of body and parse_bytes of parsing it, or 503 now. A
         lone request is always admitted."""

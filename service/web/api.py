@@ -11,7 +11,7 @@ from schemas import AttentionRequest, MhaRequest
 from schemas.jobs import AttentionJob, MhaJob
 from service import wire
 
-from . import metrics
+from . import metrics, parallel
 from .admission import admit
 from .http import json_response, phase, phases_ms, read_json
 
@@ -47,10 +47,12 @@ def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
     """Compute an admitted job, timed as the compute phase; the measured time refines the cost
     model and is counted against admit()'s prediction. Both front doors compute through here."""
     work = job.work()
+    threads = parallel.threads(work)  # more than one only for a large job alone on the server
     with phase("compute") as timer:
-        result = job.compute()
+        result = job.compute(threads, parallel.pool())
     metrics.observe_compute(work, timer.ms, g.predicted_ms)
-    current_app.extensions["attention.cost"].observe(work, timer.ms)
+    if threads == 1:  # the model predicts one thread's time, what a job gets under load
+        current_app.extensions["attention.cost"].observe(work, timer.ms)
     return result
 
 

@@ -8,7 +8,7 @@ from flask import Flask
 from schemas import AttentionRequest, MhaRequest
 from service.config import Settings
 
-from . import accesslog, admission, api, errors, http, kserve, metrics, openapi, ops, playground, tracing
+from . import accesslog, admission, api, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
 from .costmodel import CostModel
 
 
@@ -26,6 +26,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     accesslog.install(app)
     metrics.install(app)  # before admission: its refusals are counted too
     admission.install(app)
+    parallel.install(app)
     errors.register(app, shapes={kserve.bp: kserve.error_body})
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)

@@ -101,6 +101,10 @@ READY = Gauge(
     "Live workers that are ready (warm-up done, not draining): a drop is a worker lost or going.",
     multiprocess_mode="livesum",
 )
+SPLITS = Counter(
+    "attention_split_computations_total",
+    "Computations split across threads: a large request alone on the server, on several cores (ATTN_SPLIT_THREADS).",
+)
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 

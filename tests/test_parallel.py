@@ -1,0 +1,149 @@
+"""The split policy (service/web/parallel.py): a large request alone on the server is computed on
+ATTN_SPLIT_THREADS threads, anything else on one; the decision unit-tested, then through the app
+(the gate's count), then on the real server (its answer equals the in-process core's, bit for bit)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import requests
+from prometheus_client import REGISTRY
+
+from schemas import Work
+from service.core import attention
+from service.web import admission, census, create_app, parallel
+
+from .conftest import SMALL
+from .helpers import b64, post, serving, tensor
+
+SPLITS = "attention_split_computations_total"
+
+
+def work(flops: int, blocks: int = 32) -> Work:
+    return Work(flops=flops, score_elements=flops // 128, dtype="float32", T=1024, blocks=blocks)
+
+
+LARGE, SMALL_WORK = parallel.MIN_FLOPS, parallel.MIN_FLOPS - 1
+
+
+@pytest.mark.parametrize(
+    "w, computing, max_threads, expect",
+    [
+        (work(LARGE), 1, 2, 2),
+        (work(10 * LARGE), 1, 4, 4),
+        (work(LARGE, blocks=3), 1, 8, 3),  # never more threads than blocks
+        (work(LARGE, blocks=1), 1, 2, 1),  # one block: nothing to share
+        (work(SMALL_WORK), 1, 2, 1),  # small: the split costs more than it saves
+        (work(LARGE), 2, 2, 1),  # another request computing: each keeps one core
+        (work(100 * LARGE), 5, 2, 1),
+        (work(LARGE), 1, 1, 1),  # ATTN_SPLIT_THREADS=1: off
+    ],
+    ids=["idle large", "idle larger, 4 threads", "bounded by blocks", "one block", "idle small", "busy", "busier", "off"],
+)
+def test_threads_for(w, computing, max_threads, expect):
+    assert parallel.threads_for(w, computing, max_threads, parallel.MIN_FLOPS) == expect
+
+
+def splits() -> float:
+    return REGISTRY.get_sample_value(SPLITS) or 0.0
+
+
+@pytest.fixture
+def split_app(monkeypatch):
+    """An app with small limits that splits on two threads anything of 2 blocks and more."""
+    monkeypatch.setattr(parallel, "MIN_FLOPS", 0)
+    app = create_app(dataclasses.replace(SMALL, split_threads=2))
+    app.testing = True
+    return app
+
+
+def body(rng, T: int = 64):
+    q, k, v = (rng.standard_normal((1, 2, T, 8)).astype(np.float32) for _ in range(3))  # 4 blocks of 16 rows
+    return (q, k, v), {"q": b64(q), "k": b64(k), "v": b64(v), "causal": True}
+
+
+def test_alone_it_splits_and_answers_as_one_thread(split_app, rng):
+    (q, k, v), doc = body(rng)
+    before = splits()
+    r = post(split_app.test_client(), doc)
+    assert r.status_code == 200, r.json
+    assert splits() == before + 1
+    out, weights = attention(q, k, v, causal=True)
+    assert tensor(r.json["out"]).tobytes() == out.tobytes()
+    assert tensor(r.json["weights"]).tobytes() == weights.tobytes()
+
+
+def test_beside_another_request_it_does_not_split(split_app, rng):
+    other = split_app.extensions["attention.gate"].enter(0)  # a request admitted and not yet answered
+    try:
+        before = splits()
+        assert post(split_app.test_client(), body(rng)[1]).status_code == 200
+        assert splits() == before
+    finally:
+        other.release()
+    assert post(split_app.test_client(), body(rng)[1]).status_code == 200  # alone again
+    assert splits() == before + 1
+
+
+def test_beside_a_request_in_another_worker_it_does_not_split(split_app, rng):
+    """Two workers share the server's census: a request admitted by the other one is seen."""
+    table = census.Table(rows=2, shared=False)  # the server's table, as the arbiter makes it (here in-process)
+    split_app.extensions["attention.gate"] = admission.Gate(SMALL.max_inflight, SMALL.max_queue, SMALL.max_inflight_bytes, table)
+    sibling = admission.Gate(SMALL.max_inflight, SMALL.max_queue, SMALL.max_inflight_bytes, table)
+    other = sibling.enter(0)
+    try:
+        before = splits()
+        assert post(split_app.test_client(), body(rng)[1]).status_code == 200
+        assert splits() == before
+    finally:
+        other.release()
+    assert post(split_app.test_client(), body(rng)[1]).status_code == 200
+    assert splits() == before + 1
+
+
+def test_split_off_has_no_pool(rng):
+    app = create_app(dataclasses.replace(SMALL, split_threads=1))
+    assert app.extensions["attention.pool"] is None
+    before = splits()
+    assert post(app.test_client(), body(rng)[1]).status_code == 200
+    assert splits() == before
+
+
+def test_a_split_compute_does_not_teach_the_cost_model(split_app, rng, monkeypatch):
+    """The cost model predicts one thread's time (a request's under load): a split's time is not fed to it."""
+    seen = []
+    monkeypatch.setattr(split_app.extensions["attention.cost"], "observe", lambda work, ms: seen.append(ms))
+    assert post(split_app.test_client(), body(rng)[1]).status_code == 200
+    assert seen == []
+
+
+@pytest.mark.live
+def test_live_big_request_split_equals_the_core():
+    """On the real server (2 workers), a large request alone is split (the counter says so) and
+    its answer is the in-process core's, bit for bit."""
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.standard_normal((1, 8, 512, 64)).astype(np.float32) for _ in range(3))
+    assert parallel.threads_for(work_of(q, k, v), 1, 2, parallel.MIN_FLOPS) == 2  # large enough
+    with serving({"ATTN_SPLIT_THREADS": "2", "ATTN_WARMUP": "false"}) as srv:
+
+        def split_count() -> float:
+            for line in requests.get(f"{srv.url}/metrics", timeout=30).text.splitlines():
+                if line.startswith(SPLITS + " "):
+                    return float(line.split()[1])
+            return 0.0
+
+        before = split_count()
+        r = requests.post(f"{srv.url}/attention", json={"q": b64(q), "k": b64(k), "v": b64(v), "causal": True}, timeout=120)
+        assert r.status_code == 200, r.text[:500]
+        assert split_count() == before + 1
+    out, weights = attention(q, k, v, causal=True)
+    assert tensor(r.json()["out"]).tobytes() == out.tobytes()
+    assert tensor(r.json()["weights"]).tobytes() == weights.tobytes()
+
+
+def work_of(q, k, v) -> Work:
+    from schemas.jobs import AttentionJob
+
+    return AttentionJob(q, k, v, None, "top_left", None, None, True, "b64").work()
