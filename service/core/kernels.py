@@ -44,6 +44,10 @@ ALIGNMENTS = ("top_left", "bottom_right")
 BLOCK_ELEMENTS = 2**18
 MIN_ROWS = 16  # fewer query rows per matmul than this and BLAS runs far below its peak
 CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each skips the keys past its diagonal
+# A problem of at most BLOCK_ELEMENTS // SMALL_SHARE scores is one block: all its items and rows in a
+# few batched numpy calls, the same whatever the threads. Below this size numpy's cost per call
+# outweighs the keys a causal mask lets the blocks skip (bench/core_speed.py, T=64, 8 heads).
+SMALL_SHARE = 4
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
@@ -245,7 +249,10 @@ def attention(
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
         vv = vb[:, 0, :, :dv]  # max and -min rather than abs: no copy of v
         v_max = np.maximum(vv.max(axis=(1, 2)), -vv.min(axis=(1, 2))) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
-        bound = _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
+        # One block (a small problem): every row subtracts its maximum; bounding the scores would
+        # cost more numpy calls than the two passes over the block it can save.
+        one = len(blocks) == 1
+        bound = None if one else _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
         big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
 
@@ -318,6 +325,8 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
     is long the rows are counted by dv + 1 (S=1, dv=2048: sized by S alone, the scratch for the
     sums was the whole (B, T, dv + 1) output again)."""
     sums = dv + 1 if dv else 0
+    if Bkv * g * T * max(S, sums) <= BLOCK_ELEMENTS // SMALL_SHARE:
+        return T, Bkv  # small: one block
     tn = BLOCK_ELEMENTS // max(S, sums)
     if upper is not None or lower is not None:
         tn = min(tn, T // CAUSAL_BLOCKS)
@@ -530,12 +539,20 @@ def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, big_v, b0, b
         s = weights[b0:b1, :, t0:t1, lo:hi]  # (nb, g, tn, keys): the weights' own memory is the buffer
         weights[b0:b1, :, t0:t1, :lo] = 0
         weights[b0:b1, :, t0:t1, hi:] = 0
+    elif bound is None:  # every row subtracts its max: the scores are stored key-major, (nb, g, keys, tn)
+        # numpy's max along a short contiguous axis runs ~3x slower than across rows (T=64: ~60 us
+        # of the block's ~250); stored transposed, the max of a row is a reduction across rows,
+        # and BLAS reads the transposed operands in place.
+        st = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, hi - lo, tn)
+        np.matmul(np.swapaxes(kt[b0:b1, :, :, lo:hi], -1, -2), np.swapaxes(qs[b0:b1, :, t0:t1], -1, -2), out=st)
+        s = np.swapaxes(st, -1, -2)  # (nb, g, tn, keys) scaled scores, a view
     else:
         s = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, tn, hi - lo)
-    np.matmul(qs[b0:b1, :, t0:t1], kt[b0:b1, :, :, lo:hi], out=s)  # (nb, g, tn, keys) scaled scores; g shares k
+    if weights is not None or bound is not None:  # row-major scores
+        np.matmul(qs[b0:b1, :, t0:t1], kt[b0:b1, :, :, lo:hi], out=s)  # (nb, g, tn, keys) scaled scores; g shares k
     masks.add(s, b0, b1, t0, t1, lo, hi)  # bias and ALiBi, if any
     masks.apply(s, b0, b1, t0, t1, lo, hi)
-    shift = _shift(s, bound[b0:b1, :, t0:t1], masks, b0, b1, t0, t1)
+    shift = _shift(s, None if bound is None else bound[b0:b1, :, t0:t1], masks, b0, b1, t0, t1)
     if shift is not None:
         np.subtract(s, shift, out=s)
     np.exp(s, out=s)  # exp(-inf) = 0 exactly: masked weights are 0
@@ -559,13 +576,14 @@ def _shift(s, bound, masks: _Masks, b0, b1, t0, t1) -> np.ndarray | None:
     it may see) needs no shift: exp neither overflows nor underflows to all zeros, and it skips
     two passes over the block. Any other row subtracts its maximum, as the textbook softmax does.
     The choice is made per row from that row's own inputs, so no row depends on another."""
-    if bound.all():
+    if bound is not None and bound.all():
         return None
     row_max = s.max(axis=-1, keepdims=True)  # (nb, g, tn, 1); -inf where a row sees no key
     if not np.isfinite(row_max).all():
         _check_overflow(row_max, masks.has_key(b0, b1, t0, t1))
         row_max[np.isneginf(row_max)] = 0
-    row_max[bound] = 0
+    if bound is not None:
+        row_max[bound] = 0
     return row_max
 
 
