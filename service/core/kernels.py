@@ -38,16 +38,19 @@ import numpy as np
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
-# Score elements per block: 2**18 float32 scores are 1 MiB, about one core's L2 cache here.
-# Measured on the 2-core benchmark machine (bench/): 2**17..2**19 are within noise of each other;
-# 2**16 pays for Python per block at T=4096, 2**21 and up spill to memory and run ~1.3x slower.
-BLOCK_ELEMENTS = 2**18
+# Score elements per block: 2**20 float32 scores are 4 MiB, about twice one core's L2 cache here.
+# Measured on the 2-core benchmark machine (bench/core_speed.py and its README section): at T=4096
+# (causal) 2**20 makes blocks of 256 rows, whose matmuls run nearer BLAS's peak than 64 rows
+# (2**18), ~0.88x the time, while T=1024 and 2048 are within noise of 2**18; 2**16 pays for
+# Python per block, 2**21 and up spill to memory.
+BLOCK_ELEMENTS = 2**20
 MIN_ROWS = 16  # fewer query rows per matmul than this and BLAS runs far below its peak
 CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each skips the keys past its diagonal
 # A problem of at most BLOCK_ELEMENTS // SMALL_SHARE scores is one block: all its items and rows in a
 # few batched numpy calls, the same whatever the threads. Below this size numpy's cost per call
 # outweighs the keys a causal mask lets the blocks skip (bench/core_speed.py, T=64, 8 heads).
-SMALL_SHARE = 4
+# Not under a window's left edge: there the blocks keep its O(T * W) (and the admission's count).
+SMALL_SHARE = 16
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
@@ -328,7 +331,7 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
     is long the rows are counted by dv + 1 (S=1, dv=2048: sized by S alone, the scratch for the
     sums was the whole (B, T, dv + 1) output again)."""
     sums = dv + 1 if dv else 0
-    if Bkv * g * T * max(S, sums) <= BLOCK_ELEMENTS // SMALL_SHARE:
+    if lower is None and Bkv * g * T * max(S, sums) <= BLOCK_ELEMENTS // SMALL_SHARE:
         return T, Bkv  # small: one block
     tn = BLOCK_ELEMENTS // max(S, sums)
     if upper is not None or lower is not None:
