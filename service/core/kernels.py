@@ -38,19 +38,19 @@ import numpy as np
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
-# Score elements per block: 2**20 float32 scores are 4 MiB, about twice one core's L2 cache here.
-# Measured on the 2-core benchmark machine (bench/core_speed.py and its README section): at T=4096
-# (causal) 2**20 makes blocks of 256 rows, whose matmuls run nearer BLAS's peak than 64 rows
-# (2**18), ~0.88x the time, while T=1024 and 2048 are within noise of 2**18; 2**16 pays for
-# Python per block, 2**21 and up spill to memory.
-BLOCK_ELEMENTS = 2**20
+# Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache here. Measured on
+# the 2-core benchmark machine (bench/core_speed.py and its README section): at T=4096 (causal)
+# larger blocks have more rows (2**18: 64, 2**19: 128, 2**20: 256), whose matmuls run nearer BLAS's
+# peak: ~0.89x and ~0.84x 2**18's time; T=1024 and 2048 are within noise. 2**19 keeps a thread's
+# scratch within schemas.jobs.SCRATCH_BYTES (4 MiB) in float32; 2**16 pays for Python per block.
+BLOCK_ELEMENTS = 2**19
 MIN_ROWS = 16  # fewer query rows per matmul than this and BLAS runs far below its peak
 CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each skips the keys past its diagonal
 # A problem of at most BLOCK_ELEMENTS // SMALL_SHARE scores is one block: all its items and rows in a
 # few batched numpy calls, the same whatever the threads. Below this size numpy's cost per call
 # outweighs the keys a causal mask lets the blocks skip (bench/core_speed.py, T=64, 8 heads).
 # Not under a window's left edge: there the blocks keep its O(T * W) (and the admission's count).
-SMALL_SHARE = 16
+SMALL_SHARE = 8
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
