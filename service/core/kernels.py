@@ -13,7 +13,7 @@ summed in place, and multiplied by v. Under a causal mask a block only computes 
 its last row's diagonal, which skips about half the work; under a sliding window it also skips the
 keys before its first row's window, so a window of W keys costs O(T * W), not O(T * S). Without
 weights the memory beyond the inputs and the output is O(block), not O(T * S), and the output is
-normalised instead of the weights (T * dv divisions, not T * S). A small problem (a few times
+normalised instead of the weights (T * dv divisions, not T * S). A small problem (at most
 64K scores, e.g. T=64 over 8 heads) is one block of every item and row: numpy's cost per call,
 not its arithmetic, is then what a request pays, so it runs the fewest calls.
 
