@@ -212,3 +212,42 @@ def test_block_count_is_what_attention_computes(monkeypatch, B, T, S, causal):
     q, k, v = (np.ones((B, n, 4), np.float32) for n in (T, S, S))
     core.attention(q, k, v, causal=causal, return_weights=False)
     assert len(calls) == core.block_count(B, T, S, causal)
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {"causal": True},
+        {"causal": "bottom_right", "key_lengths": np.array([[5, 0, 9], [1, 9, 3]])},
+        {"mask": np.tril(np.ones((7, 9), bool), 1)},
+        {"bias": np.linspace(-3, 3, 7 * 9).reshape(7, 9), "alibi_slopes": np.array([0.5, 0.25, 0.125])},
+        {"enable_gqa": True, "causal": True},
+        {"window": (2, 1)},
+    ],
+    ids=["causal", "bottom_right key_lengths", "mask", "bias alibi", "gqa", "window"],
+)
+@pytest.mark.parametrize("return_weights", [True, False])
+def test_a_small_problem_is_one_block_as_exact_as_the_blocks(monkeypatch, rng, variant, return_weights):
+    """A small problem runs as one block (key-major scores, every row shifted by its max), the same
+    whatever the threads, and raises ScoreOverflow as the blocks do; it agrees with the blocked path
+    (the oracle tests above run small problems through it too)."""
+    calls = []
+    real = core._block
+    monkeypatch.setattr(core, "_block", lambda *args: (calls.append(1), real(*args))[1])
+    q = rng.standard_normal((2, 3, 7, 8)).astype(np.float32)
+    kv_heads = 1 if variant.get("enable_gqa") else 3
+    k, v = (rng.standard_normal((2, kv_heads, 9, 8)).astype(np.float32) for _ in range(2))
+    one = attention(q, k, v, return_weights=return_weights, **variant)
+    assert len(calls) == 1 or "window" in variant  # a window's left edge keeps the blocks
+    split = attention(q, k, v, return_weights=return_weights, threads=2, **variant)
+    for a, b in zip(one, split, strict=True):
+        assert (a is None and b is None) or a.tobytes() == b.tobytes()
+    with pytest.raises(ScoreOverflow):
+        attention(q * np.float32(1e30), k * np.float32(1e30), v, return_weights=return_weights, **variant)
+    monkeypatch.setattr(core, "SMALL_SHARE", 2**62)  # the blocked path
+    monkeypatch.setattr(core, "MIN_ROWS", 2)
+    monkeypatch.setattr(core, "CAUSAL_BLOCKS", 3)
+    blocked = attention(q, k, v, return_weights=return_weights, **variant)
+    for a, b in zip(one, blocked, strict=True):
+        if a is not None:
+            np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)

@@ -12,7 +12,7 @@ import requests
 from prometheus_client import REGISTRY
 
 from schemas import Work
-from service.core import attention
+from service.core import attention, kernels
 from service.web import admission, census, create_app, parallel
 
 from .conftest import SMALL
@@ -54,6 +54,7 @@ def splits() -> float:
 def split_app(monkeypatch):
     """An app with small limits that splits on two threads anything of 2 blocks and more."""
     monkeypatch.setattr(parallel, "MIN_FLOPS", 0)
+    monkeypatch.setattr(kernels, "SMALL_SHARE", 2**62)  # no one-block path for small problems: these are split in blocks
     app = create_app(dataclasses.replace(SMALL, split_threads=2))
     app.testing = True
     return app

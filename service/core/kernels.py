@@ -13,7 +13,9 @@ summed in place, and multiplied by v. Under a causal mask a block only computes 
 its last row's diagonal, which skips about half the work; under a sliding window it also skips the
 keys before its first row's window, so a window of W keys costs O(T * W), not O(T * S). Without
 weights the memory beyond the inputs and the output is O(block), not O(T * S), and the output is
-normalised instead of the weights (T * dv divisions, not T * S).
+normalised instead of the weights (T * dv divisions, not T * S). A small problem (at most
+64K scores, e.g. T=64 over 8 heads) is one block of every item and row: numpy's cost per call,
+not its arithmetic, is then what a request pays, so it runs the fewest calls.
 
 The blocks write disjoint parts of the outputs, so one computation can be shared between threads
 (threads=, pool=; numpy releases the GIL in its matmuls and ufuncs): each thread takes the next
@@ -38,12 +40,19 @@ import numpy as np
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
-# Score elements per block: 2**18 float32 scores are 1 MiB, about one core's L2 cache here.
-# Measured on the 2-core benchmark machine (bench/): 2**17..2**19 are within noise of each other;
-# 2**16 pays for Python per block at T=4096, 2**21 and up spill to memory and run ~1.3x slower.
-BLOCK_ELEMENTS = 2**18
+# Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache here. Measured on
+# the 2-core benchmark machine (bench/core_speed.py and its README section): at T=4096 (causal)
+# larger blocks have more rows (2**18: 64, 2**19: 128, 2**20: 256), whose matmuls run nearer BLAS's
+# peak: ~0.89x and ~0.84x 2**18's time; T=1024 and 2048 are within noise. 2**19 keeps a thread's
+# scratch within schemas.jobs.SCRATCH_BYTES (4 MiB) in float32; 2**16 pays for Python per block.
+BLOCK_ELEMENTS = 2**19
 MIN_ROWS = 16  # fewer query rows per matmul than this and BLAS runs far below its peak
 CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each skips the keys past its diagonal
+# A problem of at most BLOCK_ELEMENTS // SMALL_SHARE scores is one block: all its items and rows in a
+# few batched numpy calls, the same whatever the threads. Below this size numpy's cost per call
+# outweighs the keys a causal mask lets the blocks skip (bench/core_speed.py, T=64, 8 heads).
+# Not under a window's left edge: there the blocks keep its O(T * W) (and the admission's count).
+SMALL_SHARE = 8
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
@@ -239,13 +248,19 @@ def attention(
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
     tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # the weights path has no sums scratch
-    scratch_size = 0 if return_weights else nb * g * tn * (masks.widest(tn) + dv + 1)
     blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
+    one = len(blocks) == 1  # a small problem: its scores are in the scratch, key-major, even with weights
+    scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else dv + 1))
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
-        vv = vb[:, 0, :, :dv]  # max and -min rather than abs: no copy of v
-        v_max = np.maximum(vv.max(axis=(1, 2)), -vv.min(axis=(1, 2))) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
-        bound = _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
+        # max and -min rather than abs: no copy of v; read from v itself where it is contiguous (a
+        # reduction along one long axis runs ~2x faster than over vb's rows of dv + 1)
+        vv = v.reshape(B // g, S * dv) if v.dtype == dtype and v.flags.c_contiguous else vb[:, 0, :, :dv].reshape(B // g, S, dv)
+        axes = tuple(range(1, vv.ndim))
+        v_max = np.maximum(vv.max(axis=axes), -vv.min(axis=axes)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
+        # One block (a small problem): every row subtracts its maximum; bounding the scores would
+        # cost more numpy calls than the two passes over the block it can save.
+        bound = None if one else _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
         big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
 
@@ -318,6 +333,8 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
     is long the rows are counted by dv + 1 (S=1, dv=2048: sized by S alone, the scratch for the
     sums was the whole (B, T, dv + 1) output again)."""
     sums = dv + 1 if dv else 0
+    if lower is None and Bkv * g * T * max(S, sums) <= BLOCK_ELEMENTS // SMALL_SHARE:
+        return T, Bkv  # small: one block
     tn = BLOCK_ELEMENTS // max(S, sums)
     if upper is not None or lower is not None:
         tn = min(tn, T // CAUSAL_BLOCKS)
@@ -527,23 +544,33 @@ def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, big_v, b0, b
         return
     nb, g, tn = b1 - b0, qs.shape[1], t1 - t0
     if weights is not None:
-        s = weights[b0:b1, :, t0:t1, lo:hi]  # (nb, g, tn, keys): the weights' own memory is the buffer
         weights[b0:b1, :, t0:t1, :lo] = 0
         weights[b0:b1, :, t0:t1, hi:] = 0
+    if bound is None:  # one block, every row subtracts its max: the scores are stored key-major, (nb, g, keys, tn)
+        # numpy's max (and sum) along a short contiguous axis runs ~3x slower than across rows
+        # (T=64: ~60 us of the block's ~250); stored transposed, the max of a row is a reduction
+        # across rows, and BLAS reads the transposed operands in place.
+        st = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, hi - lo, tn)
+        np.matmul(np.swapaxes(kt[b0:b1, :, :, lo:hi], -1, -2), np.swapaxes(qs[b0:b1, :, t0:t1], -1, -2), out=st)
+        s = np.swapaxes(st, -1, -2)  # (nb, g, tn, keys) scaled scores, a view
     else:
-        s = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, tn, hi - lo)
-    np.matmul(qs[b0:b1, :, t0:t1], kt[b0:b1, :, :, lo:hi], out=s)  # (nb, g, tn, keys) scaled scores; g shares k
+        if weights is not None:
+            s = weights[b0:b1, :, t0:t1, lo:hi]  # (nb, g, tn, keys): the weights' own memory is the buffer
+        else:
+            s = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, tn, hi - lo)
+        np.matmul(qs[b0:b1, :, t0:t1], kt[b0:b1, :, :, lo:hi], out=s)  # (nb, g, tn, keys) scaled scores; g shares k
     masks.add(s, b0, b1, t0, t1, lo, hi)  # bias and ALiBi, if any
     masks.apply(s, b0, b1, t0, t1, lo, hi)
-    shift = _shift(s, bound[b0:b1, :, t0:t1], masks, b0, b1, t0, t1)
+    shift = _shift(s, None if bound is None else bound[b0:b1, :, t0:t1], masks, b0, b1, t0, t1)
     if shift is not None:
         np.subtract(s, shift, out=s)
     np.exp(s, out=s)  # exp(-inf) = 0 exactly: masked weights are 0
     if weights is not None or big_v[b0:b1].any():  # normalise first: sum_s w_s v_s <= max |v| stays finite
         total = s.sum(axis=-1, keepdims=True)  # (nb, g, tn, 1), pairwise: rows sum to 1 within an ulp or two
         total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
-        np.divide(s, total, out=s)
-        np.matmul(s, vb[b0:b1, :, lo:hi, :-1], out=o)
+        w = s if weights is None else weights[b0:b1, :, t0:t1, lo:hi]  # the same memory but for one block
+        np.divide(s, total, out=w)
+        np.matmul(w, vb[b0:b1, :, lo:hi, :-1], out=o)
     else:  # v carries a last column of ones, so one matmul gives both exp(s) v and the row sums
         ov = scratch[-nb * g * tn * vb.shape[-1] :].reshape(nb, g, tn, vb.shape[-1])
         np.matmul(s, vb[b0:b1, :, lo:hi], out=ov)  # (nb, g, tn, dv + 1)
@@ -559,13 +586,14 @@ def _shift(s, bound, masks: _Masks, b0, b1, t0, t1) -> np.ndarray | None:
     it may see) needs no shift: exp neither overflows nor underflows to all zeros, and it skips
     two passes over the block. Any other row subtracts its maximum, as the textbook softmax does.
     The choice is made per row from that row's own inputs, so no row depends on another."""
-    if bound.all():
+    if bound is not None and bound.all():
         return None
     row_max = s.max(axis=-1, keepdims=True)  # (nb, g, tn, 1); -inf where a row sees no key
     if not np.isfinite(row_max).all():
         _check_overflow(row_max, masks.has_key(b0, b1, t0, t1))
         row_max[np.isneginf(row_max)] = 0
-    row_max[bound] = 0
+    if bound is not None:
+        row_max[bound] = 0
     return row_max
 
 

@@ -1,0 +1,105 @@
+"""The numeric core's speed in-process: main's core (before) against this tree's (after) against
+torch's scaled_dot_product_attention, B=1, H=8, d=64, causal, float32, alternating per
+repetition, medians.
+
+    python -m bench.core_speed          # ~1-2 minutes; prints a markdown table
+
+The core runs as in a worker: one BLAS thread (OPENBLAS_NUM_THREADS=1) and the worker's allocator
+settings (bench/garbage.py's WORKER_MALLOC_ENV; without them every call maps and faults its
+arrays afresh, ~100 us of a T=64 request), threads=1, or threads=2 over a pool of one (the split
+of one large request). torch uses its default threads (it ignores ours: no weights). "before" is
+`git show main:service/core/kernels.py`, imported as a module of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from bench.garbage import WORKER_MALLOC_ENV
+
+if any(os.environ.get(k) != v for k, v in WORKER_MALLOC_ENV.items()) or os.environ.get("OPENBLAS_NUM_THREADS") != "1":
+    env = {**os.environ, **WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1"}  # read at process start: run again with them
+    os.execve(sys.executable, [sys.executable, "-m", "bench.core_speed", *sys.argv[1:]], env)
+
+import importlib.util  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from service.core import kernels as after  # noqa: E402
+
+# (T, weights, repetitions): each repetition runs every implementation once, in turn
+CASES = [(64, False, 400), (64, True, 400), (1024, False, 20), (4096, False, 7)]
+
+
+def load_before():
+    """main's kernels.py as a module of its own."""
+    src = subprocess.run(["git", "show", "main:service/core/kernels.py"], capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="core-speed-")) / "kernels_main.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("kernels_main", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def torch_sdpa():
+    """A function (q, k, v) -> out through torch's SDPA, or None without torch."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+
+    def run(q, k, v):
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), is_causal=True).numpy()
+
+    return run
+
+
+def main() -> None:
+    before, sdpa = load_before(), torch_sdpa()
+    pool = ThreadPoolExecutor(1)
+    rng = np.random.default_rng(0)
+    rows = []
+    for T, weights, reps in CASES:
+        q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
+        runs = {
+            (name, threads): partial(core.attention, q, k, v, causal=True, return_weights=weights, threads=threads, pool=pool)
+            for threads in (1, 2)
+            for name, core in (("before", before), ("after", after))
+        }
+        if sdpa is not None and not weights:
+            runs[("torch", 0)] = partial(sdpa, q, k, v)
+        times = {key: [] for key in runs}
+        for f in runs.values():
+            f()  # warm up
+        for _ in range(reps):
+            for key, f in runs.items():
+                t = time.perf_counter()
+                f()
+                times[key].append(time.perf_counter() - t)
+        med = {key: float(np.median(ts)) for key, ts in times.items()}
+        for threads in (1, 2):
+            torch_t = med.get(("torch", 0))
+            b, a = med[("before", threads)], med[("after", threads)]
+            rows.append((T, weights, threads, b, a, torch_t))
+    unit = lambda s: f"{s * 1e6:,.0f} us" if s < 2e-3 else f"{s * 1e3:,.1f} ms"  # noqa: E731
+    print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; medians")
+    print("| T | weights | threads | before (main) | after | after / before | torch SDPA | after / torch |")
+    print("|---|---|---|---|---|---|---|---|")
+    for T, weights, threads, b, a, t in rows:
+        torch_cols = f"{unit(t)} | {a / t:.2f}x" if t else "- | -"
+        print(f"| {T} | {'yes' if weights else 'no'} | {threads} | {unit(b)} | {unit(a)} | {a / b:.2f}x | {torch_cols} |")
+    pool.shutdown()
+
+
+if __name__ == "__main__":
+    main()
