@@ -69,8 +69,9 @@ def available_cores() -> int:
 
 
 # The slowdown by requests busy: the weight of one observation in its running (geometric) mean
-# (~20 requests' memory), and the most requests counted apart (more are counted as that many).
-SLOWDOWN_WEIGHT = 0.05
+# (~7 requests' memory: a neighbour's load comes and goes quickly; 0.05 lagged it on this shared
+# machine), and the most requests counted apart (more are counted as that many).
+SLOWDOWN_WEIGHT = 0.15
 MAX_BUSY = 32
 
 
