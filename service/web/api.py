@@ -59,7 +59,7 @@ def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
     cpu_ms = (time.thread_time() - cpu_start) * 1000
     metrics.observe_compute(work, timer.ms, g.predicted_ms)
     if threads == 1:  # the model predicts one thread's time, what a job gets under load
-        model.observe(work, timer.ms, cpu_ms, g.busy)  # learns the alone-time (CPU time) and the slowdown seen
+        model.observe(work, timer.ms, cpu_ms, g.get("busy", 1))  # learns the alone-time (CPU time) and the slowdown seen
     return result
 
 
