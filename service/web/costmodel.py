@@ -24,10 +24,11 @@ the slowdown the request saw; the model keeps a running mean of it for each coun
 busy in the server when the request was admitted (computing or about to, itself included:
 admission's Gate.busy(), from the census of every worker), starting from contention(n, cores) =
 max(1, n / cores). admit() predicts alone-time x the slowdown at the count busy as it admits:
-predicted and learned by the same count, so what the count does not see (the GIL, this server's threads
-that decode and encode, other processes on the machine) is learned, and forgotten when the load
-goes. cost.predicted_ms, and /metrics' measured/predicted ratio, so compare like with like under
-load too.
+predicted and learned by the same count, so what the count does not see (the GIL, this server's
+threads that decode and encode, other processes on the machine) is learned, and forgotten when
+the load goes. cost.predicted_ms, and /metrics' measured/predicted ratio, so compare like with
+like under load too. (A large request alone, split over the idle cores, is predicted at one
+thread's time and not observed: parallel.py.)
 
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
@@ -194,8 +195,8 @@ class CostModel:
     def observe(self, work: Work, ms: float, cpu_ms: float | None = None, busy: float = 1.0) -> None:
         """Refine the fit with one measured compute: ms of wall time, cpu_ms of the computing
         thread's CPU time over it (None: ms was measured alone), admitted while busy requests were
-        computing in the server or about to (itself included). The fit learns
-        the alone-time, min(cpu_ms, ms); the slowdown at that count learns ms / alone-time."""
+        computing in the server or about to (itself included). The fit learns the alone-time,
+        min(cpu_ms, ms); the slowdown at that count learns ms / alone-time."""
         if not (ms > 0 and math.isfinite(ms)) or work.dtype not in self._fits:
             return
         alone = min(cpu_ms, ms) if cpu_ms is not None and cpu_ms > 0 else ms
