@@ -385,6 +385,19 @@ def test_without_a_shared_table_server_computing_is_this_apps_count(app, client)
         assert admission.server_computing() == 0
 
 
+def test_busy_counts_each_workers_admitted_up_to_its_compute_slots():
+    """The count the cost model's slowdown is keyed by: what will compute at once in the server."""
+    table = census.Table(rows=3, shared=False)
+    gate = admission.Gate(max_inflight=2, max_queue=4, max_bytes=1_000, table=table)
+    assert gate.busy() == 0
+    ticket = gate.enter(0)
+    assert gate.busy() == 1  # the request itself, being read
+    for row, admitted in ((1, 5), (2, 1)):  # two siblings: one with 3 waiting beyond its 2 slots
+        table.cells[row * census.FIELDS + census.ADMITTED] = admitted
+    assert gate.busy() == 1 + 2 + 1
+    ticket.release()
+
+
 def test_the_gate_refuses_at_the_servers_bound_with_retry_after():
     table = census.Table(rows=4)
     gate = admission.Gate(max_inflight=1, max_queue=1, max_bytes=1_000, table=table)

@@ -6,17 +6,20 @@ the measured compute on this machine is a figure, not a test: it is printed besi
 from __future__ import annotations
 
 import math
+import statistics
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import requests
 from threadpoolctl import threadpool_limits
 
 from schemas import AttentionRequest, Work
 from service.config import Settings
 from service.core import causal_share
-from service.web.costmodel import CostModel, median_ms
+from service.web.costmodel import CostModel, contention, median_ms
 
-from .helpers import b64
+from .helpers import b64, serving
 
 
 def synthetic(a, b, c):
@@ -46,6 +49,72 @@ def test_coefficients_stay_non_negative_and_one_shape_does_not_unsettle_others()
     assert model.predict_work(one) == pytest.approx(100.0, rel=0.05)
     small = Work(4 * 32768 * 64, 32768, "float32", 64)
     assert 0.05 < model.predict_work(small) < 2.0  # still sane elsewhere
+
+
+# --- contention: the alone-time is fitted, the slowdown predicted (synthetic, no wall clock) -----
+
+
+def test_contention_is_threads_over_cores_once_they_outnumber_them():
+    assert [contention(n, 2) for n in (1, 2, 3, 4, 8)] == [1.0, 1.0, 1.5, 2.0, 4.0]
+    assert contention(4, 4) == 1.0 and contention(1, 1) == 1.0 and contention(2, 0) == 2.0
+
+
+def test_under_contention_the_fit_keeps_the_alone_time_and_the_slowdown_is_predicted():
+    """4 requests busy on 2 cores, each 2.4x slower than alone (its thread burns the alone-time in
+    CPU): the coefficients stay the alone-time's and the prediction at that load is 2.4x it."""
+    model = CostModel(cores=2)
+    assert model.contention(1) == 1.0 and model.contention(4) == 2.0  # nothing seen yet: threads / cores
+    for _ in range(5):
+        for work, alone in synthetic(20.0, 3.0, 0.3):
+            model.observe(work, alone * 2.4, cpu_ms=alone, busy=4)
+    assert (model.a, model.b, model.c) == pytest.approx((20.0, 3.0, 0.3), rel=0.03)
+    assert model.contention(4) == pytest.approx(2.4, rel=0.01)
+    assert model.contention(1) == 1.0  # another count's slowdown is its own
+    for work, alone in synthetic(20.0, 3.0, 0.3):
+        assert model.predict_work(work) == pytest.approx(alone, rel=0.02)
+        assert model.predict_work(work, model.contention(4)) == pytest.approx(alone * 2.4, rel=0.03)
+    assert model.coefficients()["slowdown_by_busy"] == {"4": pytest.approx(2.4, rel=0.01)}
+
+
+def test_fed_the_wall_time_alone_the_fit_drifts_with_load():
+    """What the model did before it was given the CPU time: the contended time became its per-flop
+    cost (2.4x), so a request alone later was predicted 2.4x too long."""
+    model = CostModel(cores=2)
+    for _ in range(5):
+        for work, alone in synthetic(20.0, 3.0, 0.3):
+            model.observe(work, alone * 2.4)
+    assert model.a == pytest.approx(48.0, rel=0.05)
+
+
+def test_the_slowdown_follows_the_load_and_stays_at_least_one():
+    model = CostModel(cores=2)
+    work, alone = synthetic(20.0, 3.0, 0.3)[5]
+    for _ in range(100):
+        model.observe(work, alone * 3.0, cpu_ms=alone, busy=3)
+    assert model.contention(3) == pytest.approx(3.0, rel=0.02)
+    for _ in range(100):  # the neighbour left: 3 busy now slow each other 1.5x
+        model.observe(work, alone * 1.5, cpu_ms=alone, busy=3)
+    assert model.contention(3) == pytest.approx(1.5, rel=0.02)
+    model.observe(work, alone, cpu_ms=alone * 1.2, busy=2)  # CPU time past the wall time (clocks' grain): alone
+    assert model.contention(2) >= 1.0
+    assert model.contention(0) == model.contention(1) == 1.0  # the count includes the request itself
+
+
+def test_admit_predicts_at_the_load_it_admits_into_and_run_teaches_by_the_same_count(app, client, monkeypatch):
+    """admit() multiplies the alone-time by the slowdown at the count of busy requests; run() gives
+    observe() that count, the wall time and the thread's CPU time."""
+    from service.web import admission
+
+    model = app.extensions["attention.cost"]
+    monkeypatch.setattr(admission, "server_busy", lambda: 4)
+    monkeypatch.setattr(model, "contention", lambda busy: {4: 2.5}[busy])
+    seen = []
+    monkeypatch.setattr(model, "observe", lambda work, ms, cpu_ms, busy: seen.append((work, ms, cpu_ms, busy)))
+    r = client.post("/attention", json={"q": [[1.0, 0.0], [0.0, 1.0]], "k": [[1.0, 0.0], [0.0, 1.0]], "v": [[1.0, 2.0], [3.0, 4.0]]})
+    assert r.status_code == 200
+    [(work, ms, cpu_ms, busy)] = seen
+    assert busy == 4 and ms > 0 and cpu_ms >= 0
+    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict_work(work) * 2.5, abs=1e-3)
 
 
 def test_limits_show_the_coefficients(client):
@@ -95,3 +164,30 @@ def test_causal_share():
     assert causal_share(4, 4, "top_left") == pytest.approx(10 / 16)  # 1 + 2 + 3 + 4 of 16
     assert causal_share(2, 4, "bottom_right") == pytest.approx(7 / 8)  # 3 + 4 of 8
     assert causal_share(4, 2, "bottom_right") == pytest.approx(3 / 8)  # 0 + 0 + 1 + 2 of 8
+
+
+@pytest.mark.live
+def test_live_predictions_under_load_match_the_measured_compute():
+    """A 2-worker server under 4 concurrent clients (20 requests each, T=256, B=1 H=8 d=64 causal,
+    no weights): the median of measured compute (Server-Timing) over cost.predicted_ms stays within
+    0.33-3x; both come from the same run of the same request, so a busy machine moves them
+    together (bench/README.md: `python -m bench.cost_under_load` gives 0.9-1.2 under load)."""
+    rng = np.random.default_rng(3)
+    q, k, v = (b64(rng.standard_normal((1, 8, 256, 64))) for _ in range(3))
+    body = {"q": q, "k": k, "v": v, "causal": True, "return_weights": False}
+
+    def client(url: str) -> list[float]:
+        ratios = []
+        with requests.Session() as session:
+            for _ in range(20):
+                r = session.post(f"{url}/attention", json=body, timeout=120)
+                assert r.status_code == 200, r.text[:500]
+                phases = dict(p.strip().split(";dur=") for p in r.headers["Server-Timing"].split(","))
+                ratios.append(float(phases["compute"]) / r.json()["cost"]["predicted_ms"])
+        return ratios
+
+    with serving({"WEB_CONCURRENCY": "2"}) as srv, ThreadPoolExecutor(4) as pool:
+        ratios = sorted(r for rs in pool.map(client, [srv.url] * 4) for r in rs)
+    median = statistics.median(ratios)
+    print(f"\nmeasured / predicted compute, 80 requests: median {median:.2f}, quartiles {ratios[20]:.2f}-{ratios[60]:.2f}")
+    assert 0.33 < median < 3, ratios

@@ -92,6 +92,13 @@ class Gate:
         """Requests computing now in every worker that shares this gate's table."""
         return self.table.total(census.COMPUTING)
 
+    def busy(self) -> int:
+        """Requests computing at once in the server, or about to: each worker's admitted requests
+        (computing, waiting for a slot, or being read and validated) up to its compute slots
+        (every worker has this one's ATTN_MAX_INFLIGHT). The count the cost model's slowdown is
+        learned and predicted by (a request admitted here is counted). A lock-free snapshot."""
+        return sum(min(n, self.max_inflight) for n in self.table.cells[census.ADMITTED :: census.FIELDS].tolist())
+
     def server_admitted(self) -> int:
         """Requests admitted now in every worker that shares this gate's table: computing, waiting
         for a slot, or still being read and validated (about to compute)."""
@@ -198,18 +205,22 @@ class Ticket:
 
 def admit(job: AttentionJob | MhaJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
-    not fit in memory beside the others (503), then wait for a compute slot. The prediction is
-    kept in g.predicted_ms, for the compute metrics and the response's cost."""
+    not fit in memory beside the others (503), then wait for a compute slot. The prediction is the
+    cost model's alone-time x the slowdown that requests admitted at the same count of requests
+    busy in the server (Gate.busy(); kept in g.busy for run()) saw lately. It is kept in
+    g.predicted_ms, for the compute metrics and the response's cost."""
     g.job = job  # its shape, for the access log and the trace
-    predicted = g.predicted_ms = current_app.extensions["attention.cost"].predict_job(job)
+    model = current_app.extensions["attention.cost"]
+    g.busy = server_busy()  # the load it is admitted into: its slowdown is predicted, then learned, by this count
+    predicted = g.predicted_ms = model.predict_job(job, model.contention(g.busy))
     deadline = g.get("deadline_ms")
+    ticket = g.get("admission")
     if deadline is not None:
         left = deadline - elapsed_ms()
         if predicted > left:
             raise _deadline(
                 f"the predicted compute time is {predicted:.3g} ms but {max(left, 0):.3g} ms of X-Deadline-Ms={deadline:g} remain"
             )
-    ticket = g.get("admission")
     if ticket is None:
         return
     ticket.reserve(job.working_bytes(), predicted)
@@ -232,7 +243,14 @@ def server_computing() -> int:
     return gate.computing() if gate is not None else 0
 
 
-_last_gate: Gate | None = None  # for server_computing() outside a request
+def server_busy() -> int:
+    """Gate.busy() of this app's gate (at least 1: the caller's own request): the requests
+    computing in the server, or about to, that the cost model's slowdown is keyed by."""
+    gate = current_app.extensions.get("attention.gate") if has_app_context() else _last_gate
+    return max(1, gate.busy() if gate is not None else 0)
+
+
+_last_gate: Gate | None = None  # for server_computing() and server_busy() outside a request
 
 
 def elapsed_ms() -> float:

@@ -4,6 +4,8 @@ run() and cost() are shared with the KServe door: one computation, two envelopes
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from flask import Blueprint, Response, current_app, g
 
@@ -45,14 +47,19 @@ def load_job(schema_cls: type) -> Job:
 
 def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
     """Compute an admitted job, timed as the compute phase; the measured time refines the cost
-    model and is counted against admit()'s prediction. Both front doors compute through here."""
+    model (with the thread's CPU time, its alone-time, and g.busy, the requests busy in the server
+    when it was admitted) and is counted against admit()'s prediction. Both front doors compute
+    through here."""
     work = job.work()
+    model = current_app.extensions["attention.cost"]
     threads = parallel.threads(work)  # more than one only for a large job alone on the server
+    cpu_start = time.thread_time()
     with phase("compute") as timer:
         result = job.compute(threads, parallel.pool())
+    cpu_ms = (time.thread_time() - cpu_start) * 1000
     metrics.observe_compute(work, timer.ms, g.predicted_ms)
     if threads == 1:  # the model predicts one thread's time, what a job gets under load
-        current_app.extensions["attention.cost"].observe(work, timer.ms)
+        model.observe(work, timer.ms, cpu_ms, g.get("busy", 1))  # learns the alone-time (CPU time) and the slowdown seen
     return result
 
 

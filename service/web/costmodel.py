@@ -15,6 +15,21 @@ ridge towards the calibrated coefficients keeps the fit well posed when traffic 
 (then GFLOP and score elements are proportional and cannot be told apart). Coefficients are kept
 non-negative. Each worker process has its own model.
 
+Contention. The coefficients are one thread's time with a core to itself (the alone-time). Under
+load the server computes several requests at once (2 workers x 2 slots: 4 threads on 2 cores) and
+each runs slower. run() measures what its request saw: the computing thread's CPU time
+(time.thread_time) is its alone-time, since a thread waiting for a core or for the GIL burns
+none; so observe() fits the CPU time, and the coefficients do not drift with load. wall / CPU is
+the slowdown the request saw; the model keeps a running mean of it for each count of requests
+busy in the server when the request was admitted (computing or about to, itself included:
+admission's Gate.busy(), from the census of every worker), starting from contention(n, cores) =
+max(1, n / cores). admit() predicts alone-time x the slowdown at the count busy as it admits:
+predicted and learned by the same count, so what the count does not see (the GIL, this server's
+threads that decode and encode, other processes on the machine) is learned, and forgotten when
+the load goes. cost.predicted_ms, and /metrics' measured/predicted ratio, so compare like with
+like under load too. (A large request alone, split over the idle cores, is predicted at one
+thread's time and not observed: parallel.py.)
+
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
 """
@@ -23,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import socket
 import statistics
 import threading
@@ -32,6 +48,32 @@ import numpy as np
 
 from schemas import COMPUTE_DTYPES, AttentionJob, MhaJob, Work
 from service import wire
+
+
+def contention(threads: float, cores: int) -> float:
+    """How many times slower one thread's computation runs while threads (itself included)
+    compute at once on cores: each gets cores / threads of a core once they outnumber the cores,
+    a core of its own otherwise."""
+    return max(1.0, threads / max(cores, 1))
+
+
+def _level(busy: float) -> int:
+    return max(1, min(round(busy), MAX_BUSY))
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity; a container's CPU quota is not seen)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+# The slowdown by requests busy: the weight of one observation in its running (geometric) mean
+# (~7 requests' memory: a neighbour's load comes and goes quickly; 0.05 lagged it on this shared
+# machine), and the most requests counted apart (more are counted as that many).
+SLOWDOWN_WEIGHT = 0.15
+MAX_BUSY = 32
 
 
 class _Fit:
@@ -99,7 +141,15 @@ class CostModel:
     """Predicts compute milliseconds per dtype; thread-safe (gthread workers share one)."""
 
     def __init__(
-        self, a: float = 10.0, b: float = 6.0, c: float = 0.1, *, forget: float = 0.99, ridge: float = 1e-3, read_ms_per_mb: float = 0.4
+        self,
+        a: float = 10.0,
+        b: float = 6.0,
+        c: float = 0.1,
+        *,
+        forget: float = 0.99,
+        ridge: float = 1e-3,
+        read_ms_per_mb: float = 0.4,
+        cores: int | None = None,
     ):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
@@ -107,6 +157,15 @@ class CostModel:
         self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
         self.calibrated = False
         self.calibration_s = 0.0
+        self.cores = cores if cores is not None else available_cores()  # the contention is threads over these
+        self._slowdown: dict[int, float] = {}  # requests busy -> running mean of wall / CPU seen
+
+    def contention(self, busy: float) -> float:
+        """The slowdown a one-thread computation will see while busy requests (itself included)
+        compute in the server: the running mean of what computations saw at that count,
+        contention(busy, cores) until one has been seen."""
+        n = _level(busy)
+        return self._slowdown.get(n, contention(n, self.cores))
 
     @property
     def a(self) -> float:
@@ -120,24 +179,33 @@ class CostModel:
     def c(self) -> float:
         return float(self._fits["float32"].theta[2])
 
-    def predict_work(self, work: Work) -> float:
+    def predict_work(self, work: Work, contention: float = 1.0) -> float:
+        """Predicted compute ms of work on one thread: its alone-time x contention (1: alone)."""
         theta = self._fits.get(work.dtype, self._fits["float32"]).theta
-        return float(theta @ work.features())
+        return float(theta @ work.features()) * contention
 
-    def predict_job(self, job: AttentionJob | MhaJob) -> float:
-        return self.predict_work(job.work())
+    def predict_job(self, job: AttentionJob | MhaJob, contention: float = 1.0) -> float:
+        return self.predict_work(job.work(), contention)
 
     def read_floor_ms(self, body_bytes: int) -> float:
         """The least time receiving and parsing a body of this many bytes takes (a b64 body, the
         fastest kind, through a local socket): what a deadline must allow before compute starts."""
         return self.read_ms_per_mb * body_bytes / 1e6
 
-    def observe(self, work: Work, ms: float) -> None:
-        """Refine the fit with one measured compute time."""
+    def observe(self, work: Work, ms: float, cpu_ms: float | None = None, busy: float = 1.0) -> None:
+        """Refine the fit with one measured compute: ms of wall time, cpu_ms of the computing
+        thread's CPU time over it (None: ms was measured alone), admitted while busy requests were
+        computing in the server or about to (itself included). The fit learns the alone-time,
+        min(cpu_ms, ms); the slowdown at that count learns ms / alone-time."""
         if not (ms > 0 and math.isfinite(ms)) or work.dtype not in self._fits:
             return
+        alone = min(cpu_ms, ms) if cpu_ms is not None and cpu_ms > 0 else ms
         with self._lock:
-            self._fits[work.dtype].add(work.features(), ms)
+            self._fits[work.dtype].add(work.features(), alone)
+            if cpu_ms is not None and cpu_ms > 0:
+                n = _level(busy)
+                before = math.log(self._slowdown.get(n, contention(n, self.cores)))
+                self._slowdown[n] = math.exp((1 - SLOWDOWN_WEIGHT) * before + SLOWDOWN_WEIGHT * math.log(ms / alone))
 
     def calibrate(self, budget_s: float = 1.5, seed: int = 0) -> None:
         """Time the numeric core on a few shapes (T 64..2048, narrow and wide heads, the GPT block)
@@ -151,7 +219,7 @@ class CostModel:
                 break
             job = _probe(rng, dtype, shape, kind)
             job.compute()  # first touch: page faults, lazy initialisation
-            self.observe(job.work(), median_ms(job.compute))
+            self.observe(job.work(), median_ms(job.compute, clock=time.thread_time))  # CPU time: the alone-time, neighbours or not
         with self._lock:
             for fit in self._fits.values():
                 fit.anchor(fit.theta)
@@ -170,6 +238,8 @@ class CostModel:
             "read_ms_per_MB": round(self.read_ms_per_mb, 4),
             "calibrated": self.calibrated,
             "calibration_s": round(self.calibration_s, 3),
+            "cores": self.cores,
+            "slowdown_by_busy": {str(n): round(v, 3) for n, v in sorted(self._slowdown.items())},
         }
 
 
@@ -215,16 +285,17 @@ def _receive_and_parse(body: bytes) -> None:
     wire.decode(wire.loads(buf)["q"])
 
 
-def median_ms(run, min_runs: int = 3, min_ms: float = 30.0, max_runs: int = 25) -> float:
-    """Median time of run(), over at least min_runs calls and min_ms of calls: on a shared machine
-    a quick call is often preempted, and one preemption must not become the measurement."""
+def median_ms(run, min_runs: int = 3, min_ms: float = 30.0, max_runs: int = 25, clock=time.perf_counter) -> float:
+    """Median time of run() by clock (wall time by default; time.thread_time for this thread's CPU
+    time), over at least min_runs calls and min_ms of calls: on a shared machine a quick call is
+    often preempted, and one preemption must not become the measurement."""
     times: list[float] = []
     while len(times) < max_runs and (len(times) < min_runs or sum(times) < min_ms):
-        times.append(_timed(run))
+        times.append(_timed(run, clock))
     return statistics.median(times)
 
 
-def _timed(run) -> float:
-    t0 = time.perf_counter()
+def _timed(run, clock=time.perf_counter) -> float:
+    t0 = clock()
     run()
-    return (time.perf_counter() - t0) * 1000
+    return (clock() - t0) * 1000
