@@ -53,9 +53,10 @@ from service.web.app import create_app  # noqa: E402
 from .small_requests import body  # noqa: E402
 
 # Stage of a sample: the first stage any of whose markers is on its stack, else Flask and the rest.
-# The body's generator runs inside metrics.when_sent's wrapper (it counts the response once sent):
-# that frame is dropped first, so the streamed encoding counts as encode, not as metrics.
-SENT_WRAPPER = re.compile(r"when_sent\.<locals>\.chunks \([^)]*\);?")
+# The body's generator runs inside metrics.when_sent's wrapper, and the hooks' "sent" callbacks
+# (metrics, access log, admission, tracing) inside its finish: those frames are dropped first, so
+# the streamed encoding counts as encode and each callback as its own module, not all as metrics.
+SENT_WRAPPER = re.compile(r"(when_sent\.<locals>\.(chunks|finish)|_call_all) \([^)]*\);?")
 STAGES = [
     ("compute (numeric core)", ["AttentionJob._compute"]),
     ("cost model (work, predict, observe)", ["CostModel.", "_Job.work"]),
@@ -63,6 +64,7 @@ STAGES = [
     ("admission gate (admission.py)", ["service/web/admission.py"]),
     ("read + decode body (JSON, b64)", ["read_json"]),
     ("validate (marshmallow schema, cast)", ["Schema.load"]),
+    ("access log, tracing (accesslog.py, tracing.py)", ["service/web/accesslog.py", "service/web/tracing.py"]),
     ("encode response", ["respond_job", "Response.get_data"]),
     ("Flask, werkzeug, test client, http.py hooks", [""]),
 ]
