@@ -9,11 +9,12 @@ import threading
 
 import pytest
 import requests
+from flask import Response
 from prometheus_client import REGISTRY
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.web.metrics import METHODS, method_label, t_bucket
+from service.web.metrics import METHODS, method_label, t_bucket, when_sent
 
 from .helpers import WORKED, b64, start_server, stop_server, wait_for_workers, wait_until
 
@@ -154,3 +155,28 @@ def test_metrics_merge_every_worker(tmp_path):
         print(f"\nper-worker /attention counts {counts}, scraped total {total}")
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize("ending", ["sent", "closed"])
+def test_when_sent_runs_every_callback_once_in_order_through_one_wrapper(ending):
+    """The hooks' callbacks share one body wrapper; a callback that raises does not stop the ones
+    after it, and its error still surfaces."""
+    resp, calls = Response([b"a", b"b"]), []
+
+    def failing():
+        calls.append("first")
+        raise RuntimeError("first failed")
+
+    when_sent(resp, failing)
+    body = resp.response
+    when_sent(resp, lambda: calls.append("second"))
+    when_sent(resp, lambda: calls.append("third"))
+    assert resp.response is body  # wrapped once
+    with pytest.raises(RuntimeError, match="first failed"):
+        if ending == "sent":
+            assert b"".join(resp.response) == b"ab"
+        else:
+            resp.close()
+    assert calls == ["first", "second", "third"]
+    resp.close()  # the other ending, later: nothing runs twice
+    assert calls == ["first", "second", "third"]

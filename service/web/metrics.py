@@ -167,12 +167,22 @@ def when_sent(resp: Response, done: Callable[[], None]) -> None:
     """Call done() once resp's body has been sent: after its last chunk, or when the server closes
     the response (a client gone, a HEAD request). A response with b64 or large nested tensors
     streams (they are encoded as they are sent); any other body is built, and held in memory
-    until it has been written, so it ends the same way."""
+    until it has been written, so it ends the same way.
+
+    Several hooks ask this of one response (admission, metrics, the access log, tracing): the
+    first call wraps the body once, later ones join its list, and the callbacks run in the order
+    they were given (as nested wrappers ran them), each even if one before it raised. One
+    generator between the body and the server, not one per hook."""
+    callbacks = resp.__dict__.get("_when_sent")
+    if callbacks is not None:
+        callbacks.append(done)
+        return
+    callbacks = resp._when_sent = [done]
     once = threading.Lock()
 
     def finish():
         if once.acquire(blocking=False):
-            done()
+            _call_all(callbacks)
 
     def chunks(body):
         try:
@@ -182,6 +192,18 @@ def when_sent(resp: Response, done: Callable[[], None]) -> None:
 
     resp.response = chunks(resp.response)
     resp.call_on_close(finish)
+
+
+def _call_all(callbacks: list[Callable[[], None]]) -> None:
+    """Call each in turn; the first exception, if any, is raised once all have run."""
+    error = None
+    for done in callbacks:
+        try:
+            done()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others ran
+            error = error or exc
+    if error is not None:
+        raise error
 
 
 _children: dict[tuple, object] = {}

@@ -449,11 +449,15 @@ class FrontWorker(ThreadWorker):
         """Hand buf[:end] (one request) to a thread; what follows it is the next request's."""
         self._unwatch(conn)
         scanner, view = conn.scanner, memoryview(conn.buf)
-        segments = [view[:end]]
+        head_end = end if scanner.head_end is None else scanner.head_end
+        # The head and the body as separate segments: gunicorn's parser reads the head through its
+        # own buffers, and a first segment running into the body had up to 64 KB of it copied
+        # there and back; the body stays in place for MemoryBody.
+        segments = [view[:head_end], view[head_end:end]]
         if scanner.expect_line is not None and scanner.head_end is not None:
             # The 100 Continue has been sent: hide the Expect header so gunicorn does not send another.
             start, stop = scanner.expect_line
-            segments = [view[:start], view[stop:end]]
+            segments = [view[:start], view[stop:head_end], view[head_end:end]]
         conn.pending = bytes(view[end:])
         conn.parser = gunicorn_http.get_parser(self.cfg, conn.sock, conn.client)
         conn.parser.unreader = BufferedUnreader(segments)
