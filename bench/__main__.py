@@ -514,7 +514,10 @@ def main() -> None:
             "bench.baseline_service:app",
         ],
     }
-    envs = {"this": {"ATTN_WARMUP": "false"}, "textbook": {}}
+    # The sweep's largest bodies (b64 T=4096 without weights: 33.6 MB) pass the default 32 MiB
+    # ATTN_MAX_BODY_BYTES, which would refuse them 413 before reading: this server allows 64 MiB,
+    # and the memory in flight to match (bench/one_request.py does the same).
+    envs = {"this": {"ATTN_WARMUP": "false", "ATTN_MAX_BODY_BYTES": str(64 << 20), "ATTN_MAX_INFLIGHT_BYTES": str(2 << 30)}, "textbook": {}}
     servers = {name: Server(name, argv[name], envs[name]) for name in (("this",) if args.no_baseline else ("this", "textbook"))}
     try:
         for s in servers.values():
