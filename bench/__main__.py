@@ -54,6 +54,10 @@ H, D = 8, 64
 T_ALL = (64, 128, 256, 512, 1024, 2048, 4096)
 T_BASELINE_MAX = 1024
 T_TEXTBOOK_MAX = 2048  # in-process textbook numpy: 8 x 4096 x 4096 float64 scores are 1 GiB per temporary
+# The sweep's b64 T=4096 body without weights (33.6 MB) passes the default 32 MiB ATTN_MAX_BODY_BYTES,
+# which would refuse it 413 before reading: the service here allows 64 MiB, and the memory in flight
+# to match (bench/one_request.py does the same). Larger bodies (nested T=4096) are not sent.
+BODY_LIMIT = 64 << 20
 MAX_WEIGHTS_T = 2048  # the default ATTN_MAX_WEIGHTS_ELEMENTS (2**25) admits 8 x 2048 x 2048 weights
 
 
@@ -175,6 +179,11 @@ class Bench:
             self.skipped.append(label)
             return
         body = request_body(T, encoding, weights)
+        if len(body) > BODY_LIMIT:  # nested T=4096: ~126 MB of float text
+            self.notes.append(
+                f"{label}: not sent, its body of {len(body) / 1e6:.0f} MB is over the {BODY_LIMIT >> 20} MiB the server here allows"
+            )
+            return
         ms, status, data, headers = client.post(body)  # warm-up (and the check below)
         if status != 200:
             self.notes.append(f"{label}: HTTP {status}: {data[:200]!r}")
@@ -514,10 +523,10 @@ def main() -> None:
             "bench.baseline_service:app",
         ],
     }
-    # The sweep's largest bodies (b64 T=4096 without weights: 33.6 MB) pass the default 32 MiB
-    # ATTN_MAX_BODY_BYTES, which would refuse them 413 before reading: this server allows 64 MiB,
-    # and the memory in flight to match (bench/one_request.py does the same).
-    envs = {"this": {"ATTN_WARMUP": "false", "ATTN_MAX_BODY_BYTES": str(64 << 20), "ATTN_MAX_INFLIGHT_BYTES": str(2 << 30)}, "textbook": {}}
+    envs = {
+        "this": {"ATTN_WARMUP": "false", "ATTN_MAX_BODY_BYTES": str(BODY_LIMIT), "ATTN_MAX_INFLIGHT_BYTES": str(2 << 30)},
+        "textbook": {},
+    }
     servers = {name: Server(name, argv[name], envs[name]) for name in (("this",) if args.no_baseline else ("this", "textbook"))}
     try:
         for s in servers.values():
