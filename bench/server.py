@@ -40,16 +40,19 @@ class Server:
         argv = [a.replace("{port}", str(self.port)) for a in (argv or [sys.executable, "-m", "service"])]
         self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
-    def wait_ready(self, timeout: float = 90, in_a_row: int = 1) -> None:
-        """Wait until /readyz answers 200 in_a_row times running, each on a new connection (each
-        worker warms up on its own: many in a row reach them all). The timeout only stops a hang."""
+    def wait_ready(self, timeout: float = 90, in_a_row: int = 1, path: str = "/readyz") -> None:
+        """Wait until path (GET) answers 200 in_a_row times running, each on a new connection (each
+        worker warms up on its own: many in a row reach them all). The timeout only stops a hang;
+        either failure says so with the tail of the server's log."""
         deadline, ok = time.monotonic() + timeout, 0
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited: {Path(self.log.name).read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode} before it was ready; its log ends:\n{self.log_tail()}"
+                )
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/readyz")
+                conn.request("GET", path)
                 ok = ok + 1 if conn.getresponse().status == 200 else 0
                 conn.close()
             except OSError:
@@ -58,7 +61,10 @@ class Server:
                 return
             if not ok:
                 time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready in {timeout} s")
+        raise RuntimeError(f"{self.name} not ready in {timeout:.0f} s ({self.url}{path}); its log ends:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-chars:]
 
     def workers(self) -> list[int]:
         try:

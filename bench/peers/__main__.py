@@ -31,7 +31,6 @@ core computed here before anything is timed. Writes the tables to bench/out/peer
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib.metadata
 import os
 import platform
@@ -62,28 +61,8 @@ class Peer(Server):
     """A server of this benchmark: ready when /v2/health/ready answers 200 (all three speak it);
     a failure to start says so with the tail of its log."""
 
-    def wait_ready(self, timeout: float = 120, in_a_row: int = 4) -> None:
-        deadline, ok = time.monotonic() + timeout, 0
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with status {self.proc.returncode} before it was ready; its log ends:\n{self.log_tail()}"
-                )
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/v2/health/ready")
-                ok = ok + 1 if conn.getresponse().status == 200 else 0
-                conn.close()
-            except OSError:
-                ok = 0
-            if ok >= in_a_row:
-                return
-            if not ok:
-                time.sleep(0.3)
-        raise RuntimeError(f"{self.name} not ready in {timeout:.0f} s ({self.url}/v2/health/ready); its log ends:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-chars:]
+    def wait_ready(self, timeout: float = 120, in_a_row: int = 4, path: str = "/v2/health/ready") -> None:
+        super().wait_ready(timeout, in_a_row, path)
 
     def stop(self) -> None:
         """SIGTERM and wait (Server.stop), then SIGKILL whatever is left of its process group
