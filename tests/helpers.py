@@ -277,3 +277,13 @@ def raw_exchange(
                 break
             out.append((resp.status, {k.lower(): v for k, v in resp.getheaders()}, body))
     return out
+
+
+def set_blocks(monkeypatch, elements: int, rows: int) -> None:
+    """The numeric core's blocking made small for a test: BLOCK_ELEMENTS scores a block, at least
+    rows rows, and 3 causal blocks, so that small arrays make many blocks."""
+    from service.core import kernels
+
+    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", elements)
+    monkeypatch.setattr(kernels, "MIN_ROWS", rows)
+    monkeypatch.setattr(kernels, "CAUSAL_BLOCKS", 3)

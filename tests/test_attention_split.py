@@ -14,16 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from service.core import ScoreOverflow, attention, mha
-from service.core import kernels as core
+
+from .helpers import set_blocks
 
 
 @pytest.fixture(params=[(2**9, 4), (2**7, 1)], ids=["blocks of 4 rows", "single rows and items"])
 def blocks(request, monkeypatch):
     """Small blocks, so that small arrays make many blocks to share (split by batch item and by rows)."""
-    elements, rows = request.param
-    monkeypatch.setattr(core, "BLOCK_ELEMENTS", elements)
-    monkeypatch.setattr(core, "MIN_ROWS", rows)
-    monkeypatch.setattr(core, "CAUSAL_BLOCKS", 3)
+    set_blocks(monkeypatch, *request.param)
     return request.param
 
 

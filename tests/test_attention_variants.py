@@ -17,16 +17,14 @@ from service.core import attention, causal_mask, mha
 from service.core import kernels as core
 
 from . import oracle
+from .helpers import set_blocks
 
 
 @pytest.fixture(params=[(2**40, 16), (24, 3), (7, 1)], ids=["one block", "blocks of 3 rows", "rows and batch split"])
 def blocks(request, monkeypatch):
     """Block sizes: one block for everything, small blocks whose edges fall inside the band, and
     blocks of a single row and key/value item."""
-    elements, rows = request.param
-    monkeypatch.setattr(core, "BLOCK_ELEMENTS", elements)
-    monkeypatch.setattr(core, "MIN_ROWS", rows)
-    monkeypatch.setattr(core, "CAUSAL_BLOCKS", 3)
+    set_blocks(monkeypatch, *request.param)
     return request.param
 
 
