@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from loadtest import report
 from loadtest.cell import CellRun, Sample, summarize
 from loadtest.cli import parse_Ts
 from loadtest.fit import fit_power, fit_quadratic, slo_search
@@ -133,3 +134,13 @@ def test_parse_Ts():
     for bad in ("", "0", "64..32", "a"):
         with pytest.raises(ValueError):
             parse_Ts(bad)
+
+
+@pytest.mark.parametrize(
+    ("raw", "csv", "table"), [(3.3496, "3.350", "3.4"), (3.4496, "3.450", "3.5"), (0.03449, "0.034", "0.03"), (99.9996, "100.000", "100")]
+)
+def test_the_report_table_rounds_what_the_csv_holds(raw, csv, table):
+    """A reader (and the live sweep's test) compares report.md with results.csv: the table's figure
+    is the CSV's, rounded once more, never the raw value rounded another way."""
+    assert report._num(raw) == csv
+    assert report._ms(raw) == table
