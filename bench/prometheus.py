@@ -21,7 +21,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from bench.server import free_port
+from bench.server import free_port, terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "attention.json"
@@ -133,13 +133,7 @@ class LocalPrometheus:
         raise AssertionError(f"no successful scrape after {t} within {timeout} s: {json.dumps(self.api('targets'))[:2000]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 30)
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 

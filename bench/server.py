@@ -22,6 +22,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def terminate(proc: subprocess.Popen, grace_s: float) -> None:
+    """Stop proc: SIGTERM, up to grace_s for it to exit, then SIGKILL; nothing if it has exited."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Server:
     """A gunicorn master started here on a free loopback port; its workers are its children.
     argv may name the port as "{port}"; HOST and PORT are set in its environment, and
@@ -75,11 +86,5 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM, and time for gunicorn's 30 s graceful shutdown; then SIGKILL. The log file goes too."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=35)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 35)
         Path(self.log.name).unlink(missing_ok=True)

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from bench.server import terminate
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # --- the seed's worked example -----------------------------------------------------------------
@@ -156,13 +158,7 @@ def start_server(env: dict | None = None, timeout: float = 120.0):
 
 def stop_server(proc: subprocess.Popen) -> None:
     """SIGTERM (gunicorn drains for up to 30 s), then SIGKILL; the server's log file goes with it."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=35)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    terminate(proc, 35)
     Path(proc.log_path).unlink(missing_ok=True)
 
 
