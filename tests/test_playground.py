@@ -316,18 +316,23 @@ def test_pasted_batches_flat_tensors_and_the_bottom_right_mask(page, live_server
     np.testing.assert_allclose(outputs, np.reshape(answer["out"]["data"], (2, 2))[1], rtol=1e-3)
 
 
-@live
-def test_api_errors_are_shown_as_the_api_words_them(page, live_server):
-    choose(page, "custom")
-    state, _ = act(page, lambda: (page.fill("#custom-q", "[[1, 0], [1]]"), page.press("#custom-q", "Tab")))
-    assert state == "error"
-    request = {"q": [[1, 0], [1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": "top_left"}
+def assert_shows_api_error(page, live_server: str, request: dict) -> None:
+    """The page shows, instead of a result, the 422 the API itself gives request: its message and code."""
     answer = requests.post(f"{live_server}/attention", json=request, timeout=30)
     assert answer.status_code == 422
     error = answer.json()["error"]
     assert page.is_visible("#error") and page.is_hidden("#result")
     assert page.inner_text("#error-message") == error["message"]
     assert page.inner_text("#error-code").startswith(f"422 {error['code']}")
+
+
+@live
+def test_api_errors_are_shown_as_the_api_words_them(page, live_server):
+    choose(page, "custom")
+    state, _ = act(page, lambda: (page.fill("#custom-q", "[[1, 0], [1]]"), page.press("#custom-q", "Tab")))
+    assert state == "error"
+    request = {"q": [[1, 0], [1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": "top_left"}
+    assert_shows_api_error(page, live_server, request)
     screenshot(page, "error")
     # A fix brings the heatmap back.
     state, _ = act(page, lambda: (page.fill("#custom-q", "[[1, 0], [0, 1]]"), page.press("#custom-q", "Tab")))
@@ -448,12 +453,7 @@ def test_grouped_query_and_a_window_in_mha(page, live_server):
 def test_an_invalid_window_shows_the_api_message(page, live_server):
     state, body = set_window(page, "-2", "0")
     assert state == "error" and body["window"] == [-2, 0]
-    answer = requests.post(f"{live_server}/attention", json=body, timeout=30)
-    assert answer.status_code == 422
-    error = answer.json()["error"]
-    assert page.is_visible("#error") and page.is_hidden("#result")
-    assert page.inner_text("#error-message") == error["message"]
-    assert page.inner_text("#error-code").startswith(f"422 {error['code']}")
+    assert_shows_api_error(page, live_server, body)
     state, _ = act(page, lambda: (page.fill("#window-left", "0"), page.press("#window-left", "Tab")))
     assert state == "done" and page.is_hidden("#error")
 
