@@ -15,6 +15,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
+from urllib.parse import unquote
 
 import numpy as np
 import requests
@@ -358,7 +359,8 @@ class AttentionClient:
         answer = self._send("POST", f"/v2/models/{_wire.V2_MODELS[path]}/infer", parts, headers, align_at=_wire.v2_head_length)
         if answer.status != 200:
             code = answer.headers.get("X-Error-Code") or "http_error"
-            raise AttentionError(answer.status, code, _v2_message(answer), _response(answer), answer.headers.get("X-Error-Field"))
+            field = answer.headers.get("X-Error-Field")
+            raise AttentionError(answer.status, code, _v2_message(answer), _response(answer), field and unquote(field))
         try:
             results = _wire.v2_outputs(answer.body, int(answer.headers.get(_wire.HEAD_LENGTH) or 0))
             return results["out"], results.get("weights")

@@ -4,8 +4,10 @@ server, equal to the native endpoints; and the protocol's error shape via the Fl
 from __future__ import annotations
 
 import json
+import urllib.parse
 
 import numpy as np
+import orjson
 import pytest
 import requests
 import tritonclient.http as triton
@@ -536,6 +538,24 @@ def test_refusals_carry_their_code_and_field_in_headers(client):
     assert native_resp.get_json()["error"]["code"] == "shape_mismatch"
     no_field = infer(client, b"{", headers={})
     assert no_field.status_code == 400 and no_field.headers["X-Error-Code"] == "bad_json" and "X-Error-Field" not in no_field.headers
+
+
+@pytest.mark.parametrize("key", ["\u0100", "a\r\nSet-Cookie: x=1", "50%", "k" * 300])
+def test_a_field_named_by_the_client_is_a_valid_header(live_server, key):
+    """X-Error-Field names a key the client sent, which can be any text: the real server (gunicorn
+    refuses a header value it cannot send: that was a 500) answers 422 with the field
+    percent-encoded in printable ASCII, never split into another header, and none past 256."""
+    resp = requests.post(
+        f"{live_server}/attention", data=orjson.dumps({key: None}), headers={"Content-Type": "application/json"}, timeout=30
+    )
+    field = resp.json()["error"]["field"]  # a long key is shortened there
+    assert resp.status_code == 422 and (field == key or len(key) > 256), resp.text[:300]
+    assert "Set-Cookie" not in resp.headers
+    header = resp.headers.get("X-Error-Field")
+    if len(urllib.parse.quote(field)) > 256:
+        assert header is None
+    else:
+        assert header.isascii() and header.isprintable() and urllib.parse.unquote(header) == field
 
 
 @pytest.mark.parametrize("pad", [0, 1, 2, 3])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from urllib.parse import quote
 
 from flask import Blueprint, Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
@@ -73,10 +74,25 @@ def body_too_large(limit: int) -> str:
     return f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES)."
 
 
+MAX_FIELD_HEADER = 256  # characters of X-Error-Field: past this it is left out (the body names the field)
+
+
 def code_headers(err: RequestError) -> dict[str, str]:
     """X-Error-Code (and X-Error-Field) on every error answer, whichever door: the /v2 protocol's
-    body is only {"error": message}, and a client of that door still needs the code and field."""
-    return {"X-Error-Code": err.code, **({"X-Error-Field": err.field} if err.field else {})}
+    body is only {"error": message}, and a client of that door still needs the code and field.
+
+    A field can be a key the client sent, so any text: in the header it is percent-encoded (UTF-8,
+    RFC 3986) but for printable ASCII other than "%", so that the header is always valid (a key
+    such as "\u0100" or one holding CR LF made gunicorn refuse the header: 500) and never splits."""
+    headers = {"X-Error-Code": err.code}
+    if err.field:
+        field = quote(err.field, safe=_PRINTABLE)
+        if len(field) <= MAX_FIELD_HEADER:
+            headers["X-Error-Field"] = field
+    return headers
+
+
+_PRINTABLE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 
 def native_body(err: RequestError, status: int) -> dict:

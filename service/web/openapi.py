@@ -268,7 +268,10 @@ def _spec(settings: Settings) -> APISpec:
 # On every error answer of both doors (the /v2 protocol's body carries only a message).
 ERROR_HEADERS = {
     "X-Error-Code": {"required": True, "schema": {"type": "string"}, "description": "the error's code, as in the body's error.code"},
-    "X-Error-Field": {"schema": {"type": "string"}, "description": "the request field the error names, when it names one"},
+    "X-Error-Field": {
+        "schema": {"type": "string"},
+        "description": "the request field the error names, when it names one: percent-encoded (UTF-8) but for printable ASCII other than %, and left out past 256 characters",
+    },
 }
 
 
