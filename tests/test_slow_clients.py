@@ -348,6 +348,44 @@ def test_expect_100_continue_is_answered_once(server):
     assert status == 200 and json.loads(out)["out"]["shape"] == [1, 2, 16, 8]
 
 
+@pytest.mark.parametrize("expect", [False, True], ids=["plain", "expect-100"])
+def test_a_large_body_in_pieces_is_read_into_its_own_buffer_and_answered(server, expect):
+    """A body of known length past the worker's preallocation threshold (256 KiB; 1 MB here) is read
+    straight into a buffer of its size, whatever pieces it arrives in and whatever follows it on
+    the connection: the answer is the one of the same body sent at once, and the request
+    pipelined behind it is answered too."""
+    body = body_of(4096, seed=7)
+    assert len(body) > 3 * 256 * 1024
+    whole = requests.post(server.url + "/attention", data=body, headers={"Content-Type": "application/json"}, timeout=HANG)
+    s = connect(server)
+    s.sendall(post_head(len(body), extra="Expect: 100-continue\r\n" if expect else ""))
+    if expect:
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            interim += s.recv(1)
+        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    cuts = [0, 1000, 300_000, 300_001, len(body) // 2, len(body) - 5]
+    for a, b in zip(cuts, cuts[1:], strict=False):
+        s.sendall(body[a:b])
+        time.sleep(0.05)
+    s.sendall(body[cuts[-1] :] + b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    data, _ = read_to_end(s)
+    (status, _, out), (second, _, _) = responses(data)
+    assert (whole.status_code, status, second) == (200, 200, 200)
+    assert json.loads(out)["out"] == whole.json()["out"]
+
+
+def test_a_large_body_cut_short_gets_400_and_the_worker_goes_on(server):
+    """A client that declares a large body, sends part of it and half-closes: 400
+    incomplete_request, and the worker (whose buffer for it was allocated whole) serves the next."""
+    s = connect(server)
+    s.sendall(post_head(8_000_000) + b"[" * 600_000)
+    s.shutdown(socket.SHUT_WR)
+    answer, _ = read_to_end(s)
+    assert_error(answer, 400, "incomplete_request")
+    assert valid_request_ok(server)
+
+
 def test_pipelined_requests_are_answered_in_order(server):
     body = body_of(16, seed=6)
     s = connect(server)

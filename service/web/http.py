@@ -55,8 +55,9 @@ def check_media_type(require_json: bool = True) -> None:
 def read_body() -> bytes | bytearray:
     """The raw body; werkzeug refuses it with 413 past MAX_CONTENT_LENGTH before reading it all.
 
-    With a Content-Length, read in 1 MiB steps into one buffer of that size: the body is in memory
-    once (get_data() holds it twice at the end, and gunicorn's read of it all at once, twice)."""
+    With a Content-Length, the buffer the worker received it into (service.web.worker.MemoryBody),
+    or else read in 1 MiB steps into one buffer of that size: the body is in memory once
+    (get_data() holds it twice at the end, and gunicorn's read of it all at once, twice)."""
     try:
         return _read(request.content_length)
     except (ParseException, NoMoreData) as exc:
@@ -69,6 +70,9 @@ def read_body() -> bytes | bytearray:
 def _read(length: int | None) -> bytes | bytearray:
     if not length:
         return request.get_data(cache=False)
+    take_whole = getattr(request.environ.get("wsgi.input"), "take_whole", None)  # the event-loop worker's MemoryBody
+    if take_whole is not None and (body := take_whole()) is not None:
+        return body  # the buffer the worker received the body into: no copy (a 32 MiB body's cost ~5 ms)
     stream, body = request.stream, bytearray(length)
     view, got = memoryview(body), 0
     while got < length and (n := stream.readinto(view[got : got + 2**20])):

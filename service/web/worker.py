@@ -59,6 +59,14 @@ from service.config import Settings
 from . import accesslog, errors, framing, kserve, metrics
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
+# A body of known length longer than this gets its whole buffer once its head is in, and the
+# socket's bytes are read straight into it (recv_into) rather than received as new bytes objects and
+# appended to a growing buffer (two copies, and the growth's page faults: a 32 MiB body spent ~14 ms
+# there, bench/README.md "Large requests"). The buffer is allocated, not written: its pages are
+# touched by the bytes that arrive, so a client that declares a length and stalls costs address
+# space, not memory, and its received bytes still count against ATTN_MAX_INFLIGHT_BYTES.
+PREALLOCATE_BYTES = RECV_BYTES
+MAX_RECV_INTO = 4 * 2**20  # one read into a preallocated body: what the kernel holds, up to this
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
 LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
 LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
@@ -127,18 +135,22 @@ class ClientSocket(socket.socket):
 
     def sendall(self, data, flags: int = 0) -> None:
         view = memoryview(data).cast("B")
-        if not self.outbox:
-            timeout = self.gettimeout()
-            self.setblocking(False)
-            try:
+        timeout = self.gettimeout()
+        self.setblocking(False)
+        try:
+            # What is held goes first, as far as the kernel takes it now: a response written in
+            # pieces (a large tensor's text, encoded chunk by chunk) then flows to a client that
+            # reads while the thread encodes the rest, rather than waiting for the thread to end.
+            if self.outbox:
+                self.budget.give(self.send_some())
+            if not self.outbox:
                 view = view[self.send(view, flags) :]
-            except (BlockingIOError, InterruptedError):
-                pass
-            finally:
-                self.settimeout(timeout)
-            if not view:
-                return
-        self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
+        except (BlockingIOError, InterruptedError):
+            pass
+        finally:
+            self.settimeout(timeout)
+        if view:
+            self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
 
     def queue(self, data) -> None:
         """Hold data for the event loop to send, charged to the budget until it is sent or dropped."""
@@ -194,14 +206,27 @@ class BufferedUnreader(Unreader):
 
 class MemoryBody:
     """A request body of known length that is already in memory (segments of the received buffer),
-    as gunicorn's Body reads it: readinto() copies it once into the reader's buffer. gunicorn's own
+    as gunicorn's Body reads it: readinto() copies it once into the reader's buffer, and
+    take_whole() hands over the received buffer itself when the body is all of it. gunicorn's own
     Body over the unreader copied a body up to eight times on its way to the app (BytesIO buffers at
     each layer, slices of them): for a 530 KB request, ~5% of a small request's CPU."""
 
     failed = False  # gunicorn's parser asks: reading never fails here
 
     def __init__(self, segments: list):
-        self.segments = deque(memoryview(s).cast("B") for s in segments if len(s))
+        parts = [s for s in segments if len(s)]
+        self.whole = parts[0] if len(parts) == 1 and type(parts[0]) is bytearray else None
+        self.segments = deque(memoryview(s).cast("B") for s in parts)
+
+    def take_whole(self) -> bytearray | None:
+        """The whole body, not copied, when it is one buffer of its own (the event loop's receive
+        buffer, which nothing else holds) and none of it has been read; else None, and the body is
+        read as before. The app parses the bytes where the socket put them (service.web.http)."""
+        whole, self.whole = self.whole, None
+        if whole is None or len(self.segments) != 1 or len(self.segments[0]) != len(whole):
+            return None
+        self.segments.clear()
+        return whole
 
     def readinto(self, b) -> int:
         out, got = memoryview(b).cast("B"), 0
@@ -256,6 +281,7 @@ class Conn(TConn):
         # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
         self.buf = bytearray()
+        self.got = 0  # bytes of the request in buf: len(buf), or fewer once its body's buffer is allocated whole
         self.scanner: framing.RequestScanner | None = None
         self.body_started = 0.0
         self.deadline = 0.0
@@ -355,14 +381,14 @@ class FrontWorker(ThreadWorker):
     # -- receiving --------------------------------------------------------------------------------
 
     def _release_buf(self, conn: Conn) -> None:
-        self.received -= len(conn.buf)
-        conn.buf = bytearray()
+        self.received -= conn.got
+        conn.buf, conn.got = bytearray(), 0
 
     def _start_request(self, conn: Conn, pending: bytes, new: bool = False) -> None:
         """Wait for (the rest of) the next request; pending is what already arrived of it."""
         now = time.monotonic()
         conn.state = Conn.READING
-        conn.buf = bytearray(pending)
+        conn.buf, conn.got = bytearray(pending), len(pending)
         conn.started = now
         self.received += len(pending)
         conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
@@ -375,15 +401,22 @@ class FrontWorker(ThreadWorker):
             self._advance(conn)
 
     def _on_readable(self, conn: Conn, _fileobj) -> None:
+        preallocated = conn.got < len(conn.buf)
         try:
-            data = conn.sock.recv(RECV_BYTES)
+            if preallocated:  # the rest of a body of known length, straight into its place
+                with memoryview(conn.buf) as view:
+                    n = conn.sock.recv_into(view[conn.got : conn.got + MAX_RECV_INTO])
+                data = None
+            else:
+                data = conn.sock.recv(RECV_BYTES)
+                n = len(data)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._close(conn)
             return
-        if not data:  # the client closed, or half-closed, its side before a complete request
-            if conn.buf:  # part of one arrived: it is never computed, and the client is told why
+        if not n:  # the client closed, or half-closed, its side before a complete request
+            if conn.got:  # part of one arrived: it is never computed, and the client is told why
                 what = "head" if conn.scanner.head_end is None else "body"
                 self._answer(
                     conn, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete."
@@ -391,11 +424,13 @@ class FrontWorker(ThreadWorker):
             else:
                 self._close(conn)
             return
-        if not conn.buf:
+        if not conn.got:
             conn.started = time.monotonic()
             conn.deadline = conn.started + self.settings.header_timeout_s
-        conn.buf += data
-        self.received += len(data)
+        if data is not None:
+            conn.buf += data
+        conn.got += n
+        self.received += n
         if self.received > self.settings.max_inflight_bytes:
             # Bodies being read count against the worker's memory budget like admitted ones: a
             # client must send the bytes to hold them, and the one that goes past it is refused.
@@ -409,15 +444,18 @@ class FrontWorker(ThreadWorker):
 
     def _advance(self, conn: Conn) -> None:
         """Act on what the scanner says of the bytes received so far."""
-        head_known = conn.scanner.head_end is not None
-        verdict = conn.scanner.scan(conn.buf)
+        scanner, head_known = conn.scanner, conn.scanner.head_end is not None
+        with memoryview(conn.buf) as view:  # what has arrived (a preallocated body's buffer is longer)
+            verdict = scanner.scan(conn.buf if conn.got == len(conn.buf) else view[: conn.got])
         if verdict.kind == framing.NEED_MORE:
-            if not head_known and conn.scanner.head_end is not None:
+            if not head_known and scanner.head_end is not None:
                 conn.body_started = time.monotonic()
-                if conn.scanner.expects_continue:  # the client waits for this before its body
+                if scanner.expects_continue:  # the client waits for this before its body
                     self._send_now(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
-            if conn.scanner.head_end is not None:
-                received = conn.scanner.body_received(len(conn.buf))
+                if scanner.body_length is not None and scanner.body_length - scanner.body_received(conn.got) > PREALLOCATE_BYTES:
+                    self._preallocate(conn, scanner.head_end + scanner.body_length)
+            if scanner.head_end is not None:
+                received = scanner.body_received(conn.got)
                 conn.deadline = conn.body_started + self.settings.body_timeout_s + received / self.settings.body_min_rate
         elif verdict.kind == framing.COMPLETE:
             if self.budget.full and conn.scanner.method == "POST":
@@ -438,6 +476,14 @@ class FrontWorker(ThreadWorker):
         elif verdict.kind == framing.HEAD_TOO_LARGE:
             self._answer(conn, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
 
+    @staticmethod
+    def _preallocate(conn: Conn, total: int) -> None:
+        """Give the request its whole buffer, total bytes, what has arrived copied to its start.
+        bytearray(n) is calloc: a large one is mapped, not written, until the socket fills it."""
+        buf = bytearray(total)
+        buf[: conn.got] = conn.buf
+        conn.buf = buf
+
     def _send_now(self, conn: Conn, data: bytes) -> None:
         """A few bytes, sent at once (non-blocking socket): the socket buffer has room for them."""
         try:
@@ -448,21 +494,23 @@ class FrontWorker(ThreadWorker):
     def _dispatch(self, conn: Conn, end: int) -> None:
         """Hand buf[:end] (one request) to a thread; what follows it is the next request's."""
         self._unwatch(conn)
-        scanner, view = conn.scanner, memoryview(conn.buf)
+        scanner, buf = conn.scanner, conn.buf
         head_end = end if scanner.head_end is None else scanner.head_end
+        conn.pending = bytes(buf[end:])
         # The head and the body as separate segments: gunicorn's parser reads the head through its
-        # own buffers, and a first segment running into the body had up to 64 KB of it copied
-        # there and back; the body stays in place for MemoryBody.
-        segments = [view[:head_end], view[head_end:end]]
+        # own buffers (a first segment running into the body had up to 64 KB of it copied there and
+        # back), and the body is the received buffer itself, for MemoryBody to hand to the app.
+        head = bytes(buf[:head_end])
         if scanner.expect_line is not None and scanner.head_end is not None:
             # The 100 Continue has been sent: hide the Expect header so gunicorn does not send another.
             start, stop = scanner.expect_line
-            segments = [view[:start], view[stop:head_end], view[head_end:end]]
-        conn.pending = bytes(view[end:])
+            head = head[:start] + head[stop:]
+        self._release_buf(conn)
+        del buf[end:]  # what follows the request (pipelined), copied to pending above
+        del buf[:head_end]  # in place: a bytearray drops its first bytes by moving its start, no copy
         conn.parser = gunicorn_http.get_parser(self.cfg, conn.sock, conn.client)
-        conn.parser.unreader = BufferedUnreader(segments)
+        conn.parser.unreader = BufferedUnreader([head, buf])
         conn.state = Conn.IN_THREAD
-        self._release_buf(conn)  # the thread's segments keep the old buffer alive until it is parsed
         self.enqueue_req(conn)
 
     def _answer(self, conn: Conn, code: str, message: str) -> None:
@@ -475,7 +523,7 @@ class FrontWorker(ThreadWorker):
         answer = error_response(code, message, scanner.path)
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
         accesslog.worker_answer(
-            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, (len(conn.buf), len(answer)), conn.started
+            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, (conn.got, len(answer)), conn.started
         )
         self._release_buf(conn)
         conn.keep = False
@@ -602,12 +650,12 @@ class FrontWorker(ThreadWorker):
         if not self.alive and self.stopping_at is None:
             self.stopping_at = now
         for conn in [c for c in self.conns if c.state != Conn.IN_THREAD]:
-            idle = conn.state == Conn.READING and not conn.buf
+            idle = conn.state == Conn.READING and not conn.got
             if idle and self.stopping_at is not None:
                 conn.deadline = min(conn.deadline, self.stopping_at + STOP_KEEPALIVE_LINGER)
             if now < conn.deadline:
                 continue
-            if conn.state == Conn.READING and conn.buf:
+            if conn.state == Conn.READING and conn.got:
                 what = "request head" if conn.scanner.head_end is None else "request body"
                 limit = (
                     f"{self.settings.header_timeout_s} s (ATTN_HEADER_TIMEOUT_S)"

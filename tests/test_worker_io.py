@@ -1,0 +1,83 @@
+"""The event-loop worker's buffers, in-process (service/web/worker.py): the body handed to the app
+without a copy, and a response written in pieces flowing while the thread still writes."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from service.web.worker import ClientSocket, MemoryBody, SendBudget
+
+
+def test_a_body_of_one_buffer_is_handed_over_whole():
+    body = bytearray(b'{"q": [1, 2, 3]}')
+    taken = MemoryBody([b"", body]).take_whole()
+    assert taken is body  # the received buffer itself: no copy
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["two segments", "bytes", "partly read"],
+)
+def test_otherwise_the_body_is_read_as_before(case):
+    """take_whole() gives None where the body is not one whole buffer of its own, and the body
+    then reads in full as before."""
+    body = bytearray(b'{"q": [1, 2, 3]}')
+    if case == "two segments":
+        reader = MemoryBody([body[:5], body[5:]])
+    elif case == "bytes":
+        reader = MemoryBody([bytes(body)])
+    else:
+        reader = MemoryBody([body])
+        first = reader.read(3)
+    assert reader.take_whole() is None
+    rest = reader.read()
+    assert (first + rest if case == "partly read" else rest) == bytes(body)
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    budget = SendBudget(1 << 40)
+    sock = ClientSocket(a.family, a.type, a.proto, fileno=a.detach(), budget=budget)
+    yield sock, b, budget
+    sock.close()
+    b.close()
+
+
+def drain(peer: socket.socket) -> bytes:
+    """What the peer can read now, without waiting."""
+    got = bytearray()
+    peer.setblocking(False)
+    while True:
+        try:
+            chunk = peer.recv(1 << 20)
+        except BlockingIOError:
+            return bytes(got)
+        if not chunk:
+            return bytes(got)
+        got += chunk
+
+
+def test_what_is_held_goes_out_first_when_the_thread_writes_again(pair):
+    """A response written in pieces: what the kernel did not take of the first piece is held; when
+    the thread writes the next piece, the held bytes go first as far as the client has read, so
+    the client gets data while the thread is still encoding (not only when it ends), in order,
+    and the budget counts exactly what is still held."""
+    sock, peer, budget = pair
+    first, second = bytes(range(256)) * 16384, b"the second piece"  # 4 MiB, far past the socket buffers
+    sock.sendall(first)
+    held = sock.outbox_bytes
+    assert 0 < held < len(first) and budget.used == held
+    received = drain(peer)  # the client reads what it can
+    sock.sendall(second)
+    assert sock.outbox_bytes < held + len(second)  # some of the held bytes went before the second piece was held
+    assert budget.used == sock.outbox_bytes
+    sock.setblocking(False)  # as the event loop has it
+    while sock.outbox:  # the event loop's part: the rest, as the client reads
+        received += drain(peer)
+        budget.give(sock.send_some())
+    received += drain(peer)
+    assert received == first + second and budget.used == 0
