@@ -8,10 +8,12 @@ import signal
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import requests
 
+from service import __main__ as service_main
 from service.web import create_app, ops
 
 from .helpers import WORKED, all_ready, big_body, start_server, stop_server, wait_for_workers, wait_until
@@ -110,3 +112,28 @@ def test_a_killed_worker_is_replaced(tmp_path):
         assert proc.poll() is None
     finally:
         stop_server(proc)
+
+
+@pytest.mark.parametrize(
+    ("tunables", "expected"),
+    [
+        (None, "glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),  # the operator's choice wins
+    ],
+)
+def test_the_server_starts_with_huge_pages_for_large_buffers(tunables, expected):
+    """python -m service hands gunicorn (and so every worker) glibc.malloc.hugetlb=1, added to the
+    operator's own GLIBC_TUNABLES, unless those name hugetlb themselves."""
+    env = {"PATH": "/bin"} | ({} if tunables is None else {"GLIBC_TUNABLES": tunables})
+    assert service_main.environment(env) == {**env, "GLIBC_TUNABLES": expected}
+
+
+def test_a_live_worker_has_the_tunable(attack_server):
+    """The running workers (not only the launcher) were started with it: glibc reads it at exec."""
+    proc, _ = attack_server
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert children
+    for pid in children:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        assert any(v.startswith(b"GLIBC_TUNABLES=") and b"glibc.malloc.hugetlb=1" in v for v in environ)
