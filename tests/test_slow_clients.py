@@ -14,6 +14,7 @@ import resource
 import select
 import socket
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -373,6 +374,29 @@ def test_a_large_body_in_pieces_is_read_into_its_own_buffer_and_answered(server,
     (status, _, out), (second, _, _) = responses(data)
     assert (whole.status_code, status, second) == (200, 200, 200)
     assert json.loads(out)["out"] == whole.json()["out"]
+
+
+def test_a_declared_length_costs_no_memory_until_its_bytes_arrive(server):
+    """40 uploads each declare a 30 MB body, send 300 KB and stall: the worker holds what they
+    sent (12 MB), not what they declared (1.2 GB if it allocated each body's buffer ahead)."""
+    [pid] = helpers.worker_pids(server.proc)
+
+    def rss_mb() -> float:
+        return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+
+    before, socks = rss_mb(), []
+    try:
+        for _ in range(40):
+            s = connect(server)
+            s.sendall(post_head(30_000_000) + b" " * 300_000)
+            socks.append(s)
+        assert get(server, "/healthz") == 200  # the worker's event loop has read past them
+        grown = rss_mb() - before
+        assert grown < 100, f"the worker grew by {grown:.0f} MB for 12 MB received"
+    finally:
+        for s in socks:
+            s.close()
+    assert valid_request_ok(server)
 
 
 def test_a_large_body_cut_short_gets_400_and_the_worker_goes_on(server):

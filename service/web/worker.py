@@ -59,14 +59,6 @@ from service.config import Settings
 from . import accesslog, errors, framing, kserve, metrics
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
-# A body of known length longer than this gets its whole buffer once its head is in, and the
-# socket's bytes are read straight into it (recv_into) rather than received as new bytes objects and
-# appended to a growing buffer (two copies, and the growth's page faults: a 32 MiB body spent ~14 ms
-# there, bench/README.md "Large requests"). The buffer is allocated, not written: its pages are
-# touched by the bytes that arrive, so a client that declares a length and stalls costs address
-# space, not memory, and its received bytes still count against ATTN_MAX_INFLIGHT_BYTES.
-PREALLOCATE_BYTES = RECV_BYTES
-MAX_RECV_INTO = 4 * 2**20  # one read into a preallocated body: what the kernel holds, up to this
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
 LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
 LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
@@ -281,7 +273,6 @@ class Conn(TConn):
         # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
         self.buf = bytearray()
-        self.got = 0  # bytes of the request in buf: len(buf), or fewer once its body's buffer is allocated whole
         self.scanner: framing.RequestScanner | None = None
         self.body_started = 0.0
         self.deadline = 0.0
@@ -381,14 +372,14 @@ class FrontWorker(ThreadWorker):
     # -- receiving --------------------------------------------------------------------------------
 
     def _release_buf(self, conn: Conn) -> None:
-        self.received -= conn.got
-        conn.buf, conn.got = bytearray(), 0
+        self.received -= len(conn.buf)
+        conn.buf = bytearray()
 
     def _start_request(self, conn: Conn, pending: bytes, new: bool = False) -> None:
         """Wait for (the rest of) the next request; pending is what already arrived of it."""
         now = time.monotonic()
         conn.state = Conn.READING
-        conn.buf, conn.got = bytearray(pending), len(pending)
+        conn.buf = bytearray(pending)
         conn.started = now
         self.received += len(pending)
         conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
@@ -401,22 +392,15 @@ class FrontWorker(ThreadWorker):
             self._advance(conn)
 
     def _on_readable(self, conn: Conn, _fileobj) -> None:
-        preallocated = conn.got < len(conn.buf)
         try:
-            if preallocated:  # the rest of a body of known length, straight into its place
-                with memoryview(conn.buf) as view:
-                    n = conn.sock.recv_into(view[conn.got : conn.got + MAX_RECV_INTO])
-                data = None
-            else:
-                data = conn.sock.recv(RECV_BYTES)
-                n = len(data)
+            data = conn.sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self._close(conn)
             return
-        if not n:  # the client closed, or half-closed, its side before a complete request
-            if conn.got:  # part of one arrived: it is never computed, and the client is told why
+        if not data:  # the client closed, or half-closed, its side before a complete request
+            if conn.buf:  # part of one arrived: it is never computed, and the client is told why
                 what = "head" if conn.scanner.head_end is None else "body"
                 self._answer(
                     conn, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete."
@@ -424,13 +408,15 @@ class FrontWorker(ThreadWorker):
             else:
                 self._close(conn)
             return
-        if not conn.got:
+        if not conn.buf:
             conn.started = time.monotonic()
             conn.deadline = conn.started + self.settings.header_timeout_s
-        if data is not None:
-            conn.buf += data
-        conn.got += n
-        self.received += n
+        # Appended as it comes, never allocated ahead for the Content-Length a client declares: a
+        # buffer of that size would be as many bytes of memory at once (bytearray(n) zeroes them),
+        # held by a client that sends a head and stalls (100 stalled uploads of 300 KB declaring
+        # 30 MB each: 1.5 GB). What a connection holds is what it sent, counted here.
+        conn.buf += data
+        self.received += len(data)
         if self.received > self.settings.max_inflight_bytes:
             # Bodies being read count against the worker's memory budget like admitted ones: a
             # client must send the bytes to hold them, and the one that goes past it is refused.
@@ -444,18 +430,15 @@ class FrontWorker(ThreadWorker):
 
     def _advance(self, conn: Conn) -> None:
         """Act on what the scanner says of the bytes received so far."""
-        scanner, head_known = conn.scanner, conn.scanner.head_end is not None
-        with memoryview(conn.buf) as view:  # what has arrived (a preallocated body's buffer is longer)
-            verdict = scanner.scan(conn.buf if conn.got == len(conn.buf) else view[: conn.got])
+        head_known = conn.scanner.head_end is not None
+        verdict = conn.scanner.scan(conn.buf)
         if verdict.kind == framing.NEED_MORE:
-            if not head_known and scanner.head_end is not None:
+            if not head_known and conn.scanner.head_end is not None:
                 conn.body_started = time.monotonic()
-                if scanner.expects_continue:  # the client waits for this before its body
+                if conn.scanner.expects_continue:  # the client waits for this before its body
                     self._send_now(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
-                if scanner.body_length is not None and scanner.body_length - scanner.body_received(conn.got) > PREALLOCATE_BYTES:
-                    self._preallocate(conn, scanner.head_end + scanner.body_length)
-            if scanner.head_end is not None:
-                received = scanner.body_received(conn.got)
+            if conn.scanner.head_end is not None:
+                received = conn.scanner.body_received(len(conn.buf))
                 conn.deadline = conn.body_started + self.settings.body_timeout_s + received / self.settings.body_min_rate
         elif verdict.kind == framing.COMPLETE:
             if self.budget.full and conn.scanner.method == "POST":
@@ -475,14 +458,6 @@ class FrontWorker(ThreadWorker):
             self._answer(conn, "body_too_large", errors.body_too_large(self.settings.max_body_bytes))
         elif verdict.kind == framing.HEAD_TOO_LARGE:
             self._answer(conn, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
-
-    @staticmethod
-    def _preallocate(conn: Conn, total: int) -> None:
-        """Give the request its whole buffer, total bytes, what has arrived copied to its start.
-        bytearray(n) is calloc: a large one is mapped, not written, until the socket fills it."""
-        buf = bytearray(total)
-        buf[: conn.got] = conn.buf
-        conn.buf = buf
 
     def _send_now(self, conn: Conn, data: bytes) -> None:
         """A few bytes, sent at once (non-blocking socket): the socket buffer has room for them."""
@@ -523,7 +498,7 @@ class FrontWorker(ThreadWorker):
         answer = error_response(code, message, scanner.path)
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
         accesslog.worker_answer(
-            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, (conn.got, len(answer)), conn.started
+            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, (len(conn.buf), len(answer)), conn.started
         )
         self._release_buf(conn)
         conn.keep = False
@@ -650,12 +625,12 @@ class FrontWorker(ThreadWorker):
         if not self.alive and self.stopping_at is None:
             self.stopping_at = now
         for conn in [c for c in self.conns if c.state != Conn.IN_THREAD]:
-            idle = conn.state == Conn.READING and not conn.got
+            idle = conn.state == Conn.READING and not conn.buf
             if idle and self.stopping_at is not None:
                 conn.deadline = min(conn.deadline, self.stopping_at + STOP_KEEPALIVE_LINGER)
             if now < conn.deadline:
                 continue
-            if conn.state == Conn.READING and conn.got:
+            if conn.state == Conn.READING and conn.buf:
                 what = "request head" if conn.scanner.head_end is None else "request body"
                 limit = (
                     f"{self.settings.header_timeout_s} s (ATTN_HEADER_TIMEOUT_S)"
