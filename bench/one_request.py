@@ -4,7 +4,9 @@ side in one run. B=1, H=8, d=64, causal, float32, b64 on the wire. Medians.
   threshold   in-process, the numeric core on one thread against split on two, T = 64 .. 1024 with
               and without weights: the least work worth splitting (service.web.parallel.MIN_FLOPS)
   latency     concurrency 1, end to end through requests (body built with pybase64 and orjson,
-              response parsed and decoded to numpy: numpy to numpy) and on the wire alone (as
+              response parsed and decoded to numpy: numpy to numpy), through our AttentionClient
+              (its default binary wire, the /v2 door: numpy to numpy with no base64 or JSON of the
+              tensors) and on the wire alone (as
               `make bench`: body built beforehand, response read, not parsed), on two servers started as
               `make run` does, split on (the default) and off (ATTN_SPLIT_THREADS=1), alternately,
               beside the same attention in this process on both cores (the core split on two
@@ -36,6 +38,7 @@ from threadpoolctl import threadpool_limits
 
 from bench.__main__ import Client, request_body
 from bench.server import Server
+from client import AttentionClient
 from schemas.jobs import AttentionJob
 from service.core import attention
 
@@ -113,20 +116,23 @@ def latency(servers: dict, reps: int) -> None:
     print(f"\n### Latency, concurrency 1 (torch {torch.__version__}, {torch.get_num_threads()} threads)\n")
     print(
         "| T | weights | split on: numpy to numpy | split off: numpy to numpy | split on: wire | split off: wire"
-        " | in-process, split on 2 threads | in-process, 2 OpenBLAS threads | torch SDPA"
-        " | on / in-process (best of numpy): numpy to numpy, wire | on / torch: numpy to numpy, wire | off / on: numpy to numpy, wire |"
+        " | split on: AttentionClient, binary | in-process, split on 2 threads | in-process, 2 OpenBLAS threads | torch SDPA"
+        " | on / in-process (best of numpy): numpy to numpy, wire, binary client | on / torch: numpy to numpy, wire, binary client"
+        " | off / on: numpy to numpy, wire |"
     )
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     sessions = {name: requests.Session() for name in servers}
     with ThreadPoolExecutor(1) as pool:
         for T, weights in ((1024, True), (4096, False)):
             m = _latency_row(servers, sessions, tensors(T), weights, pool, torch if not weights else None, reps)
             best = min(m["split"], m["blas2"])
             t = m.get("torch")
-            torch_ms, on_torch = ("–", "–") if t is None else (f"{t:.1f}", f"{m['on'] / t:.2f}x, {m['on wire'] / t:.2f}x")
+            torch_ms, on_torch = (
+                ("–", "–") if t is None else (f"{t:.1f}", f"{m['on'] / t:.2f}x, {m['on wire'] / t:.2f}x, {m['binary'] / t:.2f}x")
+            )
             print(
-                f"| {T} | {'yes' if weights else 'no'} | {m['on']:.1f} | {m['off']:.1f} | {m['on wire']:.1f} | {m['off wire']:.1f} | "
-                f"{m['split']:.1f} | {m['blas2']:.1f} | {torch_ms} | {m['on'] / best:.2f}x, {m['on wire'] / best:.2f}x | {on_torch} | "
+                f"| {T} | {'yes' if weights else 'no'} | {m['on']:.1f} | {m['off']:.1f} | {m['on wire']:.1f} | {m['off wire']:.1f} | {m['binary']:.1f} | "
+                f"{m['split']:.1f} | {m['blas2']:.1f} | {torch_ms} | {m['on'] / best:.2f}x, {m['on wire'] / best:.2f}x, {m['binary'] / best:.2f}x | {on_torch} | "
                 f"{m['off'] / m['on']:.2f}x, {m['off wire'] / m['on wire']:.2f}x |",
                 flush=True,
             )
@@ -146,6 +152,8 @@ def _latency_row(servers: dict, sessions: dict, qkv, weights: bool, pool, torch,
     for name, srv in servers.items():  # as `make bench` times it: body built beforehand, response read, not parsed
         client = Client(srv.port)
         fns[f"{name} wire"] = lambda client=client: client.post(body)
+    ours = AttentionClient(servers["on"].url, timeout=300)  # binary wire, the /v2 door
+    fns["binary"] = lambda: ours.attention(q, k, v, **kw)
     fns["split"] = lambda: attention(q, k, v, threads=2, pool=pool, **kw)
     fns["blas2"] = blas2
     if torch is not None:
@@ -153,6 +161,7 @@ def _latency_row(servers: dict, sessions: dict, qkv, weights: bool, pool, torch,
         fns["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
     for fn in fns.values():  # warm: first touch, pools started
         fn()
+    np.testing.assert_allclose(fns["binary"]()[0], fns["split"]()[0], rtol=1e-5, atol=1e-6)  # the client's answer is the core's
     return alternate(fns, reps, pause_after=("blas2", "torch"))
 
 
