@@ -191,3 +191,21 @@ def test_live_predictions_under_load_match_the_measured_compute():
     median = statistics.median(ratios)
     print(f"\nmeasured / predicted compute, 80 requests: median {median:.2f}, quartiles {ratios[20]:.2f}-{ratios[60]:.2f}")
     assert 0.33 < median < 3, ratios
+
+
+def test_a_split_is_predicted_at_the_share_of_one_threads_time_that_splits_took():
+    """split_factor(threads) starts at 1 (no claim before a split is seen), learns ms / the
+    one-thread prediction from observe_split, and leaves the fit (one thread's time) alone."""
+    model = CostModel()
+    work = Work(2 * 10**9, 8 * 10**6, "float32", 1024)  # T=1024 with weights, 8 heads
+    one_thread = model.predict_work(work)
+    assert model.split_factor(2) == model.split_factor(1) == 1.0
+    for _ in range(60):
+        model.observe_split(work, 0.55 * one_thread, threads=2)
+    assert model.split_factor(2) == pytest.approx(0.55, rel=0.01)
+    assert model.split_factor(4) == 1.0 and model.split_factor(1) == 1.0
+    assert model.predict_work(work) == one_thread  # the fit did not move
+    model.observe_split(work, 0.5 * one_thread, threads=1)  # not a split: ignored
+    model.observe_split(work, float("nan"), threads=2)
+    assert model.split_factor(2) == pytest.approx(0.55, rel=0.01)
+    assert model.coefficients()["split_factor_by_threads"] == {"2": pytest.approx(0.55, rel=0.01)}

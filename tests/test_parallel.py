@@ -140,3 +140,27 @@ def work_of(q, k, v) -> Work:
     from schemas.jobs import AttentionJob
 
     return AttentionJob(q, k, v, None, "top_left", None, None, True, "b64").work()
+
+
+def test_a_request_that_will_split_is_predicted_at_the_split_s_share(split_app, rng, monkeypatch):
+    """Alone on the server, a request that will be split is admitted with its one-thread time x
+    the share splits have taken (not one thread's time, which would refuse deadlines it can meet),
+    and its compute teaches that share, not the fit; beside another request it is predicted at
+    one thread's time."""
+    model = split_app.extensions["attention.cost"]
+    monkeypatch.setattr(model, "split_factor", lambda threads: {1: 1.0, 2: 0.5}[threads])
+    taught = []
+    monkeypatch.setattr(model, "observe_split", lambda work, ms, threads: taught.append((work, threads)))
+    monkeypatch.setattr(model, "observe", lambda *args: None)  # the fit stays as it is: predictions are comparable
+    r = post(split_app.test_client(), body(rng)[1])
+    assert r.status_code == 200, r.json
+    [(work, threads)] = taught
+    assert threads == 2
+    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict_work(work, model.contention(1)) * 0.5, abs=1e-3)
+    other = split_app.extensions["attention.gate"].enter(0)  # another request admitted: no split
+    try:
+        r = post(split_app.test_client(), body(rng)[1])
+    finally:
+        other.release()
+    assert r.status_code == 200 and len(taught) == 1
+    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict_work(work, model.contention(2)), abs=1e-3)

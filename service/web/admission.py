@@ -46,7 +46,7 @@ from flask import Flask, Response, current_app, g, has_app_context, request
 from schemas import RequestError
 from schemas.jobs import AttentionJob, MhaJob
 
-from . import census, metrics
+from . import census, metrics, parallel
 from .errors import ApiError
 from .http import phase
 
@@ -208,11 +208,15 @@ def admit(job: AttentionJob | MhaJob) -> None:
     not fit in memory beside the others (503), then wait for a compute slot. The prediction is the
     cost model's alone-time x the slowdown that requests admitted at the same count of requests
     busy in the server (Gate.busy(); kept in g.busy for run()) saw lately. It is kept in
-    g.predicted_ms, for the compute metrics and the response's cost."""
+    g.predicted_ms, for the compute metrics and the response's cost; a job that will be split is
+    predicted at the share of one thread's time that splits have taken (CostModel.split_factor)."""
     g.job = job  # its shape, for the access log and the trace
     model = current_app.extensions["attention.cost"]
     g.busy = server_busy()  # the load it is admitted into: its slowdown is predicted, then learned, by this count
-    predicted = g.predicted_ms = model.predict_job(job, model.contention(g.busy))
+    # Alone on the server, a large job is split on several threads (parallel.py): it is predicted
+    # at what splits have taken, not at one thread's time (which would refuse deadlines it meets).
+    split = model.split_factor(parallel.planned(job.work(), g.busy))
+    predicted = g.predicted_ms = model.predict_job(job, model.contention(g.busy)) * split
     deadline = g.get("deadline_ms")
     ticket = g.get("admission")
     if deadline is not None:

@@ -60,6 +60,8 @@ def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
     metrics.observe_compute(work, timer.ms, g.predicted_ms)
     if threads == 1:  # the model predicts one thread's time, what a job gets under load
         model.observe(work, timer.ms, cpu_ms, g.get("busy", 1))  # learns the alone-time (CPU time) and the slowdown seen
+    else:  # and, apart, what a split takes of that time
+        model.observe_split(work, timer.ms, threads)
     return result
 
 

@@ -159,6 +159,7 @@ class CostModel:
         self.calibration_s = 0.0
         self.cores = cores if cores is not None else available_cores()  # the contention is threads over these
         self._slowdown: dict[int, float] = {}  # requests busy -> running mean of wall / CPU seen
+        self._split: dict[int, float] = {}  # threads -> running mean of a split's wall time / its one-thread prediction
 
     def contention(self, busy: float) -> float:
         """The slowdown a one-thread computation will see while busy requests (itself included)
@@ -207,6 +208,22 @@ class CostModel:
                 before = math.log(self._slowdown.get(n, contention(n, self.cores)))
                 self._slowdown[n] = math.exp((1 - SLOWDOWN_WEIGHT) * before + SLOWDOWN_WEIGHT * math.log(ms / alone))
 
+    def split_factor(self, threads: int) -> float:
+        """What a computation split on this many threads takes, as a share of its predicted
+        one-thread time: the running mean of what splits took (ms / predict_work), 1 until one has
+        been seen (and for threads <= 1)."""
+        return self._split.get(threads, 1.0) if threads > 1 else 1.0
+
+    def observe_split(self, work: Work, ms: float, threads: int) -> None:
+        """Learn split_factor(threads) from one split computation of ms wall time. The fit itself
+        learns only from one-thread computations, the time a request gets under load."""
+        predicted = self.predict_work(work)
+        if threads <= 1 or not (ms > 0 and math.isfinite(ms)) or not predicted > 0:
+            return
+        with self._lock:
+            before = math.log(self._split.get(threads, 1.0))
+            self._split[threads] = math.exp((1 - SLOWDOWN_WEIGHT) * before + SLOWDOWN_WEIGHT * math.log(ms / predicted))
+
     def calibrate(self, budget_s: float = 1.5, seed: int = 0) -> None:
         """Time the numeric core on a few shapes (T 64..2048, narrow and wide heads, the GPT block)
         and fit to them; stops early when the budget is spent. The fit then anchors the ridge."""
@@ -240,6 +257,7 @@ class CostModel:
             "calibration_s": round(self.calibration_s, 3),
             "cores": self.cores,
             "slowdown_by_busy": {str(n): round(v, 3) for n, v in sorted(self._slowdown.items())},
+            "split_factor_by_threads": {str(n): round(v, 3) for n, v in sorted(self._split.items())},
         }
 
 
