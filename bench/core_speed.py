@@ -1,6 +1,6 @@
 """The numeric core's speed in-process: main's core (before) against this tree's (after) against
-torch's scaled_dot_product_attention, B=1, H=8, d=64, causal, float32, alternating per
-repetition, medians.
+torch's scaled_dot_product_attention, B=1, H=8, d=64, S=T, causal (and at T=4096 also not),
+float32, alternating per repetition, medians.
 
     python -m bench.core_speed          # ~1-2 minutes; prints a markdown table
 
@@ -34,8 +34,16 @@ import numpy as np  # noqa: E402
 
 from service.core import kernels as after  # noqa: E402
 
-# (T, weights, repetitions): each repetition runs every implementation once, in turn
-CASES = [(64, False, 400), (64, True, 400), (1024, False, 20), (4096, False, 7)]
+# (T, weights, causal, repetitions): each repetition runs every implementation once, in turn
+CASES = [
+    (64, False, True, 400),
+    (64, True, True, 400),
+    (1024, False, True, 20),
+    (1024, True, True, 10),
+    (2048, False, True, 10),
+    (4096, False, True, 7),
+    (4096, False, False, 4),
+]
 
 
 def load_before():
@@ -57,9 +65,9 @@ def torch_sdpa():
     except ImportError:
         return None
 
-    def run(q, k, v):
+    def run(q, k, v, causal):
         with torch.no_grad():
-            return F.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), is_causal=True).numpy()
+            return F.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), is_causal=causal).numpy()
 
     return run
 
@@ -69,15 +77,15 @@ def main() -> None:
     pool = ThreadPoolExecutor(1)
     rng = np.random.default_rng(0)
     rows = []
-    for T, weights, reps in CASES:
+    for T, weights, causal, reps in CASES:
         q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
         runs = {
-            (name, threads): partial(core.attention, q, k, v, causal=True, return_weights=weights, threads=threads, pool=pool)
+            (name, threads): partial(core.attention, q, k, v, causal=causal, return_weights=weights, threads=threads, pool=pool)
             for threads in (1, 2)
             for name, core in (("before", before), ("after", after))
         }
         if sdpa is not None and not weights:
-            runs[("torch", 0)] = partial(sdpa, q, k, v)
+            runs[("torch", 0)] = partial(sdpa, q, k, v, causal)
         times = {key: [] for key in runs}
         for f in runs.values():
             f()  # warm up
@@ -90,14 +98,15 @@ def main() -> None:
         for threads in (1, 2):
             torch_t = med.get(("torch", 0))
             b, a = med[("before", threads)], med[("after", threads)]
-            rows.append((T, weights, threads, b, a, torch_t))
+            rows.append((T, weights, causal, threads, b, a, torch_t))
     unit = lambda s: f"{s * 1e6:,.0f} us" if s < 2e-3 else f"{s * 1e3:,.1f} ms"  # noqa: E731
     print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; medians")
-    print("| T | weights | threads | before (main) | after | after / before | torch SDPA | after / torch |")
-    print("|---|---|---|---|---|---|---|---|")
-    for T, weights, threads, b, a, t in rows:
+    print("| T | weights | causal | threads | before (main) | after | after / before | torch SDPA | after / torch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    for T, weights, causal, threads, b, a, t in rows:
         torch_cols = f"{unit(t)} | {a / t:.2f}x" if t else "- | -"
-        print(f"| {T} | {'yes' if weights else 'no'} | {threads} | {unit(b)} | {unit(a)} | {a / b:.2f}x | {torch_cols} |")
+        print(f"| {T} | {yes(weights)} | {yes(causal)} | {threads} | {unit(b)} | {unit(a)} | {a / b:.2f}x | {torch_cols} |")
     pool.shutdown()
 
 

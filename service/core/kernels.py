@@ -53,6 +53,7 @@ CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each s
 # outweighs the keys a causal mask lets the blocks skip (bench/core_speed.py, T=64, 8 heads).
 # Not under a window's left edge: there the blocks keep its O(T * W) (and the admission's count).
 SMALL_SHARE = 8
+LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
@@ -263,12 +264,21 @@ def attention(
         bound = None if one else _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
         big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
+    # The blocks take exp2, the same softmax in base 2 (numpy's exp2 runs ~0.6x exp's time, float32
+    # and float64 alike, as exact): a row whose scores are provably small carries log2(e) in its
+    # scale; any other row keeps its scores, ScoreOverflow included, and scales s - max (<= 0) by
+    # log2(e) in its block. Each row's choice is its own (the past keeps its bits whatever the
+    # future holds). One block, or a bias or ALiBi (no row bounded): exp, as the textbook.
+    exp = np.exp if bound is None or masks.biased else np.exp2
+    if exp is np.exp2 and bound.any():
+        row_scale = np.where(bound, scale * LOG2_E, scale).astype(dtype)  # (Bkv, g, T, 1)
+        qs = np.multiply(q.reshape(B // g, g, T, d), row_scale, dtype=dtype)  # (Bkv, g, T, d)
 
     def compute(todo) -> None:  # the blocks todo yields, with this thread's own scratch
         scratch = np.empty(scratch_size, dtype) if scratch_size else None
         with np.errstate(over="ignore", invalid="ignore"):  # per thread: numpy's error state is not inherited
             for b0, b1, t0, t1 in todo:
-                _block(qs, kt, vb, out, weights, scratch, masks, bound, big_v, b0, b1, t0, t1)
+                _block(qs, kt, vb, out, weights, scratch, masks, bound, big_v, exp, b0, b1, t0, t1)
                 # Checked while the block is in the cache: one pass over all the weights afterwards
                 # took ~15% of T=1024's compute, on one thread however many computed the blocks.
                 _check_finite("out", out[b0:b1, :, t0:t1])
@@ -530,10 +540,11 @@ class _Masks:
         return allowed.any(axis=-1, keepdims=True)
 
 
-def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, big_v, b0, b1, t0, t1) -> None:
+def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, big_v, exp, b0, b1, t0, t1) -> None:
     """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
     written into out (and weights). qs (Bkv, g, T, d), kt (Bkv, 1, d, S), vb (Bkv, 1, S, dv + 1);
-    big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul)."""
+    big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul);
+    exp np.exp, or np.exp2 where qs carries log2(e) in its scale."""
     S = kt.shape[-1]
     lo, hi = masks.keys(t0, t1, S)
     o = out[b0:b1, :, t0:t1]  # (nb, g, tn, dv), a view
@@ -546,25 +557,25 @@ def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, big_v, b0, b
     if weights is not None:
         weights[b0:b1, :, t0:t1, :lo] = 0
         weights[b0:b1, :, t0:t1, hi:] = 0
-    if bound is None:  # one block, every row subtracts its max: the scores are stored key-major, (nb, g, keys, tn)
-        # numpy's max (and sum) along a short contiguous axis runs ~3x slower than across rows
-        # (T=64: ~60 us of the block's ~250); stored transposed, the max of a row is a reduction
-        # across rows, and BLAS reads the transposed operands in place.
+    if bound is None or weights is None:  # the scores in the scratch are stored key-major, (nb, g, keys, tn)
+        # One block: numpy's max (and sum) along a short contiguous axis runs ~3x slower than
+        # across rows (T=64: ~60 us of the block's ~250); stored transposed, the max of a row is a
+        # reduction across rows. Large blocks: OpenBLAS computes k qᵀ, (keys, tn), ~0.85x the time
+        # of q kᵀ (tn, keys), and reads the transposed operands in place (bench/README.md).
         st = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, hi - lo, tn)
         np.matmul(np.swapaxes(kt[b0:b1, :, :, lo:hi], -1, -2), np.swapaxes(qs[b0:b1, :, t0:t1], -1, -2), out=st)
         s = np.swapaxes(st, -1, -2)  # (nb, g, tn, keys) scaled scores, a view
     else:
-        if weights is not None:
-            s = weights[b0:b1, :, t0:t1, lo:hi]  # (nb, g, tn, keys): the weights' own memory is the buffer
-        else:
-            s = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, tn, hi - lo)
+        s = weights[b0:b1, :, t0:t1, lo:hi]  # (nb, g, tn, keys): the weights' own memory is the buffer
         np.matmul(qs[b0:b1, :, t0:t1], kt[b0:b1, :, :, lo:hi], out=s)  # (nb, g, tn, keys) scaled scores; g shares k
     masks.add(s, b0, b1, t0, t1, lo, hi)  # bias and ALiBi, if any
     masks.apply(s, b0, b1, t0, t1, lo, hi)
     shift = _shift(s, None if bound is None else bound[b0:b1, :, t0:t1], masks, b0, b1, t0, t1)
     if shift is not None:
         np.subtract(s, shift, out=s)
-    np.exp(s, out=s)  # exp(-inf) = 0 exactly: masked weights are 0
+        if exp is np.exp2:  # the shifted rows to base 2; a bounded row is already (times 1, exact)
+            np.multiply(s, np.where(bound[b0:b1, :, t0:t1], 1, LOG2_E).astype(s.dtype), out=s)
+    exp(s, out=s)  # exp(-inf) = exp2(-inf) = 0 exactly: masked weights are 0
     if weights is not None or big_v[b0:b1].any():  # normalise first: sum_s w_s v_s <= max |v| stays finite
         total = s.sum(axis=-1, keepdims=True)  # (nb, g, tn, 1), pairwise: rows sum to 1 within an ulp or two
         total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
