@@ -190,6 +190,14 @@ def _band(rows: int, cols: int, shift: int, below: bool = False, key_major: bool
     return band
 
 
+@lru_cache(maxsize=8)
+def _ones(n: int, dtype: np.dtype) -> np.ndarray:
+    """(n,) ones, read-only: 1 @ x sums x's rows. Cached per request size (slice it for fewer)."""
+    ones = np.ones(n, dtype)
+    ones.flags.writeable = False
+    return ones
+
+
 @lru_cache(maxsize=64)
 def _distance(rows: int, cols: int, shift: int, dtype: np.dtype) -> np.ndarray:
     """(rows, cols) |r + shift - c|: ALiBi's distance between query and key within one block."""
@@ -245,22 +253,19 @@ def attention(
     qs = np.multiply(q, dtype.type(scale), dtype=dtype).reshape(B // g, g, T, d)  # scale folded into q
     kt = np.swapaxes(np.asarray(k, dtype).reshape(B // g, 1, S, d), -1, -2)  # (Bkv, 1, d, S), a view
     masks = _Masks(lead, g, T, S, mask, key_lengths, upper, lower, bias, alibi_slopes, dtype)
-    vb = np.empty((B // g, 1, S, dv + 1), dtype)  # v and a column of ones (for the row sums)
-    vb[..., :dv] = v.reshape(B // g, 1, S, dv)
-    vb[..., dv] = 1
+    vd = np.ascontiguousarray(v, dtype).reshape(B // g, 1, S, dv)  # (Bkv, 1, S, dv): v itself where it is contiguous
 
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
     tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # the weights path has no sums scratch
     blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
     one = len(blocks) == 1  # a small problem: its scores are in the scratch, key-major, even with weights
-    scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else dv + 1))
+    scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else 1))  # and the sums
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
-        # max and -min rather than abs: no copy of v; read from v itself where it is contiguous (a
-        # reduction along one long axis runs ~2x faster than over vb's rows of dv + 1)
-        vv = v.reshape(B // g, S * dv) if v.dtype == dtype and v.flags.c_contiguous else vb[:, 0, :, :dv].reshape(B // g, S, dv)
-        axes = tuple(range(1, vv.ndim))
+        # max and -min rather than abs: no copy of v (a reduction along one long axis)
+        vv = vd.reshape(B // g, S * dv)
+        axes = (1,)
         v_max = np.maximum(vv.max(axis=axes), -vv.min(axis=axes)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
         # One block (a small problem): every row subtracts its maximum; bounding the scores would
         # cost more numpy calls than the two passes over the block it can save.
@@ -280,7 +285,7 @@ def attention(
         scratch = np.empty(scratch_size, dtype) if scratch_size else None
         with np.errstate(over="ignore", invalid="ignore"):  # per thread: numpy's error state is not inherited
             for b0, b1, t0, t1 in todo:
-                _block(qs, kt, vb, out, weights, scratch, masks, bound, big_v, exp, b0, b1, t0, t1)
+                _block(qs, kt, vd, out, weights, scratch, masks, bound, big_v, exp, b0, b1, t0, t1)
                 # Checked while the block is in the cache: one pass over all the weights afterwards
                 # took ~15% of T=1024's compute, on one thread however many computed the blocks.
                 _check_finite("out", out[b0:b1, :, t0:t1])
@@ -341,9 +346,9 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
 
     The rows do not shrink with g: g matmuls of tn rows each run faster than 4x as many of tn / 4
     rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache.
-    dv (the no-weights path only): a block's row is also dv + 1 sums, so where v is wider than k
-    is long the rows are counted by dv + 1 (S=1, dv=2048: sized by S alone, the scratch for the
-    sums was the whole (B, T, dv + 1) output again)."""
+    dv (the no-weights path only): a block's row also makes dv outputs and a sum, so where v is
+    wider than k is long the rows are counted by dv + 1 (S=1, dv=2048: sized by S alone, a block
+    was the whole (B, T, dv + 1) output again)."""
     sums = dv + 1 if dv else 0
     if lower is None and Bkv * g * T * max(S, sums) <= BLOCK_ELEMENTS // SMALL_SHARE:
         return T, Bkv  # small: one block
@@ -545,9 +550,9 @@ class _Masks:
         return allowed.any(axis=-1, keepdims=True)
 
 
-def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, big_v, exp, b0, b1, t0, t1) -> None:
+def _block(qs, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, b0, b1, t0, t1) -> None:
     """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
-    written into out (and weights). qs (Bkv, g, T, d), kt (Bkv, 1, d, S), vb (Bkv, 1, S, dv + 1);
+    written into out (and weights). qs (Bkv, g, T, d), kt (Bkv, 1, d, S), v (Bkv, 1, S, dv);
     big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul);
     exp np.exp, or np.exp2 where qs carries log2(e) in its scale."""
     S = kt.shape[-1]
@@ -586,13 +591,16 @@ def _block(qs, kt, vb, out, weights, scratch, masks: _Masks, bound, big_v, exp, 
         total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
         w = s if weights is None else weights[b0:b1, :, t0:t1, lo:hi]  # the same memory but for one block
         np.divide(s, total, out=w)
-        np.matmul(w, vb[b0:b1, :, lo:hi, :-1], out=o)
-    else:  # v carries a last column of ones, so one matmul gives both exp(s) v and the row sums
-        ov = scratch[-nb * g * tn * vb.shape[-1] :].reshape(nb, g, tn, vb.shape[-1])
-        np.matmul(s, vb[b0:b1, :, lo:hi], out=ov)  # (nb, g, tn, dv + 1)
-        total = ov[..., -1:]
+        np.matmul(w, v[b0:b1, :, lo:hi], out=o)
+    else:  # exp(s) v into out, then each row divided by its sum
+        # A column of ones beside v gave the sums in the same matmul, but BLAS runs dv + 1 = 65
+        # columns ~15% slower than 64: the sums as 1 @ exp(sᵀ) (a GEMV) cost less, and v needs no copy.
+        total = scratch[-nb * g * tn :].reshape(nb, g, tn)
+        np.matmul(_ones(S, s.dtype)[: hi - lo], st, out=total)  # (nb, g, tn) row sums of the key-major scores
+        np.matmul(s, v[b0:b1, :, lo:hi], out=o)  # (nb, g, tn, dv)
+        total = total[..., None]  # (nb, g, tn, 1)
         total[total == 0] = 1
-        np.divide(ov[..., :-1], total, out=o)
+        np.divide(o, total, out=o)
 
 
 def _shift(s, bound, masks: _Masks, b0, b1, t0, t1) -> np.ndarray | None:
