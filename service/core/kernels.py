@@ -276,8 +276,8 @@ def attention(
     # and float64 alike, as exact): a row whose scores are provably small carries log2(e) in its
     # scale; any other row keeps its scores, ScoreOverflow included, and scales s - max (<= 0) by
     # log2(e) in its block. Each row's choice is its own (the past keeps its bits whatever the
-    # future holds). One block, or a bias or ALiBi (no row bounded): exp, as the textbook.
-    exp = np.exp if bound is None or masks.biased else np.exp2
+    # future holds). One block, a bias or ALiBi, or float16 (no row is ever bounded): exp, as the textbook.
+    exp = np.exp if bound is None or masks.biased or not EXP_SAFE.get(dtype.type) else np.exp2
     if exp is np.exp2 and bound.any():  # in place: another (B, T, d) array would be page-faulted afresh
         np.multiply(qs, np.where(bound, LOG2_E, 1).astype(dtype), out=qs)  # (Bkv, g, T, d); times 1 is exact
 
