@@ -7,8 +7,11 @@ float32, alternating per repetition, medians.
 The core runs as in a worker: one BLAS thread (OPENBLAS_NUM_THREADS=1) and the worker's allocator
 settings (bench/garbage.py's WORKER_MALLOC_ENV; without them every call maps and faults its
 arrays afresh, ~100 us of a T=64 request), threads=1, or threads=2 over a pool of one (the split
-of one large request). torch uses its default threads (it ignores ours: no weights). "before" is
-`git show main:service/core/kernels.py`, imported as a module of its own.
+of one large request). torch uses its default threads (it ignores ours: no weights), told to
+sleep between calls (OMP_WAIT_POLICY=PASSIVE): by default its OpenMP threads spin after each call,
+on the two cores the next numpy call needs, and slowed whatever ran after torch (T=64 ~1.7x, T=2048
+~1.3x, at random). "before" is `git show main:service/core/kernels.py`, imported as a module of
+its own.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import sys
 
 from bench.garbage import WORKER_MALLOC_ENV
 
-if any(os.environ.get(k) != v for k, v in WORKER_MALLOC_ENV.items()) or os.environ.get("OPENBLAS_NUM_THREADS") != "1":
-    env = {**os.environ, **WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1"}  # read at process start: run again with them
+BENCH_ENV = {**WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+if any(os.environ.get(k) != v for k, v in BENCH_ENV.items()):
+    env = {**os.environ, **BENCH_ENV}  # read at process start: run again with them
     os.execve(sys.executable, [sys.executable, "-m", "bench.core_speed", *sys.argv[1:]], env)
 
 import importlib.util  # noqa: E402
