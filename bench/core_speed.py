@@ -43,7 +43,7 @@ CASES = [
     (64, False, True, 400),
     (64, True, True, 400),
     (1024, False, True, 20),
-    (1024, True, True, 10),
+    (1024, True, True, 20),
     (2048, False, True, 10),
     (4096, False, True, 7),
     (4096, False, False, 4),
