@@ -250,7 +250,7 @@ def attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     upper, lower = _bounds(T, S, causal, window)
 
-    qs = np.multiply(q, dtype.type(scale), dtype=dtype).reshape(B // g, g, T, d)  # scale folded into q
+    qd = np.asarray(q, dtype).reshape(B // g, g, T, d)  # (Bkv, g, T, d), q itself where it is in dtype
     kt = np.swapaxes(np.asarray(k, dtype).reshape(B // g, 1, S, d), -1, -2)  # (Bkv, 1, d, S), a view
     masks = _Masks(lead, g, T, S, mask, key_lengths, upper, lower, bias, alibi_slopes, dtype)
     vd = np.ascontiguousarray(v, dtype).reshape(B // g, 1, S, dv)  # (Bkv, 1, S, dv): v itself where it is contiguous
@@ -269,7 +269,7 @@ def attention(
         v_max = np.maximum(vv.max(axis=axes), -vv.min(axis=axes)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
         # One block (a small problem): every row subtracts its maximum; bounding the scores would
         # cost more numpy calls than the two passes over the block it can save.
-        bound = None if one else _small_scores(qs, kt, upper, lower, masks, v_max)  # (Bkv, g, T, 1)
+        bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_max, scale)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
         big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
     # The blocks take exp2, the same softmax in base 2 (numpy's exp2 runs ~0.6x exp's time, float32
@@ -278,14 +278,20 @@ def attention(
     # log2(e) in its block. Each row's choice is its own (the past keeps its bits whatever the
     # future holds). One block, a bias or ALiBi, or float16 (no row is ever bounded): exp, as the textbook.
     exp = np.exp if bound is None or masks.biased or not EXP_SAFE.get(dtype.type) else np.exp2
-    if exp is np.exp2 and bound.any():  # in place: another (B, T, d) array would be page-faulted afresh
-        np.multiply(qs, np.where(bound, LOG2_E, 1).astype(dtype), out=qs)  # (Bkv, g, T, d); times 1 is exact
+    # The scale is folded into each block's rows of q as the block starts (no (B, T, d) copy in the
+    # setup, which runs before the threads share the blocks): a scalar, or (Bkv, g, T, 1) where
+    # the rows differ.
+    row_scale = dtype.type(scale)
+    if exp is np.exp2 and bound.all():
+        row_scale = dtype.type(scale * LOG2_E)
+    elif exp is np.exp2 and bound.any():
+        row_scale = np.where(bound, scale * LOG2_E, scale).astype(dtype)
 
     def compute(todo) -> None:  # the blocks todo yields, with this thread's own scratch
         scratch = np.empty(scratch_size, dtype) if scratch_size else None
         with np.errstate(over="ignore", invalid="ignore"):  # per thread: numpy's error state is not inherited
             for b0, b1, t0, t1 in todo:
-                _block(qs, kt, vd, out, weights, scratch, masks, bound, big_v, exp, b0, b1, t0, t1)
+                _block(qd, kt, vd, out, weights, scratch, masks, bound, big_v, exp, row_scale, b0, b1, t0, t1)
                 # Checked while the block is in the cache: one pass over all the weights afterwards
                 # took ~15% of T=1024's compute, on one thread however many computed the blocks.
                 _check_finite("out", out[b0:b1, :, t0:t1])
@@ -405,7 +411,13 @@ def _range_max(x: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
 
 
 def _small_scores(
-    qs: np.ndarray, kt: np.ndarray, upper: int | None, lower: int | None = None, masks=None, v_max: np.ndarray | None = None
+    q: np.ndarray,
+    kt: np.ndarray,
+    upper: int | None,
+    lower: int | None = None,
+    masks=None,
+    v_max: np.ndarray | None = None,
+    scale: float = 1.0,
 ) -> np.ndarray:
     """Boolean (Bkv, g, T, 1): True where every score row t may see is within +-limit, by
     Cauchy-Schwarz, |q_t . k_s| <= |q_t| |k_s|. Under a causal mask or a window only the keys row
@@ -414,16 +426,17 @@ def _small_scores(
 
     Such a row is exponentiated unshifted and exp(s) v summed before it is normalised, so the
     limit is EXP_SAFE, lowered where the values are large: the sum over S keys of exp(s) |v| must
-    stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum (v_max (Bkv,) is max |v|)."""
-    Bkv, g, T, d = qs.shape
+    stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum (v_max (Bkv,) is max |v|).
+    q (Bkv, g, T, d) unscaled: |q_t · scale| is |q_t| |scale|."""
+    Bkv, g, T, d = q.shape
     if masks is not None and masks.biased:
         return np.zeros((Bkv, g, T, 1), bool)
     S = kt.shape[-1]
     v_big = np.ones(Bkv) if v_max is None else np.maximum(v_max.astype(np.float64), 1.0)
-    room = math.log(float(np.finfo(qs.dtype).max)) - 1.0 - np.log(max(S, 1) * v_big)  # (Bkv,)
-    limit = np.minimum(EXP_SAFE.get(qs.dtype.type, 0.0), room)[:, None, None]  # (Bkv, 1, 1); negative: never small
-    q3 = qs.reshape(Bkv * g, T, d)
-    q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T)  # inf if it overflows: no shortcut
+    room = math.log(float(np.finfo(q.dtype).max)) - 1.0 - np.log(max(S, 1) * v_big)  # (Bkv,)
+    limit = np.minimum(EXP_SAFE.get(q.dtype.type, 0.0), room)[:, None, None]  # (Bkv, 1, 1); negative: never small
+    q3 = q.reshape(Bkv * g, T, d)
+    q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T) * abs(scale)  # inf if it overflows: no shortcut
     k3 = kt[:, 0]  # (Bkv, d, S)
     k_norm = np.sqrt(np.einsum("bds,bds->bs", k3, k3))  # (Bkv, S)
     if upper is None and lower is None:
@@ -550,11 +563,11 @@ class _Masks:
         return allowed.any(axis=-1, keepdims=True)
 
 
-def _block(qs, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, b0, b1, t0, t1) -> None:
+def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, row_scale, b0, b1, t0, t1) -> None:
     """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
-    written into out (and weights). qs (Bkv, g, T, d), kt (Bkv, 1, d, S), v (Bkv, 1, S, dv);
+    written into out (and weights). q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv);
     big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul);
-    exp np.exp, or np.exp2 where qs carries log2(e) in its scale."""
+    exp np.exp, or np.exp2 where row_scale (a scalar or (Bkv, g, T, 1)) carries log2(e)."""
     S = kt.shape[-1]
     lo, hi = masks.keys(t0, t1, S)
     o = out[b0:b1, :, t0:t1]  # (nb, g, tn, dv), a view
@@ -563,7 +576,8 @@ def _block(qs, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, b
         if weights is not None:
             weights[b0:b1, :, t0:t1] = 0
         return
-    nb, g, tn = b1 - b0, qs.shape[1], t1 - t0
+    nb, g, tn = b1 - b0, q.shape[1], t1 - t0
+    qs = q[b0:b1, :, t0:t1] * (row_scale if np.ndim(row_scale) == 0 else row_scale[b0:b1, :, t0:t1])  # (nb, g, tn, d) scaled
     if weights is not None:
         weights[b0:b1, :, t0:t1, :lo] = 0
         weights[b0:b1, :, t0:t1, hi:] = 0
@@ -573,11 +587,11 @@ def _block(qs, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, b
         # reduction across rows. Large blocks: OpenBLAS computes k qᵀ, (keys, tn), ~0.85x the time
         # of q kᵀ (tn, keys), and reads the transposed operands in place (bench/README.md).
         st = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, hi - lo, tn)
-        np.matmul(np.swapaxes(kt[b0:b1, :, :, lo:hi], -1, -2), np.swapaxes(qs[b0:b1, :, t0:t1], -1, -2), out=st)
+        np.matmul(np.swapaxes(kt[b0:b1, :, :, lo:hi], -1, -2), np.swapaxes(qs, -1, -2), out=st)
         s = np.swapaxes(st, -1, -2)  # (nb, g, tn, keys) scaled scores, a view
     else:
         s = weights[b0:b1, :, t0:t1, lo:hi]  # (nb, g, tn, keys): the weights' own memory is the buffer
-        np.matmul(qs[b0:b1, :, t0:t1], kt[b0:b1, :, :, lo:hi], out=s)  # (nb, g, tn, keys) scaled scores; g shares k
+        np.matmul(qs, kt[b0:b1, :, :, lo:hi], out=s)  # (nb, g, tn, keys) scaled scores; g shares k
     masks.add(s, b0, b1, t0, t1, lo, hi)  # bias and ALiBi, if any
     masks.apply(s, b0, b1, t0, t1, lo, hi)
     shift = _shift(s, None if bound is None else bound[b0:b1, :, t0:t1], masks, b0, b1, t0, t1)
