@@ -353,8 +353,8 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
     The rows do not shrink with g: g matmuls of tn rows each run faster than 4x as many of tn / 4
     rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache.
     dv (the no-weights path only): a block's row also makes dv outputs and a sum, so where v is
-    wider than k is long the rows are counted by dv + 1 (S=1, dv=2048: sized by S alone, a block
-    was the whole (B, T, dv + 1) output again)."""
+    wider than k is long the rows are counted by dv + 1, and a block's outputs stay O(block) too
+    (S=1, dv=2048: sized by S alone, one block was the whole (B, T, dv) output)."""
     sums = dv + 1 if dv else 0
     if lower is None and Bkv * g * T * max(S, sums) <= BLOCK_ELEMENTS // SMALL_SHARE:
         return T, Bkv  # small: one block
