@@ -1,14 +1,17 @@
 """The numeric core's speed in-process: main's core (before) against this tree's (after) against
-torch's scaled_dot_product_attention, B=1, H=8, d=64, causal, float32, alternating per
-repetition, medians.
+torch's scaled_dot_product_attention, B=1, H=8, d=64, S=T, causal (and at T=4096 also not),
+float32, alternating per repetition, medians.
 
     python -m bench.core_speed          # ~1-2 minutes; prints a markdown table
 
 The core runs as in a worker: one BLAS thread (OPENBLAS_NUM_THREADS=1) and the worker's allocator
 settings (bench/garbage.py's WORKER_MALLOC_ENV; without them every call maps and faults its
 arrays afresh, ~100 us of a T=64 request), threads=1, or threads=2 over a pool of one (the split
-of one large request). torch uses its default threads (it ignores ours: no weights). "before" is
-`git show main:service/core/kernels.py`, imported as a module of its own.
+of one large request). torch uses its default threads (it ignores ours: no weights), told to
+sleep between calls (OMP_WAIT_POLICY=PASSIVE): by default its OpenMP threads spin after each call,
+on the two cores the next numpy call needs, and slowed whatever ran after torch (T=64 ~1.7x, T=2048
+~1.3x, at random). "before" is `git show main:service/core/kernels.py`, imported as a module of
+its own.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ import sys
 
 from bench.garbage import WORKER_MALLOC_ENV
 
-if any(os.environ.get(k) != v for k, v in WORKER_MALLOC_ENV.items()) or os.environ.get("OPENBLAS_NUM_THREADS") != "1":
-    env = {**os.environ, **WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1"}  # read at process start: run again with them
+BENCH_ENV = {**WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+if any(os.environ.get(k) != v for k, v in BENCH_ENV.items()):
+    env = {**os.environ, **BENCH_ENV}  # read at process start: run again with them
     os.execve(sys.executable, [sys.executable, "-m", "bench.core_speed", *sys.argv[1:]], env)
 
 import importlib.util  # noqa: E402
@@ -34,8 +38,16 @@ import numpy as np  # noqa: E402
 
 from service.core import kernels as after  # noqa: E402
 
-# (T, weights, repetitions): each repetition runs every implementation once, in turn
-CASES = [(64, False, 400), (64, True, 400), (1024, False, 20), (4096, False, 7)]
+# (T, weights, causal, repetitions): each repetition runs every implementation once, in a random order
+CASES = [
+    (64, False, True, 400),
+    (64, True, True, 400),
+    (1024, False, True, 20),
+    (1024, True, True, 20),
+    (2048, False, True, 12),
+    (4096, False, True, 10),
+    (4096, False, False, 6),
+]
 
 
 def load_before():
@@ -57,9 +69,9 @@ def torch_sdpa():
     except ImportError:
         return None
 
-    def run(q, k, v):
+    def run(q, k, v, causal):
         with torch.no_grad():
-            return F.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), is_causal=True).numpy()
+            return F.scaled_dot_product_attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), is_causal=causal).numpy()
 
     return run
 
@@ -67,22 +79,27 @@ def torch_sdpa():
 def main() -> None:
     before, sdpa = load_before(), torch_sdpa()
     pool = ThreadPoolExecutor(1)
-    rng = np.random.default_rng(0)
+    rng, order = np.random.default_rng(0), np.random.default_rng(1)
     rows = []
-    for T, weights, reps in CASES:
+    for T, weights, causal, reps in CASES:
         q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
         runs = {
-            (name, threads): partial(core.attention, q, k, v, causal=True, return_weights=weights, threads=threads, pool=pool)
+            (name, threads): partial(core.attention, q, k, v, causal=causal, return_weights=weights, threads=threads, pool=pool)
             for threads in (1, 2)
             for name, core in (("before", before), ("after", after))
         }
         if sdpa is not None and not weights:
-            runs[("torch", 0)] = partial(sdpa, q, k, v)
+            runs[("torch", 0)] = partial(sdpa, q, k, v, causal)
         times = {key: [] for key in runs}
         for f in runs.values():
             f()  # warm up
+        keys = list(runs)
         for _ in range(reps):
-            for key, f in runs.items():
+            # in a random order each time: a call ran ~3-4% slower right after another
+            # implementation's (T=1024 with weights, 40 repetitions; T=64 right after torch's),
+            # so a fixed order favoured whichever ran first
+            for i in order.permutation(len(keys)):
+                key, f = keys[i], runs[keys[i]]
                 t = time.perf_counter()
                 f()
                 times[key].append(time.perf_counter() - t)
@@ -90,14 +107,15 @@ def main() -> None:
         for threads in (1, 2):
             torch_t = med.get(("torch", 0))
             b, a = med[("before", threads)], med[("after", threads)]
-            rows.append((T, weights, threads, b, a, torch_t))
+            rows.append((T, weights, causal, threads, b, a, torch_t))
     unit = lambda s: f"{s * 1e6:,.0f} us" if s < 2e-3 else f"{s * 1e3:,.1f} ms"  # noqa: E731
     print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; medians")
-    print("| T | weights | threads | before (main) | after | after / before | torch SDPA | after / torch |")
-    print("|---|---|---|---|---|---|---|---|")
-    for T, weights, threads, b, a, t in rows:
+    print("| T | weights | causal | threads | before (main) | after | after / before | torch SDPA | after / torch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    for T, weights, causal, threads, b, a, t in rows:
         torch_cols = f"{unit(t)} | {a / t:.2f}x" if t else "- | -"
-        print(f"| {T} | {'yes' if weights else 'no'} | {threads} | {unit(b)} | {unit(a)} | {a / b:.2f}x | {torch_cols} |")
+        print(f"| {T} | {yes(weights)} | {yes(causal)} | {threads} | {unit(b)} | {unit(a)} | {a / b:.2f}x | {torch_cols} |")
     pool.shutdown()
 
 

@@ -149,6 +149,24 @@ def test_past_bit_identical_when_the_future_grows(blocks, rng, causal, return_we
     np.testing.assert_array_equal(out2[:, :6], out[:, :6])
 
 
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_a_shifted_row_keeps_its_bits_whatever_its_neighbours(blocks, rng, return_weights):
+    """A row of large scores subtracts its maximum (and, in a block of base-2 rows, goes to base 2
+    after): the same bits whether the other rows of its block are small (no shift, log2(e) in
+    their scale) or large too."""
+    q, k, v = (rng.standard_normal((2, 9, 4)) for _ in range(3))
+    q[:, 4] *= 1e3  # row 4's scores reach ~1e3: never provably small
+    q_big = q * np.array([1e3] * 4 + [1] + [1e3] * 4)[:, None]  # every row large, row 4 unchanged
+    for dtype in (np.float32, np.float64):
+        args = [a.astype(dtype) for a in (k, v)]
+        out, w = attention(q.astype(dtype), *args, return_weights=return_weights)
+        out_big, w_big = attention(q_big.astype(dtype), *args, return_weights=return_weights)
+        np.testing.assert_array_equal(out_big[:, 4], out[:, 4])
+        if return_weights:
+            np.testing.assert_array_equal(w_big[:, 4], w[:, 4])
+        np.testing.assert_allclose(out, oracle.attention(q, k, v)[0], rtol=1e-4, atol=1e-5)
+
+
 def test_overflow_is_found_in_any_block(blocks):
     q = np.zeros((1, 9, 2), np.float32)
     q[0, 7] = np.finfo(np.float32).max ** 0.5 * 4
