@@ -349,14 +349,24 @@ def test_expect_100_continue_is_answered_once(server):
     assert status == 200 and json.loads(out)["out"]["shape"] == [1, 2, 16, 8]
 
 
+def large_body(seed: int) -> bytes:
+    """A b64 body of ~8.4 MB: past twice the worker's BODY_BUFFER_AFTER (2 MiB), so that its rest is
+    read into a buffer of its own."""
+    rng = np.random.default_rng(seed)
+    body = json.dumps(
+        {"q": tensor(rng, 1, 8, 4096, 16), "k": tensor(rng, 1, 8, 4096, 16), "v": tensor(rng, 1, 8, 4096, 16), "return_weights": False}
+    ).encode()
+    assert len(body) > 4 * 2**20
+    return body
+
+
 @pytest.mark.parametrize("expect", [False, True], ids=["plain", "expect-100"])
 def test_a_large_body_in_pieces_is_read_into_its_own_buffer_and_answered(server, expect):
-    """A body of known length past the worker's preallocation threshold (256 KiB; 1 MB here) is read
-    straight into a buffer of its size, whatever pieces it arrives in and whatever follows it on
+    """A body of known length is appended to the connection's buffer, then, past 2 MiB, read
+    straight into a buffer of its own, whatever pieces it arrives in and whatever follows it on
     the connection: the answer is the one of the same body sent at once, and the request
     pipelined behind it is answered too."""
-    body = body_of(4096, seed=7)
-    assert len(body) > 3 * 256 * 1024
+    body = large_body(seed=7)
     whole = requests.post(server.url + "/attention", data=body, headers={"Content-Type": "application/json"}, timeout=HANG)
     s = connect(server)
     s.sendall(post_head(len(body), extra="Expect: 100-continue\r\n" if expect else ""))
@@ -365,7 +375,7 @@ def test_a_large_body_in_pieces_is_read_into_its_own_buffer_and_answered(server,
         while b"\r\n\r\n" not in interim:
             interim += s.recv(1)
         assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
-    cuts = [0, 1000, 300_000, 300_001, len(body) // 2, len(body) - 5]
+    cuts = [0, 1000, 300_000, 2 * 2**20 - 1, 2 * 2**20 + 1, len(body) // 2, len(body) - 5]
     for a, b in zip(cuts, cuts[1:], strict=False):
         s.sendall(body[a:b])
         time.sleep(0.05)
@@ -376,9 +386,11 @@ def test_a_large_body_in_pieces_is_read_into_its_own_buffer_and_answered(server,
     assert json.loads(out)["out"] == whole.json()["out"]
 
 
-def test_a_declared_length_costs_no_memory_until_its_bytes_arrive(server):
-    """40 uploads each declare a 30 MB body, send 300 KB and stall: the worker holds what they
-    sent (12 MB), not what they declared (1.2 GB if it allocated each body's buffer ahead)."""
+@pytest.mark.parametrize(("uploads", "sent"), [(40, 300_000), (10, 3_000_000)], ids=["appended", "own buffer"])
+def test_a_declared_length_costs_no_memory_until_its_bytes_arrive(server, uploads, sent):
+    """Uploads each declare a 30 MB body, send part of it (300 KB, or 3 MB: past the point where
+    the rest goes to a buffer of the body's length) and stall: the worker holds what they sent (12
+    or 30 MB, plus at most a huge page each), not what they declared (1.2 GB or 300 MB)."""
     [pid] = helpers.worker_pids(server.proc)
 
     def rss_mb() -> float:
@@ -386,24 +398,26 @@ def test_a_declared_length_costs_no_memory_until_its_bytes_arrive(server):
 
     before, socks = rss_mb(), []
     try:
-        for _ in range(40):
+        for _ in range(uploads):
             s = connect(server)
-            s.sendall(post_head(30_000_000) + b" " * 300_000)
+            s.sendall(post_head(30_000_000) + b" " * sent)
             socks.append(s)
-        assert get(server, "/healthz") == 200  # the worker's event loop has read past them
+        wait_until(lambda: get(server, "/healthz") == 200 and rss_mb() - before > uploads * sent / 2**20 / 2, "the uploads read")
         grown = rss_mb() - before
-        assert grown < 100, f"the worker grew by {grown:.0f} MB for 12 MB received"
+        assert grown < 100, f"the worker grew by {grown:.0f} MB for {uploads * sent / 1e6:.0f} MB received"
     finally:
         for s in socks:
             s.close()
     assert valid_request_ok(server)
 
 
-def test_a_large_body_cut_short_gets_400_and_the_worker_goes_on(server):
-    """A client that declares a large body, sends part of it and half-closes: 400
-    incomplete_request, and the worker (whose buffer for it was allocated whole) serves the next."""
+@pytest.mark.parametrize("sent", [600_000, 3_000_000], ids=["appended", "own buffer"])
+def test_a_large_body_cut_short_gets_400_and_the_worker_goes_on(server, sent):
+    """A client that declares a large body, sends part of it (before and past the point where its
+    rest goes to a buffer of its own) and half-closes: 400 incomplete_request, and the worker
+    serves the next request."""
     s = connect(server)
-    s.sendall(post_head(8_000_000) + b"[" * 600_000)
+    s.sendall(post_head(8_000_000) + b"[" * sent)
     s.shutdown(socket.SHUT_WR)
     answer, _ = read_to_end(s)
     assert_error(answer, 400, "incomplete_request")

@@ -38,6 +38,7 @@ serves plain HTTP/1.1 behind an ingress)."""
 from __future__ import annotations
 
 import errno
+import mmap
 import resource
 import selectors
 import socket
@@ -59,6 +60,14 @@ from service.config import Settings
 from . import accesslog, errors, framing, kserve, metrics
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
+# A body of known length is read straight into a buffer of its own (recv_into) once this much of it
+# has arrived and at least as much is still to come: appended to the connection's buffer instead,
+# each byte was received into a new bytes object and copied once more (a 33.5 MB body spent ~2/3 of
+# its receive time there, bench/README.md "Large requests on the wire"). The buffer is an anonymous
+# mapping, not a bytearray: bytearray(n) writes its n bytes, a mapping's pages are touched only by
+# the bytes that arrive, so a client that declares a length and stalls holds what it sent (plus at
+# most one huge page), never what it declared; and it is page-aligned, so are the body's tensors.
+BODY_BUFFER_AFTER = 2 * 2**20
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
 LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
 LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
@@ -207,13 +216,14 @@ class MemoryBody:
 
     def __init__(self, segments: list):
         parts = [s for s in segments if len(s)]
-        self.whole = parts[0] if len(parts) == 1 and type(parts[0]) is bytearray else None
+        self.whole = parts[0] if len(parts) == 1 and type(parts[0]) in (bytearray, mmap.mmap) else None
         self.segments = deque(memoryview(s).cast("B") for s in parts)
 
-    def take_whole(self) -> bytearray | None:
+    def take_whole(self) -> bytearray | mmap.mmap | None:
         """The whole body, not copied, when it is one buffer of its own (the event loop's receive
-        buffer, which nothing else holds) and none of it has been read; else None, and the body is
-        read as before. The app parses the bytes where the socket put them (service.web.http)."""
+        buffer, or a large body's own mapping, which nothing else holds) and none of it has been
+        read; else None, and the body is read as before. The app parses the bytes where the socket
+        put them (service.web.http, service.wire.loads)."""
         whole, self.whole = self.whole, None
         if whole is None or len(self.segments) != 1 or len(self.segments[0]) != len(whole):
             return None
@@ -273,6 +283,8 @@ class Conn(TConn):
         # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
         self.buf = bytearray()
+        self.body: mmap.mmap | None = None  # a large body's own buffer (BODY_BUFFER_AFTER); buf then holds the head
+        self.body_got = 0  # bytes of it received
         self.scanner: framing.RequestScanner | None = None
         self.body_started = 0.0
         self.deadline = 0.0
@@ -372,8 +384,8 @@ class FrontWorker(ThreadWorker):
     # -- receiving --------------------------------------------------------------------------------
 
     def _release_buf(self, conn: Conn) -> None:
-        self.received -= len(conn.buf)
-        conn.buf = bytearray()
+        self.received -= len(conn.buf) + conn.body_got
+        conn.buf, conn.body, conn.body_got = bytearray(), None, 0
 
     def _start_request(self, conn: Conn, pending: bytes, new: bool = False) -> None:
         """Wait for (the rest of) the next request; pending is what already arrived of it."""
@@ -392,6 +404,9 @@ class FrontWorker(ThreadWorker):
             self._advance(conn)
 
     def _on_readable(self, conn: Conn, _fileobj) -> None:
+        if conn.body is not None:
+            self._on_body_readable(conn)
+            return
         try:
             data = conn.sock.recv(RECV_BYTES)
         except (BlockingIOError, InterruptedError):
@@ -416,7 +431,28 @@ class FrontWorker(ThreadWorker):
         # held by a client that sends a head and stalls (100 stalled uploads of 300 KB declaring
         # 30 MB each: 1.5 GB). What a connection holds is what it sent, counted here.
         conn.buf += data
-        self.received += len(data)
+        self._received(conn, len(data))
+
+    def _on_body_readable(self, conn: Conn) -> None:
+        """The rest of a large body, straight into its own buffer (never past its end: what follows
+        it, pipelined, is read as the next request)."""
+        try:
+            with memoryview(conn.body) as view:
+                n = conn.sock.recv_into(view[conn.body_got :])
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not n:
+            self._answer(conn, "incomplete_request", "The client closed its side of the connection before the request body was complete.")
+            return
+        conn.body_got += n
+        self._received(conn, n)
+
+    def _received(self, conn: Conn, n: int) -> None:
+        """n more bytes of conn's request have arrived: count them, then act on them."""
+        self.received += n
         if self.received > self.settings.max_inflight_bytes:
             # Bodies being read count against the worker's memory budget like admitted ones: a
             # client must send the bytes to hold them, and the one that goes past it is refused.
@@ -431,14 +467,24 @@ class FrontWorker(ThreadWorker):
     def _advance(self, conn: Conn) -> None:
         """Act on what the scanner says of the bytes received so far."""
         head_known = conn.scanner.head_end is not None
-        verdict = conn.scanner.scan(conn.buf)
+        if conn.body is not None:  # buf is the head; the body is in its own buffer
+            done = conn.body_got == len(conn.body)
+            verdict = framing.Verdict(framing.COMPLETE, len(conn.buf)) if done else framing.Verdict(framing.NEED_MORE)
+        else:
+            verdict = conn.scanner.scan(conn.buf)
         if verdict.kind == framing.NEED_MORE:
             if not head_known and conn.scanner.head_end is not None:
                 conn.body_started = time.monotonic()
                 if conn.scanner.expects_continue:  # the client waits for this before its body
                     self._send_now(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
             if conn.scanner.head_end is not None:
-                received = conn.scanner.body_received(len(conn.buf))
+                received = conn.scanner.body_received(len(conn.buf)) + conn.body_got
+                if (
+                    conn.body is None
+                    and conn.scanner.body_length is not None
+                    and BODY_BUFFER_AFTER <= received <= conn.scanner.body_length - BODY_BUFFER_AFTER
+                ):
+                    self._body_buffer(conn)
                 conn.deadline = conn.body_started + self.settings.body_timeout_s + received / self.settings.body_min_rate
         elif verdict.kind == framing.COMPLETE:
             if self.budget.full and conn.scanner.method == "POST":
@@ -458,6 +504,20 @@ class FrontWorker(ThreadWorker):
             self._answer(conn, "body_too_large", errors.body_too_large(self.settings.max_body_bytes))
         elif verdict.kind == framing.HEAD_TOO_LARGE:
             self._answer(conn, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
+
+    @staticmethod
+    def _body_buffer(conn: Conn) -> None:
+        """Move the body received so far into a buffer of the body's length (BODY_BUFFER_AFTER),
+        where the rest will be read; buf keeps the head."""
+        head_end, length = conn.scanner.head_end, conn.scanner.body_length
+        body = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)  # anonymous: pages are touched as bytes arrive
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            body.madvise(mmap.MADV_HUGEPAGE)  # faulted in 2 MiB pages, as malloc's blocks (service/__main__.py)
+        with memoryview(conn.buf) as view:
+            got = len(view) - head_end
+            body[:got] = view[head_end:]
+        del conn.buf[head_end:]
+        conn.body, conn.body_got = body, got
 
     def _send_now(self, conn: Conn, data: bytes) -> None:
         """A few bytes, sent at once (non-blocking socket): the socket buffer has room for them."""
@@ -480,11 +540,14 @@ class FrontWorker(ThreadWorker):
             # The 100 Continue has been sent: hide the Expect header so gunicorn does not send another.
             start, stop = scanner.expect_line
             head = head[:start] + head[stop:]
+        body = conn.body  # a large body's own buffer, or None: the body follows the head in buf
         self._release_buf(conn)
-        del buf[end:]  # what follows the request (pipelined), copied to pending above
-        del buf[:head_end]  # in place: a bytearray drops its first bytes by moving its start, no copy
+        if body is None:
+            del buf[end:]  # what follows the request (pipelined), copied to pending above
+            del buf[:head_end]  # in place: a bytearray drops its first bytes by moving its start, no copy
+            body = buf
         conn.parser = gunicorn_http.get_parser(self.cfg, conn.sock, conn.client)
-        conn.parser.unreader = BufferedUnreader([head, buf])
+        conn.parser.unreader = BufferedUnreader([head, body])
         conn.state = Conn.IN_THREAD
         self.enqueue_req(conn)
 
@@ -498,7 +561,15 @@ class FrontWorker(ThreadWorker):
         answer = error_response(code, message, scanner.path)
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
         accesslog.worker_answer(
-            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, (len(conn.buf), len(answer)), conn.started
+            self.settings.log_format,
+            head,
+            scanner.method,
+            scanner.path,
+            endpoint,
+            code,
+            status,
+            (len(conn.buf) + conn.body_got, len(answer)),
+            conn.started,
         )
         self._release_buf(conn)
         conn.keep = False
@@ -531,6 +602,8 @@ class FrontWorker(ThreadWorker):
                 req.force_close()  # this answer says Connection: close: the client's next connection may land elsewhere
             _body_from_memory(req)
             keep = self.handle_request(req, conn)
+            if isinstance(req.body, MemoryBody):  # what the app left unread is in memory: dropped, not
+                req.body.segments.clear()  # read through 8 KB at a time by finish_body (a refused 33 MB body: ~20 ms)
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
             conn.dropped = True  # part of a response is lost: nothing more may be sent on it

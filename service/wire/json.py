@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import binascii
 import math
+import mmap
 import os
 import threading
 from contextlib import contextmanager
@@ -51,8 +52,9 @@ class Payload:
         return f"<{len(self.raw)} bytes of base64>"
 
 
-def loads(body: bytes | bytearray):
+def loads(body: bytes | bytearray | mmap.mmap):
     """Strict JSON: NaN, Infinity and numbers past float64 are errors (orjson.JSONDecodeError).
+    body may be the anonymous mapping the worker read a large body into (service.web.worker).
 
     An object's tensors come back decoded (see the module docstring): a top-level array of at
     least FAST_MIN_ELEMENTS numbers, or the "data" of a top-level object, as np.ndarray (int64 if
@@ -62,7 +64,9 @@ def loads(body: bytes | bytearray):
         doc = _fast_loads(body)
     except Exception:  # noqa: BLE001 - anything the fast path trips on, orjson judges
         doc = None
-    return orjson.loads(body) if doc is None else doc
+    if doc is None:
+        return orjson.loads(memoryview(body) if isinstance(body, mmap.mmap) else body)
+    return doc
 
 
 def dumps(obj) -> bytes:
@@ -85,9 +89,9 @@ def depth(obj, limit: int) -> int:
     return 0
 
 
-def _fast_loads(body: bytes) -> dict | None:
+def _fast_loads(body: bytes | bytearray | mmap.mmap) -> dict | None:
     """The fast path of loads(), or None where it cannot vouch for the answer."""
-    if not isinstance(body, (bytes, bytearray)) or body.startswith(b"\xef\xbb\xbf"):  # simdjson allows a BOM, JSON does not
+    if not isinstance(body, (bytes, bytearray, mmap.mmap)) or body[:3] == b"\xef\xbb\xbf":  # simdjson allows a BOM, JSON does not
         return None
     skeleton, payloads = _cut_b64(body)
     with _parser(len(skeleton)) as parser:
@@ -111,7 +115,7 @@ def _parser(size: int):
         yield simdjson.Parser()
 
 
-def _decode_parsed(parsed, skeleton: bytes | bytearray, payloads: dict) -> dict | None:
+def _decode_parsed(parsed, skeleton: bytes | bytearray | mmap.mmap, payloads: dict) -> dict | None:
     """The document as loads() returns it, from simdjson's parse of the skeleton. Every proxy into
     the parse is a local here, so all are gone when this returns and the parser may be reused."""
     if not isinstance(parsed, simdjson.Object):
@@ -138,9 +142,17 @@ def _decode_parsed(parsed, skeleton: bytes | bytearray, payloads: dict) -> dict 
     del parsed
     if found != len(payloads):  # a payload that is not the value of a "b64" key: let orjson judge
         return None
-    if arrays and (b"\\" in skeleton or skeleton.count(b"[") != arrays + _brackets(doc)):
+    if arrays and (skeleton.find(b"\\") >= 0 or _count(skeleton, ord("[")) != arrays + _brackets(doc)):
         return None  # an array hidden where a number should be (say [1, [2]]): not rectangular
     return doc
+
+
+def _count(text: bytes | bytearray | mmap.mmap, byte: int) -> int:
+    """How many times byte occurs in text; a mapping has no count(): numpy counts it, 1 MiB at a time."""
+    if not isinstance(text, mmap.mmap):
+        return text.count(bytes((byte,)))
+    view = np.frombuffer(text, np.uint8)
+    return sum(int(np.count_nonzero(view[i : i + 2**20] == byte)) for i in range(0, view.size, 2**20))
 
 
 def _items(obj: simdjson.Object) -> list:
@@ -154,7 +166,7 @@ def _items(obj: simdjson.Object) -> list:
     return [(key, obj[key]) for key in keys]
 
 
-def _cut_b64(body: bytes | bytearray) -> tuple[bytes | bytearray, dict[str, Payload]]:
+def _cut_b64(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray | mmap.mmap, dict[str, Payload]]:
     """Cut each "b64": "<base64>" payload out of body, decoded; the skeleton keeps a marker string
     in its place. A payload that is not clean base64 stays in the skeleton, for the slow path."""
     # One pass: each search for the next key starts after the payload before it (a search for a
