@@ -559,9 +559,10 @@ def chunked_over_limit() -> bytes:
 @dataclass
 class Raw:
     """A request sent as raw bytes. status None: the server closes the connection without an
-        answer. code: the native error code, or None where the answer comes from the HTTP server
-        itself (a request it cannot parse: gunicorn's 400, 414 or 431, not JSON). Requests whose framing
-    is broken or incomplete are refused by the worker's event loop, in the API's shape, with a code."""
+    answer. code: the native error code (None for a 200). Requests whose framing is broken or
+    incomplete are refused by the worker's event loop; a head gunicorn's parser refuses (a bad
+    request line or header, a line or headers over its limits) by the worker's handle_error: both
+    in the API's shape, with a code, never gunicorn's HTML page."""
 
     id: str
     data: object  # bytes, a list of writes, or a callable giving either
@@ -572,14 +573,20 @@ class Raw:
 
 
 HEADERS = [
-    Raw("header-100KB-value", http_request(headers={**JSON, "X-Filler": "a" * 100_000}, body=SEED_BYTES), 431),
-    Raw("header-9KB-value", http_request(headers={**JSON, "X-Filler": "a" * 9000}, body=SEED_BYTES), 431),
-    Raw("header-500-headers", http_request(headers=[*JSON.items(), *((f"X-H{i}", "1") for i in range(500))], body=SEED_BYTES), 431),
-    Raw("header-request-line-10KB", http_request("GET", "/healthz?" + "a" * 10_000), 414),
+    Raw("header-100KB-value", http_request(headers={**JSON, "X-Filler": "a" * 100_000}, body=SEED_BYTES), 431, "headers_too_large"),
+    Raw("header-9KB-value", http_request(headers={**JSON, "X-Filler": "a" * 9000}, body=SEED_BYTES), 431, "headers_too_large"),
+    Raw(
+        "header-500-headers",
+        http_request(headers=[*JSON.items(), *((f"X-H{i}", "1") for i in range(500))], body=SEED_BYTES),
+        431,
+        "headers_too_large",
+    ),
+    Raw("header-request-line-10KB", http_request("GET", "/healthz?" + "a" * 10_000), 414, "uri_too_long"),
     Raw(
         "header-no-colon",
         http_request(headers=[*JSON.items()], body=SEED_BYTES).replace(b"Content-Type: application/json", b"Content-Type application/json"),
         400,
+        "bad_request",
     ),
     Raw("method-made-up-on-healthz", http_request("FROBNICATE", "/healthz"), 405, "method_not_allowed"),
     Raw("method-made-up-on-attention", http_request("BREW", "/attention", headers=JSON, body=SEED_BYTES), 405, "method_not_allowed"),
@@ -673,8 +680,11 @@ HEADERS = [
         check=lambda h: h["x-request-id"] != "r" * 1000 and 0 < len(h["x-request-id"]) <= 128,
     ),
     Raw(
-        "request-id-control-chars-refused", http_request(headers={**JSON, "X-Request-Id": "abc\x01\x1b[31mdef"}, body=SEED_BYTES), 400
-    ),  # gunicorn's
+        "request-id-control-chars-refused",
+        http_request(headers={**JSON, "X-Request-Id": "abc\x01\x1b[31mdef"}, body=SEED_BYTES),
+        400,
+        "bad_request",
+    ),
     Raw(
         "request-id-latin1-not-echoed",
         http_request(headers={**JSON, "X-Request-Id": "caf\xe9"}, body=SEED_BYTES),
@@ -693,7 +703,17 @@ HEADERS = [
         200,
     ),
     Raw("http-1.0-no-host", b"GET /healthz HTTP/1.0\r\n\r\n", 200),
-    Raw("http-version-2.0-text", b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 400),  # gunicorn's
+    Raw("http-version-2.0-text", b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 400, "bad_request"),
+    Raw("request-line-not-http", b"hello there\r\n\r\n", 400, "bad_request"),
+    Raw("method-lowercase", http_request("get", "/healthz"), 400, "bad_request"),
+    Raw("header-name-with-space", b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Name: 1\r\n\r\n", 400, "bad_request"),
+    Raw("header-obsolete-folding", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n  2\r\n\r\n", 400, "bad_request"),
+    Raw(
+        "v2-request-line-10KB",
+        http_request("GET", "/v2/models/attention?" + "a" * 10_000),
+        414,
+        check=lambda h: h["x-error-code"] == "uri_too_long",
+    ),
     Raw("tls-client-hello-bytes", bytes.fromhex("16030100a5010000a10303") + bytes(range(32)), 400, "incomplete_request", shut_write=True),
 ]
 
@@ -704,9 +724,13 @@ def test_header(attack_server, case):
     data = case.data() if callable(case.data) else case.data
     status, headers, body = raw_exchange(url, data, shut_write=case.shut_write)[0]
     assert status == case.status, (status, body[:300])
-    if case.code is not None:
+    if status is not None and status >= 400:  # every refusal is JSON, whoever makes it
+        assert headers["content-type"] == "application/json", (headers, body[:300])
         err = json.loads(body)["error"]
-        assert err["code"] == case.code and err["status"] == status, err
+        if isinstance(err, str):  # the /v2 protocol's shape
+            assert err and headers["x-error-code"], (headers, err)
+        else:
+            assert err["code"] == case.code and err["status"] == status, err
     if case.check is not None:
         assert case.check(headers), headers
     assert status is None or status < 500 or status == 501, status  # 501: HTTP's own "not this transfer coding"

@@ -75,10 +75,11 @@ PLACEMENT_MARGIN = 3
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
 
-def error_response(code: str, message: str, path: str) -> bytes:
-    """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS),
-    the body in the shape of the front door path is under (the /v2 protocol's, else the native)."""
-    status = errors.status_of(code)
+def error_response(code: str, message: str, path: str, status: int | None = None) -> bytes:
+    """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS)
+    unless given, the body in the shape of the front door path is under (the /v2 protocol's, else
+    the native)."""
+    status = status or errors.status_of(code)
     door = path.partition("?")[0]
     prefix = kserve.bp.url_prefix
     shape = kserve.error_body if door == prefix or door.startswith(prefix + "/") else errors.native_body
@@ -90,6 +91,31 @@ def error_response(code: str, message: str, path: str) -> bytes:
         headers.append("Retry-After: 1")
     headers.append("Connection: close")
     return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+
+def parser_refusal(exc: Exception, limits) -> tuple[int, str, str]:
+    """(status, code, message) for a head gunicorn's parser refused with exc (its handle_error's
+    statuses), or for a failure past the app (500); limits: gunicorn's config."""
+    perr = gunicorn_http.errors
+    if isinstance(exc, (perr.InvalidResponseHeader, perr.InvalidResponseHeaderName, perr.ConfigurationProblem)):
+        pass  # the application's fault, not the client's: a 500 as below
+    elif isinstance(exc, perr.LimitRequestLine):
+        return 414, "uri_too_long", f"The request line is longer than {limits.limit_request_line} bytes; send options in the body."
+    elif isinstance(exc, perr.LimitRequestHeaders):
+        message = (
+            f"The request has more than {limits.limit_request_fields} headers or one longer than "
+            f"{limits.limit_request_field_size} bytes ({exc})."
+        )
+        return 431, "headers_too_large", message
+    elif isinstance(exc, perr.UnsupportedTransferCoding):
+        return 501, "not_implemented", f"The server does not decode this transfer coding: {exc}."
+    elif isinstance(exc, perr.ForbiddenProxyRequest):
+        return 403, "forbidden", "The request came through a proxy this server does not trust."
+    elif isinstance(exc, perr.ExpectationFailed):
+        return 417, "expectation_failed", f"The server cannot meet the Expect header: {exc}."
+    elif isinstance(exc, perr.ParseException):
+        return 400, "bad_request", f"The request line or headers are not valid HTTP/1.1: {exc}."
+    return 500, "internal", "The server failed on this request; it has been logged."
 
 
 class SendBudget:
@@ -541,8 +567,30 @@ class FrontWorker(ThreadWorker):
             if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
                 self.log.exception("Socket error processing request.")
         except Exception as e:
-            self.handle_error(req, conn.sock, conn.client, e)
+            self.handle_error(req, conn.sock, conn.client, e, conn.scanner)
         return False
+
+    def handle_error(self, req, client, addr, exc, scanner: framing.RequestScanner | None = None):
+        """The answer to a head gunicorn's parser refuses (a bad request line or header, a line or
+        headers over its limits), or to a failure past the app, with gunicorn's statuses but in
+        the API's shape: gunicorn's own is an HTML page, and every refusal here is JSON with a
+        code (a client of either door parses it as such). scanner:
+        the event loop's view of the head (its path and method, when gunicorn's parser got none)."""
+        status, code, message = parser_refusal(exc, self.cfg)
+        if status >= 500:
+            self.log.exception("Error handling request %s", getattr(req, "uri", "(no URI read)"))
+        else:
+            self.log.warning("Invalid request from ip=%s: %s", (addr or ("",))[0], exc)
+        req = req or getattr(exc, "req", None)
+        path = getattr(req, "path", None) or getattr(scanner, "path", None) or ""
+        method = getattr(req, "method", None) or getattr(scanner, "method", None) or ""
+        endpoint = self._endpoint(path, method)
+        metrics.REQUESTS.labels(endpoint, metrics.method_label(method), str(status)).inc()
+        metrics.REJECTIONS.labels(endpoint, code).inc()
+        try:
+            client.sendall(error_response(code, message, path, status))
+        except OSError:
+            self.log.debug("Failed to send error message.")
 
     def _crowded(self) -> bool:
         """This worker holds PLACEMENT_MARGIN or more admitted requests than its least busy sibling
