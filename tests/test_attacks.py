@@ -737,6 +737,41 @@ def test_header(attack_server, case):
     assert_seed_answered(url)
 
 
+ROUTES = {  # path -> the methods it answers (OPTIONS and HEAD aside)
+    "/attention": {"POST"},
+    "/mha": {"POST"},
+    "/v2/models/attention/infer": {"POST"},
+    "/v2/models/mha/versions/1/infer": {"POST"},
+    "/healthz": {"GET"},
+    "/readyz": {"GET"},
+    "/limits": {"GET"},
+    "/metrics": {"GET"},
+    "/openapi.json": {"GET"},
+    "/docs": {"GET"},
+    "/": {"GET"},
+    "/v2": {"GET"},
+    "/v2/health/live": {"GET"},
+    "/v2/health/ready": {"GET"},
+    "/v2/models/attention": {"GET"},
+    "/v2/models/mha/ready": {"GET"},
+}
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_options_and_head_on_every_route(attack_server, path):
+    """OPTIONS answers 200 with the Allow header and the same methods as JSON (Flask's automatic
+    answer was an empty text/html page); HEAD answers as GET would, without a body, or 405."""
+    url = attack_server[1]
+    resp = requests.options(f"{url}{path}", timeout=10)
+    allowed = ROUTES[path] | {"OPTIONS"} | ({"HEAD"} if "GET" in ROUTES[path] else set())
+    assert resp.status_code == 200 and resp.headers["Content-Type"] == "application/json", (resp.headers, resp.text[:200])
+    assert set(resp.json()["allow"]) == allowed
+    assert {m.strip() for m in resp.headers["Allow"].split(",")} == allowed
+    head = requests.head(f"{url}{path}", timeout=10)
+    assert head.status_code == (200 if "GET" in ROUTES[path] else 405) and head.content == b""
+    assert_seed_answered(url)
+
+
 def test_made_up_methods_do_not_grow_metrics(attack_server):
     """500 made-up methods: /metrics counts them under one bounded label ("other")."""
     url = attack_server[1]
