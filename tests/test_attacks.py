@@ -123,6 +123,8 @@ class Case:
     headers: dict = field(default_factory=dict)
     check: object = None
     message_has: str | None = None
+    message_lacks: str | None = None
+    field_is: str | None = None  # the native error's field, checked when given
 
 
 def send(url: str, case: Case, session: requests.Session) -> requests.Response:
@@ -153,6 +155,10 @@ def assert_answer(resp: requests.Response, case: Case) -> dict:
             text = err["message"]
         if case.message_has:
             assert case.message_has in text, text
+        if case.message_lacks:
+            assert case.message_lacks not in text, text
+        if case.field_is is not None:
+            assert err["field"] == case.field_is, err
     elif case.check is not None:
         case.check(body)
     return body
@@ -416,6 +422,46 @@ OVERFLOW = [
         path="/mha",
     ),
     Case("overflow-mha-projection-scores", mha(x=[[1e19, 1e19]], wq=[[1e19, 0.0], [0.0, 1e19]], heads=1), 422, "non_finite", path="/mha"),
+    # A score overflow names what caused it, and suggests float64 only where it is not already.
+    Case(
+        "overflow-scores-float64-no-float64-hint",
+        {"q": [[1e155]], "k": [[1e155]], "v": [[1.0]], "dtype": "float64"},
+        422,
+        "non_finite",
+        message_lacks='"float64"',
+        field_is="q",
+    ),
+    Case(
+        "overflow-float64-rows-of-1.7e308-stay-finite",
+        {"q": [[0.0], [0.0]], "k": [[0.0], [0.0]], "v": [[1.7e308], [1.7e308]], "scale": 1.0, "dtype": "float64"},
+        200,
+        check=out_is([[1.7e308], [1.7e308]]),
+    ),
+    Case(
+        "overflow-mha-result-float64-names-a-field",
+        mha(x=[[1e154, 0.0]], wq=EYE, wk=EYE, wv=[[1e154, 0.0], [0.0, 0.0]], wo=[[1e10, 0.0], [0.0, 0.0]], heads=1, dtype="float64"),
+        422,
+        "non_finite",
+        path="/mha",
+        message_lacks='"float64"',
+        field_is="x",
+    ),
+    Case(
+        "overflow-alibi-slopes-blamed",
+        batched(alibi_slopes=[-3e38], return_weights=False),
+        422,
+        "non_finite",
+        message_has="ALiBi",
+        field_is="alibi_slopes",
+    ),
+    Case(
+        "overflow-bias-blamed",
+        {"q": [[1e19]], "k": [[1e19]], "v": [[1.0]], "scale": 1.0, "bias": [[3e38]]},
+        422,
+        "non_finite",
+        message_has="bias",
+        field_is="bias",
+    ),
     # out is B*T*dv = 4*4096*4096 = 67M elements from an 88 KB request: refused before computing.
     Case(
         "limits-output-too-large-b64",
