@@ -916,6 +916,16 @@ MHA_V2 = {
     "parameters": {"heads": 2},
 }
 
+
+def _true_header_length(spell) -> str:
+    """The seed's true Inference-Header-Content-Length, spelled by spell(n)."""
+    body, headers = v2_binary()
+    return spell(int(headers["Inference-Header-Content-Length"]))
+
+
+# The seed under causal and window [1, 0]: each query sees itself and the one key before it.
+SEED_OUT_WINDOW_1_0 = [[1.0, 0.0], [0.33023845, 6.6976155], [3.3488077, 6.6511923]]
+
 PROTOCOL = [
     Case("v2-seed-json", v2(), 200, path=V2, check=v2_out_is(SEED_OUT)),
     Case("v2-seed-binary", v2_binary(), 200, path=V2, check=v2_out_is(SEED_OUT)),
@@ -927,6 +937,12 @@ PROTOCOL = [
     Case("v2-header-length-cuts-the-json", v2_binary("20"), 400, path=V2),
     Case("v2-header-length-zero", v2_binary("0"), 400, path=V2),
     Case("v2-header-length-huge", v2_binary("9" * 40), 400, path=V2),
+    # int() reads "3_53", "+353" and Arabic-Indic digits as numbers; the header is ASCII digits only.
+    Case("v2-header-length-underscore", lambda: v2_binary(_true_header_length(lambda n: f"{n // 10}_{n % 10}")), 400, path=V2),
+    Case("v2-header-length-plus-sign", lambda: v2_binary(_true_header_length(lambda n: f"+{n}")), 400, path=V2),
+    Case("v2-window-underscore", v2(parameters={"causal": True, "window": "1_0,0"}), 422, path=V2),
+    Case("v2-window-arabic-indic-digits", v2(parameters={"causal": True, "window": "\u0661,0"}), 422, path=V2),
+    Case("v2-window-spaces-ok", v2(parameters={"causal": True, "window": " 1 , 0 "}), 200, path=V2, check=v2_out_is(SEED_OUT_WINDOW_1_0)),
     Case("v2-binary-size-past-the-data", v2_binary(sizes={"v": 100}), 422, path=V2),
     Case("v2-binary-size-short-leaves-bytes", v2_binary(sizes={"v": 8}), 422, path=V2),
     Case("v2-binary-extra-bytes-after-the-data", v2_binary(extra=b"\x00" * 8), 422, path=V2),

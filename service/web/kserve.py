@@ -21,6 +21,7 @@ blueprint), with the native status; the schemas are built with labels, so their 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -322,10 +323,8 @@ def _split_body(body: bytes) -> tuple[bytes, memoryview]:
     raw = request.headers.get("Inference-Header-Content-Length")
     if raw is None:
         return body, memoryview(b"")
-    try:
-        size = int(raw)
-    except ValueError:
-        size = -1
+    # ASCII digits only: int() also reads "3_53", "+353", " 353" and other scripts' digits.
+    size = int(raw) if raw.isascii() and raw.isdigit() else -1
     if not 0 <= size <= len(body):
         raise RequestError(
             "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}."
@@ -473,13 +472,14 @@ def _list(value, what: str) -> list:
     return value
 
 
+WINDOW_TEXT = re.compile(r"\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*")
+
+
 def _window(text: str):
-    """ "256,0" -> [256, 0]; text that is not two integers is left for the schema to refuse."""
-    parts = text.split(",")
-    try:
-        return [int(p) for p in parts] if len(parts) == 2 else text
-    except ValueError:
-        return text
+    """ "256,0" -> [256, 0]; text that is not two integers (in ASCII digits: int() also reads
+    "1_0" and other scripts' digits) is left for the schema to refuse."""
+    match = WINDOW_TEXT.fullmatch(text)
+    return [int(match[1]), int(match[2])] if match else text
 
 
 def _bool(value, what: str) -> bool:
