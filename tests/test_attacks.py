@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1041,6 +1042,34 @@ PROTOCOL = [
 @pytest.mark.parametrize("case", PROTOCOL, ids=lambda c: c.id)
 def test_protocol(attack_server, case):
     run_case(attack_server[1], case)
+
+
+LONG = "n" * 1_000_000  # a 1 MB name or value where the server expects a short one
+LONG_TEXT = [
+    ("native-field", "/attention", {**WORKED, LONG: 1}),
+    ("native-flat-key", "/attention", {**WORKED, "q": {"shape": [3, 2], "data": [1, 0, 0, 1, 1, 1], LONG: 1}}),
+    ("native-b64-dtype", "/attention", {**WORKED, "q": {"shape": [3, 2], "dtype": LONG, "b64": "AAAA"}}),
+    ("v2-field", V2, {**V2_SEED, LONG: 1}),
+    ("v2-parameter", V2, v2(parameters={LONG: 1})),
+    ("v2-input-name", V2, v2_input("q", name=LONG)),
+    ("v2-input-parameter", V2, v2_input("q", parameters={LONG: 1})),
+    ("v2-output-name", V2, v2(outputs=[{"name": LONG}])),
+    ("v2-output-parameter", V2, v2(outputs=[{"name": "out", "parameters": {LONG: True}}])),
+]
+
+
+@pytest.mark.parametrize("path, body", [c[1:] for c in LONG_TEXT], ids=[c[0] for c in LONG_TEXT])
+def test_a_long_name_is_cut_in_the_error_and_the_log(attack_server, path, body):
+    """A name or value the client sent is shown cut in the error's message and field, and in the
+    access log: a 1 MB key must not become a 1 MB answer and a 1 MB log line per request."""
+    proc, url = attack_server
+    log = Path(proc.log_path)
+    before = log.stat().st_size
+    resp = requests.post(f"{url}{path}", json=body, timeout=30)
+    assert resp.status_code == 422, resp.text[:300]
+    assert len(resp.content) < 2000, resp.text[:300]
+    assert_seed_answered(url)  # its access line is written after the 422's
+    assert log.stat().st_size - before < 20_000
 
 
 def test_v2_readiness_follows_draining():

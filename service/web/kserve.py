@@ -338,7 +338,9 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
     extra = sorted(set(doc) - REQUEST_KEYS)
     if extra:
         raise RequestError(
-            "unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0]
+            "unknown_field",
+            f"{show(extra[0])} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.",
+            extra[0][:FIELD_CHARS],
         )
     if "id" in doc and not isinstance(doc["id"], str):
         raise RequestError("bad_type", "id must be a string.", "id")
@@ -353,7 +355,9 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
         elif key not in IGNORED_PARAMETERS and key != "binary_data_output":
             known = ", ".join((*model.options, "binary_data_output"))
             raise RequestError(
-                "unknown_field", f"parameter {key!r} is not a parameter of model {model.name}; its parameters are: {known}.", key
+                "unknown_field",
+                f"parameter {show(key)} is not a parameter of model {model.name}; its parameters are: {known}.",
+                key[:FIELD_CHARS],
             )
     binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output")}
 
@@ -371,7 +375,7 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
         name = _name(spec, "each of outputs")
         if name not in OUTPUTS:
             raise RequestError(
-                "unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
+                "unknown_field", f"output {show(name)} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
             )
         if name in requested:
             raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
@@ -379,7 +383,7 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
         unsupported = sorted(set(out_params) - {"binary_data"})
         if unsupported:
             raise RequestError(
-                "bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs"
+                "bad_option", f"output {name} has parameters {_shown(unsupported)}; the only one supported is binary_data.", "outputs"
             )
         if "binary_data" in out_params:
             binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
@@ -395,7 +399,9 @@ def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
         name = _name(spec, "each of inputs")
         if name not in model.inputs:
             known = ", ".join(model.inputs)
-            raise RequestError("unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", name)
+            raise RequestError(
+                "unknown_field", f"input {show(name)} is not an input of model {model.name}; its inputs are: {known}.", name[:FIELD_CHARS]
+            )
         if name in native:
             raise RequestError("bad_option", f"input {name} is given twice.", name)
         native[name] = _tensor(model, name, spec, blobs)
@@ -418,7 +424,9 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     unsupported = sorted(set(params) - {"binary_data_size"})
     if unsupported:
         raise RequestError(
-            "bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name
+            "bad_option",
+            f"input {name} has parameters {_shown(unsupported)}; the only one supported is binary_data_size (no shared memory).",
+            name,
         )
     if "binary_data_size" in params:
         size = params["binary_data_size"]
@@ -436,6 +444,14 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
 
 
 # --- small helpers ---------------------------------------------------------------------------------
+
+FIELD_CHARS = 60  # of a name the client sent, as an error's field (logged, and sent as X-Error-Field)
+
+
+def _shown(names: list[str]) -> str:
+    """The first few names, each cut: a message (and the log line that holds it) never grows with the body."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return "[" + ", ".join(show(n) for n in names[:3]) + "]" + more
 
 
 def _model(name: str, version: str | None) -> Model:
