@@ -719,6 +719,10 @@ HEADERS = [
     Raw("deadline-nan", http_request(headers={**JSON, "X-Deadline-Ms": "nan"}, body=SEED_BYTES), 422, "bad_option"),
     Raw("deadline-infinity", http_request(headers={**JSON, "X-Deadline-Ms": "inf"}, body=SEED_BYTES), 422, "bad_option"),
     Raw("deadline-1e999", http_request(headers={**JSON, "X-Deadline-Ms": "1e999"}, body=SEED_BYTES), 422, "bad_option"),
+    Raw("deadline-underscore", http_request(headers={**JSON, "X-Deadline-Ms": "1_000"}, body=SEED_BYTES), 422, "bad_option"),
+    Raw("deadline-hex-float", http_request(headers={**JSON, "X-Deadline-Ms": "0x1p10"}, body=SEED_BYTES), 422, "bad_option"),
+    Raw("deadline-decimal-ok", http_request(headers={**JSON, "X-Deadline-Ms": "30000.5"}, body=SEED_BYTES), 200),
+    Raw("deadline-exponent-ok", http_request(headers={**JSON, "X-Deadline-Ms": "3e4"}, body=SEED_BYTES), 200),
     Raw("deadline-empty", http_request(headers={**JSON, "X-Deadline-Ms": ""}, body=SEED_BYTES), 422, "bad_option"),
     Raw(
         "request-id-over-long-not-echoed",
