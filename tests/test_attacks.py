@@ -765,6 +765,8 @@ HEADERS = [
         414,
         check=lambda h: h["x-error-code"] == "uri_too_long",
     ),
+    Raw("host-twice", b"GET /healthz HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400, "bad_request"),
+    Raw("expect-unknown", http_request(headers={**JSON, "Expect": "200-ok"}, body=SEED_BYTES), 417, "expectation_failed"),
     Raw("tls-client-hello-bytes", bytes.fromhex("16030100a5010000a10303") + bytes(range(32)), 400, "incomplete_request", shut_write=True),
 ]
 
