@@ -986,6 +986,11 @@ PROTOCOL = [
     Case("v2-data-holds-strings", v2_input("q", data=[1, 0, 0, "1", 1, 1]), 422, path=V2),
     Case("v2-data-holds-bools", v2_input("q", data=[True, False, False, True, True, True]), 422, path=V2),
     Case("v2-data-and-binary-both", v2_input("q", parameters={"binary_data_size": 24}), 422, path=V2),
+    # The protocol's input and output objects have fixed keys: any other is refused, never ignored.
+    Case("v2-input-unknown-key", v2_input("q", dtype="float64"), 422, path=V2, message_has="dtype"),
+    Case("v2-input-typo-datatype", v2_input("q", data_type="FP64"), 422, path=V2, message_has="data_type"),
+    Case("v2-binary-input-unknown-key", v2_binary(q={"contents": {}}), 422, path=V2, message_has="contents"),
+    Case("v2-output-unknown-key", v2(outputs=[{"name": "out", "datatype": "FP64"}]), 422, path=V2, message_has="datatype"),
     Case("v2-inputs-is-an-object", v2(inputs={"q": 1}), 422, path=V2),
     Case("v2-inputs-empty", v2(inputs=[]), 422, path=V2),
     Case("v2-inputs-missing", v2(inputs=DROP), 422, path=V2),

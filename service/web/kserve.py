@@ -52,6 +52,8 @@ OUTPUTS = ("out", "weights")
 # batcher or sequence scheduler to give them to, so they are accepted and have no effect.
 IGNORED_PARAMETERS = frozenset({"priority", "timeout"})
 REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+INPUT_KEYS = ("name", "datatype", "shape", "parameters", "data")  # the protocol's input tensor object
+OUTPUT_KEYS = ("name", "parameters")  # ... and its requested output object
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,7 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
             raise RequestError(
                 "unknown_field", f"output {show(name)} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
             )
+        _known_keys(spec, OUTPUT_KEYS, f"output {name}", "outputs")
         if name in requested:
             raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
         out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
@@ -414,6 +417,7 @@ def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
 
 def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     """One input tensor -> the flat or b64 value the native Tensor field decodes and checks."""
+    _known_keys(spec, INPUT_KEYS, f"input {name}", name)
     accepted = model.inputs[name][0]
     datatype = spec.get("datatype")
     if datatype not in accepted:
@@ -446,6 +450,13 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
 # --- small helpers ---------------------------------------------------------------------------------
 
 FIELD_CHARS = 60  # of a name the client sent, as an error's field (logged, and sent as X-Error-Field)
+
+
+def _known_keys(spec: dict, known: tuple[str, ...], what: str, field: str) -> None:
+    """Refuse a key the protocol does not define (a typo such as "data_type" never passes silently)."""
+    extra = [key for key in spec if key not in known]
+    if extra:
+        raise RequestError("unknown_field", f"{what} has keys {_shown(extra)}; its keys are: {', '.join(known)}.", field)
 
 
 def _shown(names: list[str]) -> str:
