@@ -346,7 +346,7 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
         )
     if "id" in doc and not isinstance(doc["id"], str):
         raise RequestError("bad_type", "id must be a string.", "id")
-    params = _object(doc.get("parameters", {}), "parameters")
+    params = _object(doc.get("parameters", {}), "parameters", "parameters")
     native = _inputs(model, doc.get("inputs"), blobs)
 
     for key, value in params.items():
@@ -361,7 +361,7 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
                 f"parameter {show(key)} is not a parameter of model {model.name}; its parameters are: {known}.",
                 key[:FIELD_CHARS],
             )
-    binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output")}
+    binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output", "binary_data_output")}
 
     requested = _outputs(model, doc["outputs"], binary_default) if "outputs" in doc else None
     if requested is not None and "return_weights" not in native:
@@ -373,8 +373,8 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
     """The requested output names, in order; each one's binary_data goes into binary_default."""
     requested = []
     for spec in _list(specs, "outputs"):
-        spec = _object(spec, "each of outputs")
-        name = _name(spec, "each of outputs")
+        spec = _object(spec, "each of outputs", "outputs")
+        name = _name(spec, "each of outputs", "outputs")
         if name not in OUTPUTS:
             raise RequestError(
                 "unknown_field", f"output {show(name)} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
@@ -382,14 +382,14 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
         _known_keys(spec, OUTPUT_KEYS, f"output {name}", "outputs")
         if name in requested:
             raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
-        out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
+        out_params = _object(spec.get("parameters", {}), f"output {name} parameters", "outputs")
         unsupported = sorted(set(out_params) - {"binary_data"})
         if unsupported:
             raise RequestError(
                 "bad_option", f"output {name} has parameters {_shown(unsupported)}; the only one supported is binary_data.", "outputs"
             )
         if "binary_data" in out_params:
-            binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
+            binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data", "outputs")
         requested.append(name)
     return requested
 
@@ -398,8 +398,8 @@ def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
     """The inputs -> {field: native tensor value}; every required input present, none twice."""
     native = {}
     for spec in _list(specs, "inputs"):
-        spec = _object(spec, "each of inputs")
-        name = _name(spec, "each of inputs")
+        spec = _object(spec, "each of inputs", "inputs")
+        name = _name(spec, "each of inputs", "inputs")
         if name not in model.inputs:
             known = ", ".join(model.inputs)
             raise RequestError(
@@ -424,7 +424,7 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
         raise RequestError("bad_type", f"input {name} has datatype {show(datatype)}; it must be {' or '.join(accepted)}.", name)
     dtype = DATATYPES[datatype]
     shape = spec.get("shape")  # wire.decode checks it: a list of positive integers
-    params = _object(spec.get("parameters", {}), f"input {name} parameters")
+    params = _object(spec.get("parameters", {}), f"input {name} parameters", name)
     unsupported = sorted(set(params) - {"binary_data_size"})
     if unsupported:
         raise RequestError(
@@ -478,18 +478,20 @@ def _ready() -> bool:
     return readiness() == "ready"
 
 
-def _name(spec: dict, what: str) -> str:
+def _name(spec: dict, what: str, field: str) -> str:
     """An input's or output's name, checked to be a string before it is looked up anywhere (a
     list or an object is unhashable: a dict lookup would raise TypeError, a 500)."""
     name = spec.get("name")
     if not isinstance(name, str):
-        raise RequestError("bad_type" if name is not None else "missing_field", f"{what} needs a name (a string), not {show(name)}.")
+        code = "bad_type" if name is not None else "missing_field"
+        raise RequestError(code, f"{what} needs a name (a string), not {show(name)}.", field)
     return name
 
 
-def _object(value, what: str) -> dict:
+def _object(value, what: str, field: str) -> dict:
+    """value if it is a JSON object; field: what the error names (the X-Error-Field header)."""
     if not isinstance(value, dict):
-        raise RequestError("bad_type", f"{what} must be a JSON object, not {show(value)}.")
+        raise RequestError("bad_type", f"{what} must be a JSON object, not {show(value)}.", field)
     return value
 
 
@@ -509,7 +511,7 @@ def _window(text: str):
     return [int(match[1]), int(match[2])] if match else text
 
 
-def _bool(value, what: str) -> bool:
+def _bool(value, what: str, field: str) -> bool:
     if not isinstance(value, bool):
-        raise RequestError("bad_type", f"{what} must be true or false, not {show(value)}.")
+        raise RequestError("bad_type", f"{what} must be true or false, not {show(value)}.", field)
     return value
