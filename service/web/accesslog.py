@@ -69,15 +69,18 @@ def _write(record: dict, fmt: str) -> None:
 
 def _plain(r: dict) -> bytes:
     """One line for a terminal: time, status, method, path, duration, then what is known."""
-    path = r.get("path") or r["route"]
-    if not path.isprintable():  # no control character (a newline) may forge a line
-        path = orjson.dumps(path).decode()
+    path = _printable(r.get("path") or r["route"])
     parts = [r["ts"], str(r["status"]), r["method"], path, f"{r['duration_ms']:.1f}ms" if r.get("duration_ms") is not None else "-"]
-    if "code" in r:
-        parts.append(f"code={r['code']}" + (f" field={r['field']}" if r.get("field") else ""))
+    if "code" in r:  # a field can be a key the client sent: escaped like the path
+        parts.append(f"code={r['code']}" + (f" field={_printable(r['field'])}" if r.get("field") else ""))
     parts += [f"{k}={r[k]}" for k in ("B", "H", "T", "S", "d", "predicted_ms", "compute_ms") if k in r]
     parts += [f"in={r.get('bytes_in', '-')}", f"out={r['bytes_out']}", f"id={r['request_id']}", f"trace={r['trace_id']}", f"pid={r['pid']}"]
     return (" ".join(parts) + "\n").encode()
+
+
+def _printable(text: str) -> str:
+    """text, or its JSON string if it holds a control character (a newline must not forge a line)."""
+    return text if text.isprintable() else orjson.dumps(text).decode()
 
 
 def _clip(s: str, n: int) -> str:
