@@ -396,6 +396,10 @@ ENCODINGS = [
     Case("encoding-shape-float", attn(q={"shape": [3.0, 2], "data": [1, 0, 0, 1, 1, 1]}), 422, "bad_shape"),
     Case("encoding-shape-product-overflows", attn(q=b64([1.0], shape=[2**40, 2**40])), 422, "bad_shape"),
     Case("encoding-shape-2**70", attn(q={"shape": [2**70], "data": [1.0]}), 422, "bad_shape"),
+    # NaN or infinity in the raw bytes: no dtype makes them finite, so none is suggested.
+    Case("encoding-b64-nan-bytes", attn(q=b64([[np.nan, 0], [0, 1], [1, 1]])), 422, "non_finite", message_lacks="float64", field_is="q"),
+    Case("encoding-b64-inf-float16", attn(bias=b64(np.full((3, 3), np.inf), "float16")), 422, "non_finite", message_lacks="float64"),
+    Case("encoding-1e39-suggests-float64", attn(v=[[1e39, 0], [0, 1], [1, 1]]), 422, "non_finite", message_has='"float64"', field_is="v"),
     Case("encoding-8MB-of-b64-garbage", b64_garbage, 400, "bad_json"),
     Case("encoding-15MB-of-one-element-rows", one_element_rows, 413, "too_long"),
 ]
@@ -960,6 +964,17 @@ PROTOCOL = [
     Case("v2-binary-size-float", v2_binary(sizes={"q": 24.0}), 422, path=V2),
     Case("v2-binary-size-huge", v2_binary(sizes={"q": 2**70}), 422, path=V2),
     Case("v2-binary-size-mismatches-shape", v2_binary(sizes={"q": 16, "k": 32}), 422, path=V2),
+    Case(
+        "v2-binary-nan-bytes",
+        lambda: (
+            v2_binary()[0][: -3 * 24] + np.full(18, np.nan, np.float32).tobytes(),
+            v2_binary()[1],
+        ),
+        422,
+        path=V2,
+        message_lacks="float64",
+        field_is="q",
+    ),
     Case("v2-binary-name-is-a-list", v2_binary(q={"name": ["q"]}), 422, path=V2),
     Case("v2-datatype-BF16", v2_input("q", datatype="BF16"), 422, path=V2),
     Case("v2-datatype-BYTES", v2_input("q", datatype="BYTES"), 422, path=V2),
