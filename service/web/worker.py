@@ -22,7 +22,9 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   and the thread goes on: the response is finished (its compute slot freed) and the event loop
   sends the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is
   dropped. While more than ATTN_SEND_BUFFER_BYTES are held, new POST requests get 503
-  overloaded from here (memory stays bounded; no thread ever waits to send).
+  overloaded from here, and a thread still encoding an answer holds at most HELD_PAST_BUDGET of
+  it, waiting for its reader beyond that (memory stays bounded by the budget, not by the size of
+  the answers being written; a thread waits to send only then).
 - Idle: a new connection must send a request head within ATTN_HEADER_TIMEOUT_S; a kept-alive
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
   and no thread.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import errno
 import resource
+import select
 import selectors
 import socket
 import threading
@@ -72,6 +75,9 @@ SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a s
 # flapping to 4+4 and back) at more CPU per request; 3 closed ~1%, at main's CPU per request, and
 # still spread 8 connections opened on one worker 4+4 within a second (python -m bench.admission).
 PLACEMENT_MARGIN = 3
+# What one connection may hold for its reader once the worker's send budget (ATTN_SEND_BUFFER_BYTES)
+# is spent: about one piece of a streamed answer (a nested block of 2**18 numbers is ~2.5-5 MB).
+HELD_PAST_BUDGET = 8 * 2**20
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
 
@@ -169,6 +175,27 @@ class ClientSocket(socket.socket):
             self.settimeout(timeout)
         if view:
             self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
+        if self.budget.full and self.outbox_bytes > HELD_PAST_BUDGET:
+            self._wait_for_reader(timeout)
+
+    def _wait_for_reader(self, timeout: float | None) -> None:
+        """Once the worker holds its send budget, the thread holds back what it has not encoded
+        yet: it sends (waiting for the socket, up to timeout without progress: TimeoutError, the
+        client is dropped) until this connection holds HELD_PAST_BUDGET at most. Without it, a
+        client that reads nothing had the whole answer held (786 MB of nested text for a 262 KB
+        request) until the send timeout. It waits as a thread only (the compute slot went back
+        when the response was built), and only while the budget is spent, when the event loop
+        lets no new POST in."""
+        writable = select.poll()  # poll, not select: a worker's connections may number past FD_SETSIZE
+        writable.register(self, select.POLLOUT)
+        while self.outbox_bytes > HELD_PAST_BUDGET:
+            if not writable.poll(None if timeout is None else timeout * 1000):
+                raise TimeoutError(f"the client read nothing for {timeout} s")
+            self.setblocking(False)
+            try:
+                self.budget.give(self.send_some())
+            finally:
+                self.settimeout(timeout)
 
     def queue(self, data) -> None:
         """Hold data for the event loop to send, charged to the budget until it is sent or dropped."""
