@@ -773,6 +773,27 @@ HEADERS = [
     ),
     Raw("host-twice", b"GET /healthz HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400, "bad_request"),
     Raw("expect-unknown", http_request(headers={**JSON, "Expect": "200-ok"}, body=SEED_BYTES), 417, "expectation_failed"),
+    Raw(
+        "request-id-echoed-by-the-worker-413",
+        http_request(headers={**JSON, "X-Request-Id": "rid-413", "Content-Length": str(BODY_LIMIT + 1)}),
+        413,
+        "body_too_large",
+        check=lambda h: h["x-request-id"] == "rid-413",
+    ),
+    Raw(
+        "request-id-echoed-by-the-worker-400-framing",
+        http_request(headers={**JSON, "X-Request-Id": "rid-400", "Content-Length": "-5"}, body=SEED_BYTES),
+        400,
+        "bad_framing",
+        check=lambda h: h["x-request-id"] == "rid-400",
+    ),
+    Raw(
+        "request-id-echoed-for-a-head-gunicorn-refuses",
+        http_request("GET", "/healthz", headers={"X-Request-Id": "rid-431", "X-Filler": "a" * 9000}),
+        431,
+        "headers_too_large",
+        check=lambda h: h["x-request-id"] == "rid-431",
+    ),
     Raw("tls-client-hello-bytes", bytes.fromhex("16030100a5010000a10303") + bytes(range(32)), 400, "incomplete_request", shut_write=True),
 ]
 
@@ -783,6 +804,8 @@ def test_header(attack_server, case):
     data = case.data() if callable(case.data) else case.data
     status, headers, body = raw_exchange(url, data, shut_write=case.shut_write)[0]
     assert status == case.status, (status, body[:300])
+    if status is not None:  # every answer has a request id, whoever makes it (the app, the worker, gunicorn's parser)
+        assert 0 < len(headers.get("x-request-id", "")) <= 128 and "total;dur=" in headers.get("server-timing", ""), headers
     if status is not None and status >= 400:  # every refusal is JSON, whoever makes it
         assert headers["content-type"] == "application/json", (headers, body[:300])
         err = json.loads(body)["error"]

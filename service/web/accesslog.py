@@ -147,19 +147,36 @@ def install(app: Flask) -> None:
         return resp
 
 
+def head_request_id(head: bytes | None) -> str:
+    """The request id of a request the worker answers itself: its X-Request-Id if the head
+    arrived whole and the id is acceptable (http.request_id), else a fresh one."""
+    headers = _headers(head, (b"x-request-id",)) if head else {}
+    return http.request_id(headers.get(b"x-request-id", ""))
+
+
 def worker_answer(
-    fmt: str, head: bytes | None, method: str, path: str, route: str, code: str, status: int, sizes: tuple[int, int], started: float
+    fmt: str,
+    head: bytes | None,
+    method: str,
+    path: str,
+    route: str,
+    code: str,
+    status: int,
+    sizes: tuple[int, int],
+    started: float,
+    request_id: str | None = None,
 ) -> None:
     """The line of a request the worker's event loop answered itself (worker.py). head is the
     request's head if it arrived whole (its X-Request-Id and traceparent are read from it); sizes
-    are (bytes received, bytes of the answer); started is time.monotonic() at its first byte."""
+    are (bytes received, bytes of the answer); started is time.monotonic() at its first byte;
+    request_id the one the answer carries (else read from head)."""
     headers = _headers(head, (b"x-request-id", b"traceparent")) if head else {}
     trace = tracing.start(headers.get(b"traceparent"))
     record = {
         "ts": rfc3339(time.time()),
         "level": "info",
         "logger": "access",
-        "request_id": http.request_id(headers.get(b"x-request-id", "")),
+        "request_id": request_id or http.request_id(headers.get(b"x-request-id", "")),
         "trace_id": trace.trace_id,
         "span_id": trace.span_id,
         "method": _clip(method, MAX_METHOD) or "-",

@@ -59,7 +59,7 @@ from schemas import RequestError
 from service import wire
 from service.config import Settings
 
-from . import accesslog, errors, framing, kserve, metrics
+from . import accesslog, errors, framing, http, kserve, metrics
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
@@ -81,10 +81,13 @@ HELD_PAST_BUDGET = 8 * 2**20
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
 
-def error_response(code: str, message: str, path: str, status: int | None = None) -> bytes:
+def error_response(
+    code: str, message: str, path: str, status: int | None = None, request_id: str | None = None, started: float = 0.0
+) -> bytes:
     """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS)
     unless given, the body in the shape of the front door path is under (the /v2 protocol's, else
-    the native)."""
+    the native), and, as every answer has, the request's X-Request-Id (a fresh one if it has none)
+    and Server-Timing (total: since started, time.monotonic() at the request's first byte)."""
     status = status or errors.status_of(code)
     door = path.partition("?")[0]
     prefix = kserve.bp.url_prefix
@@ -93,6 +96,8 @@ def error_response(code: str, message: str, path: str, status: int | None = None
     body = wire.dumps(shape(err, status))
     headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
     headers += [f"{name}: {value}" for name, value in errors.code_headers(err).items()]
+    headers.append(f"X-Request-Id: {request_id or http.request_id('')}")
+    headers.append(f"Server-Timing: total;dur={(time.monotonic() - started) * 1000 if started else 0.0:.3f}")
     if status == 503:
         headers.append("Retry-After: 1")
     headers.append("Connection: close")
@@ -335,6 +340,7 @@ class Conn(TConn):
         self.pending = b""  # bytes received after the request in a thread (pipelined)
         self.dropped = False  # the thread gave up on a client that did not read
         self.started = 0.0  # monotonic time of the request's first byte (an early answer's duration)
+        self.head: bytes | None = None  # the request head handed to a thread, while it is there
 
 
 def _body_from_memory(req) -> None:
@@ -529,6 +535,7 @@ class FrontWorker(ThreadWorker):
         # own buffers (a first segment running into the body had up to 64 KB of it copied there and
         # back), and the body is the received buffer itself, for MemoryBody to hand to the app.
         head = bytes(buf[:head_end])
+        conn.head = head  # kept while in the thread: the request id of an answer handle_error makes
         if scanner.expect_line is not None and scanner.head_end is not None:
             # The 100 Continue has been sent: hide the Expect header so gunicorn does not send another.
             start, stop = scanner.expect_line
@@ -548,10 +555,12 @@ class FrontWorker(ThreadWorker):
         endpoint = self._endpoint(scanner.path, scanner.method)
         metrics.REQUESTS.labels(endpoint, metrics.method_label(scanner.method), str(status)).inc()
         metrics.REJECTIONS.labels(endpoint, code).inc()
-        answer = error_response(code, message, scanner.path)
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
+        request_id = accesslog.head_request_id(head)
+        answer = error_response(code, message, scanner.path, request_id=request_id, started=conn.started)
+        sizes = (len(conn.buf), len(answer))
         accesslog.worker_answer(
-            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, (len(conn.buf), len(answer)), conn.started
+            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, sizes, conn.started, request_id
         )
         self._release_buf(conn)
         conn.keep = False
@@ -594,28 +603,34 @@ class FrontWorker(ThreadWorker):
             if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
                 self.log.exception("Socket error processing request.")
         except Exception as e:
-            self.handle_error(req, conn.sock, conn.client, e, conn.scanner)
+            self.handle_error(req, conn.sock, conn.client, e, conn)
         return False
 
-    def handle_error(self, req, client, addr, exc, scanner: framing.RequestScanner | None = None):
+    def handle_error(self, req, client, addr, exc, conn: Conn | None = None):
         """The answer to a head gunicorn's parser refuses (a bad request line or header, a line or
         headers over its limits), or to a failure past the app, with gunicorn's statuses but in
         the API's shape: gunicorn's own is an HTML page, and every refusal here is JSON with a
-        code (a client of either door parses it as such). scanner:
-        the event loop's view of the head (its path and method, when gunicorn's parser got none)."""
+        code (a client of either door parses it as such). conn: the connection, whose scanner and
+        head give the path, method and request id where gunicorn's parser got no request."""
         status, code, message = parser_refusal(exc, self.cfg)
         if status >= 500:
             self.log.exception("Error handling request %s", getattr(req, "uri", "(no URI read)"))
         else:
             self.log.warning("Invalid request from ip=%s: %s", (addr or ("",))[0], exc)
         req = req or getattr(exc, "req", None)
+        scanner = getattr(conn, "scanner", None)
         path = getattr(req, "path", None) or getattr(scanner, "path", None) or ""
         method = getattr(req, "method", None) or getattr(scanner, "method", None) or ""
         endpoint = self._endpoint(path, method)
         metrics.REQUESTS.labels(endpoint, metrics.method_label(method), str(status)).inc()
         metrics.REJECTIONS.labels(endpoint, code).inc()
+        head, started = getattr(conn, "head", None), getattr(conn, "started", 0.0)
+        request_id = accesslog.head_request_id(head)
+        answer = error_response(code, message, path, status, request_id, started)
+        sizes = (len(head or b""), len(answer))
+        accesslog.worker_answer(self.settings.log_format, head, method, path, endpoint, code, status, sizes, started, request_id)
         try:
-            client.sendall(error_response(code, message, path, status))
+            client.sendall(answer)
         except OSError:
             self.log.debug("Failed to send error message.")
 
@@ -639,6 +654,7 @@ class FrontWorker(ThreadWorker):
             return
         conn.keep = keep
         conn.parser = None  # it holds the request's buffer (up to ATTN_MAX_BODY_BYTES): not while idle
+        conn.head = None
         conn.sock.setblocking(False)
         self._write(conn)
 
