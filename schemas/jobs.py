@@ -147,19 +147,29 @@ class _Job:
         try:
             out, weights = self._compute(threads, pool)
         except core.ScoreOverflow as exc:
+            field, terms = self._score_overflow()
             raise RequestError(
-                "non_finite",
-                f'The scores q·kᵀ·scale overflow {exc.dtype}; send "dtype": "float64", smaller values or a smaller scale.',
-                self.overflow_field,
+                "non_finite", f"The scores {terms} overflow {exc.dtype}; send {_larger(exc.dtype)}smaller values or a smaller scale.", field
             ) from None
         except core.ResultOverflow as exc:
             raise RequestError(
-                "non_finite", f'The result ({exc.what}) overflows {exc.dtype}; send "dtype": "float64" or smaller values.', None
+                "non_finite",
+                f"The result ({exc.what}) overflows {exc.dtype}; send {_larger(exc.dtype)}smaller values.",
+                self.overflow_field,
             ) from None
-        return out, weights  # in the compute dtype: the front doors send them in weights_dtype
+        return out, weights
+
+    def _score_overflow(self) -> tuple[str, str]:
+        """(the field a score overflow is blamed on, the terms the scores add up)."""
+        return self.overflow_field, "q·kᵀ·scale"  # in the compute dtype: the front doors send them in weights_dtype
 
     def _compute(self, threads: int, pool: Executor | None) -> tuple[np.ndarray, np.ndarray | None]:
         raise NotImplementedError
+
+
+def _larger(dtype) -> str:
+    """The hint to compute in float64, where the request did not already."""
+    return "" if np.dtype(dtype) == np.float64 else '"dtype": "float64", '
 
 
 @dataclass(frozen=True)
@@ -219,6 +229,17 @@ class AttentionJob(_Job):
         """The scaled q, v with its column of ones, and out."""
         rows = self.v.size // self.v.shape[-1]
         return (self.q.size + self.v.size + rows + self.output_elements) * itemsize
+
+    def _score_overflow(self) -> tuple[str, str]:
+        """A bias or ALiBi term within a factor 4 of the dtype's maximum is the likely cause: it is
+        named (a score overflow that only they cause is not q's)."""
+        terms = "q·kᵀ·scale" + (" + bias" if self.bias is not None else "") + (" + the ALiBi term" if self.alibi_slopes is not None else "")
+        near = np.finfo(self.q.dtype).max / 4
+        if self.bias is not None and np.abs(self.bias).max() >= near:
+            return "bias", terms
+        if self.alibi_slopes is not None and np.abs(self.alibi_slopes).max() * max(self.T, self.S) >= near:
+            return "alibi_slopes", terms
+        return self.overflow_field, terms
 
     def _compute(self, threads, pool):
         return core.attention(

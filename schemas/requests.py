@@ -160,6 +160,13 @@ class _Request(Schema):
         with np.errstate(over="ignore"):  # overflow becomes inf, refused just below
             out = arr.astype(dtype, copy=False)
         if not np.isfinite(out).all():
+            if arr.dtype.kind == "f" and not np.isfinite(arr).all():  # NaN or infinity as sent: no dtype helps
+                raise RequestError(
+                    "non_finite",
+                    f"{self._label(name)} has values that are not finite in {arr.dtype.name} as sent (NaN, infinity, or past its range); "
+                    "send finite numbers.",
+                    name,
+                )
             hint = '; send "dtype": "float64" or smaller values' if dtype == np.float32 else ""
             raise RequestError("non_finite", f"{self._label(name)} has values that are not finite in {dtype.name}{hint}.", name)
         return out

@@ -128,6 +128,17 @@ def test_plain_format_escapes_control_characters():
     assert line.count(b"\n") == 1 and b"\\n" in line
 
 
+def test_plain_format_escapes_a_field_the_client_named(settings, capfd):
+    """An error's field can be a key the client sent: a newline in it must not forge a line."""
+    app = create_app(dataclasses.replace(settings, log_format="plain"))
+    r = post(app.test_client(), {"q": [[1.0]], "k": [[1.0]], "v": [[1.0]], "x\n2026-12-01T00:00:00Z 200 GET /forged": 1})
+    r.get_data()
+    out = capfd.readouterr().out
+    assert r.status_code == 422
+    (line,) = out.splitlines()
+    assert "code=unknown_field field=" in line and "\\n" in line
+
+
 def test_log_format_setting(monkeypatch):
     monkeypatch.setenv("ATTN_LOG_FORMAT", "plain")
     assert Settings.from_env().log_format == "plain"

@@ -20,6 +20,7 @@ import signal
 import socket
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,6 +124,8 @@ class Case:
     headers: dict = field(default_factory=dict)
     check: object = None
     message_has: str | None = None
+    message_lacks: str | None = None
+    field_is: str | None = None  # the error's field (/v2: its X-Error-Field header), checked when given
 
 
 def send(url: str, case: Case, session: requests.Session) -> requests.Response:
@@ -145,14 +148,20 @@ def assert_answer(resp: requests.Response, case: Case) -> dict:
         if case.path.startswith("/v2"):
             assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"], body
             text = body["error"]
+            if case.field_is is not None:  # the protocol's body has no field: the header names it
+                assert resp.headers.get("X-Error-Field") == case.field_is, (resp.headers, text)
         else:
             err = body["error"]
             assert set(err) == {"status", "code", "message", "field"} and err["status"] == case.status, body
             codes = case.code if isinstance(case.code, frozenset) else {case.code}
             assert err["code"] in codes, body
             text = err["message"]
+            if case.field_is is not None:
+                assert err["field"] == case.field_is, err
         if case.message_has:
             assert case.message_has in text, text
+        if case.message_lacks:
+            assert case.message_lacks not in text, text
     elif case.check is not None:
         case.check(body)
     return body
@@ -387,6 +396,10 @@ ENCODINGS = [
     Case("encoding-shape-float", attn(q={"shape": [3.0, 2], "data": [1, 0, 0, 1, 1, 1]}), 422, "bad_shape"),
     Case("encoding-shape-product-overflows", attn(q=b64([1.0], shape=[2**40, 2**40])), 422, "bad_shape"),
     Case("encoding-shape-2**70", attn(q={"shape": [2**70], "data": [1.0]}), 422, "bad_shape"),
+    # NaN or infinity in the raw bytes: no dtype makes them finite, so none is suggested.
+    Case("encoding-b64-nan-bytes", attn(q=b64([[np.nan, 0], [0, 1], [1, 1]])), 422, "non_finite", message_lacks="float64", field_is="q"),
+    Case("encoding-b64-inf-float16", attn(bias=b64(np.full((3, 3), np.inf), "float16")), 422, "non_finite", message_lacks="float64"),
+    Case("encoding-1e39-suggests-float64", attn(v=[[1e39, 0], [0, 1], [1, 1]]), 422, "non_finite", message_has='"float64"', field_is="v"),
     Case("encoding-8MB-of-b64-garbage", b64_garbage, 400, "bad_json"),
     Case("encoding-15MB-of-one-element-rows", one_element_rows, 413, "too_long"),
 ]
@@ -416,6 +429,46 @@ OVERFLOW = [
         path="/mha",
     ),
     Case("overflow-mha-projection-scores", mha(x=[[1e19, 1e19]], wq=[[1e19, 0.0], [0.0, 1e19]], heads=1), 422, "non_finite", path="/mha"),
+    # A score overflow names what caused it, and suggests float64 only where it is not already.
+    Case(
+        "overflow-scores-float64-no-float64-hint",
+        {"q": [[1e155]], "k": [[1e155]], "v": [[1.0]], "dtype": "float64"},
+        422,
+        "non_finite",
+        message_lacks='"float64"',
+        field_is="q",
+    ),
+    Case(
+        "overflow-float64-rows-of-1.7e308-stay-finite",
+        {"q": [[0.0], [0.0]], "k": [[0.0], [0.0]], "v": [[1.7e308], [1.7e308]], "scale": 1.0, "dtype": "float64"},
+        200,
+        check=out_is([[1.7e308], [1.7e308]]),
+    ),
+    Case(
+        "overflow-mha-result-float64-names-a-field",
+        mha(x=[[1e154, 0.0]], wq=EYE, wk=EYE, wv=[[1e154, 0.0], [0.0, 0.0]], wo=[[1e10, 0.0], [0.0, 0.0]], heads=1, dtype="float64"),
+        422,
+        "non_finite",
+        path="/mha",
+        message_lacks='"float64"',
+        field_is="x",
+    ),
+    Case(
+        "overflow-alibi-slopes-blamed",
+        batched(alibi_slopes=[-3e38], return_weights=False),
+        422,
+        "non_finite",
+        message_has="ALiBi",
+        field_is="alibi_slopes",
+    ),
+    Case(
+        "overflow-bias-blamed",
+        {"q": [[1e19]], "k": [[1e19]], "v": [[1.0]], "scale": 1.0, "bias": [[3e38]]},
+        422,
+        "non_finite",
+        message_has="bias",
+        field_is="bias",
+    ),
     # out is B*T*dv = 4*4096*4096 = 67M elements from an 88 KB request: refused before computing.
     Case(
         "limits-output-too-large-b64",
@@ -559,9 +612,10 @@ def chunked_over_limit() -> bytes:
 @dataclass
 class Raw:
     """A request sent as raw bytes. status None: the server closes the connection without an
-        answer. code: the native error code, or None where the answer comes from the HTTP server
-        itself (a request it cannot parse: gunicorn's 400, 414 or 431, not JSON). Requests whose framing
-    is broken or incomplete are refused by the worker's event loop, in the API's shape, with a code."""
+    answer. code: the native error code (None for a 200). Requests whose framing is broken or
+    incomplete are refused by the worker's event loop; a head gunicorn's parser refuses (a bad
+    request line or header, a line or headers over its limits) by the worker's handle_error: both
+    in the API's shape, with a code, never gunicorn's HTML page."""
 
     id: str
     data: object  # bytes, a list of writes, or a callable giving either
@@ -572,14 +626,20 @@ class Raw:
 
 
 HEADERS = [
-    Raw("header-100KB-value", http_request(headers={**JSON, "X-Filler": "a" * 100_000}, body=SEED_BYTES), 431),
-    Raw("header-9KB-value", http_request(headers={**JSON, "X-Filler": "a" * 9000}, body=SEED_BYTES), 431),
-    Raw("header-500-headers", http_request(headers=[*JSON.items(), *((f"X-H{i}", "1") for i in range(500))], body=SEED_BYTES), 431),
-    Raw("header-request-line-10KB", http_request("GET", "/healthz?" + "a" * 10_000), 414),
+    Raw("header-100KB-value", http_request(headers={**JSON, "X-Filler": "a" * 100_000}, body=SEED_BYTES), 431, "headers_too_large"),
+    Raw("header-9KB-value", http_request(headers={**JSON, "X-Filler": "a" * 9000}, body=SEED_BYTES), 431, "headers_too_large"),
+    Raw(
+        "header-500-headers",
+        http_request(headers=[*JSON.items(), *((f"X-H{i}", "1") for i in range(500))], body=SEED_BYTES),
+        431,
+        "headers_too_large",
+    ),
+    Raw("header-request-line-10KB", http_request("GET", "/healthz?" + "a" * 10_000), 414, "uri_too_long"),
     Raw(
         "header-no-colon",
         http_request(headers=[*JSON.items()], body=SEED_BYTES).replace(b"Content-Type: application/json", b"Content-Type application/json"),
         400,
+        "bad_request",
     ),
     Raw("method-made-up-on-healthz", http_request("FROBNICATE", "/healthz"), 405, "method_not_allowed"),
     Raw("method-made-up-on-attention", http_request("BREW", "/attention", headers=JSON, body=SEED_BYTES), 405, "method_not_allowed"),
@@ -665,6 +725,10 @@ HEADERS = [
     Raw("deadline-nan", http_request(headers={**JSON, "X-Deadline-Ms": "nan"}, body=SEED_BYTES), 422, "bad_option"),
     Raw("deadline-infinity", http_request(headers={**JSON, "X-Deadline-Ms": "inf"}, body=SEED_BYTES), 422, "bad_option"),
     Raw("deadline-1e999", http_request(headers={**JSON, "X-Deadline-Ms": "1e999"}, body=SEED_BYTES), 422, "bad_option"),
+    Raw("deadline-underscore", http_request(headers={**JSON, "X-Deadline-Ms": "1_000"}, body=SEED_BYTES), 422, "bad_option"),
+    Raw("deadline-hex-float", http_request(headers={**JSON, "X-Deadline-Ms": "0x1p10"}, body=SEED_BYTES), 422, "bad_option"),
+    Raw("deadline-decimal-ok", http_request(headers={**JSON, "X-Deadline-Ms": "30000.5"}, body=SEED_BYTES), 200),
+    Raw("deadline-exponent-ok", http_request(headers={**JSON, "X-Deadline-Ms": "3e4"}, body=SEED_BYTES), 200),
     Raw("deadline-empty", http_request(headers={**JSON, "X-Deadline-Ms": ""}, body=SEED_BYTES), 422, "bad_option"),
     Raw(
         "request-id-over-long-not-echoed",
@@ -673,8 +737,11 @@ HEADERS = [
         check=lambda h: h["x-request-id"] != "r" * 1000 and 0 < len(h["x-request-id"]) <= 128,
     ),
     Raw(
-        "request-id-control-chars-refused", http_request(headers={**JSON, "X-Request-Id": "abc\x01\x1b[31mdef"}, body=SEED_BYTES), 400
-    ),  # gunicorn's
+        "request-id-control-chars-refused",
+        http_request(headers={**JSON, "X-Request-Id": "abc\x01\x1b[31mdef"}, body=SEED_BYTES),
+        400,
+        "bad_request",
+    ),
     Raw(
         "request-id-latin1-not-echoed",
         http_request(headers={**JSON, "X-Request-Id": "caf\xe9"}, body=SEED_BYTES),
@@ -693,7 +760,40 @@ HEADERS = [
         200,
     ),
     Raw("http-1.0-no-host", b"GET /healthz HTTP/1.0\r\n\r\n", 200),
-    Raw("http-version-2.0-text", b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 400),  # gunicorn's
+    Raw("http-version-2.0-text", b"GET /healthz HTTP/2.0\r\nHost: x\r\n\r\n", 400, "bad_request"),
+    Raw("request-line-not-http", b"hello there\r\n\r\n", 400, "bad_request"),
+    Raw("method-lowercase", http_request("get", "/healthz"), 400, "bad_request"),
+    Raw("header-name-with-space", b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Name: 1\r\n\r\n", 400, "bad_request"),
+    Raw("header-obsolete-folding", b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n  2\r\n\r\n", 400, "bad_request"),
+    Raw(
+        "v2-request-line-10KB",
+        http_request("GET", "/v2/models/attention?" + "a" * 10_000),
+        414,
+        check=lambda h: h["x-error-code"] == "uri_too_long",
+    ),
+    Raw("host-twice", b"GET /healthz HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400, "bad_request"),
+    Raw("expect-unknown", http_request(headers={**JSON, "Expect": "200-ok"}, body=SEED_BYTES), 417, "expectation_failed"),
+    Raw(
+        "request-id-echoed-by-the-worker-413",
+        http_request(headers={**JSON, "X-Request-Id": "rid-413", "Content-Length": str(BODY_LIMIT + 1)}),
+        413,
+        "body_too_large",
+        check=lambda h: h["x-request-id"] == "rid-413",
+    ),
+    Raw(
+        "request-id-echoed-by-the-worker-400-framing",
+        http_request(headers={**JSON, "X-Request-Id": "rid-400", "Content-Length": "-5"}, body=SEED_BYTES),
+        400,
+        "bad_framing",
+        check=lambda h: h["x-request-id"] == "rid-400",
+    ),
+    Raw(
+        "request-id-echoed-for-a-head-gunicorn-refuses",
+        http_request("GET", "/healthz", headers={"X-Request-Id": "rid-431", "X-Filler": "a" * 9000}),
+        431,
+        "headers_too_large",
+        check=lambda h: h["x-request-id"] == "rid-431",
+    ),
     Raw("tls-client-hello-bytes", bytes.fromhex("16030100a5010000a10303") + bytes(range(32)), 400, "incomplete_request", shut_write=True),
 ]
 
@@ -704,12 +804,53 @@ def test_header(attack_server, case):
     data = case.data() if callable(case.data) else case.data
     status, headers, body = raw_exchange(url, data, shut_write=case.shut_write)[0]
     assert status == case.status, (status, body[:300])
-    if case.code is not None:
+    if status is not None:  # every answer has a request id, whoever makes it (the app, the worker, gunicorn's parser)
+        assert 0 < len(headers.get("x-request-id", "")) <= 128 and "total;dur=" in headers.get("server-timing", ""), headers
+    if status is not None and status >= 400:  # every refusal is JSON, whoever makes it
+        assert headers["content-type"] == "application/json", (headers, body[:300])
         err = json.loads(body)["error"]
-        assert err["code"] == case.code and err["status"] == status, err
+        if isinstance(err, str):  # the /v2 protocol's shape
+            assert err and headers["x-error-code"], (headers, err)
+        else:
+            assert err["code"] == case.code and err["status"] == status, err
     if case.check is not None:
         assert case.check(headers), headers
     assert status is None or status < 500 or status == 501, status  # 501: HTTP's own "not this transfer coding"
+    assert_seed_answered(url)
+
+
+ROUTES = {  # path -> the methods it answers (OPTIONS and HEAD aside)
+    "/attention": {"POST"},
+    "/mha": {"POST"},
+    "/v2/models/attention/infer": {"POST"},
+    "/v2/models/mha/versions/1/infer": {"POST"},
+    "/healthz": {"GET"},
+    "/readyz": {"GET"},
+    "/limits": {"GET"},
+    "/metrics": {"GET"},
+    "/openapi.json": {"GET"},
+    "/docs": {"GET"},
+    "/": {"GET"},
+    "/v2": {"GET"},
+    "/v2/health/live": {"GET"},
+    "/v2/health/ready": {"GET"},
+    "/v2/models/attention": {"GET"},
+    "/v2/models/mha/ready": {"GET"},
+}
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+def test_options_and_head_on_every_route(attack_server, path):
+    """OPTIONS answers 200 with the Allow header and the same methods as JSON (Flask's automatic
+    answer was an empty text/html page); HEAD answers as GET would, without a body, or 405."""
+    url = attack_server[1]
+    resp = requests.options(f"{url}{path}", timeout=10)
+    allowed = ROUTES[path] | {"OPTIONS"} | ({"HEAD"} if "GET" in ROUTES[path] else set())
+    assert resp.status_code == 200 and resp.headers["Content-Type"] == "application/json", (resp.headers, resp.text[:200])
+    assert set(resp.json()["allow"]) == allowed
+    assert {m.strip() for m in resp.headers["Allow"].split(",")} == allowed
+    head = requests.head(f"{url}{path}", timeout=10)
+    assert head.status_code == (200 if "GET" in ROUTES[path] else 405) and head.content == b""
     assert_seed_answered(url)
 
 
@@ -811,6 +952,16 @@ MHA_V2 = {
     "parameters": {"heads": 2},
 }
 
+
+def _true_header_length(spell) -> str:
+    """The seed's true Inference-Header-Content-Length, spelled by spell(n)."""
+    body, headers = v2_binary()
+    return spell(int(headers["Inference-Header-Content-Length"]))
+
+
+# The seed under causal and window [1, 0]: each query sees itself and the one key before it.
+SEED_OUT_WINDOW_1_0 = [[1.0, 0.0], [0.33023845, 6.6976155], [3.3488077, 6.6511923]]
+
 PROTOCOL = [
     Case("v2-seed-json", v2(), 200, path=V2, check=v2_out_is(SEED_OUT)),
     Case("v2-seed-binary", v2_binary(), 200, path=V2, check=v2_out_is(SEED_OUT)),
@@ -822,6 +973,12 @@ PROTOCOL = [
     Case("v2-header-length-cuts-the-json", v2_binary("20"), 400, path=V2),
     Case("v2-header-length-zero", v2_binary("0"), 400, path=V2),
     Case("v2-header-length-huge", v2_binary("9" * 40), 400, path=V2),
+    # int() reads "3_53", "+353" and Arabic-Indic digits as numbers; the header is ASCII digits only.
+    Case("v2-header-length-underscore", lambda: v2_binary(_true_header_length(lambda n: f"{n // 10}_{n % 10}")), 400, path=V2),
+    Case("v2-header-length-plus-sign", lambda: v2_binary(_true_header_length(lambda n: f"+{n}")), 400, path=V2),
+    Case("v2-window-underscore", v2(parameters={"causal": True, "window": "1_0,0"}), 422, path=V2),
+    Case("v2-window-arabic-indic-digits", v2(parameters={"causal": True, "window": "\u0661,0"}), 422, path=V2),
+    Case("v2-window-spaces-ok", v2(parameters={"causal": True, "window": " 1 , 0 "}), 200, path=V2, check=v2_out_is(SEED_OUT_WINDOW_1_0)),
     Case("v2-binary-size-past-the-data", v2_binary(sizes={"v": 100}), 422, path=V2),
     Case("v2-binary-size-short-leaves-bytes", v2_binary(sizes={"v": 8}), 422, path=V2),
     Case("v2-binary-extra-bytes-after-the-data", v2_binary(extra=b"\x00" * 8), 422, path=V2),
@@ -830,6 +987,17 @@ PROTOCOL = [
     Case("v2-binary-size-float", v2_binary(sizes={"q": 24.0}), 422, path=V2),
     Case("v2-binary-size-huge", v2_binary(sizes={"q": 2**70}), 422, path=V2),
     Case("v2-binary-size-mismatches-shape", v2_binary(sizes={"q": 16, "k": 32}), 422, path=V2),
+    Case(
+        "v2-binary-nan-bytes",
+        lambda: (
+            v2_binary()[0][: -3 * 24] + np.full(18, np.nan, np.float32).tobytes(),
+            v2_binary()[1],
+        ),
+        422,
+        path=V2,
+        message_lacks="float64",
+        field_is="q",
+    ),
     Case("v2-binary-name-is-a-list", v2_binary(q={"name": ["q"]}), 422, path=V2),
     Case("v2-datatype-BF16", v2_input("q", datatype="BF16"), 422, path=V2),
     Case("v2-datatype-BYTES", v2_input("q", datatype="BYTES"), 422, path=V2),
@@ -841,7 +1009,7 @@ PROTOCOL = [
     Case("v2-name-is-a-list", v2_input("q", name=["q"]), 422, path=V2),
     Case("v2-name-is-an-object", v2_input("q", name={"q": 1}), 422, path=V2),
     Case("v2-name-is-a-number", v2_input("q", name=7), 422, path=V2),
-    Case("v2-name-is-null", v2_input("q", name=None), 422, path=V2),
+    Case("v2-name-is-null", v2_input("q", name=None), 422, path=V2, field_is="inputs"),
     Case("v2-name-unknown", v2_input("q", name="query"), 422, path=V2),
     Case("v2-shape-is-a-string", v2_input("q", shape="3,2"), 422, path=V2),
     Case("v2-shape-is-null", v2_input("q", shape=None), 422, path=V2),
@@ -858,22 +1026,33 @@ PROTOCOL = [
     Case("v2-data-holds-strings", v2_input("q", data=[1, 0, 0, "1", 1, 1]), 422, path=V2),
     Case("v2-data-holds-bools", v2_input("q", data=[True, False, False, True, True, True]), 422, path=V2),
     Case("v2-data-and-binary-both", v2_input("q", parameters={"binary_data_size": 24}), 422, path=V2),
+    # The protocol's input and output objects have fixed keys: any other is refused, never ignored.
+    Case("v2-input-unknown-key", v2_input("q", dtype="float64"), 422, path=V2, message_has="dtype"),
+    Case("v2-input-typo-datatype", v2_input("q", data_type="FP64"), 422, path=V2, message_has="data_type"),
+    Case("v2-binary-input-unknown-key", v2_binary(q={"contents": {}}), 422, path=V2, message_has="contents"),
+    Case("v2-output-unknown-key", v2(outputs=[{"name": "out", "datatype": "FP64"}]), 422, path=V2, message_has="datatype"),
     Case("v2-inputs-is-an-object", v2(inputs={"q": 1}), 422, path=V2),
     Case("v2-inputs-empty", v2(inputs=[]), 422, path=V2),
     Case("v2-inputs-missing", v2(inputs=DROP), 422, path=V2),
-    Case("v2-inputs-holds-a-number", v2(inputs=[5]), 422, path=V2),
+    Case("v2-inputs-holds-a-number", v2(inputs=[5]), 422, path=V2, field_is="inputs"),
     Case("v2-input-given-twice", v2(inputs=V2_SEED["inputs"] + V2_SEED["inputs"][:1]), 422, path=V2),
-    Case("v2-input-parameters-is-a-number", v2_input("q", parameters=5), 422, path=V2),
+    Case("v2-input-parameters-is-a-number", v2_input("q", parameters=5), 422, path=V2, field_is="q"),
     Case("v2-outputs-is-an-object", v2(outputs={"name": "out"}), 422, path=V2),
-    Case("v2-outputs-holds-a-number", v2(outputs=[5]), 422, path=V2),
-    Case("v2-outputs-name-is-a-list", v2(outputs=[{"name": ["out"]}]), 422, path=V2),
+    Case("v2-outputs-holds-a-number", v2(outputs=[5]), 422, path=V2, field_is="outputs"),
+    Case("v2-outputs-name-is-a-list", v2(outputs=[{"name": ["out"]}]), 422, path=V2, field_is="outputs"),
     Case("v2-outputs-unknown", v2(outputs=[{"name": "logits"}]), 422, path=V2),
-    Case("v2-outputs-parameters-is-a-list", v2(outputs=[{"name": "out", "parameters": []}]), 422, path=V2),
-    Case("v2-outputs-binary-data-string", v2(outputs=[{"name": "out", "parameters": {"binary_data": "yes"}}]), 422, path=V2),
-    Case("v2-parameters-is-a-list", v2(parameters=[]), 422, path=V2),
+    Case("v2-outputs-parameters-is-a-list", v2(outputs=[{"name": "out", "parameters": []}]), 422, path=V2, field_is="outputs"),
+    Case(
+        "v2-outputs-binary-data-string",
+        v2(outputs=[{"name": "out", "parameters": {"binary_data": "yes"}}]),
+        422,
+        path=V2,
+        field_is="outputs",
+    ),
+    Case("v2-parameters-is-a-list", v2(parameters=[]), 422, path=V2, field_is="parameters"),
     Case("v2-parameters-causal-string", v2(parameters={"causal": "yes"}), 422, path=V2),
     Case("v2-parameters-scale-string", v2(parameters={"scale": "1"}), 422, path=V2),
-    Case("v2-parameters-binary-output-string", v2(parameters={"binary_data_output": "yes"}), 422, path=V2),
+    Case("v2-parameters-binary-output-string", v2(parameters={"binary_data_output": "yes"}), 422, path=V2, field_is="binary_data_output"),
     Case("v2-parameters-unknown", v2(parameters={"casual": True}), 422, path=V2),
     Case("v2-parameters-dtype-number", v2(parameters={"dtype": 64}), 422, path=V2),
     Case("v2-id-is-a-number", v2(id=5), 422, path=V2),
@@ -920,6 +1099,34 @@ PROTOCOL = [
 @pytest.mark.parametrize("case", PROTOCOL, ids=lambda c: c.id)
 def test_protocol(attack_server, case):
     run_case(attack_server[1], case)
+
+
+LONG = "n" * 1_000_000  # a 1 MB name or value where the server expects a short one
+LONG_TEXT = [
+    ("native-field", "/attention", {**WORKED, LONG: 1}),
+    ("native-flat-key", "/attention", {**WORKED, "q": {"shape": [3, 2], "data": [1, 0, 0, 1, 1, 1], LONG: 1}}),
+    ("native-b64-dtype", "/attention", {**WORKED, "q": {"shape": [3, 2], "dtype": LONG, "b64": "AAAA"}}),
+    ("v2-field", V2, {**V2_SEED, LONG: 1}),
+    ("v2-parameter", V2, v2(parameters={LONG: 1})),
+    ("v2-input-name", V2, v2_input("q", name=LONG)),
+    ("v2-input-parameter", V2, v2_input("q", parameters={LONG: 1})),
+    ("v2-output-name", V2, v2(outputs=[{"name": LONG}])),
+    ("v2-output-parameter", V2, v2(outputs=[{"name": "out", "parameters": {LONG: True}}])),
+]
+
+
+@pytest.mark.parametrize("path, body", [c[1:] for c in LONG_TEXT], ids=[c[0] for c in LONG_TEXT])
+def test_a_long_name_is_cut_in_the_error_and_the_log(attack_server, path, body):
+    """A name or value the client sent is shown cut in the error's message and field, and in the
+    access log: a 1 MB key must not become a 1 MB answer and a 1 MB log line per request."""
+    proc, url = attack_server
+    log = Path(proc.log_path)
+    before = log.stat().st_size
+    resp = requests.post(f"{url}{path}", json=body, timeout=30)
+    assert resp.status_code == 422, resp.text[:300]
+    assert len(resp.content) < 2000, resp.text[:300]
+    assert_seed_answered(url)  # its access line is written after the 422's
+    assert log.stat().st_size - before < 20_000
 
 
 def test_v2_readiness_follows_draining():

@@ -505,6 +505,38 @@ def test_past_the_send_buffer_new_posts_get_503_until_slow_readers_go():
         assert valid_request_ok(srv)
 
 
+def test_a_reader_that_stalls_costs_no_more_than_the_send_budget():
+    """A 260 KB request whose answer is ~400 MB of nested text, from a client that reads nothing:
+    once the worker holds ATTN_SEND_BUFFER_BYTES (16 MB here) for slow readers, the thread waits for
+    the reader (its compute slot is already free) instead of encoding the rest into memory, and is
+    dropped after ATTN_SEND_TIMEOUT_S. Before, the whole answer was held: 786 MB for 262 KB sent."""
+    with serving(ATTN_SEND_BUFFER_BYTES=str(16 * 2**20), ATTN_SEND_TIMEOUT_S="10") as srv:
+        [pid] = helpers.worker_pids(srv.proc)
+
+        def rss_mb() -> float:
+            return int(Path(f"/proc/{pid}/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
+
+        rng = np.random.default_rng(0)
+        doc = {n: b64(rng.standard_normal((2, 4096, 1))) for n in ("q", "k", "v")}  # weights (2, 4096, 4096): 134 MB of float32
+        body = json.dumps({**doc, "response_encoding": "nested"}).encode()
+        before, peak = rss_mb(), 0.0
+        s = connect(srv, rcvbuf=4096)
+        s.sendall(post_head(len(body)) + body)
+        assert s.recv(4096).startswith(b"HTTP/1.1 200")
+
+        def dropped():
+            """the stalled download dropped (its peak memory sampled meanwhile)"""
+            nonlocal peak
+            peak = max(peak, rss_mb())
+            return "of its response" in srv.log_text()
+
+        wait_until(dropped, "the stalled download dropped")
+        s.close()
+        # The weights array (134 MB), the output, one chunk of text being encoded, the budget: not ~400 MB of text.
+        assert peak - before < 300, f"the worker grew by {peak - before:.0f} MB for {len(body) / 1e6:.1f} MB received"
+        assert valid_request_ok(srv)
+
+
 # --- nobody starves -----------------------------------------------------------------------------
 
 

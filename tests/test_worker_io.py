@@ -3,11 +3,14 @@ without a copy, and a response written in pieces flowing while the thread still 
 
 from __future__ import annotations
 
+import json
 import socket
+from types import SimpleNamespace
 
 import pytest
+from gunicorn.http import errors as perr
 
-from service.web.worker import ClientSocket, MemoryBody, SendBudget
+from service.web.worker import ClientSocket, MemoryBody, SendBudget, error_response, parser_refusal
 
 
 def test_a_body_of_one_buffer_is_handed_over_whole():
@@ -81,3 +84,27 @@ def test_what_is_held_goes_out_first_when_the_thread_writes_again(pair):
         budget.give(sock.send_some())
     received += drain(peer)
     assert received == first + second and budget.used == 0
+
+
+@pytest.mark.parametrize(
+    "exc, status, code",
+    [
+        (perr.InvalidRequestLine("hello there"), 400, "bad_request"),
+        (perr.InvalidHeaderName("Bad Name"), 400, "bad_request"),
+        (perr.LimitRequestLine(10_000, 4094), 414, "uri_too_long"),
+        (perr.LimitRequestHeaders("limit request headers fields"), 431, "headers_too_large"),
+        (perr.UnsupportedTransferCoding("gzip"), 501, "not_implemented"),
+        (perr.ExpectationFailed("200-ok"), 417, "expectation_failed"),
+        (perr.InvalidResponseHeader("X-Bad", "\r\n"), 500, "internal"),  # the app's fault, not the client's
+        (ValueError("a bug"), 500, "internal"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_a_head_gunicorn_refuses_gets_a_status_and_a_code(exc, status, code):
+    """handle_error's statuses are gunicorn's; each has a code, and its answer is JSON."""
+    limits = SimpleNamespace(limit_request_line=4094, limit_request_fields=100, limit_request_field_size=8190)
+    assert parser_refusal(exc, limits)[:2] == (status, code)
+    answer = error_response(code, parser_refusal(exc, limits)[2], "/v2/models/attention/infer", status)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()) and b"Content-Type: application/json" in head
+    assert set(json.loads(body)) == {"error"} and f"X-Error-Code: {code}".encode() in head

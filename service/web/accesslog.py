@@ -69,15 +69,18 @@ def _write(record: dict, fmt: str) -> None:
 
 def _plain(r: dict) -> bytes:
     """One line for a terminal: time, status, method, path, duration, then what is known."""
-    path = r.get("path") or r["route"]
-    if not path.isprintable():  # no control character (a newline) may forge a line
-        path = orjson.dumps(path).decode()
+    path = _printable(r.get("path") or r["route"])
     parts = [r["ts"], str(r["status"]), r["method"], path, f"{r['duration_ms']:.1f}ms" if r.get("duration_ms") is not None else "-"]
-    if "code" in r:
-        parts.append(f"code={r['code']}" + (f" field={r['field']}" if r.get("field") else ""))
+    if "code" in r:  # a field can be a key the client sent: escaped like the path
+        parts.append(f"code={r['code']}" + (f" field={_printable(r['field'])}" if r.get("field") else ""))
     parts += [f"{k}={r[k]}" for k in ("B", "H", "T", "S", "d", "predicted_ms", "compute_ms") if k in r]
     parts += [f"in={r.get('bytes_in', '-')}", f"out={r['bytes_out']}", f"id={r['request_id']}", f"trace={r['trace_id']}", f"pid={r['pid']}"]
     return (" ".join(parts) + "\n").encode()
+
+
+def _printable(text: str) -> str:
+    """text, or its JSON string if it holds a control character (a newline must not forge a line)."""
+    return text if text.isprintable() else orjson.dumps(text).decode()
 
 
 def _clip(s: str, n: int) -> str:
@@ -144,19 +147,36 @@ def install(app: Flask) -> None:
         return resp
 
 
+def head_request_id(head: bytes | None) -> str:
+    """The request id of a request the worker answers itself: its X-Request-Id if the head
+    arrived whole and the id is acceptable (http.request_id), else a fresh one."""
+    headers = _headers(head, (b"x-request-id",)) if head else {}
+    return http.request_id(headers.get(b"x-request-id", ""))
+
+
 def worker_answer(
-    fmt: str, head: bytes | None, method: str, path: str, route: str, code: str, status: int, sizes: tuple[int, int], started: float
+    fmt: str,
+    head: bytes | None,
+    method: str,
+    path: str,
+    route: str,
+    code: str,
+    status: int,
+    sizes: tuple[int, int],
+    started: float,
+    request_id: str | None = None,
 ) -> None:
     """The line of a request the worker's event loop answered itself (worker.py). head is the
     request's head if it arrived whole (its X-Request-Id and traceparent are read from it); sizes
-    are (bytes received, bytes of the answer); started is time.monotonic() at its first byte."""
+    are (bytes received, bytes of the answer); started is time.monotonic() at its first byte;
+    request_id the one the answer carries (else read from head)."""
     headers = _headers(head, (b"x-request-id", b"traceparent")) if head else {}
     trace = tracing.start(headers.get(b"traceparent"))
     record = {
         "ts": rfc3339(time.time()),
         "level": "info",
         "logger": "access",
-        "request_id": http.request_id(headers.get(b"x-request-id", "")),
+        "request_id": request_id or http.request_id(headers.get(b"x-request-id", "")),
         "trace_id": trace.trace_id,
         "span_id": trace.span_id,
         "method": _clip(method, MAX_METHOD) or "-",

@@ -279,14 +279,15 @@ def _check_key(keys: tuple[str, ...]) -> None:
         )
 
 
+DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")
+
+
 def _parse_deadline() -> float | None:
     raw = request.headers.get("X-Deadline-Ms")
     if raw is None:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
+    # A decimal number only: float() also reads "1_000" and other scripts' digits.
+    value = float(raw) if DECIMAL.fullmatch(raw.strip()) else math.nan
     if not (math.isfinite(value) and value > 0):
         raise RequestError("bad_option", f"X-Deadline-Ms must be a positive number of milliseconds, not {raw[:40]!r}.", "X-Deadline-Ms")
     return value

@@ -3,18 +3,31 @@ and docs, the playground page, operations), error handlers, timing, metrics and 
 
 from __future__ import annotations
 
-from flask import Flask
+from flask import Flask, Response
 
 from schemas import AttentionRequest, MhaRequest
+from service import wire
 from service.config import Settings
 
 from . import accesslog, admission, api, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
 from .costmodel import CostModel
 
 
+class ServiceFlask(Flask):
+    """Flask, but its automatic answer to OPTIONS is JSON like every other answer (Flask's is an
+    empty text/html page)."""
+
+    def make_default_options_response(self) -> Response:
+        """200, the Allow header, and {"allow": [the same methods]}."""
+        resp = super().make_default_options_response()
+        resp.set_data(wire.dumps({"allow": sorted(resp.allow)}))
+        resp.mimetype = "application/json"
+        return resp
+
+
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
-    app = Flask("service")
+    app = ServiceFlask("service")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["attention.settings"] = settings
     app.extensions["attention.schemas"] = {cls: cls(settings) for cls in (AttentionRequest, MhaRequest)}

@@ -19,6 +19,7 @@ log = logging.getLogger("service")
 
 STATUS = {
     "bad_json": 400,
+    "bad_request": 400,
     "bad_framing": 400,
     "incomplete_request": 400,
     "unauthorized": 401,
@@ -28,6 +29,7 @@ STATUS = {
     "too_long": 413,
     "too_large": 413,
     "body_too_large": 413,
+    "uri_too_long": 414,
     "unsupported_media_type": 415,
     "headers_too_large": 431,
     "internal": 500,
@@ -35,8 +37,9 @@ STATUS = {
     "overloaded": 503,
     "deadline": 504,
 }  # every other code: 422, the body is JSON but not a valid request. The connection-level codes
-# (bad_framing, incomplete_request, timeout, headers_too_large, not_implemented) are answered by
-# the worker's event loop (worker.py), in the same shapes.
+# (bad_framing, incomplete_request, timeout, headers_too_large, not_implemented; bad_request and
+# uri_too_long for a head gunicorn's parser refuses) are answered by the worker (worker.py), in
+# the same shapes.
 
 _HTTP_CODES = {
     400: "bad_json",

@@ -21,6 +21,7 @@ blueprint), with the native status; the schemas are built with labels, so their 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,6 +52,8 @@ OUTPUTS = ("out", "weights")
 # batcher or sequence scheduler to give them to, so they are accepted and have no effect.
 IGNORED_PARAMETERS = frozenset({"priority", "timeout"})
 REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
+INPUT_KEYS = ("name", "datatype", "shape", "parameters", "data")  # the protocol's input tensor object
+OUTPUT_KEYS = ("name", "parameters")  # ... and its requested output object
 
 
 @dataclass(frozen=True)
@@ -322,10 +325,8 @@ def _split_body(body: bytes) -> tuple[bytes, memoryview]:
     raw = request.headers.get("Inference-Header-Content-Length")
     if raw is None:
         return body, memoryview(b"")
-    try:
-        size = int(raw)
-    except ValueError:
-        size = -1
+    # ASCII digits only: int() also reads "3_53", "+353", " 353" and other scripts' digits.
+    size = int(raw) if raw.isascii() and raw.isdigit() else -1
     if not 0 <= size <= len(body):
         raise RequestError(
             "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}."
@@ -339,11 +340,13 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
     extra = sorted(set(doc) - REQUEST_KEYS)
     if extra:
         raise RequestError(
-            "unknown_field", f"{extra[0]!r} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.", extra[0]
+            "unknown_field",
+            f"{show(extra[0])} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.",
+            extra[0][:FIELD_CHARS],
         )
     if "id" in doc and not isinstance(doc["id"], str):
         raise RequestError("bad_type", "id must be a string.", "id")
-    params = _object(doc.get("parameters", {}), "parameters")
+    params = _object(doc.get("parameters", {}), "parameters", "parameters")
     native = _inputs(model, doc.get("inputs"), blobs)
 
     for key, value in params.items():
@@ -354,9 +357,11 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
         elif key not in IGNORED_PARAMETERS and key != "binary_data_output":
             known = ", ".join((*model.options, "binary_data_output"))
             raise RequestError(
-                "unknown_field", f"parameter {key!r} is not a parameter of model {model.name}; its parameters are: {known}.", key
+                "unknown_field",
+                f"parameter {show(key)} is not a parameter of model {model.name}; its parameters are: {known}.",
+                key[:FIELD_CHARS],
             )
-    binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output")}
+    binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output", "binary_data_output")}
 
     requested = _outputs(model, doc["outputs"], binary_default) if "outputs" in doc else None
     if requested is not None and "return_weights" not in native:
@@ -368,22 +373,23 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
     """The requested output names, in order; each one's binary_data goes into binary_default."""
     requested = []
     for spec in _list(specs, "outputs"):
-        spec = _object(spec, "each of outputs")
-        name = _name(spec, "each of outputs")
+        spec = _object(spec, "each of outputs", "outputs")
+        name = _name(spec, "each of outputs", "outputs")
         if name not in OUTPUTS:
             raise RequestError(
-                "unknown_field", f"output {name!r} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
+                "unknown_field", f"output {show(name)} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
             )
+        _known_keys(spec, OUTPUT_KEYS, f"output {name}", "outputs")
         if name in requested:
             raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
-        out_params = _object(spec.get("parameters", {}), f"output {name} parameters")
+        out_params = _object(spec.get("parameters", {}), f"output {name} parameters", "outputs")
         unsupported = sorted(set(out_params) - {"binary_data"})
         if unsupported:
             raise RequestError(
-                "bad_option", f"output {name} has parameters {unsupported}; the only one supported is binary_data.", "outputs"
+                "bad_option", f"output {name} has parameters {_shown(unsupported)}; the only one supported is binary_data.", "outputs"
             )
         if "binary_data" in out_params:
-            binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data")
+            binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data", "outputs")
         requested.append(name)
     return requested
 
@@ -392,11 +398,13 @@ def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
     """The inputs -> {field: native tensor value}; every required input present, none twice."""
     native = {}
     for spec in _list(specs, "inputs"):
-        spec = _object(spec, "each of inputs")
-        name = _name(spec, "each of inputs")
+        spec = _object(spec, "each of inputs", "inputs")
+        name = _name(spec, "each of inputs", "inputs")
         if name not in model.inputs:
             known = ", ".join(model.inputs)
-            raise RequestError("unknown_field", f"input {name!r} is not an input of model {model.name}; its inputs are: {known}.", name)
+            raise RequestError(
+                "unknown_field", f"input {show(name)} is not an input of model {model.name}; its inputs are: {known}.", name[:FIELD_CHARS]
+            )
         if name in native:
             raise RequestError("bad_option", f"input {name} is given twice.", name)
         native[name] = _tensor(model, name, spec, blobs)
@@ -409,17 +417,20 @@ def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
 
 def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     """One input tensor -> the flat or b64 value the native Tensor field decodes and checks."""
+    _known_keys(spec, INPUT_KEYS, f"input {name}", name)
     accepted = model.inputs[name][0]
     datatype = spec.get("datatype")
     if datatype not in accepted:
         raise RequestError("bad_type", f"input {name} has datatype {show(datatype)}; it must be {' or '.join(accepted)}.", name)
     dtype = DATATYPES[datatype]
     shape = spec.get("shape")  # wire.decode checks it: a list of positive integers
-    params = _object(spec.get("parameters", {}), f"input {name} parameters")
+    params = _object(spec.get("parameters", {}), f"input {name} parameters", name)
     unsupported = sorted(set(params) - {"binary_data_size"})
     if unsupported:
         raise RequestError(
-            "bad_option", f"input {name} has parameters {unsupported}; the only one supported is binary_data_size (no shared memory).", name
+            "bad_option",
+            f"input {name} has parameters {_shown(unsupported)}; the only one supported is binary_data_size (no shared memory).",
+            name,
         )
     if "binary_data_size" in params:
         size = params["binary_data_size"]
@@ -438,6 +449,21 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
 
 # --- small helpers ---------------------------------------------------------------------------------
 
+FIELD_CHARS = 60  # of a name the client sent, as an error's field (logged, and sent as X-Error-Field)
+
+
+def _known_keys(spec: dict, known: tuple[str, ...], what: str, field: str) -> None:
+    """Refuse a key the protocol does not define (a typo such as "data_type" never passes silently)."""
+    extra = [key for key in spec if key not in known]
+    if extra:
+        raise RequestError("unknown_field", f"{what} has keys {_shown(extra)}; its keys are: {', '.join(known)}.", field)
+
+
+def _shown(names: list[str]) -> str:
+    """The first few names, each cut: a message (and the log line that holds it) never grows with the body."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return "[" + ", ".join(show(n) for n in names[:3]) + "]" + more
+
 
 def _model(name: str, version: str | None) -> Model:
     model = MODELS.get(name)
@@ -452,18 +478,20 @@ def _ready() -> bool:
     return readiness() == "ready"
 
 
-def _name(spec: dict, what: str) -> str:
+def _name(spec: dict, what: str, field: str) -> str:
     """An input's or output's name, checked to be a string before it is looked up anywhere (a
     list or an object is unhashable: a dict lookup would raise TypeError, a 500)."""
     name = spec.get("name")
     if not isinstance(name, str):
-        raise RequestError("bad_type" if name is not None else "missing_field", f"{what} needs a name (a string), not {show(name)}.")
+        code = "bad_type" if name is not None else "missing_field"
+        raise RequestError(code, f"{what} needs a name (a string), not {show(name)}.", field)
     return name
 
 
-def _object(value, what: str) -> dict:
+def _object(value, what: str, field: str) -> dict:
+    """value if it is a JSON object; field: what the error names (the X-Error-Field header)."""
     if not isinstance(value, dict):
-        raise RequestError("bad_type", f"{what} must be a JSON object, not {show(value)}.")
+        raise RequestError("bad_type", f"{what} must be a JSON object, not {show(value)}.", field)
     return value
 
 
@@ -473,16 +501,17 @@ def _list(value, what: str) -> list:
     return value
 
 
+WINDOW_TEXT = re.compile(r"\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*")
+
+
 def _window(text: str):
-    """ "256,0" -> [256, 0]; text that is not two integers is left for the schema to refuse."""
-    parts = text.split(",")
-    try:
-        return [int(p) for p in parts] if len(parts) == 2 else text
-    except ValueError:
-        return text
+    """ "256,0" -> [256, 0]; text that is not two integers (in ASCII digits: int() also reads
+    "1_0" and other scripts' digits) is left for the schema to refuse."""
+    match = WINDOW_TEXT.fullmatch(text)
+    return [int(match[1]), int(match[2])] if match else text
 
 
-def _bool(value, what: str) -> bool:
+def _bool(value, what: str, field: str) -> bool:
     if not isinstance(value, bool):
-        raise RequestError("bad_type", f"{what} must be true or false, not {show(value)}.")
+        raise RequestError("bad_type", f"{what} must be true or false, not {show(value)}.", field)
     return value

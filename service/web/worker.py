@@ -22,7 +22,9 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   and the thread goes on: the response is finished (its compute slot freed) and the event loop
   sends the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is
   dropped. While more than ATTN_SEND_BUFFER_BYTES are held, new POST requests get 503
-  overloaded from here (memory stays bounded; no thread ever waits to send).
+  overloaded from here, and a thread still encoding an answer holds at most HELD_PAST_BUDGET of
+  it, waiting for its reader beyond that (memory stays bounded by the budget, not by the size of
+  the answers being written; a thread waits to send only then).
 - Idle: a new connection must send a request head within ATTN_HEADER_TIMEOUT_S; a kept-alive
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
   and no thread.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import errno
 import mmap
 import resource
+import select
 import selectors
 import socket
 import threading
@@ -57,7 +60,7 @@ from schemas import RequestError
 from service import wire
 from service.config import Settings
 
-from . import accesslog, errors, framing, kserve, metrics
+from . import accesslog, errors, framing, http, kserve, metrics
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 # A body of known length is read straight into a buffer of its own (recv_into) once this much of it
@@ -81,13 +84,20 @@ SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a s
 # flapping to 4+4 and back) at more CPU per request; 3 closed ~1%, at main's CPU per request, and
 # still spread 8 connections opened on one worker 4+4 within a second (python -m bench.admission).
 PLACEMENT_MARGIN = 3
+# What one connection may hold for its reader once the worker's send budget (ATTN_SEND_BUFFER_BYTES)
+# is spent: about one piece of a streamed answer (a nested block of 2**18 numbers is ~2.5-5 MB).
+HELD_PAST_BUDGET = 8 * 2**20
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
 
 
-def error_response(code: str, message: str, path: str) -> bytes:
-    """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS),
-    the body in the shape of the front door path is under (the /v2 protocol's, else the native)."""
-    status = errors.status_of(code)
+def error_response(
+    code: str, message: str, path: str, status: int | None = None, request_id: str | None = None, started: float = 0.0
+) -> bytes:
+    """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS)
+    unless given, the body in the shape of the front door path is under (the /v2 protocol's, else
+    the native), and, as every answer has, the request's X-Request-Id (a fresh one if it has none)
+    and Server-Timing (total: since started, time.monotonic() at the request's first byte)."""
+    status = status or errors.status_of(code)
     door = path.partition("?")[0]
     prefix = kserve.bp.url_prefix
     shape = kserve.error_body if door == prefix or door.startswith(prefix + "/") else errors.native_body
@@ -95,10 +105,37 @@ def error_response(code: str, message: str, path: str) -> bytes:
     body = wire.dumps(shape(err, status))
     headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
     headers += [f"{name}: {value}" for name, value in errors.code_headers(err).items()]
+    headers.append(f"X-Request-Id: {request_id or http.request_id('')}")
+    headers.append(f"Server-Timing: total;dur={(time.monotonic() - started) * 1000 if started else 0.0:.3f}")
     if status == 503:
         headers.append("Retry-After: 1")
     headers.append("Connection: close")
     return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+
+
+def parser_refusal(exc: Exception, limits) -> tuple[int, str, str]:
+    """(status, code, message) for a head gunicorn's parser refused with exc (its handle_error's
+    statuses), or for a failure past the app (500); limits: gunicorn's config."""
+    perr = gunicorn_http.errors
+    if isinstance(exc, (perr.InvalidResponseHeader, perr.InvalidResponseHeaderName, perr.ConfigurationProblem)):
+        pass  # the application's fault, not the client's: a 500 as below
+    elif isinstance(exc, perr.LimitRequestLine):
+        return 414, "uri_too_long", f"The request line is longer than {limits.limit_request_line} bytes; send options in the body."
+    elif isinstance(exc, perr.LimitRequestHeaders):
+        message = (
+            f"The request has more than {limits.limit_request_fields} headers or one longer than "
+            f"{limits.limit_request_field_size} bytes ({exc})."
+        )
+        return 431, "headers_too_large", message
+    elif isinstance(exc, perr.UnsupportedTransferCoding):
+        return 501, "not_implemented", f"The server does not decode this transfer coding: {exc}."
+    elif isinstance(exc, perr.ForbiddenProxyRequest):
+        return 403, "forbidden", "The request came through a proxy this server does not trust."
+    elif isinstance(exc, perr.ExpectationFailed):
+        return 417, "expectation_failed", f"The server cannot meet the Expect header: {exc}."
+    elif isinstance(exc, perr.ParseException):
+        return 400, "bad_request", f"The request line or headers are not valid HTTP/1.1: {exc}."
+    return 500, "internal", "The server failed on this request; it has been logged."
 
 
 class SendBudget:
@@ -152,6 +189,27 @@ class ClientSocket(socket.socket):
             self.settimeout(timeout)
         if view:
             self.queue(view if isinstance(data, bytes) else bytes(view))  # bytes cannot change meanwhile
+        if self.budget.full and self.outbox_bytes > HELD_PAST_BUDGET:
+            self._wait_for_reader(timeout)
+
+    def _wait_for_reader(self, timeout: float | None) -> None:
+        """Once the worker holds its send budget, the thread holds back what it has not encoded
+        yet: it sends (waiting for the socket, up to timeout without progress: TimeoutError, the
+        client is dropped) until this connection holds HELD_PAST_BUDGET at most. Without it, a
+        client that reads nothing had the whole answer held (786 MB of nested text for a 262 KB
+        request) until the send timeout. It waits as a thread only (the compute slot went back
+        when the response was built), and only while the budget is spent, when the event loop
+        lets no new POST in."""
+        writable = select.poll()  # poll, not select: a worker's connections may number past FD_SETSIZE
+        writable.register(self, select.POLLOUT)
+        while self.outbox_bytes > HELD_PAST_BUDGET:
+            if not writable.poll(None if timeout is None else timeout * 1000):
+                raise TimeoutError(f"the client read nothing for {timeout} s")
+            self.setblocking(False)
+            try:
+                self.budget.give(self.send_some())
+            finally:
+                self.settimeout(timeout)
 
     def queue(self, data) -> None:
         """Hold data for the event loop to send, charged to the budget until it is sent or dropped."""
@@ -294,6 +352,7 @@ class Conn(TConn):
         self.pending = b""  # bytes received after the request in a thread (pipelined)
         self.dropped = False  # the thread gave up on a client that did not read
         self.started = 0.0  # monotonic time of the request's first byte (an early answer's duration)
+        self.head: bytes | None = None  # the request head handed to a thread, while it is there
 
 
 def _body_from_memory(req) -> None:
@@ -536,6 +595,7 @@ class FrontWorker(ThreadWorker):
         # own buffers (a first segment running into the body had up to 64 KB of it copied there and
         # back), and the body is the received buffer itself, for MemoryBody to hand to the app.
         head = bytes(buf[:head_end])
+        conn.head = head  # kept while in the thread: the request id of an answer handle_error makes
         if scanner.expect_line is not None and scanner.head_end is not None:
             # The 100 Continue has been sent: hide the Expect header so gunicorn does not send another.
             start, stop = scanner.expect_line
@@ -558,18 +618,12 @@ class FrontWorker(ThreadWorker):
         endpoint = self._endpoint(scanner.path, scanner.method)
         metrics.REQUESTS.labels(endpoint, metrics.method_label(scanner.method), str(status)).inc()
         metrics.REJECTIONS.labels(endpoint, code).inc()
-        answer = error_response(code, message, scanner.path)
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
+        request_id = accesslog.head_request_id(head)
+        answer = error_response(code, message, scanner.path, request_id=request_id, started=conn.started)
+        sizes = (len(conn.buf) + conn.body_got, len(answer))
         accesslog.worker_answer(
-            self.settings.log_format,
-            head,
-            scanner.method,
-            scanner.path,
-            endpoint,
-            code,
-            status,
-            (len(conn.buf) + conn.body_got, len(answer)),
-            conn.started,
+            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, sizes, conn.started, request_id
         )
         self._release_buf(conn)
         conn.keep = False
@@ -614,8 +668,36 @@ class FrontWorker(ThreadWorker):
             if e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
                 self.log.exception("Socket error processing request.")
         except Exception as e:
-            self.handle_error(req, conn.sock, conn.client, e)
+            self.handle_error(req, conn.sock, conn.client, e, conn)
         return False
+
+    def handle_error(self, req, client, addr, exc, conn: Conn | None = None):
+        """The answer to a head gunicorn's parser refuses (a bad request line or header, a line or
+        headers over its limits), or to a failure past the app, with gunicorn's statuses but in
+        the API's shape: gunicorn's own is an HTML page, and every refusal here is JSON with a
+        code (a client of either door parses it as such). conn: the connection, whose scanner and
+        head give the path, method and request id where gunicorn's parser got no request."""
+        status, code, message = parser_refusal(exc, self.cfg)
+        if status >= 500:
+            self.log.exception("Error handling request %s", getattr(req, "uri", "(no URI read)"))
+        else:
+            self.log.warning("Invalid request from ip=%s: %s", (addr or ("",))[0], exc)
+        req = req or getattr(exc, "req", None)
+        scanner = getattr(conn, "scanner", None)
+        path = getattr(req, "path", None) or getattr(scanner, "path", None) or ""
+        method = getattr(req, "method", None) or getattr(scanner, "method", None) or ""
+        endpoint = self._endpoint(path, method)
+        metrics.REQUESTS.labels(endpoint, metrics.method_label(method), str(status)).inc()
+        metrics.REJECTIONS.labels(endpoint, code).inc()
+        head, started = getattr(conn, "head", None), getattr(conn, "started", 0.0)
+        request_id = accesslog.head_request_id(head)
+        answer = error_response(code, message, path, status, request_id, started)
+        sizes = (len(head or b""), len(answer))
+        accesslog.worker_answer(self.settings.log_format, head, method, path, endpoint, code, status, sizes, started, request_id)
+        try:
+            client.sendall(answer)
+        except OSError:
+            self.log.debug("Failed to send error message.")
 
     def _crowded(self) -> bool:
         """This worker holds PLACEMENT_MARGIN or more admitted requests than its least busy sibling
@@ -637,6 +719,7 @@ class FrontWorker(ThreadWorker):
             return
         conn.keep = keep
         conn.parser = None  # it holds the request's buffer (up to ATTN_MAX_BODY_BYTES): not while idle
+        conn.head = None
         conn.sock.setblocking(False)
         self._write(conn)
 
