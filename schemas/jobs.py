@@ -149,25 +149,27 @@ class _Job:
         except core.ScoreOverflow as exc:
             field, terms = self._score_overflow()
             raise RequestError(
-                "non_finite", f"The scores {terms} overflow {exc.dtype}; send {_larger(exc.dtype)}smaller values or a smaller scale.", field
+                "non_finite",
+                f"The scores {terms} overflow {exc.dtype}; send {_float64_hint(exc.dtype)}smaller values or a smaller scale.",
+                field,
             ) from None
         except core.ResultOverflow as exc:
             raise RequestError(
                 "non_finite",
-                f"The result ({exc.what}) overflows {exc.dtype}; send {_larger(exc.dtype)}smaller values.",
+                f"The result ({exc.what}) overflows {exc.dtype}; send {_float64_hint(exc.dtype)}smaller values.",
                 self.overflow_field,
             ) from None
-        return out, weights
+        return out, weights  # in the compute dtype: the front doors send them in weights_dtype
 
     def _score_overflow(self) -> tuple[str, str]:
         """(the field a score overflow is blamed on, the terms the scores add up)."""
-        return self.overflow_field, "q·kᵀ·scale"  # in the compute dtype: the front doors send them in weights_dtype
+        return self.overflow_field, "q·kᵀ·scale"
 
     def _compute(self, threads: int, pool: Executor | None) -> tuple[np.ndarray, np.ndarray | None]:
         raise NotImplementedError
 
 
-def _larger(dtype) -> str:
+def _float64_hint(dtype) -> str:
     """The hint to compute in float64, where the request did not already."""
     return "" if np.dtype(dtype) == np.float64 else '"dtype": "float64", '
 
@@ -226,7 +228,10 @@ class AttentionJob(_Job):
         return self.B * self.T * self.v.shape[-1]
 
     def _core_bytes(self, itemsize: int) -> int:
-        """The scaled q, v with its column of ones, and out."""
+        """What the core holds beside the request's arrays, bounded above: q and v in the compute
+        dtype (q.size, v.size: copies only where they are not already, contiguous; the scaled rows
+        of q are one block's per thread), a number per row of v (rows; the row sums' scratch is
+        one block's) and out."""
         rows = self.v.size // self.v.shape[-1]
         return (self.q.size + self.v.size + rows + self.output_elements) * itemsize
 
