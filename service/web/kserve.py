@@ -21,6 +21,7 @@ blueprint), with the native status; the schemas are built with labels, so their 
 
 from __future__ import annotations
 
+import mmap
 import re
 from dataclasses import dataclass
 
@@ -320,7 +321,7 @@ class _Blobs:
             )
 
 
-def _split_body(body: bytes) -> tuple[bytes, memoryview]:
+def _split_body(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray, memoryview]:
     """(JSON header, binary data) per the Inference-Header-Content-Length header."""
     raw = request.headers.get("Inference-Header-Content-Length")
     if raw is None:
