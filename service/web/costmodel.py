@@ -76,9 +76,9 @@ def available_cores() -> int:
 
 
 # The slowdown by requests busy (and a split's share of one thread's time, by threads): the weight
-# of one observation in its running (geometric) mean
-# (~7 requests' memory: a neighbour's load comes and goes quickly; 0.05 lagged it on this shared
-# machine), and the most requests counted apart (more are counted as that many).
+# of one observation in its running (geometric) mean (~7 requests' memory: a neighbour's load
+# comes and goes quickly; 0.05 lagged it on this shared machine), and the most requests counted
+# apart (more are counted as that many).
 SLOWDOWN_WEIGHT = 0.15
 MAX_BUSY = 32
 
