@@ -27,8 +27,9 @@ max(1, n / cores). admit() predicts alone-time x the slowdown at the count busy 
 predicted and learned by the same count, so what the count does not see (the GIL, this server's
 threads that decode and encode, other processes on the machine) is learned, and forgotten when
 the load goes. cost.predicted_ms, and /metrics' measured/predicted ratio, so compare like with
-like under load too. (A large request alone, split over the idle cores, is predicted at one
-thread's time and not observed: parallel.py.)
+like under load too. A large request alone, split over the idle cores (parallel.py), is not fed
+to the fit: it is predicted at one thread's time x split_factor(threads), the running mean of
+the share of that time splits have taken (observe_split).
 
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
