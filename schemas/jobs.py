@@ -228,10 +228,10 @@ class AttentionJob(_Job):
         return self.B * self.T * self.v.shape[-1]
 
     def _core_bytes(self, itemsize: int) -> int:
-        """What the core holds beside the request's arrays, bounded above: q and v in the compute
-        dtype (q.size, v.size: copies only where they are not already, contiguous; the scaled rows
-        of q are one block's per thread), a number per row of v (rows; the row sums' scratch is
-        one block's) and out."""
+        """out, and, bounded above as when the core copied them, a scaled q (its scaled rows are
+        now one block's per thread), v (copied only where it is not contiguous) and a number per
+        row of v (the row sums: now one block's scratch). Not tightened: an upper bound errs on the
+        safe side of the memory check."""
         rows = self.v.size // self.v.shape[-1]
         return (self.q.size + self.v.size + rows + self.output_elements) * itemsize
 
