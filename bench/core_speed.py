@@ -1,8 +1,8 @@
 """The numeric core's speed in-process: main's core (before) against this tree's (after) against
 torch's scaled_dot_product_attention, B=1, H=8, d=64, S=T, causal (and at T=4096 also not),
-float32, alternating per repetition, medians.
+float32, each implementation once per repetition in a random order, medians.
 
-    python -m bench.core_speed          # ~1-2 minutes; prints a markdown table
+    python -m bench.core_speed          # ~30-60 s; prints a markdown table
 
 The core runs as in a worker: one BLAS thread (OPENBLAS_NUM_THREADS=1) and the worker's allocator
 settings (bench/garbage.py's WORKER_MALLOC_ENV; without them every call maps and faults its

@@ -1,7 +1,7 @@
 """Large requests on the wire: where a big b64 request's time goes besides its compute, this
 checkout against another side by side in one run, and what a fresh buffer costs this machine.
 
-    python -m bench.large_requests --baseline "$TMPDIR/main-base"   # ~2 minutes; markdown tables
+    python -m bench.large_requests --baseline "$TMPDIR/main-base"   # ~15-60 s; markdown tables
     python -m bench.large_requests --reps 9                          # this checkout alone
 
 Part 1, in-process: the time to fill a fresh 32 MiB buffer with 4 KiB pages (glibc's default for

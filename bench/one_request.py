@@ -6,9 +6,9 @@ side in one run. B=1, H=8, d=64, causal, float32, b64 on the wire. Medians.
   latency     concurrency 1, end to end through requests (body built with pybase64 and orjson,
               response parsed and decoded to numpy: numpy to numpy), through our AttentionClient
               (its default binary wire, the /v2 door: numpy to numpy with no base64 or JSON of the
-              tensors) and on the wire alone (as
-              `make bench`: body built beforehand, response read, not parsed), on two servers started as
-              `make run` does, split on (the default) and off (ATTN_SPLIT_THREADS=1), alternately,
+              tensors) and on the wire alone (as `make bench`: body built beforehand, response
+              read, not parsed), on two servers started as `make run` does, split on (the
+              default) and off (ATTN_SPLIT_THREADS=1), alternately,
               beside the same attention in this process on both cores (the core split on two
               threads, and one call with two OpenBLAS threads) and, for T=4096 without weights,
               torch's scaled_dot_product_attention with its default threads

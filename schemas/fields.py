@@ -12,6 +12,7 @@ import numpy as np
 from marshmallow import ValidationError, fields, validate
 
 from service import wire
+from service.wire import show  # a client's value as a message shows it, cut if long
 
 from .errors import RequestError
 
@@ -57,12 +58,6 @@ class _Coded:
 def _text(exc: ValidationError) -> str:
     msgs = exc.messages if isinstance(exc.messages, list) else [str(exc.messages)]
     return " ".join(str(m) for m in msgs)
-
-
-def show(value) -> str:
-    """A client's value (or field name) as a message shows it: its repr, cut if long."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class Bool(_Coded, fields.Boolean):

@@ -149,25 +149,27 @@ class _Job:
         except core.ScoreOverflow as exc:
             field, terms = self._score_overflow()
             raise RequestError(
-                "non_finite", f"The scores {terms} overflow {exc.dtype}; send {_larger(exc.dtype)}smaller values or a smaller scale.", field
+                "non_finite",
+                f"The scores {terms} overflow {exc.dtype}; send {_float64_hint(exc.dtype)}smaller values or a smaller scale.",
+                field,
             ) from None
         except core.ResultOverflow as exc:
             raise RequestError(
                 "non_finite",
-                f"The result ({exc.what}) overflows {exc.dtype}; send {_larger(exc.dtype)}smaller values.",
+                f"The result ({exc.what}) overflows {exc.dtype}; send {_float64_hint(exc.dtype)}smaller values.",
                 self.overflow_field,
             ) from None
-        return out, weights
+        return out, weights  # in the compute dtype: the front doors send them in weights_dtype
 
     def _score_overflow(self) -> tuple[str, str]:
         """(the field a score overflow is blamed on, the terms the scores add up)."""
-        return self.overflow_field, "q·kᵀ·scale"  # in the compute dtype: the front doors send them in weights_dtype
+        return self.overflow_field, "q·kᵀ·scale"
 
     def _compute(self, threads: int, pool: Executor | None) -> tuple[np.ndarray, np.ndarray | None]:
         raise NotImplementedError
 
 
-def _larger(dtype) -> str:
+def _float64_hint(dtype) -> str:
     """The hint to compute in float64, where the request did not already."""
     return "" if np.dtype(dtype) == np.float64 else '"dtype": "float64", '
 
@@ -226,7 +228,10 @@ class AttentionJob(_Job):
         return self.B * self.T * self.v.shape[-1]
 
     def _core_bytes(self, itemsize: int) -> int:
-        """The scaled q, v with its column of ones, and out."""
+        """out, and, bounded above as when the core copied them, a scaled q (its scaled rows are
+        now one block's per thread), v (copied only where it is not contiguous) and a number per
+        row of v (the row sums: now one block's scratch). Not tightened: an upper bound errs on the
+        safe side of the memory check."""
         rows = self.v.size // self.v.shape[-1]
         return (self.q.size + self.v.size + rows + self.output_elements) * itemsize
 

@@ -92,7 +92,7 @@ class Settings:
     body_timeout_s: int = 30  # a body gets this long, plus 1 s per body_min_rate bytes received
     body_min_rate: int = 64 * 2**10  # bytes/s a body must average beyond body_timeout_s (408 below)
     send_timeout_s: int = 30  # a client that reads nothing of its response this long is dropped
-    send_buffer_bytes: int = 256 * 2**20  # unread response bytes held per worker; past it new POSTs get 503
+    send_buffer_bytes: int = 256 * 2**20  # unread response bytes held per worker; past it new POSTs get 503, writers wait (worker.py)
     # Logs and traces (service/web/accesslog.py, tracing.py): one JSON line per request on stdout,
     # or a plain one for a terminal; OpenTelemetry span exporters, set by the standard OTEL_* variables.
     log_format: str = "json"

@@ -192,7 +192,8 @@ def _band(rows: int, cols: int, shift: int, below: bool = False, key_major: bool
 
 @lru_cache(maxsize=8)
 def _ones(n: int, dtype: np.dtype) -> np.ndarray:
-    """(n,) ones, read-only: 1 @ x sums x's rows. Cached per request size (slice it for fewer)."""
+    """(n,) ones, read-only: ones @ x, x (..., n, m), is x summed over axis -2, (..., m). Cached
+    per request size (slice it for fewer)."""
     ones = np.ones(n, dtype)
     ones.flags.writeable = False
     return ones
@@ -257,16 +258,16 @@ def attention(
 
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
-    tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # the weights path has no sums scratch
+    tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # without weights a row also makes dv outputs
     blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
     one = len(blocks) == 1  # a small problem: its scores are in the scratch, key-major, even with weights
-    scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else 1))  # and the sums
+    # A block row's scores (with weights and several blocks: in the weights instead) and, without weights, its sum.
+    scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else 1))
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
-        # max and -min rather than abs: no copy of v (a reduction along one long axis)
-        vv = vd.reshape(B // g, S * dv)
-        axes = (1,)
-        v_max = np.maximum(vv.max(axis=axes), -vv.min(axis=axes)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
+        # max and -min rather than abs: no copy of v, and each a reduction along one long axis
+        vv = vd.reshape(B // g, S * dv)  # a view: vd is contiguous
+        v_max = np.maximum(vv.max(axis=1), -vv.min(axis=1)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
         # One block (a small problem): every row subtracts its maximum; bounding the scores would
         # cost more numpy calls than the two passes over the block it can save.
         bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_max, scale)  # (Bkv, g, T, 1)
@@ -355,17 +356,17 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
     dv (the no-weights path only): a block's row also makes dv outputs and a sum, so where v is
     wider than k is long the rows are counted by dv + 1, and a block's outputs stay O(block) too
     (S=1, dv=2048: sized by S alone, one block was the whole (B, T, dv) output)."""
-    sums = dv + 1 if dv else 0
-    if lower is None and Bkv * g * T * max(S, sums) <= BLOCK_ELEMENTS // SMALL_SHARE:
+    row_out = dv + 1 if dv else 0  # a row's outputs and its sum
+    if lower is None and Bkv * g * T * max(S, row_out) <= BLOCK_ELEMENTS // SMALL_SHARE:
         return T, Bkv  # small: one block
-    tn = BLOCK_ELEMENTS // max(S, sums)
+    tn = BLOCK_ELEMENTS // max(S, row_out)
     if upper is not None or lower is not None:
         tn = min(tn, T // CAUSAL_BLOCKS)
     if upper is not None and lower is not None:
         tn = min(tn, (upper - lower + 1) // 4)  # a band: a block computes at most ~1.25x the keys its rows see
     tn = min(T, max(MIN_ROWS, tn))  # query rows per block
     width = S if upper is None or lower is None else min(S, max(1, tn + upper - lower))  # keys per block, at most
-    nb = min(Bkv, max(1, BLOCK_ELEMENTS // (tn * g * max(width, sums))))  # key/value items per block
+    nb = min(Bkv, max(1, BLOCK_ELEMENTS // (tn * g * max(width, row_out))))  # key/value items per block
     return tn, nb
 
 
@@ -608,7 +609,7 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
         np.matmul(w, v[b0:b1, :, lo:hi], out=o)
     else:  # exp(s) v into out, then each row divided by its sum
         # A column of ones beside v gave the sums in the same matmul, but BLAS runs dv + 1 = 65
-        # columns ~15% slower than 64: the sums as 1 @ exp(sᵀ) (a GEMV) cost less, and v needs no copy.
+        # columns ~10-15% slower than 64: the sums as 1 @ exp(sᵀ) (a GEMV) cost less, and v needs no copy.
         total = scratch[-nb * g * tn :].reshape(nb, g, tn)
         np.matmul(_ones(S, s.dtype)[: hi - lo], st, out=total)  # (nb, g, tn) row sums of the key-major scores
         np.matmul(s, v[b0:b1, :, lo:hi], out=o)  # (nb, g, tn, dv)

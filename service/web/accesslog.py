@@ -164,19 +164,19 @@ def worker_answer(
     status: int,
     sizes: tuple[int, int],
     started: float,
-    request_id: str | None = None,
+    request_id: str,
 ) -> None:
-    """The line of a request the worker's event loop answered itself (worker.py). head is the
-    request's head if it arrived whole (its X-Request-Id and traceparent are read from it); sizes
-    are (bytes received, bytes of the answer); started is time.monotonic() at its first byte;
-    request_id the one the answer carries (else read from head)."""
-    headers = _headers(head, (b"x-request-id", b"traceparent")) if head else {}
+    """The line of a request the worker answered itself (worker.py). head is the request's head
+    if it arrived whole (its traceparent is read from it); sizes are (bytes received, bytes of the
+    answer); started is time.monotonic() at its first byte; request_id the one the answer carries
+    (head_request_id)."""
+    headers = _headers(head, (b"traceparent",)) if head else {}
     trace = tracing.start(headers.get(b"traceparent"))
     record = {
         "ts": rfc3339(time.time()),
         "level": "info",
         "logger": "access",
-        "request_id": request_id or http.request_id(headers.get(b"x-request-id", "")),
+        "request_id": request_id,
         "trace_id": trace.trace_id,
         "span_id": trace.span_id,
         "method": _clip(method, MAX_METHOD) or "-",

@@ -27,8 +27,9 @@ max(1, n / cores). admit() predicts alone-time x the slowdown at the count busy 
 predicted and learned by the same count, so what the count does not see (the GIL, this server's
 threads that decode and encode, other processes on the machine) is learned, and forgotten when
 the load goes. cost.predicted_ms, and /metrics' measured/predicted ratio, so compare like with
-like under load too. (A large request alone, split over the idle cores, is predicted at one
-thread's time and not observed: parallel.py.)
+like under load too. A large request alone, split over the idle cores (parallel.py), is not fed
+to the fit: it is predicted at one thread's time x split_factor(threads), the running mean of
+the share of that time splits have taken (observe_split).
 
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
@@ -57,6 +58,12 @@ def contention(threads: float, cores: int) -> float:
     return max(1.0, threads / max(cores, 1))
 
 
+def _running_mean(before: float, seen: float) -> float:
+    """A ratio's running geometric mean (ratios of 2 and of 0.5 cancel): log(before) moved
+    SLOWDOWN_WEIGHT of the way towards log(seen)."""
+    return math.exp((1 - SLOWDOWN_WEIGHT) * math.log(before) + SLOWDOWN_WEIGHT * math.log(seen))
+
+
 def _level(busy: float) -> int:
     return max(1, min(round(busy), MAX_BUSY))
 
@@ -69,9 +76,10 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-# The slowdown by requests busy: the weight of one observation in its running (geometric) mean
-# (~7 requests' memory: a neighbour's load comes and goes quickly; 0.05 lagged it on this shared
-# machine), and the most requests counted apart (more are counted as that many).
+# The slowdown by requests busy (and a split's share of one thread's time, by threads): the weight
+# of one observation in its running (geometric) mean (~7 requests' memory: a neighbour's load
+# comes and goes quickly; 0.05 lagged it on this shared machine), and the most requests counted
+# apart (more are counted as that many).
 SLOWDOWN_WEIGHT = 0.15
 MAX_BUSY = 32
 
@@ -205,8 +213,7 @@ class CostModel:
             self._fits[work.dtype].add(work.features(), alone)
             if cpu_ms is not None and cpu_ms > 0:
                 n = _level(busy)
-                before = math.log(self._slowdown.get(n, contention(n, self.cores)))
-                self._slowdown[n] = math.exp((1 - SLOWDOWN_WEIGHT) * before + SLOWDOWN_WEIGHT * math.log(ms / alone))
+                self._slowdown[n] = _running_mean(self._slowdown.get(n, contention(n, self.cores)), ms / alone)
 
     def split_factor(self, threads: int) -> float:
         """What a computation split on this many threads takes, as a share of its predicted
@@ -221,8 +228,7 @@ class CostModel:
         if threads <= 1 or not (ms > 0 and math.isfinite(ms)) or not predicted > 0:
             return
         with self._lock:
-            before = math.log(self._split.get(threads, 1.0))
-            self._split[threads] = math.exp((1 - SLOWDOWN_WEIGHT) * before + SLOWDOWN_WEIGHT * math.log(ms / predicted))
+            self._split[threads] = _running_mean(self._split.get(threads, 1.0), ms / predicted)
 
     def calibrate(self, budget_s: float = 1.5, seed: int = 0) -> None:
         """Time the numeric core on a few shapes (T 64..2048, narrow and wide heads, the GPT block)

@@ -78,6 +78,7 @@ def body_too_large(limit: int) -> str:
 
 
 MAX_FIELD_HEADER = 256  # characters of X-Error-Field: past this it is left out (the body names the field)
+_PRINTABLE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")  # kept as they are in X-Error-Field
 
 
 def code_headers(err: RequestError) -> dict[str, str]:
@@ -93,9 +94,6 @@ def code_headers(err: RequestError) -> dict[str, str]:
         if len(field) <= MAX_FIELD_HEADER:
             headers["X-Error-Field"] = field
     return headers
-
-
-_PRINTABLE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 
 def native_body(err: RequestError, status: int) -> dict:

@@ -21,6 +21,7 @@ blueprint), with the native status; the schemas are built with labels, so their 
 
 from __future__ import annotations
 
+import mmap
 import re
 from dataclasses import dataclass
 
@@ -320,7 +321,7 @@ class _Blobs:
             )
 
 
-def _split_body(body: bytes) -> tuple[bytes, memoryview]:
+def _split_body(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray, memoryview]:
     """(JSON header, binary data) per the Inference-Header-Content-Length header."""
     raw = request.headers.get("Inference-Header-Content-Length")
     if raw is None:
@@ -386,7 +387,9 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
         unsupported = sorted(set(out_params) - {"binary_data"})
         if unsupported:
             raise RequestError(
-                "bad_option", f"output {name} has parameters {_shown(unsupported)}; the only one supported is binary_data.", "outputs"
+                "bad_option",
+                f"output {name} has parameters {wire.show_names(unsupported)}; the only one supported is binary_data.",
+                "outputs",
             )
         if "binary_data" in out_params:
             binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data", "outputs")
@@ -429,7 +432,7 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     if unsupported:
         raise RequestError(
             "bad_option",
-            f"input {name} has parameters {_shown(unsupported)}; the only one supported is binary_data_size (no shared memory).",
+            f"input {name} has parameters {wire.show_names(unsupported)}; the only one supported is binary_data_size (no shared memory).",
             name,
         )
     if "binary_data_size" in params:
@@ -456,13 +459,7 @@ def _known_keys(spec: dict, known: tuple[str, ...], what: str, field: str) -> No
     """Refuse a key the protocol does not define (a typo such as "data_type" never passes silently)."""
     extra = [key for key in spec if key not in known]
     if extra:
-        raise RequestError("unknown_field", f"{what} has keys {_shown(extra)}; its keys are: {', '.join(known)}.", field)
-
-
-def _shown(names: list[str]) -> str:
-    """The first few names, each cut: a message (and the log line that holds it) never grows with the body."""
-    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return "[" + ", ".join(show(n) for n in names[:3]) + "]" + more
+        raise RequestError("unknown_field", f"{what} has keys {wire.show_names(extra)}; its keys are: {', '.join(known)}.", field)
 
 
 def _model(name: str, version: str | None) -> Model:

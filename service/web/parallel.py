@@ -53,7 +53,7 @@ def planned(work: Work, busy: int) -> int:
 
 def threads(work: Work) -> int:
     """The threads for this request's computation, by the policy above; counted when split."""
-    n = threads_for(work, computing(), current_app.extensions["attention.settings"].split_threads, MIN_FLOPS)
+    n = planned(work, computing())
     if n > 1:
         metrics.SPLITS.inc()
     return n

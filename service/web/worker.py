@@ -1,5 +1,6 @@
-"""A gunicorn worker whose threads never wait for a client: the defence against slow and stalled
-clients, in pure Python, so that `make run`, the container, compose and Kubernetes all have it.
+"""A gunicorn worker whose threads never wait for a client's request, and wait for its reading only
+past the send budget (below): the defence against slow and stalled clients, in pure Python, so
+that `make run`, the container, compose and Kubernetes all have it.
 
 gunicorn's gthread worker hands a connection to a thread as soon as its first bytes arrive; the
 thread then reads the rest of the request with a blocking socket and no deadline, so 100 uploads
@@ -16,6 +17,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
   request is complete 400 `incomplete_request` (it can still read the answer); each then closes.
   Only a complete request reaches a thread, already in memory; the thread never reads the socket.
+  The body is handed to the app in the buffer it was received into, not copied (MemoryBody; a
+  large one is read into a mapping of its own, BODY_BUFFER_AFTER).
   A body over ATTN_MAX_BODY_BYTES gets 413 from here; the bytes of requests being read count
   against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it).
 - Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
@@ -32,8 +35,9 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   than its least busy sibling (admission's shared census) is answered with Connection: close, so
   that keep-alive clients the kernel happened to put on one worker spread over all of them.
 
-These answers are in the API's error shapes (errors.py, kserve.py) and counted in /metrics as the
-app's own are, and logged in the same access-log line (accesslog.worker_answer). Everything else
+These answers, and those to heads gunicorn's parser refuses (handle_error), are in the API's
+error shapes (errors.py, kserve.py) and counted in /metrics as the app's own are, and logged in
+the same access-log line (accesslog.worker_answer). Everything else
 (WSGI, keep-alive, graceful stop, max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service
 serves plain HTTP/1.1 behind an ingress)."""
 
@@ -485,10 +489,11 @@ class FrontWorker(ThreadWorker):
         if not conn.buf:
             conn.started = time.monotonic()
             conn.deadline = conn.started + self.settings.header_timeout_s
-        # Appended as it comes, never allocated ahead for the Content-Length a client declares: a
-        # buffer of that size would be as many bytes of memory at once (bytearray(n) zeroes them),
-        # held by a client that sends a head and stalls (100 stalled uploads of 300 KB declaring
-        # 30 MB each: 1.5 GB). What a connection holds is what it sent, counted here.
+        # Appended as it comes, never a bytearray of the Content-Length a client declares: that
+        # would be as many bytes of memory at once (bytearray(n) zeroes them), held by a client
+        # that sends a head and stalls (100 stalled uploads of 300 KB declaring 30 MB each: 1.5 GB).
+        # A large body moves to a mapping of its length (_body_buffer, past BODY_BUFFER_AFTER),
+        # whose pages only arriving bytes touch. What a connection holds is what it sent, counted here.
         conn.buf += data
         self._received(conn, len(data))
 
@@ -586,7 +591,8 @@ class FrontWorker(ThreadWorker):
             pass
 
     def _dispatch(self, conn: Conn, end: int) -> None:
-        """Hand buf[:end] (one request) to a thread; what follows it is the next request's."""
+        """Hand the request to a thread: its head and body (buf[:end], or buf the head and
+        conn.body the body, read into its own buffer); what follows end in buf is the next request's."""
         self._unwatch(conn)
         scanner, buf = conn.scanner, conn.buf
         head_end = end if scanner.head_end is None else scanner.head_end

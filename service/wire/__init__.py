@@ -3,7 +3,7 @@ responses (stream). numpy, orjson, simdjson and pybase64 only: no Flask, no mars
 
 from .json import Payload, depth, dumps, loads
 from .stream import B64_CHUNK, NESTED_CHUNK_ELEMENTS, B64Text, NestedArray, dump_chunks
-from .tensors import ENCODINGS, WIRE_DTYPES, NestedData, TensorError, as_mask, decode, encode, narrow, wire_encoding
+from .tensors import ENCODINGS, WIRE_DTYPES, NestedData, TensorError, as_mask, decode, encode, narrow, show, show_names, wire_encoding
 
 __all__ = [
     "B64_CHUNK",
@@ -23,5 +23,7 @@ __all__ = [
     "encode",
     "loads",
     "narrow",
+    "show",
+    "show_names",
     "wire_encoding",
 ]

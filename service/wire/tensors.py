@@ -135,10 +135,18 @@ def _shape(value: dict) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _cut(value) -> str:
-    """A client's value as a message shows it: its repr, cut if long (a 1 MB key is not echoed)."""
+def show(value) -> str:
+    """A client's value (or field name) as a message shows it: its repr, cut if long (a 1 MB key
+    is not echoed)."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def show_names(names: list) -> str:
+    """The first few names, in the order given, each shown cut: a message (and the log line that
+    holds it) never grows with the body."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return "[" + ", ".join(show(n) for n in names[:3]) + "]" + more
 
 
 def _dtype(value: dict, default: str | None) -> np.dtype | None:
@@ -146,16 +154,14 @@ def _dtype(value: dict, default: str | None) -> np.dtype | None:
     if name is None:
         return None
     if not isinstance(name, str) or name not in WIRE_DTYPES:
-        raise TensorError("bad_type", f"has dtype {_cut(name)}; use one of {', '.join(WIRE_DTYPES)}")
+        raise TensorError("bad_type", f"has dtype {show(name)}; use one of {', '.join(WIRE_DTYPES)}")
     return WIRE_DTYPES[name]
 
 
 def _no_extra_keys(value: dict, allowed: set[str]) -> None:
     extra = [key for key in value if key not in allowed]
-    if extra:  # the first few, in the order sent, each cut: a message does not grow with the body
-        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
-        shown = ", ".join(_cut(key) for key in extra[:3])
-        raise TensorError("bad_encoding", f"has unexpected keys [{shown}]{more}; allowed: {sorted(allowed)}")
+    if extra:
+        raise TensorError("bad_encoding", f"has unexpected keys {show_names(extra)}; allowed: {sorted(allowed)}")
 
 
 def _decode_flat(value: dict) -> np.ndarray:
