@@ -215,7 +215,7 @@ def admit(job: AttentionJob | MhaJob) -> None:
     g.busy = server_busy()  # the load it is admitted into: its slowdown is predicted, then learned, by this count
     # Alone on the server, a large job is split on several threads (parallel.py): it is predicted
     # at what splits have taken, not at one thread's time (which would refuse deadlines it meets).
-    split = model.split_factor(parallel.planned(job.work(), g.busy))
+    split = model.split_factor(parallel.planned(job.work(), parallel.computing()))  # the count the split itself is decided by
     predicted = g.predicted_ms = model.predict_job(job, model.contention(g.busy)) * split
     deadline = g.get("deadline_ms")
     ticket = g.get("admission")

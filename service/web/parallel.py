@@ -45,10 +45,11 @@ def computing() -> int:
     return current_app.extensions["attention.gate"].server_admitted()
 
 
-def planned(work: Work, busy: int) -> int:
-    """The threads a job admitted while busy requests are in the server (itself included) is to be
-    computed on, by the policy above: admission predicts its time by it."""
-    return threads_for(work, busy, current_app.extensions["attention.settings"].split_threads, MIN_FLOPS)
+def planned(work: Work, computing: int) -> int:
+    """The threads a job is to be computed on while computing requests (computing(), itself
+    included) are in the server, by the policy above: admission predicts its time by it, and
+    threads() computes it so."""
+    return threads_for(work, computing, current_app.extensions["attention.settings"].split_threads, MIN_FLOPS)
 
 
 def threads(work: Work) -> int:
