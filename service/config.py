@@ -25,6 +25,7 @@ def _env(name: str, default, cast):
 # milliseconds, and gunicorn starts a thread per admitted request (deploy/gunicorn.conf.py).
 DAY_S = 86400
 RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
+    "port": ("PORT", 0, 65535),
     "max_t": ("ATTN_MAX_T", 1, 2**31),
     "max_s": ("ATTN_MAX_S", 1, 2**31),
     "max_score_elements": ("ATTN_MAX_SCORE_ELEMENTS", 1, 2**62),
@@ -56,6 +57,15 @@ def check(settings: Settings) -> Settings:
     if settings.default_dtype not in DEFAULT_DTYPES:
         raise SystemExit(f"configuration error: ATTN_DEFAULT_DTYPE={settings.default_dtype!r} must be one of {', '.join(DEFAULT_DTYPES)}")
     return settings
+
+
+def web_concurrency() -> int:
+    """WEB_CONCURRENCY, gunicorn's worker count (deploy/gunicorn.conf.py): 2 by default, 1..256.
+    0 started an arbiter with no worker, whose listening socket took connections no one answered."""
+    workers = _env("WEB_CONCURRENCY", 2, int)
+    if not 1 <= workers <= 256:
+        raise SystemExit(f"configuration error: WEB_CONCURRENCY={workers} is out of range; it must be 1..256")
+    return workers
 
 
 def _bool(raw: str) -> bool:

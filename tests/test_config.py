@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from service.config import RANGES, Settings
+from service.config import RANGES, Settings, web_concurrency
 from tests.helpers import ROOT, free_port
 
 # Each of these started a server that then misbehaved: a worker lost to ZeroDivisionError on the
@@ -33,6 +33,8 @@ REFUSED = [
     ("ATTN_DEFAULT_DTYPE", "int8"),
     ("ATTN_DEFAULT_DTYPE", "float16"),
     ("ATTN_MAX_T", "4k"),
+    ("PORT", "99999"),
+    ("PORT", "-1"),
 ]
 
 
@@ -58,3 +60,16 @@ def test_the_server_does_not_start_with_one():
     env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(free_port()), "ATTN_BODY_MIN_RATE": "0"}
     done = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "ATTN_BODY_MIN_RATE=0" in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "abc", "100000"])
+def test_a_worker_count_the_server_cannot_run_with_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("WEB_CONCURRENCY", value)  # 0 started a server with no worker: every request hung
+    with pytest.raises(SystemExit, match="WEB_CONCURRENCY"):
+        web_concurrency()
+
+
+def test_the_server_does_not_start_without_a_worker():
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(free_port()), "WEB_CONCURRENCY": "0"}
+    done = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "WEB_CONCURRENCY=0" in done.stderr + done.stdout
