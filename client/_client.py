@@ -372,8 +372,14 @@ class AttentionClient:
     def _compute_json(self, path: str, body: dict, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """At the native endpoint, tensors in self.encoding (b64 by pybase64, spliced into orjson's text)."""
         doc = self._call("POST", path, _wire.json_request({**body, **arrays, "response_encoding": self.encoding}, self.encoding))
-        weights = doc.get("weights")
-        return _wire.decode_tensor(doc["out"]), (None if weights is None else _wire.decode_tensor(weights))
+        try:
+            out, weights = doc["out"], doc.get("weights")
+            out, weights = _wire.decode_tensor(out), (None if weights is None else _wire.decode_tensor(weights))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not the response's shape: [], {}, a shape its data lacks
+            raise AttentionError(200, "bad_response", f"the server's response is malformed: {exc!r}", None) from None
+        if out.ndim < 2 or (weights is not None and weights.ndim < 2):  # out (..., T, dv), weights (..., T, S)
+            raise AttentionError(200, "bad_response", f"the server's out has shape {out.shape}, not (..., T, dv)", None)
+        return out, weights
 
     def _call(self, method: str, path: str, parts: list[bytes] | None = None) -> dict:
         """One call with retries; the parsed JSON of a 200, else AttentionError."""
@@ -393,8 +399,8 @@ class AttentionClient:
             try:
                 answer = self._http.request(method, path, parts, headers, align_at)
             except TransportError as exc:
-                if exc.kind == "timeout":
-                    raise AttentionError(None, "timeout", str(exc)) from exc
+                if exc.kind != "connection_error":  # a timeout, or an answer that cannot be read (bad_response)
+                    raise AttentionError(None, exc.kind, str(exc)) from exc
                 if last:
                     raise AttentionError(
                         None, "connection_error", f"{method} {self.base_url}{path} failed after {attempt + 1} attempts: {exc}"
@@ -422,6 +428,8 @@ class AttentionClient:
             except (TypeError, ValueError):
                 return self._backoff(attempt)
             seconds = (when - datetime.now(UTC)).total_seconds()
+        if math.isnan(seconds):  # "nan" reads as a float, which time.sleep refuses (ValueError)
+            return self._backoff(attempt)
         return min(max(seconds, 0.0), self.max_retry_after)
 
 

@@ -26,9 +26,16 @@ IOV_MAX = 1024  # buffers per sendmsg (Linux's limit)
 Buffer = bytes | bytearray | memoryview  # or anything with the buffer protocol (a numpy array)
 
 
+# The longest answer body read: the service's largest (weights and out at their limits, as nested
+# text) is ~1.7 GB. A Content-Length past it is a server's error, and np.empty of it raised
+# MemoryError (1e15) or ValueError (1e30) out of the client instead of an AttentionError.
+MAX_ANSWER_BYTES = 2**33
+
+
 class TransportError(Exception):
     """No answer: kind "connection_error" (refused, reset, closed, DNS, connect timeout; worth a
-    retry) or "timeout" (connected, but no answer within the timeout)."""
+    retry), "timeout" (connected, but no answer within the timeout) or "bad_response" (an answer
+    that cannot be read: a Content-Length past MAX_ANSWER_BYTES or more than this process can hold)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -177,7 +184,12 @@ def _read_body(resp: http.client.HTTPResponse, pad: int) -> memoryview:
         buf = bytearray(pad + len(data))
         buf[pad:] = data
         return memoryview(buf)[pad:]
-    buf = np.empty(pad + resp.length, dtype=np.uint8)  # not zeroed first, unlike bytearray(n): the socket fills it
+    if resp.length > MAX_ANSWER_BYTES:
+        raise TransportError("bad_response", f"the answer declares Content-Length: {resp.length}, past {MAX_ANSWER_BYTES}")
+    try:
+        buf = np.empty(pad + resp.length, dtype=np.uint8)  # not zeroed first, unlike bytearray(n): the socket fills it
+    except MemoryError:
+        raise TransportError("bad_response", f"no memory for an answer of Content-Length: {resp.length}") from None
     view = memoryview(buf)[pad:]
     got = 0
     while got < len(view):

@@ -66,7 +66,7 @@ def _tune_malloc() -> None:
 _tune_malloc()  # before the imports below allocate: the arbiter's settings are the workers'
 
 import service.web  # noqa: E402, F401  (after the BLAS threads and the metrics directory; the workers fork with it loaded)
-from service.config import Settings  # noqa: E402
+from service.config import Settings, web_concurrency  # noqa: E402
 
 _settings = Settings.from_env()
 
@@ -78,7 +78,7 @@ bind = f"{_settings.host}:{_settings.port}"
 # per worker, a worker spin-waits for a core that the other worker, or anything else, holds.
 # Not preloaded: nothing measurable to gain (workers start in ~1 s) and each worker imports fresh.
 # Allocator: see _tune_malloc above (fixed mmap and trim thresholds, two arenas).
-workers = int(os.environ.get("WEB_CONCURRENCY", "2"))
+workers = web_concurrency()  # WEB_CONCURRENCY, 2 by default
 timeout = 60  # a worker silent this long is killed and replaced
 graceful_timeout = 30  # SIGTERM: in-flight requests get this long to finish
 keepalive = 5

@@ -18,6 +18,56 @@ def _env(name: str, default, cast):
         raise SystemExit(f"configuration error: {name}={raw!r} is not a valid {cast.__name__}") from None
 
 
+# The range each ATTN_* number must lie in, inclusive: outside it the server refuses to start (a
+# server that started with ATTN_BODY_MIN_RATE=0 lost its worker to a ZeroDivisionError on the first
+# body; ATTN_MAX_INFLIGHT=0 hung every POST; ATTN_MAX_T=-5 refused every request). Upper bounds keep
+# a typo from asking for what the process cannot do: a timeout past a day overflows poll()'s
+# milliseconds, and gunicorn starts a thread per admitted request (deploy/gunicorn.conf.py).
+DAY_S = 86400
+RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
+    "port": ("PORT", 0, 65535),
+    "max_t": ("ATTN_MAX_T", 1, 2**31),
+    "max_s": ("ATTN_MAX_S", 1, 2**31),
+    "max_score_elements": ("ATTN_MAX_SCORE_ELEMENTS", 1, 2**62),
+    "max_weights_elements": ("ATTN_MAX_WEIGHTS_ELEMENTS", 1, 2**62),
+    "max_output_elements": ("ATTN_MAX_OUTPUT_ELEMENTS", 1, 2**62),
+    "max_body_bytes": ("ATTN_MAX_BODY_BYTES", 1, 2**62),
+    "max_rank": ("ATTN_MAX_RANK", 1, 32),  # numpy's arrays have at most 64 axes; the core adds some
+    "max_d": ("ATTN_MAX_D", 1, 2**31),
+    "max_inflight": ("ATTN_MAX_INFLIGHT", 1, 1024),
+    "max_queue": ("ATTN_MAX_QUEUE", 0, 1024),
+    "max_inflight_bytes": ("ATTN_MAX_INFLIGHT_BYTES", 1, 2**62),
+    "header_timeout_s": ("ATTN_HEADER_TIMEOUT_S", 1, DAY_S),
+    "body_timeout_s": ("ATTN_BODY_TIMEOUT_S", 1, DAY_S),
+    "body_min_rate": ("ATTN_BODY_MIN_RATE", 1, 2**62),
+    "send_timeout_s": ("ATTN_SEND_TIMEOUT_S", 1, DAY_S),
+    "send_buffer_bytes": ("ATTN_SEND_BUFFER_BYTES", 1, 2**62),
+    "split_threads": ("ATTN_SPLIT_THREADS", 1, 256),
+}
+DEFAULT_DTYPES = ("float32", "float64")  # as schemas.COMPUTE_DTYPES (config imports nothing of the layers)
+
+
+def check(settings: Settings) -> Settings:
+    """settings, if every number is in its RANGES and the default dtype one a request may ask for;
+    else SystemExit naming the variable, as for a value that is not a number."""
+    for name, (variable, least, most) in RANGES.items():
+        value = getattr(settings, name)
+        if not least <= value <= most:
+            raise SystemExit(f"configuration error: {variable}={value} is out of range; it must be {least}..{most}")
+    if settings.default_dtype not in DEFAULT_DTYPES:
+        raise SystemExit(f"configuration error: ATTN_DEFAULT_DTYPE={settings.default_dtype!r} must be one of {', '.join(DEFAULT_DTYPES)}")
+    return settings
+
+
+def web_concurrency() -> int:
+    """WEB_CONCURRENCY, gunicorn's worker count (deploy/gunicorn.conf.py): 2 by default, 1..256.
+    0 started an arbiter with no worker, whose listening socket took connections no one answered."""
+    workers = _env("WEB_CONCURRENCY", 2, int)
+    if not 1 <= workers <= 256:
+        raise SystemExit(f"configuration error: WEB_CONCURRENCY={workers} is out of range; it must be 1..256")
+    return workers
+
+
 def _bool(raw: str) -> bool:
     if raw.lower() in {"1", "true", "yes", "on"}:
         return True
@@ -104,31 +154,33 @@ class Settings:
     @classmethod
     def from_env(cls) -> Settings:
         d = cls()
-        return cls(
-            host=_env("HOST", d.host, str),
-            port=_env("PORT", d.port, int),
-            max_t=_env("ATTN_MAX_T", d.max_t, int),
-            max_s=_env("ATTN_MAX_S", d.max_s, int),
-            max_score_elements=_env("ATTN_MAX_SCORE_ELEMENTS", d.max_score_elements, int),
-            max_weights_elements=_env("ATTN_MAX_WEIGHTS_ELEMENTS", d.max_weights_elements, int),
-            max_output_elements=_env("ATTN_MAX_OUTPUT_ELEMENTS", d.max_output_elements, int),
-            max_body_bytes=_env("ATTN_MAX_BODY_BYTES", d.max_body_bytes, int),
-            max_rank=_env("ATTN_MAX_RANK", d.max_rank, int),
-            max_d=_env("ATTN_MAX_D", d.max_d, int),
-            default_dtype=_env("ATTN_DEFAULT_DTYPE", d.default_dtype, str),
-            api_keys=_env("ATTN_API_KEYS", d.api_keys, _keys),
-            max_inflight=_env("ATTN_MAX_INFLIGHT", d.max_inflight, int),
-            max_queue=_env("ATTN_MAX_QUEUE", d.max_queue, int),
-            max_inflight_bytes=_env("ATTN_MAX_INFLIGHT_BYTES", d.max_inflight_bytes, int),
-            warmup=_env("ATTN_WARMUP", d.warmup, _bool),
-            header_timeout_s=_env("ATTN_HEADER_TIMEOUT_S", d.header_timeout_s, int),
-            body_timeout_s=_env("ATTN_BODY_TIMEOUT_S", d.body_timeout_s, int),
-            body_min_rate=_env("ATTN_BODY_MIN_RATE", d.body_min_rate, int),
-            send_timeout_s=_env("ATTN_SEND_TIMEOUT_S", d.send_timeout_s, int),
-            send_buffer_bytes=_env("ATTN_SEND_BUFFER_BYTES", d.send_buffer_bytes, int),
-            log_format=_env("ATTN_LOG_FORMAT", d.log_format, log_format),
-            otel_trace_exporters=_otel_trace_exporters(),
-            split_threads=_env("ATTN_SPLIT_THREADS", d.split_threads, int),
+        return check(
+            cls(
+                host=_env("HOST", d.host, str),
+                port=_env("PORT", d.port, int),
+                max_t=_env("ATTN_MAX_T", d.max_t, int),
+                max_s=_env("ATTN_MAX_S", d.max_s, int),
+                max_score_elements=_env("ATTN_MAX_SCORE_ELEMENTS", d.max_score_elements, int),
+                max_weights_elements=_env("ATTN_MAX_WEIGHTS_ELEMENTS", d.max_weights_elements, int),
+                max_output_elements=_env("ATTN_MAX_OUTPUT_ELEMENTS", d.max_output_elements, int),
+                max_body_bytes=_env("ATTN_MAX_BODY_BYTES", d.max_body_bytes, int),
+                max_rank=_env("ATTN_MAX_RANK", d.max_rank, int),
+                max_d=_env("ATTN_MAX_D", d.max_d, int),
+                default_dtype=_env("ATTN_DEFAULT_DTYPE", d.default_dtype, str),
+                api_keys=_env("ATTN_API_KEYS", d.api_keys, _keys),
+                max_inflight=_env("ATTN_MAX_INFLIGHT", d.max_inflight, int),
+                max_queue=_env("ATTN_MAX_QUEUE", d.max_queue, int),
+                max_inflight_bytes=_env("ATTN_MAX_INFLIGHT_BYTES", d.max_inflight_bytes, int),
+                warmup=_env("ATTN_WARMUP", d.warmup, _bool),
+                header_timeout_s=_env("ATTN_HEADER_TIMEOUT_S", d.header_timeout_s, int),
+                body_timeout_s=_env("ATTN_BODY_TIMEOUT_S", d.body_timeout_s, int),
+                body_min_rate=_env("ATTN_BODY_MIN_RATE", d.body_min_rate, int),
+                send_timeout_s=_env("ATTN_SEND_TIMEOUT_S", d.send_timeout_s, int),
+                send_buffer_bytes=_env("ATTN_SEND_BUFFER_BYTES", d.send_buffer_bytes, int),
+                log_format=_env("ATTN_LOG_FORMAT", d.log_format, log_format),
+                otel_trace_exporters=_otel_trace_exporters(),
+                split_threads=_env("ATTN_SPLIT_THREADS", d.split_threads, int),
+            )
         )
 
     def limits(self) -> dict:

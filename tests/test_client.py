@@ -310,6 +310,65 @@ def test_connection_errors_are_retried_with_backoff(wire):
     assert all(0.05 * 2**i <= s <= 0.1 * 2**i for i, s in enumerate(sleeps))  # exponential, with jitter
 
 
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_a_retry_after_that_is_not_a_number_of_seconds_backs_off(stub, wire):
+    Stub.busy, Stub.retry_after = 1, "nan"  # read as a float: time.sleep(nan) raised ValueError out of the client
+    with AttentionClient(stub, split=False, backoff=0.1, wire=wire) as client:
+        sleeps = []
+        client._sleep = sleeps.append
+        client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    assert len(sleeps) == 1 and 0.05 <= sleeps[0] <= 0.1
+
+
+class Liar(BaseHTTPRequestHandler):
+    """Reads the request, then answers `answer`, raw bytes: a status line, headers and a body that
+    need not agree."""
+
+    answer = b""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.wfile.write(self.answer)
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+def _ok(body: bytes, length: int | None = None) -> bytes:
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body) if length is None else length}\r\n\r\n"
+    return head.encode() + body
+
+
+SEED_ANSWER = b'{"out":{"shape":[1,1],"dtype":"float32","data":[4.0]}}'
+LIES = {
+    # Each raised out of the client as MemoryError, ValueError, KeyError or AttributeError, or was
+    # returned: {"out": 5} gave out = array(5.0), a 0-d array, for a (1, 1) query.
+    "content-length-1e15": (_ok(SEED_ANSWER, 10**15), ["binary", "json"]),
+    "content-length-1e30": (_ok(SEED_ANSWER, 10**30), ["binary", "json"]),
+    "a-list": (_ok(b"[]"), ["json"]),
+    "no-out": (_ok(b"{}"), ["json"]),
+    "out-a-number": (_ok(b'{"out":5}'), ["json"]),
+    "shape-its-data-lacks": (_ok(b'{"out":{"shape":[9,9],"dtype":"float32","data":[4.0]}}'), ["json"]),
+    "dtype-unknown": (_ok(b'{"out":{"shape":[1,1],"dtype":"floaty","data":[4.0]}}'), ["json"]),
+}
+
+
+@pytest.mark.parametrize(("lie", "wire"), [(lie, wire) for lie, (_, wires) in LIES.items() for wire in wires], ids=lambda x: x)
+def test_an_answer_the_client_cannot_use_is_a_bad_response(lie, wire):
+    Liar.answer = LIES[lie][0]
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=0, split=False, wire=wire, timeout=30) as client:
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert info.value.code == "bad_response"
+
+
 # --- the CLI ----------------------------------------------------------------------------------------
 
 

@@ -209,3 +209,14 @@ def test_a_split_is_predicted_at_the_share_of_one_threads_time_that_splits_took(
     model.observe_split(work, float("nan"), threads=2)
     assert model.split_factor(2) == pytest.approx(0.55, rel=0.01)
     assert model.coefficients()["split_factor_by_threads"] == {"2": pytest.approx(0.55, rel=0.01)}
+
+
+@pytest.mark.parametrize("share", [10.0, 0.01], ids=["slower-than-modelled", "faster-than-modelled"])
+def test_requests_the_fit_mispredicts_do_not_steer_the_split_factor(share):
+    """A request whose cost the fit does not model (ALiBi: 4x its prediction; key_lengths=1: a
+    tenth) teaches the split factor no more than a split can do: between 1/threads and 1."""
+    model = CostModel()
+    work = Work(2 * 10**9, 8 * 10**6, "float32", 1024)
+    for _ in range(60):
+        model.observe_split(work, share * model.predict_work(work), threads=2)
+    assert 0.5 - 1e-9 <= model.split_factor(2) <= 1.0 + 1e-9

@@ -273,7 +273,7 @@ def test_env_names_are_ones_the_service_reads(docs, monkeypatch):
     unset = _configuration()
     for name in sorted(names - LIBRARY_ENV.keys()):
         with monkeypatch.context() as m:
-            m.setenv(name, "12345")
+            m.setenv(name, "123")  # in every range service.config checks
             assert _configuration() != unset, f"{name} changes neither service.config.Settings nor gunicorn.conf.py"
 
 

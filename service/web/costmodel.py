@@ -227,8 +227,14 @@ class CostModel:
         predicted = self.predict_work(work)
         if threads <= 1 or not (ms > 0 and math.isfinite(ms)) or not predicted > 0:
             return
+        # A split on n threads takes between 1/n of one thread's time and about all of it (alone, it
+        # only splits when it gains); a ratio outside says the request's cost is not what the fit
+        # models (ALiBi took 4x its prediction, key_lengths=1 a tenth), not what splitting does.
+        # Taught as is, a dozen such requests moved the factor from 0.75 to 1.57 or 0.12, and every
+        # later split's prediction with it (deadlines refused that it met, or admitted that it missed).
+        share = min(max(ms / predicted, 1 / threads), 1.0)
         with self._lock:
-            self._split[threads] = _running_mean(self._split.get(threads, 1.0), ms / predicted)
+            self._split[threads] = _running_mean(self._split.get(threads, 1.0), share)
 
     def calibrate(self, budget_s: float = 1.5, seed: int = 0) -> None:
         """Time the numeric core on a few shapes (T 64..2048, narrow and wide heads, the GPT block)

@@ -1,0 +1,75 @@
+"""Settings.from_env: every ATTN_* value a server cannot run with stops it at start-up, naming the variable."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from service.config import RANGES, Settings, web_concurrency
+from tests.helpers import ROOT, free_port
+
+# Each of these started a server that then misbehaved: a worker lost to ZeroDivisionError on the
+# first body (ATTN_BODY_MIN_RATE=0), every POST hung (ATTN_MAX_INFLIGHT=0), every request refused
+# (ATTN_MAX_T=-5, ATTN_MAX_BODY_BYTES=-1), answers computed in float16 (ATTN_DEFAULT_DTYPE=int8).
+REFUSED = [
+    ("ATTN_BODY_MIN_RATE", "0"),
+    ("ATTN_MAX_INFLIGHT", "0"),
+    ("ATTN_MAX_INFLIGHT", "100000000000"),
+    ("ATTN_MAX_QUEUE", "-1"),
+    ("ATTN_MAX_T", "-5"),
+    ("ATTN_MAX_S", "0"),
+    ("ATTN_MAX_BODY_BYTES", "-1"),
+    ("ATTN_MAX_RANK", "0"),
+    ("ATTN_MAX_D", "99999999999999999999999"),
+    ("ATTN_SPLIT_THREADS", "0"),
+    ("ATTN_SEND_TIMEOUT_S", "0"),
+    ("ATTN_SEND_TIMEOUT_S", "10000000000"),
+    ("ATTN_HEADER_TIMEOUT_S", "-1"),
+    ("ATTN_BODY_TIMEOUT_S", "0"),
+    ("ATTN_SEND_BUFFER_BYTES", "0"),
+    ("ATTN_MAX_INFLIGHT_BYTES", "0"),
+    ("ATTN_MAX_SCORE_ELEMENTS", "-3"),
+    ("ATTN_DEFAULT_DTYPE", "int8"),
+    ("ATTN_DEFAULT_DTYPE", "float16"),
+    ("ATTN_MAX_T", "4k"),
+    ("PORT", "99999"),
+    ("PORT", "-1"),
+]
+
+
+@pytest.mark.parametrize(("variable", "value"), REFUSED, ids=[f"{n}={v}" for n, v in REFUSED])
+def test_a_value_the_server_cannot_run_with_is_refused_by_name(monkeypatch, variable, value):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(SystemExit, match=variable):
+        Settings.from_env()
+
+
+def test_the_defaults_and_the_bounds_of_each_range_are_accepted(monkeypatch):
+    Settings.from_env()
+    for name, (variable, least, most) in RANGES.items():
+        for value in (least, most):
+            monkeypatch.setenv(variable, str(value))
+            assert getattr(Settings.from_env(), name) == value
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("ATTN_DEFAULT_DTYPE", "float64")
+    assert Settings.from_env().default_dtype == "float64"
+
+
+def test_the_server_does_not_start_with_one():
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(free_port()), "ATTN_BODY_MIN_RATE": "0"}
+    done = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "ATTN_BODY_MIN_RATE=0" in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "abc", "100000"])
+def test_a_worker_count_the_server_cannot_run_with_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("WEB_CONCURRENCY", value)  # 0 started a server with no worker: every request hung
+    with pytest.raises(SystemExit, match="WEB_CONCURRENCY"):
+        web_concurrency()
+
+
+def test_the_server_does_not_start_without_a_worker():
+    env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(free_port()), "WEB_CONCURRENCY": "0"}
+    done = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "WEB_CONCURRENCY=0" in done.stderr + done.stdout
