@@ -66,7 +66,7 @@ def _tune_malloc() -> None:
 _tune_malloc()  # before the imports below allocate: the arbiter's settings are the workers'
 
 import service.web  # noqa: E402, F401  (after the BLAS threads and the metrics directory; the workers fork with it loaded)
-from service.config import Settings, web_concurrency  # noqa: E402
+from service.config import Settings, warnings, web_concurrency  # noqa: E402
 
 _settings = Settings.from_env()
 
@@ -141,6 +141,8 @@ def on_starting(server):
     from service.web import census
 
     census.create()
+    for said in warnings(_settings):
+        server.log.warning("configuration: %s", said)
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]
     for name in os.listdir(directory):
         if name.endswith(".db"):

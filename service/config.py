@@ -59,6 +59,18 @@ def check(settings: Settings) -> Settings:
     return settings
 
 
+def warnings(settings: Settings) -> list[str]:
+    """Settings each in range that together refuse requests for ever: said once at start
+    (deploy/gunicorn.conf.py, on_starting), not refused, since a test or an operator may mean them."""
+    said = []
+    if settings.max_inflight_bytes < settings.max_body_bytes:
+        said.append(
+            f"ATTN_MAX_INFLIGHT_BYTES={settings.max_inflight_bytes} is below ATTN_MAX_BODY_BYTES={settings.max_body_bytes}: "
+            "a body between the two is accepted by size but never fits in flight, and gets 503 on every retry"
+        )
+    return said
+
+
 def web_concurrency() -> int:
     """WEB_CONCURRENCY, gunicorn's worker count (deploy/gunicorn.conf.py): 2 by default, 1..256.
     0 started an arbiter with no worker, whose listening socket took connections no one answered."""

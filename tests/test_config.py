@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from service.config import RANGES, Settings, web_concurrency
+from service.config import RANGES, Settings, warnings, web_concurrency
 from tests.helpers import ROOT, free_port
 
 # Each of these started a server that then misbehaved: a worker lost to ZeroDivisionError on the
@@ -73,3 +73,11 @@ def test_the_server_does_not_start_without_a_worker():
     env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(free_port()), "WEB_CONCURRENCY": "0"}
     done = subprocess.run([sys.executable, "-m", "service"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "WEB_CONCURRENCY=0" in done.stderr + done.stdout
+
+
+def test_an_in_flight_budget_below_the_body_limit_is_warned_about_at_start():
+    """Each in range, but together a body between the two sizes fits the body limit and never the
+    in-flight budget: said once at start (a test or an operator may mean it), never refused."""
+    assert warnings(Settings()) == []
+    [said] = warnings(Settings(max_inflight_bytes=300_000, max_body_bytes=1_000_000))
+    assert "ATTN_MAX_INFLIGHT_BYTES=300000" in said and "ATTN_MAX_BODY_BYTES=1000000" in said
