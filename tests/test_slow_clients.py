@@ -104,6 +104,14 @@ def read_to_end(s: socket.socket) -> tuple[bytes, bool]:
         data += chunk
 
 
+def assert_continue(s: socket.socket) -> None:
+    """The interim 100 Continue a client that sent Expect: 100-continue waits for, and nothing else."""
+    interim = b""
+    while b"\r\n\r\n" not in interim:
+        interim += s.recv(1)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
 def responses(data: bytes) -> list[tuple[int, dict, bytes]]:
     """Split the bytes of consecutive HTTP/1.1 responses with Content-Length: (status, headers, body)."""
     out = []
@@ -339,10 +347,7 @@ def test_expect_100_continue_is_answered_once(server):
     body = body_of(16, seed=5)
     s = connect(server)
     s.sendall(post_head(len(body), extra="Expect: 100-continue\r\nConnection: close\r\n"))
-    interim = b""
-    while b"\r\n\r\n" not in interim:
-        interim += s.recv(1)
-    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert_continue(s)
     s.sendall(body)
     data, _ = read_to_end(s)
     [(status, _, out)] = responses(data)
@@ -371,10 +376,7 @@ def test_a_large_body_in_pieces_is_read_into_its_own_buffer_and_answered(server,
     s = connect(server)
     s.sendall(post_head(len(body), extra="Expect: 100-continue\r\n" if expect else ""))
     if expect:
-        interim = b""
-        while b"\r\n\r\n" not in interim:
-            interim += s.recv(1)
-        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        assert_continue(s)
     cuts = [0, 1000, 300_000, 2 * 2**20 - 1, 2 * 2**20 + 1, len(body) // 2, len(body) - 5]
     for a, b in zip(cuts, cuts[1:], strict=False):
         s.sendall(body[a:b])
