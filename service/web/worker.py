@@ -477,14 +477,8 @@ class FrontWorker(ThreadWorker):
         except OSError:
             self._close(conn)
             return
-        if not data:  # the client closed, or half-closed, its side before a complete request
-            if conn.buf:  # part of one arrived: it is never computed, and the client is told why
-                what = "head" if conn.scanner.head_end is None else "body"
-                self._answer(
-                    conn, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete."
-                )
-            else:
-                self._close(conn)
+        if not data:
+            self._closed_early(conn)
             return
         if not conn.buf:
             conn.started = time.monotonic()
@@ -509,10 +503,19 @@ class FrontWorker(ThreadWorker):
             self._close(conn)
             return
         if not n:
-            self._answer(conn, "incomplete_request", "The client closed its side of the connection before the request body was complete.")
+            self._closed_early(conn)
             return
         conn.body_got += n
         self._received(conn, n)
+
+    def _closed_early(self, conn: Conn) -> None:
+        """The client closed, or half-closed, its side before a complete request: where part of one
+        arrived it is never computed, and the client is told why; else the connection just closes."""
+        if not conn.buf:
+            self._close(conn)
+            return
+        what = "head" if conn.scanner.head_end is None else "body"
+        self._answer(conn, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete.")
 
     def _received(self, conn: Conn, n: int) -> None:
         """n more bytes of conn's request have arrived: count them, then act on them."""
@@ -621,20 +624,28 @@ class FrontWorker(ThreadWorker):
         """Answer with an error from here (its status is the code's), count it, and close."""
         status, scanner = errors.status_of(code), conn.scanner
         self.log.info("%s %s: %s (%s)", conn.client, status, code, message)
-        endpoint = self._endpoint(scanner.path, scanner.method)
-        metrics.REQUESTS.labels(endpoint, metrics.method_label(scanner.method), str(status)).inc()
-        metrics.REJECTIONS.labels(endpoint, code).inc()
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
-        request_id = accesslog.head_request_id(head)
-        answer = error_response(code, message, scanner.path, request_id=request_id, started=conn.started)
-        sizes = (len(conn.buf) + conn.body_got, len(answer))
-        accesslog.worker_answer(
-            self.settings.log_format, head, scanner.method, scanner.path, endpoint, code, status, sizes, conn.started, request_id
-        )
+        received = len(conn.buf) + conn.body_got
+        answer = self._error_answer(code, message, status, scanner.method, scanner.path, head, conn.started, received)
         self._release_buf(conn)
         conn.keep = False
         conn.sock.queue(answer)
         self._write(conn)
+
+    def _error_answer(
+        self, code: str, message: str, status: int, method: str, path: str, head: bytes | None, started: float, received: int
+    ) -> bytes:
+        """The bytes of an error answer the worker makes itself (_answer, handle_error), counted in
+        /metrics as the app's own and logged in the same access line, with the request id its head
+        sent (or a fresh one) and the time since started (time.monotonic() at its first byte)."""
+        endpoint = self._endpoint(path, method)
+        metrics.REQUESTS.labels(endpoint, metrics.method_label(method), str(status)).inc()
+        metrics.REJECTIONS.labels(endpoint, code).inc()
+        request_id = accesslog.head_request_id(head)
+        answer = error_response(code, message, path, status, request_id, started)
+        sizes = (received, len(answer))
+        accesslog.worker_answer(self.settings.log_format, head, method, path, endpoint, code, status, sizes, started, request_id)
+        return answer
 
     def _endpoint(self, path: str, method: str) -> str:
         """The route path is served by, as the app labels it (a bounded label): "unmatched" when
@@ -692,14 +703,8 @@ class FrontWorker(ThreadWorker):
         scanner = getattr(conn, "scanner", None)
         path = getattr(req, "path", None) or getattr(scanner, "path", None) or ""
         method = getattr(req, "method", None) or getattr(scanner, "method", None) or ""
-        endpoint = self._endpoint(path, method)
-        metrics.REQUESTS.labels(endpoint, metrics.method_label(method), str(status)).inc()
-        metrics.REJECTIONS.labels(endpoint, code).inc()
         head, started = getattr(conn, "head", None), getattr(conn, "started", 0.0)
-        request_id = accesslog.head_request_id(head)
-        answer = error_response(code, message, path, status, request_id, started)
-        sizes = (len(head or b""), len(answer))
-        accesslog.worker_answer(self.settings.log_format, head, method, path, endpoint, code, status, sizes, started, request_id)
+        answer = self._error_answer(code, message, status, method, path, head, started, len(head or b""))
         try:
             client.sendall(answer)
         except OSError:
