@@ -6,6 +6,11 @@ ratio (attention / healthz) and the non-2xx answers of each.
     python -m bench.small_requests                              # this checkout, 2 workers and 1
     python -m bench.small_requests --baseline ../main            # and another checkout beside it
     python -m bench.small_requests --duration 10 --rounds 3 --workers 2 1
+    python -m bench.small_requests --floor --workers 2             # and the stack's floor beside it
+
+--floor also serves bench/floor_app.py (this checkout's app with nothing behind /attention but
+reading the body and answering a fixed 175 KB): the highest ratio any T=64 b64 request can reach
+here with this stack.
 
 Needs wrk (Debian: apt-get install wrk). Each server is `python -m service` as `make run` starts
 it (bench/server.py: a free loopback port, ATTN_* settings from a clean shell); WEB_CONCURRENCY
@@ -30,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pybase64
+
+from service import __main__ as service_main
 
 from .server import ROOT, Server
 
@@ -82,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--connections", type=int, default=8)
+    p.add_argument(
+        "--floor", action="store_true", help="also serve bench/floor_app.py: /attention reads the body and answers a fixed response"
+    )
     args = p.parse_args(argv)
     if not shutil.which("wrk"):
         sys.exit("wrk is not installed (Debian: apt-get install wrk)")
@@ -92,15 +102,20 @@ def main(argv: list[str] | None = None) -> None:
     script.write_text(LUA.format(body=tmp / "body.json"))
 
     trees = [("this", ROOT)] + ([("baseline", args.baseline.resolve())] if args.baseline else [])
+    trees += [("floor", ROOT)] if args.floor else []
     servers = {}
     try:
         for name, tree in trees:
+            argv = [sys.executable, "-m", "service"]
+            if name == "floor":  # as `python -m service` runs gunicorn (its config, its environment), another app
+                argv = [sys.executable, "-m", "gunicorn", "--config", str(service_main.CONF), "bench.floor_app:create_app()"]
             for n in args.workers:
                 key = f"{name} {n}w"
                 env = {"WEB_CONCURRENCY": str(n)}
+                env = service_main.environment(env) if name == "floor" else env
                 if n * (2 + 4) < args.connections:  # the default slots per worker: 2 computing + 4 queued
                     env["ATTN_MAX_QUEUE"] = str(-(-args.connections // n) - 2)  # room for every connection: no 503 by design
-                servers[key] = Server(key.replace(" ", "-"), [sys.executable, "-m", "service"], env, cwd=tree, inherit_settings=False)
+                servers[key] = Server(key.replace(" ", "-"), argv, env, cwd=tree, inherit_settings=False)
         for server in servers.values():
             server.wait_ready(in_a_row=8)
         runs = {
