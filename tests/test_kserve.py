@@ -14,6 +14,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from service import core
+from service.wire import json as wire_json
 
 from .helpers import Q, V, b64, tensor
 
@@ -572,3 +573,71 @@ def test_unaligned_binary_inputs_give_the_native_bits(client, rng, pad):
     want_out, want_w = core.attention(q, k, v, causal="top_left")
     np.testing.assert_array_equal(outputs["out"], want_out)
     np.testing.assert_array_equal(outputs["weights"], want_w)
+
+
+# --- JSON inputs large enough for wire.loads' fast path answer as the plain parse does ----------------
+
+BIG = [[float(i * 16 + j) / 7 for j in range(16)] for i in range(8)]  # 128 numbers: the fast path decodes them
+BIG_FLAT = [x for row in BIG for x in row]
+
+
+def big_seed(q_data, q_shape=(8, 16), q_type="FP32", extra=()) -> dict:
+    """SEED at (8, 16) per tensor, with q's data, shape and datatype as given, plus extra inputs."""
+    inputs = [
+        {"name": "q", "datatype": q_type, "shape": list(q_shape), "data": q_data},
+        {"name": "k", "datatype": "FP32", "shape": [8, 16], "data": BIG_FLAT},
+        {"name": "v", "datatype": "FP64", "shape": [8, 16], "data": BIG},
+    ]
+    return {"inputs": inputs + list(extra), "parameters": {"causal": True}}
+
+
+def mask_input(data, shape=(8, 8)) -> dict:
+    return {"name": "mask", "datatype": "BOOL", "shape": list(shape), "data": data}
+
+
+def with_row(row: int, value) -> list:
+    rows = [r[:] for r in BIG]
+    rows[row] = value
+    return rows
+
+
+BIG_BODIES = {
+    "flat": big_seed(BIG_FLAT),
+    "nested": big_seed(BIG),
+    "integers": big_seed([i % 5 for i in range(128)]),
+    "integers as INT64 for FP64": big_seed([i % 5 for i in range(128)], q_type="FP64"),
+    "fractions for INT64": big_seed(BIG_FLAT, q_type="INT64"),
+    "nested against the shape": big_seed(BIG, q_shape=(16, 8)),
+    "flat too short": big_seed(BIG_FLAT[:-1] + [[1.0]]),
+    "ragged": big_seed(with_row(3, BIG[3][:15])),
+    "a list in a row": big_seed(with_row(3, BIG[3][:15] + [[1.0]])),
+    "a number for a row": big_seed(with_row(3, 1.0)),
+    "a boolean among numbers": big_seed(BIG_FLAT[:-1] + [True]),
+    "a string among numbers": big_seed(BIG_FLAT[:-1] + ["1"]),
+    "a null among numbers": big_seed(BIG_FLAT[:-1] + [None]),
+    "big integers": big_seed([2**63 + 1] * 128),
+    "a mask of booleans": big_seed(BIG_FLAT, extra=[mask_input([[c <= r for c in range(8)] for r in range(8)] * 1)]),
+    "a mask of numbers": big_seed(BIG_FLAT, extra=[mask_input([1] * 64)]),
+}
+
+
+@pytest.mark.parametrize("body", list(BIG_BODIES.values()), ids=list(BIG_BODIES))
+def test_json_inputs_answer_as_the_plain_parse_does(client, monkeypatch, body):
+    """wire.loads decodes each input's "data" of 64 numbers or more to numpy (the fast path);
+    what the client gets, answer or refusal, is what orjson's plain parse gives."""
+    raw = orjson.dumps(body)
+    fast = infer(client, raw)
+    monkeypatch.setattr(wire_json, "_fast_loads", lambda body: None)
+    plain = infer(client, raw)
+    assert fast.status_code == plain.status_code, (fast.get_json(), plain.get_json())
+    want = plain.get_json()
+    got = fast.get_json()
+    assert got.get("error") == want.get("error")
+    assert got.get("outputs") == want.get("outputs")
+
+
+@pytest.mark.parametrize("name", ["flat", "nested", "integers", "a boolean among numbers", "a mask of booleans"])
+def test_json_inputs_take_the_fast_path(name):
+    """Inputs of numbers come out of wire.loads as arrays, even beside an input it leaves to the schema."""
+    doc = wire_json.loads(orjson.dumps(BIG_BODIES[name]))
+    assert all(isinstance(spec["data"], np.ndarray) for spec in doc["inputs"][1:3])

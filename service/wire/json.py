@@ -57,7 +57,8 @@ def loads(body: bytes | bytearray | mmap.mmap):
     body may be the anonymous mapping the worker read a large body into (service.web.worker).
 
     An object's tensors come back decoded (see the module docstring): a top-level array of at
-    least FAST_MIN_ELEMENTS numbers, or the "data" of a top-level object, as np.ndarray (int64 if
+    least FAST_MIN_ELEMENTS numbers, or the "data" of a top-level object or of an object in a
+    top-level array of objects (the Open Inference Protocol's "inputs"), as np.ndarray (int64 if
     every number is an integer, else float64, as np.array would give); a "b64" string of a
     top-level object as a Payload. Everything else is exactly what orjson.loads gives."""
     try:
@@ -122,22 +123,16 @@ def _decode_parsed(parsed, skeleton: bytes | bytearray | mmap.mmap, payloads: di
         return None
     doc, arrays, found = {}, 0, 0  # arrays: those decoded to ndarray, counted as the text counts them
     for key, value in _items(parsed):
-        if isinstance(value, simdjson.Array):
+        if isinstance(value, simdjson.Array) and _of_objects(value):  # the Open Inference Protocol's "inputs"
+            items = [_tensor_object(item, {}) for item in value]  # a payload in one is left for orjson
+            value = [item for item, _, _ in items]
+            arrays += sum(n for _, n, _ in items)
+        elif isinstance(value, simdjson.Array):
             value, n = _array(value)
             arrays += n
         elif isinstance(value, simdjson.Object):
-            inner = {}
-            for k, v in _items(value):
-                if isinstance(v, simdjson.Array):
-                    v, n = _array(v) if k == "data" else (v.as_list(), 0)
-                    arrays += n
-                elif isinstance(v, simdjson.Object):
-                    v = v.as_dict()
-                elif k == "b64" and isinstance(v, str) and v in payloads:
-                    v = payloads[v]
-                    found += 1
-                inner[k] = v
-            value = inner
+            value, n, f = _tensor_object(value, payloads)
+            arrays, found = arrays + n, found + f
         doc[key] = value
     del parsed
     if found != len(payloads):  # a payload that is not the value of a "b64" key: let orjson judge
@@ -145,6 +140,29 @@ def _decode_parsed(parsed, skeleton: bytes | bytearray | mmap.mmap, payloads: di
     if arrays and (skeleton.find(b"\\") >= 0 or _count(skeleton, ord("[")) != arrays + _brackets(doc)):
         return None  # an array hidden where a number should be (say [1, [2]]): not rectangular
     return doc
+
+
+def _of_objects(arr: simdjson.Array) -> bool:
+    """Whether arr is a short array of objects only (a few tensor objects, as /v2's "inputs")."""
+    return 0 < len(arr) <= MAX_FAST_KEYS and all(isinstance(item, simdjson.Object) for item in arr)
+
+
+def _tensor_object(obj: simdjson.Object, payloads: dict) -> tuple[dict, int, int]:
+    """An object of the document's top level (or of a top-level array of them), as loads() gives
+    it: its "data" array decoded by _array, its "b64" marker replaced by the payload; with the
+    arrays decoded to ndarray (counted as the text counts them) and the payloads found."""
+    out, arrays, found = {}, 0, 0
+    for k, v in _items(obj):
+        if isinstance(v, simdjson.Array):
+            v, n = _array(v) if k == "data" else (v.as_list(), 0)
+            arrays += n
+        elif isinstance(v, simdjson.Object):
+            v = v.as_dict()
+        elif k == "b64" and isinstance(v, str) and v in payloads:
+            v = payloads[v]
+            found += 1
+        out[k] = v
+    return out, arrays, found
 
 
 def _count(text: bytes | bytearray | mmap.mmap, byte: int) -> int:
@@ -281,6 +299,8 @@ def _brackets(obj) -> int:
     """How many "[" the JSON text of obj holds outside the arrays decoded to ndarray."""
     if isinstance(obj, dict):
         return sum(k.count("[") + _brackets(v) for k, v in obj.items())
+    if isinstance(obj, list) and any(isinstance(item, dict) for item in obj):  # objects that may hold ndarrays
+        return 1 + sum(_brackets(item) for item in obj)
     if isinstance(obj, list):
         return orjson.dumps(obj).count(b"[")
     if isinstance(obj, str):

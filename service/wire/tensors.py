@@ -50,7 +50,7 @@ class NestedData:
 
     __slots__ = ("rows",)
 
-    def __init__(self, rows: list):
+    def __init__(self, rows: list | np.ndarray):
         self.rows = rows
 
 
@@ -193,7 +193,7 @@ def _decode_flat_data(data, shape: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
-def _decode_as_shape(rows: list, shape: tuple[int, ...]) -> np.ndarray:
+def _decode_as_shape(rows: list | np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Data nested as the declared shape (the KServe JSON form) -> the array, flattened."""
     try:
         arr = _decode_nested(rows)
