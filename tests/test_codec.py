@@ -62,6 +62,20 @@ def test_b64_streams_in_chunks_that_join(monkeypatch, rng):
     assert orjson.loads(text) == orjson.loads(codec.dumps(body))  # dumps() encodes the same text eagerly
 
 
+def test_binary_chunks_join_small_answers_and_piece_large_ones(monkeypatch, rng):
+    """A binary answer up to JOIN_MAX_BYTES is one buffer; past it, the header then pieces of at
+    most RAW_CHUNK, which join to the header and the tensors' bytes."""
+    head, small = b'{"outputs":[]}', rng.standard_normal(1000).astype(np.float32)
+    data, length = codec.binary_chunks(head, [memoryview(small).cast("B")])
+    assert data == head + small.tobytes() and length == len(data)
+    monkeypatch.setattr(stream, "RAW_CHUNK", 1000)
+    large = [rng.standard_normal(n).astype(np.float32) for n in (stream.JOIN_MAX_BYTES // 4, 999)]
+    data, length = codec.binary_chunks(head, [memoryview(a).cast("B") for a in large])
+    pieces = list(data)
+    assert pieces[0] == head and max(map(len, pieces[1:])) == 1000
+    assert b"".join(pieces) == head + b"".join(a.tobytes() for a in large) and length == len(b"".join(pieces))
+
+
 def test_dump_chunks_without_b64_is_one_buffer():
     data, length = codec.dump_chunks({"out": np.arange(3.0)})
     assert data == b'{"out":[0.0,1.0,2.0]}' and length == len(data)

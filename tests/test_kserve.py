@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 
 from service import core
 from service.wire import json as wire_json
+from service.wire import stream
 
 from .helpers import Q, V, b64, tensor
 
@@ -263,6 +264,26 @@ def test_binary_in_and_out_round_trip(client, rng):
     want_out, want_w = core.attention(q, q, q, mask)
     np.testing.assert_array_equal(out, want_out)
     np.testing.assert_array_equal(weights, want_w)
+
+
+def test_a_large_binary_answer_streams_the_same_bytes(client, monkeypatch, rng):
+    """Past JOIN_MAX_BYTES the tensors go out in pieces of RAW_CHUNK (no joined copy), with the
+    same bytes and length (both made small here, so that a small answer is large)."""
+    monkeypatch.setattr(stream, "JOIN_MAX_BYTES", 64)
+    monkeypatch.setattr(stream, "RAW_CHUNK", 50)
+    q = rng.standard_normal((2, 3, 6, 4)).astype(np.float32)
+    body, headers = binary_request(
+        {"q": q, "k": q, "v": q}, {"q": "FP32", "k": "FP32", "v": "FP32"}, parameters={"binary_data_output": True}
+    )
+    resp = infer(client, body, headers=headers)
+    assert resp.status_code == 200, resp.data[:300]
+    assert resp.is_streamed and int(resp.headers["Content-Length"]) == len(resp.data)
+    size = int(resp.headers["Inference-Header-Content-Length"])
+    head = json.loads(resp.data[:size])
+    want_out, want_w = core.attention(q, q, q)
+    out_bytes = head["outputs"][0]["parameters"]["binary_data_size"]
+    np.testing.assert_array_equal(np.frombuffer(resp.data[size : size + out_bytes], "<f4").reshape(want_out.shape), want_out)
+    np.testing.assert_array_equal(np.frombuffer(resp.data[size + out_bytes :], "<f4").reshape(want_w.shape), want_w)
 
 
 def test_binary_and_json_inputs_mix(client):

@@ -287,7 +287,9 @@ def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray
         head_bytes = wire.dumps(head)
         if not blobs:
             return Response(head_bytes, mimetype="application/json")
-        resp = Response(b"".join([head_bytes, *blobs]), mimetype="application/octet-stream")
+        data, length = wire.binary_chunks(head_bytes, blobs)  # large tensors: copied piece by piece as they are sent
+        resp = Response(data, mimetype="application/octet-stream")
+        resp.headers["Content-Length"] = str(length)
         resp.headers["Inference-Header-Content-Length"] = str(len(head_bytes))
         return resp
 

@@ -2,7 +2,7 @@
 responses (stream). numpy, orjson, simdjson and pybase64 only: no Flask, no marshmallow."""
 
 from .json import Payload, depth, dumps, loads
-from .stream import B64_CHUNK, NESTED_CHUNK_ELEMENTS, B64Text, NestedArray, dump_chunks
+from .stream import B64_CHUNK, NESTED_CHUNK_ELEMENTS, B64Text, NestedArray, binary_chunks, dump_chunks
 from .tensors import ENCODINGS, WIRE_DTYPES, NestedData, TensorError, as_mask, decode, encode, narrow, show, show_names, wire_encoding
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "as_mask",
     "decode",
     "depth",
+    "binary_chunks",
     "dump_chunks",
     "dumps",
     "encode",

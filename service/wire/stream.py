@@ -1,6 +1,7 @@
 """Response tensors written as they are sent: a b64 value's text (B64Text) and a large nested
-array (NestedArray) are encoded chunk by chunk by dump_chunks(), so the text is never whole in
-memory and the client reads while the rest is written.
+array (NestedArray) are encoded chunk by chunk by dump_chunks(), and a binary answer's tensors
+copied piece by piece by binary_chunks(), so the text (or a copy of the tensors) is never whole
+in memory and the client reads while the rest is written.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ NESTED_CHUNK_ELEMENTS = 2**18  # numbers per block of a streamed nested array (~
 # than one per piece (each a system call, and a turn of the GIL among the worker's threads), for
 # one copy of at most this many bytes. A T=64 b64 answer (B=1, H=8, d=64) is 175 KB.
 JOIN_MAX_BYTES = 2**20
+RAW_CHUNK = 4 * 2**20  # bytes per piece of a binary answer's tensor data (the Open Inference Protocol's)
 
 
 class B64Text:
@@ -83,6 +85,23 @@ def dump_chunks(obj) -> tuple[bytes | Iterator[bytes], int | None]:
     if length is not None and length <= JOIN_MAX_BYTES:
         return b"".join(itertools.chain.from_iterable(parts)), length
     return itertools.chain.from_iterable(parts), length
+
+
+def binary_chunks(head: bytes, blobs: list[memoryview]) -> tuple[bytes | Iterator[bytes], int]:
+    """A binary answer (a JSON header, then each tensor's raw bytes) and its length in bytes: the
+    bytes joined when at most JOIN_MAX_BYTES, else pieces of at most RAW_CHUNK copied as they are
+    sent (the server writes bytes only), so no second whole copy of the tensors is ever made."""
+    length = len(head) + sum(len(blob) for blob in blobs)
+    if length <= JOIN_MAX_BYTES:
+        return b"".join([head, *blobs]), length
+
+    def pieces() -> Iterator[bytes]:
+        yield head
+        for blob in blobs:
+            for start in range(0, len(blob), RAW_CHUNK):
+                yield bytes(blob[start : start + RAW_CHUNK])
+
+    return pieces(), length
 
 
 class NestedArray:
