@@ -422,8 +422,15 @@ def test_refusals_are_protocol_errors(client, body, status, words):
     "path", ["/v2/models/nope", "/v2/models/nope/ready", "/v2/models/attention/versions/2", "/v2/models/attention/versions/2/ready"]
 )
 def test_unknown_models_and_versions_are_404(client, path):
-    resp = client.get(path)
-    assert resp.status_code == 404 and isinstance(resp.get_json()["error"], str)
+    for method in ("GET", "OPTIONS"):  # Flask answers OPTIONS without the view: the model is looked up all the same
+        resp = client.open(path, method=method)
+        assert resp.status_code == 404 and set(resp.get_json()) == {"error"}, (method, resp.get_json())
+
+
+@pytest.mark.parametrize("path", ["/v2/models/attention", "/v2/models/mha/versions/1/infer"])
+def test_options_on_a_served_model_lists_its_methods(client, path):
+    resp = client.open(path, method="OPTIONS")
+    assert resp.status_code == 200 and resp.get_json()["allow"] == sorted(resp.allow)
 
 
 def test_unknown_model_infer_is_404(client):

@@ -155,6 +155,14 @@ def error_body(err: RequestError, status: int) -> dict:
 # --- health and metadata -----------------------------------------------------------------------
 
 
+@bp.before_request
+def _known_model() -> None:
+    """OPTIONS on a model's routes: 404 for a model or version not served, as its GET and POST
+    answer (Flask answers OPTIONS itself, before any view would look the model up)."""
+    if request.method == "OPTIONS" and request.view_args and "name" in request.view_args:
+        _model(request.view_args["name"], request.view_args.get("version"))
+
+
 @bp.get("")
 def server_metadata():
     """The server's name, version and protocol extensions."""
