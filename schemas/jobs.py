@@ -26,18 +26,36 @@ RESPONSE_CHUNK_BYTES = 8 * 2**20
 SCRATCH_BYTES = 4 * 2**20
 
 
+# The passes over each computed score that a bias, ALiBi or a mask add, in units of the cost
+# model's per-score coefficient (b: the softmax's passes), from their time against plain requests
+# of the same shape at T=256 and 1024, with and without weights (bench/README.md, `python -m
+# bench.cost_variants`): a bias 1.3-2.3x a plain request's time, ALiBi 1.3-2.9x, a mask 1.1-1.7x
+# (each also turns off the core's bounded-score path, which skips two passes).
+EXTRA_SCORE_PASSES = {"bias": 1.5, "alibi_slopes": 2.5, "mask": 0.75}
+# With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
+# half a computed score's time each (key_lengths=1 with weights: 0.27-0.31x a plain request's time).
+ZEROED_WEIGHT_SHARE = 0.5
+
+
 @dataclass(frozen=True)
 class Work:
-    """What the cost model reads of a job: the arithmetic the numeric core actually does."""
+    """What the cost model reads of a job: the arithmetic the numeric core actually does.
+
+    score_passes counts what a bias, ALiBi or a mask add to each score (EXTRA_SCORE_PASSES) beyond
+    the plain passes the fit times; fitted False marks work whose cost the features only estimate
+    (those extras, key_lengths), which the fit predicts but does not learn from."""
 
     flops: int
     score_elements: int
     dtype: str
     T: int  # query positions (n for /mha)
     blocks: int = 1  # the numeric core's blocks (core.block_count)
+    score_passes: float = 0.0  # extra passes over each score, in softmax passes
+    fitted: bool = True  # the fit may learn from its measured time
 
     def features(self) -> np.ndarray:
-        return np.array([self.flops / 1e9, self.score_elements / 1e6, float(self.blocks)])
+        """(GFLOP, M score elements with their extra passes, blocks): what the fit's a, b, c multiply."""
+        return np.array([self.flops / 1e9, self.score_elements * (1 + self.score_passes) / 1e6, float(self.blocks)])
 
 
 class _Job:
@@ -75,10 +93,30 @@ class _Job:
         """The share of the scores the core computes. Without weights under a causal mask it skips
         the keys past each block's diagonal (about half); with weights it writes the whole (T, S)
         buffer, and measured here saved 0-36%: all is counted. A window's band is what the core
-        computes either way (B*T*min(S, left+right+1) and the block edges: core.score_count)."""
+        computes either way (B*T*min(S, left+right+1) and the block edges: core.score_count), and
+        no key past the largest key_lengths is."""
         if self.window is not None:
-            return core.score_count(self.B, self.T, self.S, self.causal, window=self.window) / self.score_elements
-        return 1.0 if self.return_weights else core.causal_share(self.T, self.S, self.causal)
+            share = core.score_count(self.B, self.T, self.S, self.causal, window=self.window) / self.score_elements
+        else:
+            share = 1.0 if self.return_weights else core.causal_share(self.T, self.S, self.causal)
+        # The core computes no key at or past the largest key_lengths (key_lengths of 1: one key a
+        # row): exact without a band (causal, window), the lesser count (an upper bound) with one.
+        return min(share, self.key_end / self.S) if self.S else share
+
+    @property
+    def key_end(self) -> int:
+        """No key at or past this is computed: S (AttentionJob: the largest key_lengths)."""
+        return self.S
+
+    @property
+    def score_passes(self) -> float:
+        """Extra passes over each score (a bias, ALiBi, a mask: EXTRA_SCORE_PASSES)."""
+        return 0.0
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the features count this job's cost as calibration timed it (the fit learns from it)."""
+        return True
 
     @property
     def blocks(self) -> int:
@@ -101,7 +139,10 @@ class _Job:
             share = self.computed_share
             attention_flops = self.flops - self.other_flops
             flops = self.other_flops + share * attention_flops
-            work = Work(int(flops), int(self.score_elements * share), self.dtype, int(self.T), self.blocks)
+            scores = self.score_elements * share
+            if self.return_weights:  # the weights past the largest key_lengths: not computed, but written 0
+                scores += ZEROED_WEIGHT_SHARE * self.B * self.T * (self.S - self.key_end) / (1 + self.score_passes)  # no extra pass
+            work = Work(int(flops), int(scores), self.dtype, int(self.T), self.blocks, self.score_passes, self.fitted)
             object.__setattr__(self, "_work", work)  # frozen dataclass: its fields are fixed, this is a cache
         return work
 
@@ -221,6 +262,20 @@ class AttentionJob(_Job):
     @property
     def averaged_over(self) -> int:
         return self.q.shape[-3] if self.average_weights else 1
+
+    @property
+    def key_end(self) -> int:
+        return self.S if self.key_lengths is None else min(self.S, int(self.key_lengths.max(initial=0)))
+
+    @property
+    def score_passes(self) -> float:
+        return sum((passes for name, passes in EXTRA_SCORE_PASSES.items() if getattr(self, name) is not None), 0.0)
+
+    @property
+    def fitted(self) -> bool:
+        """Without a bias, ALiBi, a mask or key_lengths: their cost is estimated, not what calibration timed,
+        and a stream of them fed to the fit would move every plain request's prediction."""
+        return self.score_passes == 0 and self.key_lengths is None
 
     @property
     def output_elements(self) -> int:

@@ -82,6 +82,12 @@ def available_cores() -> int:
 # apart (more are counted as that many).
 SLOWDOWN_WEIGHT = 0.15
 MAX_BUSY = 32
+# The most one observation tells a calibrated fit: its time is taken as between 1/MAX_PULL and
+# MAX_PULL times what the calibrated coefficients predict. The fit weighs relative error against
+# the measured time, so a request far cheaper than predicted pulled without bound (a hundredth of
+# its prediction: a residual of 99), one far dearer by at most 1. Calibrated here, plain requests
+# land within 0.5-2x of their prediction (bench/README.md), so honest traffic is never cut.
+MAX_PULL = 4.0
 
 
 class _Fit:
@@ -210,10 +216,23 @@ class CostModel:
             return
         alone = min(cpu_ms, ms) if cpu_ms is not None and cpu_ms > 0 else ms
         with self._lock:
-            self._fits[work.dtype].add(work.features(), alone)
+            if work.fitted:  # a bias, ALiBi, a mask or key_lengths: predicted by the fit, not taught to it
+                fit = self._fits[work.dtype]
+                x = work.features()
+                fit.add(x, self._bounded(fit, x, alone))
             if cpu_ms is not None and cpu_ms > 0:
                 n = _level(busy)
                 self._slowdown[n] = _running_mean(self._slowdown.get(n, contention(n, self.cores)), ms / alone)
+
+    def _bounded(self, fit: _Fit, x: np.ndarray, ms: float) -> float:
+        """ms as the fit is taught it: once calibrated, within MAX_PULL x or 1/MAX_PULL of what
+        the calibrated coefficients predict for x. Bounded by the calibration, not by the current
+        prediction: the fit follows each observation closely, so a bound that moved with it let a
+        dozen requests at 1/100 of their time ratchet every prediction down 3^12-fold."""
+        anchored = float(fit.prior @ x)
+        if not (self.calibrated and anchored > 0):
+            return ms
+        return min(max(ms, anchored / MAX_PULL), anchored * MAX_PULL)
 
     def split_factor(self, threads: int) -> float:
         """What a computation split on this many threads takes, as a share of its predicted
@@ -249,11 +268,16 @@ class CostModel:
             job = _probe(rng, dtype, shape, kind)
             job.compute()  # first touch: page faults, lazy initialisation
             self.observe(job.work(), median_ms(job.compute, clock=time.thread_time))  # CPU time: the alone-time, neighbours or not
+        self.anchor()
+        self.calibration_s = time.perf_counter() - start
+
+    def anchor(self) -> None:
+        """Take the fit as calibrated: its coefficients become the ridge's prior and the reference
+        that bounds what one observation teaches (MAX_PULL)."""
         with self._lock:
             for fit in self._fits.values():
                 fit.anchor(fit.theta)
             self.calibrated = True
-            self.calibration_s = time.perf_counter() - start
 
     def coefficients(self) -> dict:
         fits = {
