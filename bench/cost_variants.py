@@ -1,4 +1,4 @@
-"""The cost model against the request kinds its features may not express (~1-2 min).
+"""The cost model against the request kinds its features may not express (~2 min).
 
 For each kind (a bias, ALiBi, a mask, key_lengths, GQA, averaged weights, float64, /mha) at
 B=1, H=8, d=64, T in (256, 1024), with and without weights: the computing thread's CPU time
@@ -7,6 +7,10 @@ from the plain requests' says the features miss that kind's cost; fed to the fit
 move the coefficients that plain requests are predicted with.
 
     python -m bench.cost_variants
+
+The second table, how far a stream of one kind moves plain requests' predictions, is what the fit
+learns from; to see the model before a change, copy this file into a checkout of it and run it
+there (bench/README.md).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ def kinds(rng, T: int, weights: bool) -> dict[str, tuple[type, dict]]:
         "mask (T, S)": (AttentionRequest, {**base, "mask": b64(rng.random((T, T)) < 0.9, "bool")}),
         "key_lengths=1": (AttentionRequest, {**base, "key_lengths": [1] * H}),
         "key_lengths=S/2": (AttentionRequest, {**base, "key_lengths": [T // 2] * H}),
+        "window (64, 0)": (AttentionRequest, {**base, "window": [64, 0]}),
         "gqa 8/2": (AttentionRequest, {**base, **kv2}),
         "averaged weights": (AttentionRequest, {**base, "average_weights": True}) if weights else None,
         "mha (T, 512), 8 heads": (MhaRequest, {"x": b64(x), **w, "heads": 8, "return_weights": weights}),
@@ -96,12 +101,14 @@ PLAIN = [(T, weights) for T in (64, 256, 1024) for weights in (True, False)]
 def stream(model: CostModel, schemas: dict, rng, counts=(12, 100)) -> str:
     """A client's stream of one kind (T=256, with weights and without, alternating), each
     observed at its measured CPU time as run() does: how far it moves the prediction of plain
-    requests (T=64..1024, with and without weights), as the largest ratio after / before."""
+    requests (T=64..1024, with and without weights), as the least and largest ratio after /
+    before. A stream of plain requests is the control: calibration is not exact, so honest
+    traffic moves predictions too (towards the truth)."""
     plain = [schemas[AttentionRequest].load(kinds(rng, T, w)["plain"][1]).work() for T, w in PLAIN]
     saved = copy.deepcopy(model._fits)
     before = [model.predict_work(w) for w in plain]
     lines = ["", "| stream of | requests | plain predicted after / before: min | max |", "|---|---|---|---|"]
-    for name in ("alibi", "bias", "mask", "key_lengths=1", "gqa 8/2", "mha (T, 512), 8 heads"):
+    for name in ("plain", "causal", "alibi", "bias", "mask", "key_lengths=1", "window (64, 0)", "gqa 8/2", "mha (T, 512), 8 heads"):
         works = []
         for weights in (True, False):
             cls, doc = kinds(rng, 256, weights)[name]

@@ -26,12 +26,13 @@ RESPONSE_CHUNK_BYTES = 8 * 2**20
 SCRATCH_BYTES = 4 * 2**20
 
 
-# The passes over each computed score that a bias, ALiBi or a mask add, in units of the cost
-# model's per-score coefficient (b: the softmax's passes), from their time against plain requests
-# of the same shape at T=256 and 1024, with and without weights (bench/README.md, `python -m
-# bench.cost_variants`): a bias 1.3-2.3x a plain request's time, ALiBi 1.3-2.9x, a mask 1.1-1.7x
-# (each also turns off the core's bounded-score path, which skips two passes).
-EXTRA_SCORE_PASSES = {"bias": 1.5, "alibi_slopes": 2.5, "mask": 0.75}
+# What a bias, ALiBi or a mask multiply a plain request's time by, (with weights, without): the
+# CPU time of each against a plain request of the same shape, B=1 H=8 d=64, T=256 and 1024
+# (bench/README.md, `python -m bench.cost_variants`). With weights a bias measured 1.3-1.8x,
+# ALiBi 2.2-2.9x, a mask 1.5-2.4x; without, 2.3-4.2x, 2.9-6.4x and 1.7-2.9x: each adds passes
+# over every score, and turns off the no-weights path's bounded scores (which skip two passes),
+# more of its time the larger T. Several add up: 1 + the sum of (factor - 1).
+EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)}
 # With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
 # half a computed score's time each (key_lengths=1 with weights: 0.27-0.31x a plain request's time).
 ZEROED_WEIGHT_SHARE = 0.5
@@ -41,21 +42,21 @@ ZEROED_WEIGHT_SHARE = 0.5
 class Work:
     """What the cost model reads of a job: the arithmetic the numeric core actually does.
 
-    score_passes counts what a bias, ALiBi or a mask add to each score (EXTRA_SCORE_PASSES) beyond
-    the plain passes the fit times; fitted False marks work whose cost the features only estimate
-    (those extras, key_lengths), which the fit predicts but does not learn from."""
+    cost_factor is what a bias, ALiBi or a mask multiply the plain work's time by (EXTRA_COST);
+    fitted False marks work whose cost the features only estimate (those, and key_lengths), which
+    the fit predicts but does not learn from."""
 
     flops: int
     score_elements: int
     dtype: str
     T: int  # query positions (n for /mha)
     blocks: int = 1  # the numeric core's blocks (core.block_count)
-    score_passes: float = 0.0  # extra passes over each score, in softmax passes
+    cost_factor: float = 1.0  # the plain work's time x this (a bias, ALiBi, a mask)
     fitted: bool = True  # the fit may learn from its measured time
 
     def features(self) -> np.ndarray:
-        """(GFLOP, M score elements with their extra passes, blocks): what the fit's a, b, c multiply."""
-        return np.array([self.flops / 1e9, self.score_elements * (1 + self.score_passes) / 1e6, float(self.blocks)])
+        """(GFLOP, M score elements, blocks) x cost_factor: what the fit's a, b, c multiply."""
+        return np.array([self.flops / 1e9, self.score_elements / 1e6, float(self.blocks)]) * self.cost_factor
 
 
 class _Job:
@@ -109,9 +110,9 @@ class _Job:
         return self.S
 
     @property
-    def score_passes(self) -> float:
-        """Extra passes over each score (a bias, ALiBi, a mask: EXTRA_SCORE_PASSES)."""
-        return 0.0
+    def cost_factor(self) -> float:
+        """What a bias, ALiBi or a mask multiply the plain work's time by (EXTRA_COST)."""
+        return 1.0
 
     @property
     def fitted(self) -> bool:
@@ -141,8 +142,8 @@ class _Job:
             flops = self.other_flops + share * attention_flops
             scores = self.score_elements * share
             if self.return_weights:  # the weights past the largest key_lengths: not computed, but written 0
-                scores += ZEROED_WEIGHT_SHARE * self.B * self.T * (self.S - self.key_end) / (1 + self.score_passes)  # no extra pass
-            work = Work(int(flops), int(scores), self.dtype, int(self.T), self.blocks, self.score_passes, self.fitted)
+                scores += ZEROED_WEIGHT_SHARE * self.B * self.T * (self.S - self.key_end) / self.cost_factor  # no bias on them
+            work = Work(int(flops), int(scores), self.dtype, int(self.T), self.blocks, self.cost_factor, self.fitted)
             object.__setattr__(self, "_work", work)  # frozen dataclass: its fields are fixed, this is a cache
         return work
 
@@ -268,14 +269,15 @@ class AttentionJob(_Job):
         return self.S if self.key_lengths is None else min(self.S, int(self.key_lengths.max(initial=0)))
 
     @property
-    def score_passes(self) -> float:
-        return sum((passes for name, passes in EXTRA_SCORE_PASSES.items() if getattr(self, name) is not None), 0.0)
+    def cost_factor(self) -> float:
+        extra = (factors[0 if self.return_weights else 1] - 1 for name, factors in EXTRA_COST.items() if getattr(self, name) is not None)
+        return 1.0 + sum(extra, 0.0)
 
     @property
     def fitted(self) -> bool:
         """Without a bias, ALiBi, a mask or key_lengths: their cost is estimated, not what calibration timed,
         and a stream of them fed to the fit would move every plain request's prediction."""
-        return self.score_passes == 0 and self.key_lengths is None
+        return self.cost_factor == 1.0 and self.key_lengths is None
 
     @property
     def output_elements(self) -> int:

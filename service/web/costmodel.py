@@ -6,8 +6,20 @@ a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of
 numeric core's blocks (a few numpy calls; a request is at least one block). Counting blocks
 matters for small causal requests without weights, which the core cuts into many thin blocks.
 calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
-second or two); observe() refines them from every computed request by a small weighted least
-squares.
+second or two); observe() refines them from computed requests by a small weighted least squares.
+
+What the fit learns from, and how much. The features count plain work, causal masks, windows,
+grouped-query heads, /mha and either dtype (each dtype its own fit). A bias, ALiBi or a mask add
+passes over every score, and key_lengths cut the keys the core computes: their work
+(schemas.jobs.Work) counts the keys computed and a measured factor over the plain time
+(EXTRA_COST), and it is marked fitted=False: predicted with the coefficients plain traffic
+teaches, but never taught to them. Fed to the fit, a hundred ALiBi requests moved every plain
+request's prediction up to 2.3x, a hundred key_lengths=1 requests (cheap, counted in full) down to
+0.2x; a client's stream of such work now leaves plain predictions where they were. And once
+calibrated, each observation teaches at most MAX_PULL x or 1/MAX_PULL of what the calibrated
+coefficients predict for it: relative error weighs a request measured at a hundredth of its
+prediction at a residual of 99, so any request far cheaper than its features say (a kind they
+miss, a clock's glitch) otherwise drags every prediction down with it.
 
 The fit minimises relative error, sum(((x·θ - ms) / ms)^2), since what matters is the ratio of
 prediction to measurement from 0.2 ms to seconds alike; old observations fade (forget), and a
@@ -127,7 +139,10 @@ class _Fit:
             if idx.size in (0, 3):
                 continue
             theta = np.zeros(3)
-            theta[idx] = np.linalg.solve(A[np.ix_(idx, idx)], r[idx])
+            try:
+                theta[idx] = np.linalg.solve(A[np.ix_(idx, idx)], r[idx])
+            except np.linalg.LinAlgError:  # observations whose weights (1/ms^2) swamp the ridge: not this face
+                continue
             if (theta < 0).any():
                 continue
             loss = theta @ A @ theta - 2 * theta @ r
