@@ -115,8 +115,10 @@ class _Fit:
         self.n = 0
         self.anchor(np.asarray(prior, dtype=float))
 
-    def anchor(self, prior: np.ndarray) -> None:
-        self.prior = prior
+    def anchor(self, prior: np.ndarray, measured: bool = False) -> None:
+        """prior: the ridge's centre; measured: it was fitted to this machine's times (calibration),
+        so what one observation teaches is bounded by it (CostModel._bounded)."""
+        self.prior, self.measured = prior, measured
         scale = np.maximum(np.abs(prior), self.FLOOR)
         self.R = np.diag(self.ridge / scale**2)
         self.theta = self._solve()
@@ -241,11 +243,12 @@ class CostModel:
 
     def _bounded(self, fit: _Fit, x: np.ndarray, ms: float) -> float:
         """ms as the fit is taught it: once calibrated, within MAX_PULL x or 1/MAX_PULL of what
-        the calibrated coefficients predict for x. Bounded by the calibration, not by the current
+        the calibrated coefficients predict for x (a dtype calibration's budget did not reach keeps
+        its default guess, and is not bounded by it). Bounded by the calibration, not by the current
         prediction: the fit follows each observation closely, so a bound that moved with it let a
         dozen requests at 1/100 of their time ratchet every prediction down 3^12-fold."""
         anchored = float(fit.prior @ x)
-        if not (self.calibrated and anchored > 0):
+        if not (fit.measured and anchored > 0):
             return ms
         return min(max(ms, anchored / MAX_PULL), anchored * MAX_PULL)
 
@@ -259,8 +262,8 @@ class CostModel:
         """Learn split_factor(threads) from one split computation of ms wall time. The fit itself
         learns only from one-thread computations, the time a request gets under load."""
         predicted = self.predict_work(work)
-        if threads <= 1 or not (ms > 0 and math.isfinite(ms)) or not predicted > 0:
-            return
+        if threads <= 1 or not work.fitted or not (ms > 0 and math.isfinite(ms)) or not predicted > 0:
+            return  # not fitted: its prediction is an estimate, whose error is not the split's
         # A split on n threads takes between 1/n of one thread's time and about all of it (alone, it
         # only splits when it gains); a ratio outside says the request's cost is not what the fit
         # models (ALiBi took 4x its prediction, key_lengths=1 a tenth), not what splitting does.
@@ -291,7 +294,7 @@ class CostModel:
         that bounds what one observation teaches (MAX_PULL)."""
         with self._lock:
             for fit in self._fits.values():
-                fit.anchor(fit.theta)
+                fit.anchor(fit.theta, measured=fit.n > 0)
             self.calibrated = True
 
     def coefficients(self) -> dict:
