@@ -28,13 +28,13 @@ SCRATCH_BYTES = 4 * 2**20
 
 # What a bias, ALiBi or a mask multiply a plain request's time by, (with weights, without): the
 # CPU time of each against a plain request of the same shape, B=1 H=8 d=64, T=256 and 1024
-# (bench/README.md, `python -m bench.cost_variants`). With weights a bias measured 1.3-1.8x,
-# ALiBi 2.2-2.9x, a mask 1.5-2.4x; without, 2.3-4.2x, 2.9-6.4x and 1.7-2.9x: each adds passes
+# (bench/README.md, `python -m bench.cost_variants`, two runs). With weights a bias measured
+# 1.3-2.0x, ALiBi 2.2-3.4x, a mask 1.5-2.4x; without, 2.3-4.2x, 2.7-6.4x and 1.6-2.9x: each adds passes
 # over every score, and turns off the no-weights path's bounded scores (which skip two passes),
 # more of its time the larger T. Several add up: 1 + the sum of (factor - 1).
 EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)}
 # With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
-# half a computed score's time each (key_lengths=1 with weights: 0.27-0.31x a plain request's time).
+# half a computed score's time each (key_lengths=1 with weights: 0.17-0.40x a plain request's time).
 ZEROED_WEIGHT_SHARE = 0.5
 
 
