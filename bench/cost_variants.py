@@ -56,6 +56,8 @@ def kinds(rng, T: int, weights: bool) -> dict[str, tuple[type, dict]]:
         "key_lengths=S/2": (AttentionRequest, {**base, "key_lengths": [T // 2] * H}),
         "window (64, 0)": (AttentionRequest, {**base, "window": [64, 0]}),
         "gqa 8/2": (AttentionRequest, {**base, **kv2}),
+        "one key (S=1)": (AttentionRequest, {**base, "k": b64(k[:, :, :1]), "v": b64(v[:, :, :1])}),
+        "one query (T=1)": (AttentionRequest, {**base, "q": b64(q[:, :, :1])}),
         "averaged weights": (AttentionRequest, {**base, "average_weights": True}) if weights else None,
         "mha (T, 512), 8 heads": (MhaRequest, {"x": b64(x), **w, "heads": 8, "return_weights": weights}),
     }
@@ -99,7 +101,7 @@ PLAIN = [(T, weights) for T in (64, 256, 1024) for weights in (True, False)]
 
 
 def stream(model: CostModel, schemas: dict, rng, counts=(12, 100)) -> str:
-    """A client's stream of one kind (T=256, with weights and without, alternating), each
+    """A client's stream of one kind (T=256, with weights and without, alternating; one key: T=1024), each
     observed at its measured CPU time as run() does: how far it moves the prediction of plain
     requests (T=64..1024, with and without weights), as the least and largest ratio after /
     before. A stream of plain requests is the control: calibration is not exact, so honest
@@ -108,10 +110,11 @@ def stream(model: CostModel, schemas: dict, rng, counts=(12, 100)) -> str:
     saved = copy.deepcopy(model._fits)
     before = [model.predict_work(w) for w in plain]
     lines = ["", "| stream of | requests | plain predicted after / before: min | max |", "|---|---|---|---|"]
-    for name in ("plain", "causal", "alibi", "bias", "mask", "key_lengths=1", "window (64, 0)", "gqa 8/2", "mha (T, 512), 8 heads"):
+    names = ("plain", "causal", "alibi", "bias", "mask", "key_lengths=1", "window (64, 0)", "gqa 8/2", "one key (S=1)", "one query (T=1)")
+    for name in (*names, "mha (T, 512), 8 heads"):
         works = []
         for weights in (True, False):
-            cls, doc = kinds(rng, 256, weights)[name]
+            cls, doc = kinds(rng, 1024 if name == "one key (S=1)" else 256, weights)[name]
             job = schemas[cls].load(doc)
             job.compute()
             works.append((job.work(), median_ms(job.compute, min_runs=5, min_ms=100, clock=time.thread_time)))

@@ -36,6 +36,11 @@ EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)
 # With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
 # half a computed score's time each (key_lengths=1 with weights: 0.17-0.40x a plain request's time).
 ZEROED_WEIGHT_SHARE = 0.5
+# What each element of q and out, and of k and v, costs beside the matmuls, in computed scores:
+# q is scaled and out divided (a pass or two each), k and v read once for their bounds.
+# Negligible where S and T are alike and large; all of the time where one is tiny (T=4096 with S=1
+# ran 34-39x its prediction without them, T=1 with S=1024 3.4x).
+QUERY_ELEMENT_WEIGHT, KEY_ELEMENT_WEIGHT = 1.0, 0.25
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,14 @@ class Work:
     blocks: int = 1  # the numeric core's blocks (core.block_count)
     cost_factor: float = 1.0  # the plain work's time x this (a bias, ALiBi, a mask)
     fitted: bool = True  # the fit may learn from its measured time
+    query_elements: int = 0  # the elements of q and out (QUERY_ELEMENT_WEIGHT scores each)
+    key_elements: int = 0  # the elements of k and v (KEY_ELEMENT_WEIGHT scores each)
 
     def features(self) -> np.ndarray:
-        """(GFLOP, M score elements, blocks) x cost_factor: what the fit's a, b, c multiply."""
-        return np.array([self.flops / 1e9, self.score_elements / 1e6, float(self.blocks)]) * self.cost_factor
+        """(GFLOP, M score elements, blocks) x cost_factor: what the fit's a, b, c multiply; the
+        score elements count q, k, v and out's elements too, at their weights."""
+        scores = self.score_elements + QUERY_ELEMENT_WEIGHT * self.query_elements + KEY_ELEMENT_WEIGHT * self.key_elements
+        return np.array([self.flops / 1e9, scores / 1e6, float(self.blocks)]) * self.cost_factor
 
 
 class _Job:
@@ -143,7 +152,9 @@ class _Job:
             scores = self.score_elements * share
             if self.return_weights:  # the weights past the largest key_lengths: not computed, but written 0
                 scores += ZEROED_WEIGHT_SHARE * self.B * self.T * (self.S - self.key_end) / self.cost_factor  # no bias on them
-            work = Work(int(flops), int(scores), self.dtype, int(self.T), self.blocks, self.cost_factor, self.fitted)
+            d, dv = self.head_widths
+            rows, keys = self.B * self.T * (d + dv), self.B // self.groups * self.S * (d + dv)  # q and out; k and v
+            work = Work(int(flops), int(scores), self.dtype, int(self.T), self.blocks, self.cost_factor, self.fitted, rows, keys)
             object.__setattr__(self, "_work", work)  # frozen dataclass: its fields are fixed, this is a cache
         return work
 
