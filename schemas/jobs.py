@@ -39,7 +39,7 @@ ZEROED_WEIGHT_SHARE = 0.5
 # What each element of q and out, and of k and v, costs beside the matmuls, in computed scores:
 # q is scaled and out divided (a pass or two each), k and v read once for their bounds.
 # Negligible where S and T are alike and large; all of the time where one is tiny (T=4096 with S=1
-# ran 34-39x its prediction without them, T=1 with S=1024 3.4x).
+# ran 26-39x its prediction without them, T=1 with S=1024 3.4-3.6x; bench/README.md).
 QUERY_ELEMENT_WEIGHT, KEY_ELEMENT_WEIGHT = 1.0, 0.25
 
 

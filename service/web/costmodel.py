@@ -3,7 +3,9 @@
     ms ~ a * GFLOP + b * M_score_elements + c * blocks        (one (a, b, c) per compute dtype)
 
 a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
-numeric core's blocks (a few numpy calls; a request is at least one block). Counting blocks
+numeric core's blocks (a few numpy calls; a request is at least one block). The score elements
+also count q and out's elements (scaled, divided) and a quarter of k and v's (read for bounds),
+all of a request's time where S or T is tiny (schemas.jobs.Work). Counting blocks
 matters for small causal requests without weights, which the core cuts into many thin blocks.
 calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
 second or two); observe() refines them from computed requests by a small weighted least squares.
