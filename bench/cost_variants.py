@@ -1,8 +1,9 @@
-"""The cost model against the request kinds its features may not express (~2 min).
+"""The cost model against the request kinds its features may not express (~1 min).
 
-For each kind (a bias, ALiBi, a mask, key_lengths, GQA, averaged weights, float64, /mha) at
-B=1, H=8, d=64, T in (256, 1024), with and without weights: the computing thread's CPU time
-(median, one BLAS thread, as in a worker) over the calibrated model's prediction. A ratio far
+For each kind (a bias, ALiBi, a mask, key_lengths, a window, GQA, one key, one query, averaged
+weights, float64, /mha) at B=1, H=8, d=64, T in (256, 1024), with and without weights: the
+computing thread's CPU time (median, one BLAS thread, as in a worker) over the calibrated
+model's prediction. A ratio far
 from the plain requests' says the features miss that kind's cost; fed to the fit, such requests
 move the coefficients that plain requests are predicted with.
 
@@ -98,11 +99,24 @@ def main() -> None:
 
 
 PLAIN = [(T, weights) for T in (64, 256, 1024) for weights in (True, False)]
+STREAMS = (
+    "plain",
+    "causal",
+    "alibi",
+    "bias",
+    "mask",
+    "key_lengths=1",
+    "window (64, 0)",
+    "gqa 8/2",
+    "one key (S=1)",
+    "one query (T=1)",
+    "mha (T, 512), 8 heads",
+)
 
 
 def stream(model: CostModel, schemas: dict, rng, counts=(12, 100)) -> str:
-    """A client's stream of one kind (T=256, with weights and without, alternating; one key: T=1024), each
-    observed at its measured CPU time as run() does: how far it moves the prediction of plain
+    """A client's stream of one kind (T=256, one key T=1024; with weights and without,
+    alternating), each observed at its measured CPU time as run() does: how far it moves the prediction of plain
     requests (T=64..1024, with and without weights), as the least and largest ratio after /
     before. A stream of plain requests is the control: calibration is not exact, so honest
     traffic moves predictions too (towards the truth)."""
@@ -110,8 +124,7 @@ def stream(model: CostModel, schemas: dict, rng, counts=(12, 100)) -> str:
     saved = copy.deepcopy(model._fits)
     before = [model.predict_work(w) for w in plain]
     lines = ["", "| stream of | requests | plain predicted after / before: min | max |", "|---|---|---|---|"]
-    names = ("plain", "causal", "alibi", "bias", "mask", "key_lengths=1", "window (64, 0)", "gqa 8/2", "one key (S=1)", "one query (T=1)")
-    for name in (*names, "mha (T, 512), 8 heads"):
+    for name in STREAMS:
         works = []
         for weights in (True, False):
             cls, doc = kinds(rng, 1024 if name == "one key (S=1)" else 256, weights)[name]
