@@ -3,11 +3,25 @@
     ms ~ a * GFLOP + b * M_score_elements + c * blocks        (one (a, b, c) per compute dtype)
 
 a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
-numeric core's blocks (a few numpy calls; a request is at least one block). Counting blocks
+numeric core's blocks (a few numpy calls; a request is at least one block). The score elements
+also count q and out's elements (scaled, divided) and a quarter of k and v's (read for bounds),
+all of a request's time where S or T is tiny (schemas.jobs.Work). Counting blocks
 matters for small causal requests without weights, which the core cuts into many thin blocks.
 calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
-second or two); observe() refines them from every computed request by a small weighted least
-squares.
+second or two); observe() refines them from computed requests by a small weighted least squares.
+
+What the fit learns from, and how much. The features count plain work, causal masks, windows,
+grouped-query heads, /mha and either dtype (each dtype its own fit). A bias, ALiBi or a mask add
+passes over every score, and key_lengths cut the keys the core computes: their work
+(schemas.jobs.Work) counts the keys computed and a measured factor over the plain time
+(EXTRA_COST), and it is marked fitted=False: predicted with the coefficients plain traffic
+teaches, but never taught to them. Fed to the fit, a hundred ALiBi requests moved every plain
+request's prediction up to 2.3x, a hundred key_lengths=1 requests (cheap, counted in full) down to
+0.2x; a client's stream of such work now leaves plain predictions where they were. And once
+calibrated, each observation teaches at most MAX_PULL x or 1/MAX_PULL of what the calibrated
+coefficients predict for it: relative error weighs a request measured at a hundredth of its
+prediction at a residual of 99, so any request far cheaper than its features say (a kind they
+miss, a clock's glitch) otherwise drags every prediction down with it.
 
 The fit minimises relative error, sum(((x·θ - ms) / ms)^2), since what matters is the ratio of
 prediction to measurement from 0.2 ms to seconds alike; old observations fade (forget), and a
@@ -82,6 +96,13 @@ def available_cores() -> int:
 # apart (more are counted as that many).
 SLOWDOWN_WEIGHT = 0.15
 MAX_BUSY = 32
+# The most one observation tells a calibrated fit: its time is taken as between 1/MAX_PULL and
+# MAX_PULL times what the calibrated coefficients predict. The fit weighs relative error against
+# the measured time, so a request far cheaper than predicted pulled without bound (a hundredth of
+# its prediction: a residual of 99), one far dearer by at most 1. Calibrated here, plain requests
+# land within 0.45-1.9x of their prediction (`pytest -s tests/test_costmodel.py -k calibrated`,
+# bench/README.md), so honest traffic is not cut.
+MAX_PULL = 4.0
 
 
 class _Fit:
@@ -97,8 +118,10 @@ class _Fit:
         self.n = 0
         self.anchor(np.asarray(prior, dtype=float))
 
-    def anchor(self, prior: np.ndarray) -> None:
-        self.prior = prior
+    def anchor(self, prior: np.ndarray, measured: bool = False) -> None:
+        """prior: the ridge's centre; measured: it was fitted to this machine's times (calibration),
+        so what one observation teaches is bounded by it (CostModel._bounded)."""
+        self.prior, self.measured = prior, measured
         scale = np.maximum(np.abs(prior), self.FLOOR)
         self.R = np.diag(self.ridge / scale**2)
         self.theta = self._solve()
@@ -121,7 +144,10 @@ class _Fit:
             if idx.size in (0, 3):
                 continue
             theta = np.zeros(3)
-            theta[idx] = np.linalg.solve(A[np.ix_(idx, idx)], r[idx])
+            try:
+                theta[idx] = np.linalg.solve(A[np.ix_(idx, idx)], r[idx])
+            except np.linalg.LinAlgError:  # observations whose weights (1/ms^2) swamp the ridge: not this face
+                continue
             if (theta < 0).any():
                 continue
             loss = theta @ A @ theta - 2 * theta @ r
@@ -210,10 +236,24 @@ class CostModel:
             return
         alone = min(cpu_ms, ms) if cpu_ms is not None and cpu_ms > 0 else ms
         with self._lock:
-            self._fits[work.dtype].add(work.features(), alone)
+            if work.fitted:  # a bias, ALiBi, a mask or key_lengths: predicted by the fit, not taught to it
+                fit = self._fits[work.dtype]
+                x = work.features()
+                fit.add(x, self._bounded(fit, x, alone))
             if cpu_ms is not None and cpu_ms > 0:
                 n = _level(busy)
                 self._slowdown[n] = _running_mean(self._slowdown.get(n, contention(n, self.cores)), ms / alone)
+
+    def _bounded(self, fit: _Fit, x: np.ndarray, ms: float) -> float:
+        """ms as the fit is taught it: once calibrated, within MAX_PULL x or 1/MAX_PULL of what
+        the calibrated coefficients predict for x (a dtype calibration's budget did not reach keeps
+        its default guess, and is not bounded by it). Bounded by the calibration, not by the current
+        prediction: the fit follows each observation closely, so a bound that moved with it let a
+        dozen requests at 1/100 of their time ratchet every prediction down MAX_PULL^12-fold."""
+        anchored = float(fit.prior @ x)
+        if not (fit.measured and anchored > 0):
+            return ms
+        return min(max(ms, anchored / MAX_PULL), anchored * MAX_PULL)
 
     def split_factor(self, threads: int) -> float:
         """What a computation split on this many threads takes, as a share of its predicted
@@ -225,8 +265,8 @@ class CostModel:
         """Learn split_factor(threads) from one split computation of ms wall time. The fit itself
         learns only from one-thread computations, the time a request gets under load."""
         predicted = self.predict_work(work)
-        if threads <= 1 or not (ms > 0 and math.isfinite(ms)) or not predicted > 0:
-            return
+        if threads <= 1 or not work.fitted or not (ms > 0 and math.isfinite(ms)) or not predicted > 0:
+            return  # not fitted: its prediction is an estimate, whose error is not the split's
         # A split on n threads takes between 1/n of one thread's time and about all of it (alone, it
         # only splits when it gains); a ratio outside says the request's cost is not what the fit
         # models (ALiBi took 4x its prediction, key_lengths=1 a tenth), not what splitting does.
@@ -249,11 +289,16 @@ class CostModel:
             job = _probe(rng, dtype, shape, kind)
             job.compute()  # first touch: page faults, lazy initialisation
             self.observe(job.work(), median_ms(job.compute, clock=time.thread_time))  # CPU time: the alone-time, neighbours or not
+        self.anchor()
+        self.calibration_s = time.perf_counter() - start
+
+    def anchor(self) -> None:
+        """Take the fit as calibrated: its coefficients become the ridge's prior and the reference
+        that bounds what one observation teaches (MAX_PULL)."""
         with self._lock:
             for fit in self._fits.values():
-                fit.anchor(fit.theta)
+                fit.anchor(fit.theta, measured=fit.n > 0)
             self.calibrated = True
-            self.calibration_s = time.perf_counter() - start
 
     def coefficients(self) -> dict:
         fits = {
