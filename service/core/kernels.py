@@ -57,6 +57,11 @@ LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
+# A small problem's rows are exponentiated unshifted, then checked: a row whose sum of exp lies in
+# [floor, finite) and whose output is finite keeps that result. Above the floor the terms that
+# underflowed (each off by at most the dtype's smallest normal) move the sum of up to 2**20 keys
+# by under 2**-20 of an ulp. float16 (no room at all) keeps the blocks' path.
+SUM_FLOOR = {np.float32: np.finfo(np.float32).tiny * 2.0**40, np.float64: np.finfo(np.float64).tiny * 2.0**40}
 
 
 class ScoreOverflow(ArithmeticError):
@@ -259,6 +264,10 @@ def attention(
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
     tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # without weights a row also makes dv outputs
+    if tn == T and nb == B // g and B * T and dtype.type in SUM_FLOOR:  # a small problem: one block, tried unshifted
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # what overflows is found per row
+            _block(qd, kt, vd, out, weights, None, masks, None, None, None, dtype.type(scale), 0, B // g, 0, T)
+        return _shaped(out, weights, lead, average_weights)
     blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
     one = len(blocks) == 1  # a small problem: its scores are in the scratch, key-major, even with weights
     # A block row's scores (with weights and several blocks: in the weights instead) and, without weights, its sum.
@@ -299,10 +308,16 @@ def attention(
                 _check_finite("weights", None if weights is None else weights[b0:b1, :, t0:t1])
 
     _share(compute, blocks, threads, pool)
-    out = out.reshape(*lead, T, dv)
-    if not return_weights:
+    return _shaped(out, weights, lead, average_weights)
+
+
+def _shaped(out: np.ndarray, weights: np.ndarray | None, lead: list, average_weights: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """out (Bkv, g, T, dv) and weights (Bkv, g, T, S) as (..., T, dv) and (..., T, S), or the
+    weights' mean over the heads axis -3 when average_weights."""
+    out = out.reshape(*lead, *out.shape[-2:])
+    if weights is None:
         return out, None
-    weights = weights.reshape(*lead, T, S)
+    weights = weights.reshape(*lead, *weights.shape[-2:])
     return out, (weights.mean(axis=-3) if average_weights else weights)
 
 
@@ -569,6 +584,9 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
     written into out (and weights). q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv);
     big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul);
     exp np.exp, or np.exp2 where row_scale (a scalar or (Bkv, g, T, 1)) carries log2(e)."""
+    if exp is None:  # a small problem's one block: attention() passes the scale as row_scale
+        _small_block(q, kt, v, out, weights, masks, row_scale)
+        return
     S = kt.shape[-1]
     lo, hi = masks.keys(t0, t1, S)
     o = out[b0:b1, :, t0:t1]  # (nb, g, tn, dv), a view
@@ -616,6 +634,77 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
         total = total[..., None]  # (nb, g, tn, 1)
         total[total == 0] = 1
         np.divide(o, total, out=o)
+
+
+def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
+    """A small problem's one block: every item and row of q (Bkv, g, T, d), kt (Bkv, 1, d, S),
+    v (Bkv, 1, S, dv) into out (Bkv, g, T, dv) and weights (Bkv, g, T, S) or None, in the fewest
+    numpy calls (the caller's errstate ignores over, invalid and divide).
+
+    Every row is first exponentiated unshifted (numpy's cost per call, not arithmetic, is what a
+    small problem pays; the max and its subtraction were two of its passes): scores row-major,
+    q kᵀ (OpenBLAS's NT product; k qᵀ key-major made p v a TN product, ~2x slower at 64x64);
+    base 2 with log2(e) folded into q's scale (exp2 runs ~0.6x exp's time; a bias or ALiBi keeps
+    base e); the mask applied after exp as exact zeros (exp of -inf runs ~3-5x slower than of a
+    finite score); the row sums by a GEMV. A row keeps that result when its sum lies in
+    [SUM_FLOOR, finite) and its output is finite: then no term overflowed and the terms that
+    underflowed cannot matter. Any other row (scores too large or too small, values that
+    overflow, no key at all) is computed again as the textbook does, in _small_shifted; the
+    choice depends on the row's own inputs only, so a row keeps its bits whatever the others hold."""
+    Bkv, g, T, _ = q.shape
+    lo, hi = masks.keys(0, T, kt.shape[-1])  # lo is 0: a small problem has no window left edge
+    if weights is not None:
+        weights[..., :lo] = 0
+        weights[..., hi:] = 0
+    if hi == lo:  # no row may see any key
+        out[...] = 0
+        return
+    dtype = q.dtype
+    qs = q * (scale if masks.biased else dtype.type(scale * LOG2_E))  # (Bkv, g, T, d)
+    s = np.empty((Bkv, g, T, hi - lo), dtype) if weights is None else weights[..., lo:hi]
+    np.matmul(qs, kt[..., lo:hi], out=s)  # (Bkv, g, T, keys) scaled scores; g shares k
+    masks.add(s, 0, Bkv, 0, T, lo, hi)  # bias and ALiBi, if any
+    (np.exp if masks.biased else np.exp2)(s, out=s)
+    masks.apply(s, 0, Bkv, 0, T, lo, hi, fill=0)  # masked weights exactly 0, whatever their score was
+    total = np.matmul(s, _ones(hi - lo, dtype))[..., None]  # (Bkv, g, T, 1) row sums
+    # exp(s) v before the division, also with weights: a row whose sum of exp(s) |v| would overflow
+    # (values near the dtype's limit) is then found here and takes the textbook path below
+    np.matmul(s, v[..., lo:hi, :], out=out)
+    np.divide(out, total, out=out)
+    if weights is not None:
+        np.divide(s, total, out=s)
+    floor = SUM_FLOOR[dtype.type]
+    if total.min() >= floor and total.max() < np.inf and np.isfinite(out).all():  # NaN fails every test
+        return
+    bad = ~((total >= floor) & (total < np.inf) & np.isfinite(out).all(axis=-1, keepdims=True))  # (Bkv, g, T, 1)
+    _small_shifted(q, kt, v, out, weights, masks, scale, bad, qs, None if weights is not None else s, lo, hi)
+
+
+def _small_shifted(q, kt, v, out, weights, masks: _Masks, scale, bad, qs, scratch, lo, hi) -> None:
+    """The rows of a small problem that bad (Bkv, g, T, 1) marks, computed again as the textbook
+    softmax (scale, mask, subtract the row maximum, exp, normalise, then p v) and written over
+    their first result; qs and scratch (or None) are buffers to reuse. Raises ScoreOverflow and
+    ResultOverflow as the blocks do."""
+    Bkv, g, T, _ = q.shape
+    np.multiply(q, scale, out=qs)
+    s = np.empty((Bkv, g, T, hi - lo), q.dtype) if scratch is None else scratch
+    np.matmul(qs, kt[..., lo:hi], out=s)
+    masks.add(s, 0, Bkv, 0, T, lo, hi)
+    masks.apply(s, 0, Bkv, 0, T, lo, hi)
+    row_max = s.max(axis=-1, keepdims=True)  # (Bkv, g, T, 1); -inf where a row sees no key
+    if not np.isfinite(row_max).all():
+        _check_overflow(row_max, masks.has_key(0, Bkv, 0, T))
+        row_max[np.isneginf(row_max)] = 0
+    np.subtract(s, row_max, out=s)
+    np.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
+    np.divide(s, total, out=s)  # normalised first: sum_s w_s v_s <= max |v| stays finite
+    np.copyto(out, np.matmul(s, v[..., lo:hi, :]), where=bad)
+    if weights is not None:
+        np.copyto(weights[..., lo:hi], s, where=bad)
+    _check_finite("out", out)
+    _check_finite("weights", weights)
 
 
 def _shift(s, bound, masks: _Masks, b0, b1, t0, t1) -> np.ndarray | None:
