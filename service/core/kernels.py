@@ -49,10 +49,12 @@ BLOCK_ELEMENTS = 2**19
 MIN_ROWS = 16  # fewer query rows per matmul than this and BLAS runs far below its peak
 CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each skips the keys past its diagonal
 # A problem of at most BLOCK_ELEMENTS // SMALL_SHARE scores is one block: all its items and rows in a
-# few batched numpy calls, the same whatever the threads. Below this size numpy's cost per call
-# outweighs the keys a causal mask lets the blocks skip (bench/core_speed.py, T=64, 8 heads).
+# few batched numpy calls (_small_block), the same whatever the threads. Below this size numpy's
+# cost per call outweighs the keys a causal mask lets the blocks skip: 8 heads causal, float32, one
+# block against 16-row blocks, ~0.6x the time at T=128 and ~0.6-0.9x at T=256 (2**19 scores; float64
+# ~0.75-1.0x); was 8 (2**16 scores, T=64) before the one block ran unshifted (bench/README.md).
 # Not under a window's left edge: there the blocks keep its O(T * W) (and the admission's count).
-SMALL_SHARE = 8
+SMALL_SHARE = 1
 LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
