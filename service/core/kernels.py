@@ -63,6 +63,7 @@ EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
 # [floor, finite) and whose output is finite keeps that result. Above the floor the terms that
 # underflowed (each off by at most the dtype's smallest normal) move the sum of up to 2**20 keys
 # by under 2**-20 of an ulp. float16 (no room at all) keeps the blocks' path.
+COPY_KEYS = 64  # up to this many keys, a small problem's q kᵀ reads a scaled copy of kᵀ (NN): see _small_block
 SUM_FLOOR = {np.float32: np.finfo(np.float32).tiny * 2.0**40, np.float64: np.finfo(np.float64).tiny * 2.0**40}
 
 
@@ -675,9 +676,12 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
         out[...] = 0
         return
     dtype = q.dtype
-    qs = q * (scale if masks.biased else dtype.type(scale * LOG2_E))  # (Bkv, g, T, d)
+    c = scale if masks.biased else dtype.type(scale * LOG2_E)
     s = np.empty((Bkv, g, T, hi - lo), dtype) if weights is None else weights[..., lo:hi]
-    np.matmul(qs, kt[..., lo:hi], out=s)  # (Bkv, g, T, keys) scaled scores; g shares k
+    if hi - lo <= min(T, COPY_KEYS):  # k's scaled copy, no larger than q's, and an NN product
+        np.matmul(q, np.multiply(kt[..., lo:hi], c, out=np.empty(kt[..., lo:hi].shape, dtype)), out=s)
+    else:
+        np.matmul(q * c, kt[..., lo:hi], out=s)  # (Bkv, g, T, keys) scaled scores; g shares k
     masks.add(s, 0, Bkv, 0, T, lo, hi)  # bias and ALiBi, if any
     (np.exp if masks.biased else np.exp2)(s, out=s)
     masks.apply(s, 0, Bkv, 0, T, lo, hi, fill=0)  # masked weights exactly 0, whatever their score was
@@ -692,18 +696,17 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     if total.min() >= floor and total.max() < np.inf and np.isfinite(out).all():  # NaN fails every test
         return
     bad = ~((total >= floor) & (total < np.inf) & np.isfinite(out).all(axis=-1, keepdims=True))  # (Bkv, g, T, 1)
-    _small_shifted(q, kt, v, out, weights, masks, scale, bad, qs, None if weights is not None else s, lo, hi)
+    _small_shifted(q, kt, v, out, weights, masks, scale, bad, None if weights is not None else s, lo, hi)
 
 
-def _small_shifted(q, kt, v, out, weights, masks: _Masks, scale, bad, qs, scratch, lo, hi) -> None:
+def _small_shifted(q, kt, v, out, weights, masks: _Masks, scale, bad, scratch, lo, hi) -> None:
     """The rows of a small problem that bad (Bkv, g, T, 1) marks, computed again as the textbook
     softmax (scale, mask, subtract the row maximum, exp, normalise, then p v) and written over
-    their first result; qs and scratch (or None) are buffers to reuse. Raises ScoreOverflow and
+    their first result; scratch (or None) is a buffer to reuse. Raises ScoreOverflow and
     ResultOverflow as the blocks do."""
     Bkv, g, T, _ = q.shape
-    np.multiply(q, scale, out=qs)
     s = np.empty((Bkv, g, T, hi - lo), q.dtype) if scratch is None else scratch
-    np.matmul(qs, kt[..., lo:hi], out=s)
+    np.matmul(q * scale, kt[..., lo:hi], out=s)
     masks.add(s, 0, Bkv, 0, T, lo, hi)
     masks.apply(s, 0, Bkv, 0, T, lo, hi)
     row_max = s.max(axis=-1, keepdims=True)  # (Bkv, g, T, 1); -inf where a row sees no key
