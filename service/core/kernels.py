@@ -14,8 +14,9 @@ its last row's diagonal, which skips about half the work; under a sliding window
 keys before its first row's window, so a window of W keys costs O(T * W), not O(T * S). Without
 weights the memory beyond the inputs and the output is O(block), not O(T * S), and the output is
 normalised instead of the weights (T * dv divisions, not T * S). A small problem (at most
-64K scores, e.g. T=64 over 8 heads) is one block of every item and row: numpy's cost per call,
-not its arithmetic, is then what a request pays, so it runs the fewest calls.
+2**19 scores, e.g. T=64-256 over 8 heads) is one block of every item and row: numpy's cost per
+call, not its arithmetic, is then what a request pays, so it runs the fewest calls, every row
+exponentiated unshifted and checked after (_small_block).
 
 The blocks write disjoint parts of the outputs, so one computation can be shared between threads
 (threads=, pool=; numpy releases the GIL in its matmuls and ufuncs): each thread takes the next
@@ -283,7 +284,7 @@ def attention(
             _block(qd, kt, vd, out, weights, None, masks, None, None, None, dtype.type(scale), 0, B // g, 0, T)
         return _shaped(out, weights, lead, average_weights)
     blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
-    one = len(blocks) == 1  # a small problem: its scores are in the scratch, key-major, even with weights
+    one = len(blocks) == 1  # a small float16 problem: its scores are in the scratch, key-major, even with weights
     # A block row's scores (with weights and several blocks: in the weights instead) and, without weights, its sum.
     scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else 1))
 
@@ -291,7 +292,7 @@ def attention(
         # max and -min rather than abs: no copy of v, and each a reduction along one long axis
         vv = vd.reshape(B // g, S * dv)  # a view: vd is contiguous
         v_max = np.maximum(vv.max(axis=1), -vv.min(axis=1)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
-        # One block (a small problem): every row subtracts its maximum; bounding the scores would
+        # One block (a small float16 problem): every row subtracts its maximum; bounding the scores would
         # cost more numpy calls than the two passes over the block it can save.
         bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_max, scale)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
@@ -617,7 +618,7 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
         weights[b0:b1, :, t0:t1, :lo] = 0
         weights[b0:b1, :, t0:t1, hi:] = 0
     if bound is None or weights is None:  # the scores in the scratch are stored key-major, (nb, g, keys, tn)
-        # One block: numpy's max (and sum) along a short contiguous axis runs ~3x slower than
+        # One block (float16; float32 and 64 take _small_block): numpy's max (and sum) along a short axis runs ~3x slower than
         # across rows (T=64: ~60 us of the block's ~250); stored transposed, the max of a row is a
         # reduction across rows. Large blocks: OpenBLAS computes k qᵀ, (keys, tn), ~0.85x the time
         # of q kᵀ (tn, keys), and reads the transposed operands in place (bench/README.md).
