@@ -2,7 +2,8 @@
 torch's scaled_dot_product_attention, B=1, H=8, d=64, S=T, causal (and at T=4096 also not),
 float32, each implementation once per repetition in a random order, medians.
 
-    python -m bench.core_speed          # ~30-60 s; prints a markdown table
+    python -m bench.core_speed          # ~60-90 s; prints a markdown table
+    python -m bench.core_speed small    # T <= 256 only (the one-block path), ~20 s
 
 The core runs as in a worker: one BLAS thread (OPENBLAS_NUM_THREADS=1) and the worker's allocator
 settings (bench/garbage.py's WORKER_MALLOC_ENV; without them every call maps and faults its
@@ -42,6 +43,10 @@ from service.core import kernels as after  # noqa: E402
 CASES = [
     (64, False, True, 400),
     (64, True, True, 400),
+    (128, False, True, 200),
+    (128, True, True, 200),
+    (256, False, True, 60),
+    (256, True, True, 60),
     (1024, False, True, 20),
     (1024, True, True, 20),
     (2048, False, True, 12),
@@ -81,7 +86,8 @@ def main() -> None:
     pool = ThreadPoolExecutor(1)
     rng, order = np.random.default_rng(0), np.random.default_rng(1)
     rows = []
-    for T, weights, causal, reps in CASES:
+    cases = [c for c in CASES if c[0] <= 256] if "small" in sys.argv[1:] else CASES
+    for T, weights, causal, reps in cases:
         q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
         runs = {
             (name, threads): partial(core.attention, q, k, v, causal=causal, return_weights=weights, threads=threads, pool=pool)
