@@ -4,6 +4,7 @@ float32, each implementation once per repetition in a random order, medians.
 
     python -m bench.core_speed          # ~60-90 s; prints a markdown table
     python -m bench.core_speed small    # T <= 256 only (the one-block path), ~20 s
+    python -m bench.core_speed small float64    # the same in float64
 
 The core runs as in a worker: one BLAS thread (OPENBLAS_NUM_THREADS=1) and the worker's allocator
 settings (bench/garbage.py's WORKER_MALLOC_ENV; without them every call maps and faults its
@@ -88,7 +89,8 @@ def main() -> None:
     rows = []
     cases = [c for c in CASES if c[0] <= 256] if "small" in sys.argv[1:] else CASES
     for T, weights, causal, reps in cases:
-        q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
+        dtype = np.float64 if "float64" in sys.argv[1:] else np.float32
+        q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=dtype) for _ in range(3))
         runs = {
             (name, threads): partial(core.attention, q, k, v, causal=causal, return_weights=weights, threads=threads, pool=pool)
             for threads in (1, 2)
@@ -115,7 +117,7 @@ def main() -> None:
             b, a = med[("before", threads)], med[("after", threads)]
             rows.append((T, weights, causal, threads, b, a, torch_t))
     unit = lambda s: f"{s * 1e6:,.0f} us" if s < 2e-3 else f"{s * 1e3:,.1f} ms"  # noqa: E731
-    print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; medians")
+    print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; {dtype.__name__}; medians")
     print("| T | weights | causal | threads | before (main) | after | after / before | torch SDPA | after / torch |")
     print("|---|---|---|---|---|---|---|---|---|")
     yes = lambda flag: "yes" if flag else "no"  # noqa: E731

@@ -143,3 +143,15 @@ def test_float16_keeps_the_blocks_path(monkeypatch, rng):
     q, k, v = (rng.standard_normal((2, 6, 4)).astype(np.float16) for _ in range(3))
     out, w = attention(q, k, v, causal=True)
     np.testing.assert_allclose(out, reference(q, k, v, causal=True)[0], atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_small_problem_is_one_block_while_its_scores_fit_2_mib(monkeypatch, dtype):
+    """8 heads at T=256 causal: 2**19 scores are one block in float32 (2 MiB) and 16-row blocks in
+    float64 (4 MiB), as block_count says when told the itemsize."""
+    calls = count_calls(monkeypatch)
+    q = np.ones((8, 256, 4), dtype)
+    attention(q, q, q, causal=True, return_weights=False)
+    itemsize = np.dtype(dtype).itemsize
+    assert len(calls) == core.block_count(8, 256, 256, True, itemsize=itemsize) == (1 if itemsize == 4 else 16)
+    assert core.score_count(8, 256, 256, True, itemsize=itemsize) == (8 * 256 * 256 if itemsize == 4 else 8 * 16 * 16 * 136)

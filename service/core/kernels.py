@@ -52,8 +52,8 @@ CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each s
 # A problem of at most BLOCK_ELEMENTS // SMALL_SHARE scores is one block: all its items and rows in a
 # few batched numpy calls (_small_block), the same whatever the threads. Below this size numpy's
 # cost per call outweighs the keys a causal mask lets the blocks skip: 8 heads causal, float32, one
-# block against 16-row blocks, ~0.6x the time at T=128 and ~0.6-0.9x at T=256 (2**19 scores; float64
-# ~0.75-1.0x); was 8 (2**16 scores, T=64) before the one block ran unshifted (bench/README.md).
+# block against 16-row blocks, ~0.6x the time at T=128 and ~0.6-0.9x at T=256 (2**19 scores; in
+# float64 bytes count: 2**18 scores); was 8 (2**16 scores, T=64) before the one block ran unshifted.
 # Not under a window's left edge: there the blocks keep its O(T * W) (and the admission's count).
 SMALL_SHARE = 1
 LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
@@ -278,7 +278,9 @@ def attention(
 
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
-    tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # without weights a row also makes dv outputs
+    tn, nb = _plan(
+        B // g, T, S, upper, lower, g, 0 if return_weights else dv, dtype.itemsize
+    )  # without weights a row also makes dv outputs
     if tn == T and nb == B // g and B * T and dtype.type in SUM_FLOOR:  # a small problem: one block, tried unshifted
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # what overflows is found per row
             _block(qd, kt, vd, out, weights, None, masks, None, None, None, dtype.type(scale), 0, B // g, 0, T)
@@ -378,16 +380,21 @@ def _share(compute: Callable[[Iterator], None], blocks: list, threads: int, pool
         raise errors[0]
 
 
-def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0) -> tuple[int, int]:
+def _plan(
+    Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0, itemsize: int = 4
+) -> tuple[int, int]:
     """(tn, nb): the query rows and key/value items (of g query heads each) of one block.
 
     The rows do not shrink with g: g matmuls of tn rows each run faster than 4x as many of tn / 4
     rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache.
     dv (the no-weights path only): a block's row also makes dv outputs and a sum, so where v is
     wider than k is long the rows are counted by dv + 1, and a block's outputs stay O(block) too
-    (S=1, dv=2048: sized by S alone, one block was the whole (B, T, dv) output)."""
+    (S=1, dv=2048: sized by S alone, one block was the whole (B, T, dv) output). A small problem
+    is one block while its scores fit in BLOCK_ELEMENTS float32s' bytes (itemsize, the dtype's):
+    float64 at T=256 over 8 heads (4 MiB, past the L2 cache) ran ~1.2x slower as one block than
+    as 16-row blocks without weights."""
     row_out = dv + 1 if dv else 0  # a row's outputs and its sum
-    if lower is None and Bkv * g * T * max(S, row_out) <= BLOCK_ELEMENTS // SMALL_SHARE:
+    if lower is None and Bkv * g * T * max(S, row_out) * max(itemsize, 4) <= 4 * BLOCK_ELEMENTS // SMALL_SHARE:
         return T, Bkv  # small: one block
     tn = BLOCK_ELEMENTS // max(S, row_out)
     if upper is not None or lower is not None:
@@ -400,22 +407,25 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
     return tn, nb
 
 
-def block_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, groups: int = 1) -> int:
+def block_count(
+    B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, groups: int = 1, itemsize: int = 4
+) -> int:
     """How many blocks attention() computes for B batch items (the product of the leading axes),
     groups query heads per key/value head: each costs a few numpy calls beyond its arithmetic,
     which the cost model counts. (Counted for the weights path: without weights and with v wider
-    than S, the core runs more, smaller blocks; the cost model was fitted with this count.)"""
+    than S, the core runs more, smaller blocks; the cost model was fitted with this count.)
+    itemsize: the compute dtype's (float64: 8), which bounds a small problem's one block."""
     upper, lower = _bounds(T, S, causal, window)
-    tn, nb = _plan(B // groups, T, S, upper, lower, groups)
+    tn, nb = _plan(B // groups, T, S, upper, lower, groups, itemsize=itemsize)
     return math.ceil(B // groups / nb) * math.ceil(T / tn)
 
 
-def score_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None) -> int:
+def score_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, itemsize: int = 4) -> int:
     """How many scores attention() computes (and exponentiates) for B batch items: B * T * S
     without a mask, about half under a causal mask, about B * T * min(S, left + right + 1) under
-    a window (plus the block edges). The work the cost model can count."""
+    a window (plus the block edges). The work the cost model can count. itemsize as in block_count."""
     upper, lower = _bounds(T, S, causal, window)
-    tn, _ = _plan(B, T, S, upper, lower)
+    tn, _ = _plan(B, T, S, upper, lower, itemsize=itemsize)
     total = 0
     for t0 in range(0, T, tn):
         t1 = min(T, t0 + tn)
