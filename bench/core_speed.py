@@ -5,6 +5,7 @@ float32, each implementation once per repetition in a random order, medians.
     python -m bench.core_speed          # ~60-90 s; prints a markdown table
     python -m bench.core_speed small    # T <= 256 only (the one-block path), ~20 s
     python -m bench.core_speed small float64    # the same in float64
+    python -m bench.core_speed mha      # mha() at n=64, d_model=512, 8 heads, ~5 s
 
 The core runs as in a worker: one BLAS thread (OPENBLAS_NUM_THREADS=1) and the worker's allocator
 settings (bench/garbage.py's WORKER_MALLOC_ENV; without them every call maps and faults its
@@ -82,7 +83,33 @@ def torch_sdpa():
     return run
 
 
+def mha_small(before, reps: int = 400) -> None:
+    """mha() at the GPT block's small size (n=64, d_model=512, 8 heads, causal, wo), main's core
+    against this tree's, alternating in a random order, medians."""
+    rng, order = np.random.default_rng(0), np.random.default_rng(1)
+    x = rng.standard_normal((64, 512), dtype=np.float32)
+    wq, wk, wv, wo = ((rng.standard_normal((512, 512)) / np.sqrt(512)).astype(np.float32) for _ in range(4))
+    print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; float32; medians")
+    print("| mha n=64 d=512 h=8 | before (main) | after | after / before |")
+    print("|---|---|---|---|")
+    for weights in (False, True):
+        runs = {
+            name: partial(core.mha, x, wq, wk, wv, wo, 8, return_weights=weights) for name, core in (("before", before), ("after", after))
+        }
+        times = {name: [] for name in runs}
+        for _ in range(reps):
+            for name in order.permutation(list(runs)):
+                t = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t)
+        b, a = (float(np.median(times[name])) for name in ("before", "after"))
+        print(f"| weights {'yes' if weights else 'no'} | {b * 1e6:,.0f} us | {a * 1e6:,.0f} us | {a / b:.2f}x |")
+
+
 def main() -> None:
+    if "mha" in sys.argv[1:]:
+        mha_small(load_before())
+        return
     before, sdpa = load_before(), torch_sdpa()
     pool = ThreadPoolExecutor(1)
     rng, order = np.random.default_rng(0), np.random.default_rng(1)
