@@ -610,7 +610,9 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
     """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
     written into out (and weights). q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv);
     big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul);
-    exp np.exp, or np.exp2 where row_scale (a scalar or (Bkv, g, T, 1)) carries log2(e)."""
+    exp np.exp, or np.exp2 where row_scale (a scalar or (Bkv, g, T, 1)) carries log2(e); or None
+    for a small problem's one block (all items and rows; row_scale the scale): _small_block. Every
+    block, that one too, is one call of this function (the cost model counts them: block_count)."""
     if exp is None:  # a small problem's one block: attention() passes the scale as row_scale
         _small_block(q, kt, v, out, weights, masks, row_scale)
         return
