@@ -60,11 +60,11 @@ LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
+COPY_KEYS = 64  # up to this many keys, a small problem's q kᵀ reads a scaled copy of kᵀ (NN): see _small_block
 # A small problem's rows are exponentiated unshifted, then checked: a row whose sum of exp lies in
 # [floor, finite) and whose output is finite keeps that result. Above the floor the terms that
 # underflowed (each off by at most the dtype's smallest normal) move the sum of up to 2**20 keys
 # by under 2**-20 of an ulp. float16 (no room at all) keeps the blocks' path.
-COPY_KEYS = 64  # up to this many keys, a small problem's q kᵀ reads a scaled copy of kᵀ (NN): see _small_block
 SUM_FLOOR = {np.float32: np.finfo(np.float32).tiny * 2.0**40, np.float64: np.finfo(np.float64).tiny * 2.0**40}
 
 
@@ -199,13 +199,14 @@ def _band(rows: int, cols: int, shift: int, below: bool = False, key_major: bool
     return band
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)
 def _keep(rows: int, cols: int, shift: int, dtype: np.dtype) -> np.ndarray:
     """(rows, cols) in dtype: 0 where column c lies past row r's diagonal (c > r + shift), +inf
     elsewhere. np.fmin(e, keep) sets the masked entries of exp'd scores to exactly 0, whatever
     they held (inf and NaN included), and keeps the others: one contiguous pass over whole rows,
-    ~0.4-0.9x the time of np.copyto with the boolean band (T=64-256, float32 and float64)."""
-    keep = np.where(_band(rows, cols, shift), 0, np.inf).astype(dtype)
+    ~0.4-0.9x the time of np.copyto with the boolean band (T=64-256, float32 and float64). A whole
+    small problem's (T, S), at most 2 MiB: fewer cached than the blocks' bands."""
+    keep = np.where(np.arange(cols)[None, :] > np.arange(rows)[:, None] + shift, 0, np.inf).astype(dtype)
     keep.flags.writeable = False
     return keep
 
@@ -672,8 +673,9 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
 
     Every row is first exponentiated unshifted (numpy's cost per call, not arithmetic, is what a
     small problem pays; the max and its subtraction were two of its passes): scores row-major,
-    q kᵀ (OpenBLAS's NT product; k qᵀ key-major made p v a TN product, ~2x slower at 64x64);
-    base 2 with log2(e) folded into q's scale (exp2 runs ~0.6x exp's time; a bias or ALiBi keeps
+    q kᵀ (k qᵀ key-major made p v a TN product, ~2x slower at 64x64), over a scaled copy of kᵀ up to
+    COPY_KEYS keys (OpenBLAS's NN product, ~0.75x the NT one at 64 keys, more than pays for the copy;
+    from 128 keys on, not), else over q's scaled copy; base 2 with log2(e) folded into q's scale (exp2 runs ~0.6x exp's time; a bias or ALiBi keeps
     base e); the mask applied after exp as exact zeros (exp of -inf runs ~3-5x slower than of a
     finite score); the row sums by a GEMV. A row keeps that result when its sum lies in
     [SUM_FLOOR, finite) and its output is finite: then no term overflowed and the terms that
