@@ -674,7 +674,7 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     Every row is first exponentiated unshifted (numpy's cost per call, not arithmetic, is what a
     small problem pays; the max and its subtraction were two of its passes): scores row-major,
     q kᵀ (k qᵀ key-major made p v a TN product, ~2x slower at 64x64), over a scaled copy of kᵀ up to
-    COPY_KEYS keys (OpenBLAS's NN product, ~0.75x the NT one at 64 keys, more than pays for the copy;
+    COPY_KEYS keys (OpenBLAS's NN product, ~0.8x the NT one at 64 keys, more than pays for the copy;
     from 128 keys on, not), else over q's scaled copy; base 2 with log2(e) folded into q's scale (exp2 runs ~0.6x exp's time; a bias or ALiBi keeps
     base e); the mask applied after exp as exact zeros (exp of -inf runs ~3-5x slower than of a
     finite score); the row sums by a GEMV. A row keeps that result when its sum lies in
