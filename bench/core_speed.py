@@ -2,7 +2,10 @@
 torch's scaled_dot_product_attention, B=1, H=8, d=64, S=T, causal (and at T=4096 also not),
 float32, each implementation once per repetition in a random order, medians.
 
-    python -m bench.core_speed          # ~30-60 s; prints a markdown table
+    python -m bench.core_speed          # ~60-90 s; prints a markdown table
+    python -m bench.core_speed small    # T <= 256 only (the one-block path), ~20 s
+    python -m bench.core_speed small float64    # the same in float64
+    python -m bench.core_speed mha      # mha() at n=64, d_model=512, 8 heads, ~5 s
 
 The core runs as in a worker: one BLAS thread (OPENBLAS_NUM_THREADS=1) and the worker's allocator
 settings (bench/garbage.py's WORKER_MALLOC_ENV; without them every call maps and faults its
@@ -42,6 +45,10 @@ from service.core import kernels as after  # noqa: E402
 CASES = [
     (64, False, True, 400),
     (64, True, True, 400),
+    (128, False, True, 200),
+    (128, True, True, 200),
+    (256, False, True, 60),
+    (256, True, True, 60),
     (1024, False, True, 20),
     (1024, True, True, 20),
     (2048, False, True, 12),
@@ -76,13 +83,41 @@ def torch_sdpa():
     return run
 
 
+def mha_small(before, reps: int = 400) -> None:
+    """mha() at the GPT block's small size (n=64, d_model=512, 8 heads, causal, wo), main's core
+    against this tree's, alternating in a random order, medians."""
+    rng, order = np.random.default_rng(0), np.random.default_rng(1)
+    x = rng.standard_normal((64, 512), dtype=np.float32)
+    wq, wk, wv, wo = ((rng.standard_normal((512, 512)) / np.sqrt(512)).astype(np.float32) for _ in range(4))
+    print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; float32; medians")
+    print("| mha n=64 d=512 h=8 | before (main) | after | after / before |")
+    print("|---|---|---|---|")
+    for weights in (False, True):
+        runs = {
+            name: partial(core.mha, x, wq, wk, wv, wo, 8, return_weights=weights) for name, core in (("before", before), ("after", after))
+        }
+        times = {name: [] for name in runs}
+        for _ in range(reps):
+            for name in order.permutation(list(runs)):
+                t = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t)
+        b, a = (float(np.median(times[name])) for name in ("before", "after"))
+        print(f"| weights {'yes' if weights else 'no'} | {b * 1e6:,.0f} us | {a * 1e6:,.0f} us | {a / b:.2f}x |")
+
+
 def main() -> None:
+    if "mha" in sys.argv[1:]:
+        mha_small(load_before())
+        return
     before, sdpa = load_before(), torch_sdpa()
     pool = ThreadPoolExecutor(1)
     rng, order = np.random.default_rng(0), np.random.default_rng(1)
     rows = []
-    for T, weights, causal, reps in CASES:
-        q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=np.float32) for _ in range(3))
+    cases = [c for c in CASES if c[0] <= 256] if "small" in sys.argv[1:] else CASES
+    for T, weights, causal, reps in cases:
+        dtype = np.float64 if "float64" in sys.argv[1:] else np.float32
+        q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=dtype) for _ in range(3))
         runs = {
             (name, threads): partial(core.attention, q, k, v, causal=causal, return_weights=weights, threads=threads, pool=pool)
             for threads in (1, 2)
@@ -109,7 +144,7 @@ def main() -> None:
             b, a = med[("before", threads)], med[("after", threads)]
             rows.append((T, weights, causal, threads, b, a, torch_t))
     unit = lambda s: f"{s * 1e6:,.0f} us" if s < 2e-3 else f"{s * 1e3:,.1f} ms"  # noqa: E731
-    print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; medians")
+    print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; {dtype.__name__}; medians")
     print("| T | weights | causal | threads | before (main) | after | after / before | torch SDPA | after / torch |")
     print("|---|---|---|---|---|---|---|---|---|")
     yes = lambda flag: "yes" if flag else "no"  # noqa: E731

@@ -14,8 +14,9 @@ its last row's diagonal, which skips about half the work; under a sliding window
 keys before its first row's window, so a window of W keys costs O(T * W), not O(T * S). Without
 weights the memory beyond the inputs and the output is O(block), not O(T * S), and the output is
 normalised instead of the weights (T * dv divisions, not T * S). A small problem (at most
-64K scores, e.g. T=64 over 8 heads) is one block of every item and row: numpy's cost per call,
-not its arithmetic, is then what a request pays, so it runs the fewest calls.
+2**19 scores, e.g. T=64-256 over 8 heads) is one block of every item and row: numpy's cost per
+call, not its arithmetic, is then what a request pays, so it runs the fewest calls, every row
+exponentiated unshifted and checked after (_small_block).
 
 The blocks write disjoint parts of the outputs, so one computation can be shared between threads
 (threads=, pool=; numpy releases the GIL in its matmuls and ufuncs): each thread takes the next
@@ -49,14 +50,22 @@ BLOCK_ELEMENTS = 2**19
 MIN_ROWS = 16  # fewer query rows per matmul than this and BLAS runs far below its peak
 CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each skips the keys past its diagonal
 # A problem of at most BLOCK_ELEMENTS // SMALL_SHARE scores is one block: all its items and rows in a
-# few batched numpy calls, the same whatever the threads. Below this size numpy's cost per call
-# outweighs the keys a causal mask lets the blocks skip (bench/core_speed.py, T=64, 8 heads).
+# few batched numpy calls (_small_block), the same whatever the threads. Below this size numpy's
+# cost per call outweighs the keys a causal mask lets the blocks skip: 8 heads causal, float32, one
+# block against 16-row blocks, ~0.6x the time at T=128 and ~0.6-0.9x at T=256 (2**19 scores; in
+# float64 bytes count: 2**18 scores); was 8 (2**16 scores, T=64) before the one block ran unshifted.
 # Not under a window's left edge: there the blocks keep its O(T * W) (and the admission's count).
-SMALL_SHARE = 8
+SMALL_SHARE = 1
 LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
+COPY_KEYS = 64  # up to this many keys, a small problem's q kᵀ reads a scaled copy of kᵀ (NN): see _small_block
+# A small problem's rows are exponentiated unshifted, then checked: a row whose sum of exp lies in
+# [floor, finite) and whose output is finite keeps that result. Above the floor the terms that
+# underflowed (each off by at most the dtype's smallest normal) move the sum of up to 2**20 keys
+# by under 2**-20 of an ulp. float16 (no room at all) keeps the blocks' path.
+SUM_FLOOR = {np.float32: np.finfo(np.float32).tiny * 2.0**40, np.float64: np.finfo(np.float64).tiny * 2.0**40}
 
 
 class ScoreOverflow(ArithmeticError):
@@ -190,6 +199,18 @@ def _band(rows: int, cols: int, shift: int, below: bool = False, key_major: bool
     return band
 
 
+@lru_cache(maxsize=16)
+def _keep(rows: int, cols: int, shift: int, dtype: np.dtype) -> np.ndarray:
+    """(rows, cols) in dtype: 0 where column c lies past row r's diagonal (c > r + shift), +inf
+    elsewhere. np.fmin(e, keep) sets the masked entries of exp'd scores to exactly 0, whatever
+    they held (inf and NaN included), and keeps the others: one contiguous pass over whole rows,
+    ~0.4-0.9x the time of np.copyto with the boolean band (T=64-256, float32 and float64). A whole
+    small problem's (T, S), at most 2 MiB: fewer cached than the blocks' bands."""
+    keep = np.where(np.arange(cols)[None, :] > np.arange(rows)[:, None] + shift, 0, np.inf).astype(dtype)
+    keep.flags.writeable = False
+    return keep
+
+
 @lru_cache(maxsize=8)
 def _ones(n: int, dtype: np.dtype) -> np.ndarray:
     """(n,) ones, read-only: ones @ x, x (..., n, m), is x summed over axis -2, (..., m). Cached
@@ -258,9 +279,15 @@ def attention(
 
     out = np.empty((B // g, g, T, dv), dtype)
     weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
-    tn, nb = _plan(B // g, T, S, upper, lower, g, 0 if return_weights else dv)  # without weights a row also makes dv outputs
+    tn, nb = _plan(
+        B // g, T, S, upper, lower, g, 0 if return_weights else dv, dtype.itemsize
+    )  # without weights a row also makes dv outputs
+    if tn == T and nb == B // g and B * T and dtype.type in SUM_FLOOR:  # a small problem: one block, tried unshifted
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # what overflows is found per row
+            _block(qd, kt, vd, out, weights, None, masks, None, None, None, dtype.type(scale), 0, B // g, 0, T)
+        return _shaped(out, weights, lead, average_weights)
     blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
-    one = len(blocks) == 1  # a small problem: its scores are in the scratch, key-major, even with weights
+    one = len(blocks) == 1  # a small float16 problem: its scores are in the scratch, key-major, even with weights
     # A block row's scores (with weights and several blocks: in the weights instead) and, without weights, its sum.
     scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else 1))
 
@@ -268,7 +295,7 @@ def attention(
         # max and -min rather than abs: no copy of v, and each a reduction along one long axis
         vv = vd.reshape(B // g, S * dv)  # a view: vd is contiguous
         v_max = np.maximum(vv.max(axis=1), -vv.min(axis=1)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
-        # One block (a small problem): every row subtracts its maximum; bounding the scores would
+        # One block (a small float16 problem): every row subtracts its maximum; bounding the scores would
         # cost more numpy calls than the two passes over the block it can save.
         bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_max, scale)  # (Bkv, g, T, 1)
         # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
@@ -299,10 +326,16 @@ def attention(
                 _check_finite("weights", None if weights is None else weights[b0:b1, :, t0:t1])
 
     _share(compute, blocks, threads, pool)
-    out = out.reshape(*lead, T, dv)
-    if not return_weights:
+    return _shaped(out, weights, lead, average_weights)
+
+
+def _shaped(out: np.ndarray, weights: np.ndarray | None, lead: list, average_weights: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """out (Bkv, g, T, dv) and weights (Bkv, g, T, S) as (..., T, dv) and (..., T, S), or the
+    weights' mean over the heads axis -3 when average_weights."""
+    out = out.reshape(*lead, *out.shape[-2:])
+    if weights is None:
         return out, None
-    weights = weights.reshape(*lead, T, S)
+    weights = weights.reshape(*lead, *weights.shape[-2:])
     return out, (weights.mean(axis=-3) if average_weights else weights)
 
 
@@ -348,16 +381,21 @@ def _share(compute: Callable[[Iterator], None], blocks: list, threads: int, pool
         raise errors[0]
 
 
-def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0) -> tuple[int, int]:
+def _plan(
+    Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0, itemsize: int = 4
+) -> tuple[int, int]:
     """(tn, nb): the query rows and key/value items (of g query heads each) of one block.
 
     The rows do not shrink with g: g matmuls of tn rows each run faster than 4x as many of tn / 4
     rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache.
     dv (the no-weights path only): a block's row also makes dv outputs and a sum, so where v is
     wider than k is long the rows are counted by dv + 1, and a block's outputs stay O(block) too
-    (S=1, dv=2048: sized by S alone, one block was the whole (B, T, dv) output)."""
+    (S=1, dv=2048: sized by S alone, one block was the whole (B, T, dv) output). A small problem
+    is one block while its scores fit in BLOCK_ELEMENTS float32s' bytes (itemsize, the dtype's):
+    float64 at T=256 over 8 heads (4 MiB, past the L2 cache) ran ~1.2x slower as one block than
+    as 16-row blocks without weights."""
     row_out = dv + 1 if dv else 0  # a row's outputs and its sum
-    if lower is None and Bkv * g * T * max(S, row_out) <= BLOCK_ELEMENTS // SMALL_SHARE:
+    if lower is None and Bkv * g * T * max(S, row_out) * max(itemsize, 4) <= 4 * BLOCK_ELEMENTS // SMALL_SHARE:
         return T, Bkv  # small: one block
     tn = BLOCK_ELEMENTS // max(S, row_out)
     if upper is not None or lower is not None:
@@ -370,22 +408,25 @@ def _plan(Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None,
     return tn, nb
 
 
-def block_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, groups: int = 1) -> int:
+def block_count(
+    B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, groups: int = 1, itemsize: int = 4
+) -> int:
     """How many blocks attention() computes for B batch items (the product of the leading axes),
     groups query heads per key/value head: each costs a few numpy calls beyond its arithmetic,
     which the cost model counts. (Counted for the weights path: without weights and with v wider
-    than S, the core runs more, smaller blocks; the cost model was fitted with this count.)"""
+    than S, the core runs more, smaller blocks; the cost model was fitted with this count.)
+    itemsize: the compute dtype's (float64: 8), which bounds a small problem's one block."""
     upper, lower = _bounds(T, S, causal, window)
-    tn, nb = _plan(B // groups, T, S, upper, lower, groups)
+    tn, nb = _plan(B // groups, T, S, upper, lower, groups, itemsize=itemsize)
     return math.ceil(B // groups / nb) * math.ceil(T / tn)
 
 
-def score_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None) -> int:
+def score_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, itemsize: int = 4) -> int:
     """How many scores attention() computes (and exponentiates) for B batch items: B * T * S
     without a mask, about half under a causal mask, about B * T * min(S, left + right + 1) under
-    a window (plus the block edges). The work the cost model can count."""
+    a window (plus the block edges). The work the cost model can count. itemsize as in block_count."""
     upper, lower = _bounds(T, S, causal, window)
-    tn, _ = _plan(B, T, S, upper, lower)
+    tn, _ = _plan(B, T, S, upper, lower, itemsize=itemsize)
     total = 0
     for t0 in range(0, T, tn):
         t1 = min(T, t0 + tn)
@@ -543,7 +584,9 @@ class _Masks:
         key_major = scores.ndim > 1 and scores.strides[-1] > scores.strides[-2]  # (..., tn, keys) viewing (..., keys, tn)
         if self.upper is not None:  # keys from t0 + upper + 1 on are past some row's diagonal
             start = max(lo, t0 + self.upper + 1)
-            if start < hi:
+            if start < hi and fill == 0 and scores.dtype.kind == "f" and not key_major:  # exp'd scores (the small path)
+                np.fmin(scores, _keep(rows, hi - lo, t0 + self.upper - lo, scores.dtype), out=scores)  # whole rows: one contiguous pass
+            elif start < hi:
                 band = _band(rows, hi - start, t0 + self.upper - start, key_major=key_major)
                 np.copyto(scores[..., start - lo :], fill, where=band)
         if self.lower is not None:  # keys before t1 - 1 + lower are before some row's window
@@ -568,7 +611,12 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
     """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
     written into out (and weights). q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv);
     big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul);
-    exp np.exp, or np.exp2 where row_scale (a scalar or (Bkv, g, T, 1)) carries log2(e)."""
+    exp np.exp, or np.exp2 where row_scale (a scalar or (Bkv, g, T, 1)) carries log2(e); or None
+    for a small problem's one block (all items and rows; row_scale the scale): _small_block. Every
+    block, that one too, is one call of this function (the cost model counts them: block_count)."""
+    if exp is None:  # a small problem's one block: attention() passes the scale as row_scale
+        _small_block(q, kt, v, out, weights, masks, row_scale)
+        return
     S = kt.shape[-1]
     lo, hi = masks.keys(t0, t1, S)
     o = out[b0:b1, :, t0:t1]  # (nb, g, tn, dv), a view
@@ -583,7 +631,7 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
         weights[b0:b1, :, t0:t1, :lo] = 0
         weights[b0:b1, :, t0:t1, hi:] = 0
     if bound is None or weights is None:  # the scores in the scratch are stored key-major, (nb, g, keys, tn)
-        # One block: numpy's max (and sum) along a short contiguous axis runs ~3x slower than
+        # One block (float16; float32 and 64 take _small_block): numpy's max (and sum) along a short axis runs ~3x slower than
         # across rows (T=64: ~60 us of the block's ~250); stored transposed, the max of a row is a
         # reduction across rows. Large blocks: OpenBLAS computes k qᵀ, (keys, tn), ~0.85x the time
         # of q kᵀ (tn, keys), and reads the transposed operands in place (bench/README.md).
@@ -616,6 +664,80 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
         total = total[..., None]  # (nb, g, tn, 1)
         total[total == 0] = 1
         np.divide(o, total, out=o)
+
+
+def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
+    """A small problem's one block: every item and row of q (Bkv, g, T, d), kt (Bkv, 1, d, S),
+    v (Bkv, 1, S, dv) into out (Bkv, g, T, dv) and weights (Bkv, g, T, S) or None, in the fewest
+    numpy calls (the caller's errstate ignores over, invalid and divide).
+
+    Every row is first exponentiated unshifted (numpy's cost per call, not arithmetic, is what a
+    small problem pays; the max and its subtraction were two of its passes): scores row-major,
+    q kᵀ (k qᵀ key-major made p v a TN product, ~2x slower at 64x64), over a scaled copy of kᵀ up to
+    COPY_KEYS keys (OpenBLAS's NN product, ~0.8x the NT one at 64 keys, more than pays for the copy;
+    from 128 keys on, not), else over q's scaled copy; base 2 with log2(e) folded into q's scale (exp2 runs ~0.6x exp's time; a bias or ALiBi keeps
+    base e); the mask applied after exp as exact zeros (exp of -inf runs ~3-5x slower than of a
+    finite score); the row sums by a GEMV. A row keeps that result when its sum lies in
+    [SUM_FLOOR, finite) and its output is finite: then no term overflowed and the terms that
+    underflowed cannot matter. Any other row (scores too large or too small, values that
+    overflow, no key at all) is computed again as the textbook does, in _small_shifted; the
+    choice depends on the row's own inputs only, so a row keeps its bits whatever the others hold."""
+    Bkv, g, T, _ = q.shape
+    lo, hi = masks.keys(0, T, kt.shape[-1])  # lo is 0: a small problem has no window left edge
+    if weights is not None:
+        weights[..., :lo] = 0
+        weights[..., hi:] = 0
+    if hi == lo:  # no row may see any key
+        out[...] = 0
+        return
+    dtype = q.dtype
+    c = scale if masks.biased else dtype.type(scale * LOG2_E)
+    s = np.empty((Bkv, g, T, hi - lo), dtype) if weights is None else weights[..., lo:hi]
+    if hi - lo <= min(T, COPY_KEYS):  # k's scaled copy, no larger than q's, and an NN product
+        np.matmul(q, np.multiply(kt[..., lo:hi], c, out=np.empty(kt[..., lo:hi].shape, dtype)), out=s)
+    else:
+        np.matmul(q * c, kt[..., lo:hi], out=s)  # (Bkv, g, T, keys) scaled scores; g shares k
+    masks.add(s, 0, Bkv, 0, T, lo, hi)  # bias and ALiBi, if any
+    (np.exp if masks.biased else np.exp2)(s, out=s)
+    masks.apply(s, 0, Bkv, 0, T, lo, hi, fill=0)  # masked weights exactly 0, whatever their score was
+    total = np.matmul(s, _ones(hi - lo, dtype))[..., None]  # (Bkv, g, T, 1) row sums
+    # exp(s) v before the division, also with weights: a row whose sum of exp(s) |v| would overflow
+    # (values near the dtype's limit) is then found here and takes the textbook path below
+    np.matmul(s, v[..., lo:hi, :], out=out)
+    np.divide(out, total, out=out)
+    if weights is not None:
+        np.divide(s, total, out=s)
+    floor = SUM_FLOOR[dtype.type]
+    if total.min() >= floor and total.max() < np.inf and np.isfinite(out).all():  # NaN fails every test
+        return
+    bad = ~((total >= floor) & (total < np.inf) & np.isfinite(out).all(axis=-1, keepdims=True))  # (Bkv, g, T, 1)
+    _small_shifted(q, kt, v, out, weights, masks, scale, bad, None if weights is not None else s, lo, hi)
+
+
+def _small_shifted(q, kt, v, out, weights, masks: _Masks, scale, bad, scratch, lo, hi) -> None:
+    """The rows of a small problem that bad (Bkv, g, T, 1) marks, computed again as the textbook
+    softmax (scale, mask, subtract the row maximum, exp, normalise, then p v) and written over
+    their first result; scratch (or None) is a buffer to reuse. Raises ScoreOverflow and
+    ResultOverflow as the blocks do."""
+    Bkv, g, T, _ = q.shape
+    s = np.empty((Bkv, g, T, hi - lo), q.dtype) if scratch is None else scratch
+    np.matmul(q * scale, kt[..., lo:hi], out=s)
+    masks.add(s, 0, Bkv, 0, T, lo, hi)
+    masks.apply(s, 0, Bkv, 0, T, lo, hi)
+    row_max = s.max(axis=-1, keepdims=True)  # (Bkv, g, T, 1); -inf where a row sees no key
+    if not np.isfinite(row_max).all():
+        _check_overflow(row_max, masks.has_key(0, Bkv, 0, T))
+        row_max[np.isneginf(row_max)] = 0
+    np.subtract(s, row_max, out=s)
+    np.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
+    np.divide(s, total, out=s)  # normalised first: sum_s w_s v_s <= max |v| stays finite
+    np.copyto(out, np.matmul(s, v[..., lo:hi, :]), where=bad)
+    if weights is not None:
+        np.copyto(weights[..., lo:hi], s, where=bad)
+    _check_finite("out", out)
+    _check_finite("weights", weights)
 
 
 def _shift(s, bound, masks: _Masks, b0, b1, t0, t1) -> np.ndarray | None:
