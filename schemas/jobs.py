@@ -101,14 +101,15 @@ class _Job:
     @property
     def computed_share(self) -> float:
         """The share of the scores the core computes. Without weights under a causal mask it skips
-        the keys past each block's diagonal (about half); with weights it writes the whole (T, S)
-        buffer, and measured here saved 0-36%: all is counted. A window's band is what the core
+        the keys past each block's diagonal (about half; a small problem is one block, which
+        computes them all); with weights it writes the whole (T, S) buffer, and measured here
+        saved 0-36%: all is counted. A window's band is what the core
         computes either way (B*T*min(S, left+right+1) and the block edges: core.score_count), and
         no key past the largest key_lengths is."""
         if self.window is not None:
-            share = core.score_count(self.B, self.T, self.S, self.causal, window=self.window) / self.score_elements
-        else:
-            share = 1.0 if self.return_weights else core.causal_share(self.T, self.S, self.causal)
+            share = core.score_count(self.B, self.T, self.S, self.causal, window=self.window, itemsize=self.itemsize) / self.score_elements
+        else:  # a small problem's one block computes every score, as the weights path does
+            share = 1.0 if self.return_weights or self.blocks == 1 else core.causal_share(self.T, self.S, self.causal)
         # The core computes no key at or past the largest key_lengths (key_lengths of 1: one key a
         # row): exact without a band (causal, window), the lesser count (an upper bound) with one.
         return min(share, self.key_end / self.S) if self.S else share
@@ -130,7 +131,12 @@ class _Job:
 
     @property
     def blocks(self) -> int:
-        return core.block_count(self.B, self.T, self.S, self.causal, window=self.window, groups=self.groups)
+        return core.block_count(self.B, self.T, self.S, self.causal, window=self.window, groups=self.groups, itemsize=self.itemsize)
+
+    @property
+    def itemsize(self) -> int:
+        """The compute dtype's bytes per number (the core's one-block bound depends on it)."""
+        return np.dtype(self.dtype).itemsize
 
     @property
     def weights_elements(self) -> int:
