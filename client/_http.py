@@ -30,6 +30,7 @@ Buffer = bytes | bytearray | memoryview  # or anything with the buffer protocol 
 # text) is ~1.7 GB. A Content-Length past it is a server's error, and np.empty of it raised
 # MemoryError (1e15) or ValueError (1e30) out of the client instead of an AttentionError.
 MAX_ANSWER_BYTES = 2**33
+UNKNOWN_LENGTH_PIECE = 2**20  # a body of no declared length is read in pieces of this, counted
 
 
 class TransportError(Exception):
@@ -154,9 +155,13 @@ class Pool:
                 for part in [head, *parts]:
                     sock.sendall(part)
             resp = http.client.HTTPResponse(sock, method=method)
-            resp.begin()
-            pad = 0 if align_at is None else -align_at(resp) % 64
-            body = _read_body(resp, pad)
+            try:
+                resp.begin()
+                pad = 0 if align_at is None else -align_at(resp) % 64
+                body = _read_body(resp, pad)
+            except BaseException:
+                resp.close()  # its file holds the socket open (sock.close() waits for it) while the error is alive
+                raise
         except TimeoutError as exc:
             raise TransportError("timeout", f"{method} {url} got no answer within {self.timeout} s.") from exc
         except (OSError, http.client.HTTPException) as exc:  # reset, closed, broken pipe, truncated
@@ -179,10 +184,15 @@ def _send_gathered(sock: socket.socket, parts: Sequence[Buffer]) -> None:
 def _read_body(resp: http.client.HTTPResponse, pad: int) -> memoryview:
     """The whole body, into one writable buffer, starting at buf[pad:]: one recv_into after
     another straight into it when the length is known (no intermediate buffers)."""
-    if resp.length is None:  # chunked, or up to the close
-        data = resp.read()
-        buf = bytearray(pad + len(data))
-        buf[pad:] = data
+    if resp.length is None:  # chunked, or up to the close: read in pieces, up to MAX_ANSWER_BYTES
+        pieces, total = [], 0  # (resp.read() read a body that never ends without bound)
+        while piece := resp.read(UNKNOWN_LENGTH_PIECE):
+            total += len(piece)
+            if total > MAX_ANSWER_BYTES:
+                raise TransportError("bad_response", f"the answer's body (of no declared length) runs past {MAX_ANSWER_BYTES} bytes")
+            pieces.append(piece)
+        buf = bytearray(pad + total)
+        buf[pad:] = b"".join(pieces)
         return memoryview(buf)[pad:]
     if resp.length > MAX_ANSWER_BYTES:
         raise TransportError("bad_response", f"the answer declares Content-Length: {resp.length}, past {MAX_ANSWER_BYTES}")

@@ -3,7 +3,10 @@ requests against a server with small limits, retries (against a local stub), err
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import socket
 import subprocess
 import sys
 import threading
@@ -731,3 +734,73 @@ def test_request_head_carries_prefix_host_and_length():
     )
     with pytest.raises(ValueError):
         _http.Pool("ftp://example.com", 5, 1, {})
+
+
+# --- a hostile server: answers that never end, or end too slowly (attack round three) -----------------
+
+
+class Hostile:
+    """One loopback connection at a time: reads a request's head and its Content-Length body, then
+    runs answer(conn), which writes what it likes in a loop bounded in count. `sent` counts the
+    bytes the client took before it closed (a send that fails ends the answer)."""
+
+    def __init__(self, answer):
+        self.answer, self.sent = answer, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        with self.listener, contextlib.suppress(OSError):
+            conn, _ = self.listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, body = data.split(b"\r\n\r\n", 1)
+                length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                for piece in self.answer():
+                    conn.sendall(piece)
+                    self.sent += len(piece)
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        self.thread.join(timeout=60)
+
+
+def _endless_chunks():
+    """A 200 whose chunked body does not end (here: 256 MiB of 1 MiB chunks, then it would)."""
+    yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n" % 2**20 + b" " * 2**20 + b"\r\n"
+    for _ in range(256):
+        yield chunk
+    yield b"0\r\n\r\n"
+
+
+def _endless_until_close():
+    """A 200 with no length, delimited by the close that does not come (here: after 256 MiB)."""
+    yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+    for _ in range(256):
+        yield b" " * 2**20
+
+
+@pytest.mark.parametrize("answer", [_endless_chunks, _endless_until_close], ids=["chunked", "until-close"])
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_an_answer_without_end_is_cut_at_the_answer_limit(monkeypatch, answer, wire):
+    """A body of unknown length (chunked, or up to the close) was read whole by resp.read(): a
+    server that never ends one took the client's memory without bound. It is read up to
+    MAX_ANSWER_BYTES (here 4 MiB), then refused as a bad response."""
+    monkeypatch.setattr(_http, "MAX_ANSWER_BYTES", 4 * 2**20)
+    server = Hostile(answer)
+    try:
+        with AttentionClient(server.url, retries=0, split=False, wire=wire, timeout=30) as client:
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    finally:
+        server.close()
+    assert info.value.code == "bad_response"
+    assert server.sent < 128 * 2**20  # the client stopped reading long before the end
