@@ -12,10 +12,12 @@ preallocated buffer that numpy then views. bench/client_wire.py measures the res
 from __future__ import annotations
 
 import http.client
+import io
 import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -35,7 +37,7 @@ UNKNOWN_LENGTH_PIECE = 2**20  # a body of no declared length is read in pieces o
 
 class TransportError(Exception):
     """No answer: kind "connection_error" (refused, reset, closed, DNS, connect timeout; worth a
-    retry), "timeout" (connected, but no answer within the timeout) or "bad_response" (an answer
+    retry), "timeout" (connected, but the whole answer did not come within the timeout) or "bad_response" (an answer
     that cannot be read: a Content-Length past MAX_ANSWER_BYTES or more than this process can hold)."""
 
     def __init__(self, kind: str, message: str):
@@ -147,14 +149,17 @@ class Pool:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def _exchange(self, sock, head, parts, method, path, align_at) -> tuple[Answer, bool]:
-        url = self.base_url + path
+        """One request and its whole answer within self.timeout: the socket's timeout bounds each
+        send and receive; the deadline, the exchange (a server that trickles a byte per second
+        never let a per-receive timeout fire)."""
+        url, deadline = self.base_url + path, time.monotonic() + self.timeout
         try:
             if hasattr(sock, "sendmsg") and not isinstance(sock, ssl.SSLSocket):
-                _send_gathered(sock, [head, *parts])
+                _send_gathered(sock, [head, *parts], deadline)
             else:  # TLS sockets (and Windows') have no sendmsg
                 for part in [head, *parts]:
                     sock.sendall(part)
-            resp = http.client.HTTPResponse(sock, method=method)
+            resp = http.client.HTTPResponse(_ByDeadline(sock, deadline), method=method)
             try:
                 resp.begin()
                 pad = 0 if align_at is None else -align_at(resp) % 64
@@ -166,14 +171,50 @@ class Pool:
             raise TransportError("timeout", f"{method} {url} got no answer within {self.timeout} s.") from exc
         except (OSError, http.client.HTTPException) as exc:  # reset, closed, broken pipe, truncated
             raise TransportError("connection_error", f"{method} {url} failed: {exc!r}") from exc
+        finally:
+            sock.settimeout(self.timeout)  # for its next request, if it is kept
         return Answer(resp.status, resp.reason, resp.headers, body, url), not resp.will_close
 
 
-def _send_gathered(sock: socket.socket, parts: Sequence[Buffer]) -> None:
+class _ByDeadline:
+    """The socket as http.client.HTTPResponse reads it (makefile), each receive given the time
+    left before the deadline as its timeout: past the deadline, TimeoutError."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def readinto(self, buf) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the answer did not end within the timeout")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buf)
+
+
+def _send_gathered(sock: socket.socket, parts: Sequence[Buffer], deadline: float) -> None:
     """sendall of the parts in order, gathered: one sendmsg (writev) for all of them while the
-    socket takes them, so the server reads the request in as few pieces as the kernel allows."""
+    socket takes them, so the server reads the request in as few pieces as the kernel allows; by
+    the deadline (a server reading a byte at a time would otherwise hold the client)."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     while views:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not taken within the timeout")
+        sock.settimeout(left)
         sent = sock.sendmsg(views[:IOV_MAX])
         while views and sent >= len(views[0]):
             sent -= len(views.pop(0))

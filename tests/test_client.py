@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -804,3 +805,36 @@ def test_an_answer_without_end_is_cut_at_the_answer_limit(monkeypatch, answer, w
         server.close()
     assert info.value.code == "bad_response"
     assert server.sent < 128 * 2**20  # the client stopped reading long before the end
+
+
+def _trickle(head_bytes_per_step: int):
+    """A 200 of a 50-byte body, written a byte every 0.2 s: the head too if head_bytes_per_step is 1."""
+    body = b'{"out":{"shape":[1,1],"dtype":"float32","data":[4.0]}}'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+
+    def answer():
+        whole = head + body
+        start = 0 if head_bytes_per_step == 1 else len(head)
+        if start:
+            yield head
+        for i in range(start, len(whole)):
+            time.sleep(0.2)
+            yield whole[i : i + 1]
+
+    return answer
+
+
+@pytest.mark.parametrize("where", ["head", "body"])
+def test_a_trickled_answer_times_out_as_a_whole(where):
+    """timeout bounds the whole answer ("seconds per HTTP request"), not each read: a server that
+    sends a byte every 0.2 s never let a 1 s per-read timeout fire, and held the client for as long
+    as it liked (here ~25 s for a 125-byte answer)."""
+    server = Hostile(_trickle(1 if where == "head" else 0))
+    try:
+        with AttentionClient(server.url, retries=0, split=False, wire="json", timeout=1) as client:
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    finally:
+        server.close()
+    assert info.value.code == "timeout"
+    assert server.sent < 100  # the client gave up long before the answer's end
