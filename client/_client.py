@@ -173,7 +173,8 @@ class AttentionClient:
                     body[name] = value
             if causal:
                 body["causal"] = causal
-            return self._compute("/attention", body)
+            out, weights = self._compute("/attention", body)
+            return _checked(out, weights, (*q.shape[:-2], q.shape[-2], v.shape[-1]), (q.shape[-2], k.shape[-2]))
 
         splittable = self.split and not enable_gqa and not average_weights
         blocks = self._attention_plan(q, k, v, mask, key_lengths, causal, return_weights, bias, alibi_slopes) if splittable else None
@@ -248,7 +249,8 @@ class AttentionClient:
         }
 
         def send(x):
-            return self._compute("/mha", {"x": x, **ws, **options})
+            out, weights = self._compute("/mha", {"x": x, **ws, **options})
+            return _checked(out, weights, (*x.shape[:-1], None), x.shape[-2:-1] * 2)
 
         blocks, lim = None, self._known_limits() if self.split and x.ndim == 3 else None
         if lim is not None and isinstance(heads, int) and heads > 0:
@@ -481,6 +483,19 @@ def _assemble(parts: list[np.ndarray], blocks: list[Block], shape: tuple[int, ..
     for part, block in zip(parts, blocks, strict=True):
         full[block.b0 : block.b1, block.t0 : block.t1] = part
     return full
+
+
+def _checked(out: np.ndarray, weights: np.ndarray | None, out_shape: tuple, weights_tail: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+    """out and weights if they have the shapes the request asks for: out out_shape (None: any
+    length on that axis), weights ending in weights_tail (T, S); else AttentionError bad_response.
+    A server's out of another shape was returned as is, or broadcast silently into a split result."""
+    shape_ok = len(out.shape) == len(out_shape) and all(w is None or n == w for n, w in zip(out.shape, out_shape, strict=True))
+    if not shape_ok or (weights is not None and weights.shape[-2:] != tuple(weights_tail)):
+        got = f"out {out.shape}" + ("" if weights is None else f", weights {weights.shape}")
+        raise AttentionError(
+            200, "bad_response", f"the server answered {got} to a request for out {out_shape}, weights (..., {weights_tail})", None
+        )
+    return out, weights
 
 
 def _response(answer: Answer) -> requests.Response:

@@ -355,6 +355,17 @@ LIES = {
     "out-a-number": (_ok(b'{"out":5}'), ["json"]),
     "shape-its-data-lacks": (_ok(b'{"out":{"shape":[9,9],"dtype":"float32","data":[4.0]}}'), ["json"]),
     "dtype-unknown": (_ok(b'{"out":{"shape":[1,1],"dtype":"floaty","data":[4.0]}}'), ["json"]),
+    # Attack round three: an out of another shape than the request's (..., T, dv) was returned as
+    # is, and broadcast silently into a split request's result.
+    "out-of-another-shape": (_ok(b'{"out":{"shape":[2,2],"dtype":"float32","data":[4.0,4.0,4.0,4.0]}}'), ["json"]),
+    "out-of-another-shape-v2": (
+        _ok(b'{"model_name":"attention","outputs":[{"name":"out","datatype":"FP32","shape":[2,2],"data":[4.0,4.0,4.0,4.0]}]}'),
+        ["binary"],
+    ),
+    "weights-of-another-shape": (
+        _ok(b'{"out":{"shape":[1,1],"dtype":"float32","data":[4.0]},"weights":{"shape":[1,3],"dtype":"float32","data":[1,0,0]}}'),
+        ["json"],
+    ),
 }
 
 
@@ -838,3 +849,18 @@ def test_a_trickled_answer_times_out_as_a_whole(where):
         server.close()
     assert info.value.code == "timeout"
     assert server.sent < 100  # the client gave up long before the answer's end
+
+
+def test_an_mha_answer_of_another_shape_is_a_bad_response():
+    """/mha's out must be (..., n, d_out) for x (..., n, d), its weights (..., n, n)."""
+    Liar.answer = _ok(b'{"out":{"shape":[3,2],"dtype":"float32","data":[1,2,3,4,5,6]}}')
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=0, split=False, wire="json", timeout=30) as client:
+            with pytest.raises(AttentionError) as info:
+                client.mha(np.ones((1, 2)), np.eye(2), np.eye(2), np.eye(2), None, 1, return_weights=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert info.value.code == "bad_response"
