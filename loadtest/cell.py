@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import requests
 
-from loadtest.transport import PHASES, Reply, check_reachable, new_session, post
+from loadtest.transport import DETAIL_BYTES, PHASES, Reply, check_reachable, new_session, post
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,8 @@ def _warm_up(sessions: list[requests.Session], url: str, base_url: str, body: by
             return reply
     for session in sessions[1:]:
         try:
-            session.get(f"{base_url}/healthz", timeout=load.timeout_s)
+            with session.get(f"{base_url}/healthz", timeout=load.timeout_s, stream=True) as response:
+                response.raw.read(DETAIL_BYTES)  # read whole, the connection stays for the cell; but never more than this
         except requests.RequestException:
             check_reachable(base_url)
     return None

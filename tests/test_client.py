@@ -3,10 +3,7 @@ requests against a server with small limits, retries (against a local stub), err
 
 from __future__ import annotations
 
-import contextlib
 import json
-import re
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +17,7 @@ import requests
 from client import AttentionClient, AttentionError, _http, _split
 from service import core
 
-from .helpers import ROOT, Q, V, free_port, start_server, stop_server
+from .helpers import ROOT, Hostile, Q, V, free_port, start_server, stop_server
 
 # Limits 4x (and more) below the requests of the splitting tests.
 SMALL_LIMITS = {
@@ -749,39 +746,6 @@ def test_request_head_carries_prefix_host_and_length():
 
 
 # --- a hostile server: answers that never end, or end too slowly (attack round three) -----------------
-
-
-class Hostile:
-    """One loopback connection at a time: reads a request's head and its Content-Length body, then
-    runs answer(conn), which writes what it likes in a loop bounded in count. `sent` counts the
-    bytes the client took before it closed (a send that fails ends the answer)."""
-
-    def __init__(self, answer):
-        self.answer, self.sent = answer, 0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self):
-        with self.listener, contextlib.suppress(OSError):
-            conn, _ = self.listener.accept()
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
-                head, body = data.split(b"\r\n\r\n", 1)
-                length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
-                while len(body) < length:
-                    body += conn.recv(65536)
-                for piece in self.answer():
-                    conn.sendall(piece)
-                    self.sent += len(piece)
-
-    def close(self):
-        with contextlib.suppress(OSError):
-            self.listener.close()
-        self.thread.join(timeout=60)
 
 
 def _endless_chunks():

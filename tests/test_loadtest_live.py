@@ -20,7 +20,7 @@ from loadtest.cli import main
 from loadtest.payload import Workload, build_body
 from loadtest.transport import parse_server_timing
 
-from .helpers import ROOT, free_port, tensor
+from .helpers import ROOT, Hostile, free_port, tensor
 
 
 def test_bodies_carry_the_same_tensors_in_both_encodings():
@@ -310,3 +310,31 @@ def test_window_and_gqa_sweep_against_the_live_service(live_server, tmp_path):
     rows = _read_csv(out / "results.csv")
     assert [(r["T"], r["ok"], r["kv_heads"], r["window"]) for r in rows] == [("64", "3", "2", "16,0"), ("128", "3", "2", "16,0")]
     assert "window [16, 0]" in (out / "report.md").read_text()
+
+
+# --- a server that misbehaves: the tool's time and memory stay bounded (attack round three) ---------
+
+
+def _slow_endless_body():
+    """A 200 whose chunked body goes on (1 MiB every 20 ms, 400 MiB in all): each read of it
+    is quick, so a per-read timeout never fires."""
+    yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n" % 2**20 + b" " * 2**20 + b"\r\n"
+    for _ in range(400):
+        time.sleep(0.02)
+        yield chunk
+    yield b"0\r\n\r\n"
+
+
+def test_an_endless_answer_is_a_timeout_and_is_not_kept():
+    """requests read the whole body into memory, as long as each read came within the timeout: a
+    body that never ends held the worker and took memory without bound. Now the body is read
+    and dropped as it comes (only its head is kept, for an error's detail), by one deadline."""
+    server = Hostile(_slow_endless_body)
+    try:
+        run = run_cell(server.url, b"{}", Load(1, requests=1, timeout_s=1.0, warmup=0))
+        sent = server.sent
+    finally:
+        server.close()
+    assert [(s.status, s.error) for s in run.samples] == [(None, "timeout")]
+    assert sent < 200 * 2**20  # the worker stopped reading long before the end
