@@ -338,3 +338,24 @@ def test_an_endless_answer_is_a_timeout_and_is_not_kept():
         server.close()
     assert [(s.status, s.error) for s in run.samples] == [(None, "timeout")]
     assert sent < 200 * 2**20  # the worker stopped reading long before the end
+
+
+def _trickled_head():
+    """A head sent a byte every 0.2 s (~14 s for all of it)."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    for i in range(len(head)):
+        time.sleep(0.2)
+        yield head[i : i + 1]
+
+
+def test_a_cell_ends_at_its_bounds_whatever_the_server_does():
+    """A request whose answer's head trickles is past any per-read timeout: the cell waited for it
+    however long it took. Now a cell ends by max_seconds + timeout_s (and a grace); a request still
+    unanswered then is abandoned and said so."""
+    server = Hostile(_trickled_head)
+    try:
+        run = run_cell(server.url, b"{}", Load(1, requests=1, timeout_s=0.5, max_seconds=0.5, warmup=0))
+        sent = server.sent
+    finally:
+        server.close()
+    assert sent < 40 and run.samples == [] and "abandoned" in run.capped
