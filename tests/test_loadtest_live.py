@@ -359,3 +359,30 @@ def test_a_cell_ends_at_its_bounds_whatever_the_server_does():
     finally:
         server.close()
     assert sent < 40 and run.samples == [] and "abandoned" in run.capped
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--duration", "nan"], "finite"),
+        (["--max-cell-seconds", "nan"], "finite"),  # no time bound: every cell abandoned at once
+        (["--timeout", "nan"], "finite"),  # a traceback from socket.settimeout
+        (["--timeout", "inf"], "finite"),
+        (["--timeout", "1e308"], "at most 86400"),  # OverflowError from settimeout
+        (["--max-cell-seconds", "1e308"], "at most 86400"),
+        (["--rate", "nan"], "finite"),  # a traceback from the report's plot
+        (["--slo-ms", "nan"], "finite"),  # no cell could fail it, silently
+        (["--early-stop-factor", "inf"], "finite"),
+        (["--T", "16..100000000"], "GiB"),  # the body of T=2**26 alone: 51 GB built in memory
+        (["--T", "64", "--batch", "100000", "--heads", "1000"], "GiB"),
+        (["--concurrency", "1..100000000"], "past 1024"),  # a session and a thread each, 2**26 of them
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else None,
+)
+def test_numbers_that_bound_nothing_are_usage_errors(args, words, capsys):
+    """Attack round three: NaN and infinity passed `must be positive` (NaN > 0 is false, so is
+    NaN <= 0) and then bounded nothing, or raised a traceback; a T list or workload whose body
+    cannot be built was built until memory ran out. Each is now refused at once (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        main(["--url", "http://127.0.0.1:9", *args])
+    assert info.value.code == 2 and words in capsys.readouterr().err
