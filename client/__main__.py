@@ -99,7 +99,12 @@ def _load(path: str | None) -> np.ndarray | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    with AttentionClient(args.url, timeout=args.timeout, retries=args.retries, api_key=args.api_key, wire=args.wire) as api:
+    try:
+        api = AttentionClient(args.url, timeout=args.timeout, retries=args.retries, api_key=args.api_key, wire=args.wire)
+    except ValueError as exc:  # a setting that cannot work: a usage error, as an unreadable file is
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with api:
         try:
             if args.command == "ready":
                 ok = api.ready()

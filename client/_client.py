@@ -28,6 +28,7 @@ from ._split import Block
 ENCODINGS = ("b64", "flat", "nested")
 WIRES = ("binary", "json")
 BODY_SLACK = 4096  # bytes of JSON around the tensors, kept free under max_body_bytes
+MAX_TIMEOUT_S = 86_400.0  # a day: the longest timeout (or wait) the client takes
 # The /v2 door's error body is the protocol's {"error": message}; the code and the field it names
 # come in the X-Error-Code and X-Error-Field headers, which this service puts on every error answer.
 
@@ -68,6 +69,7 @@ class AttentionClient:
         split: bool = True,
         wire: str | None = None,
     ):
+        _check_settings(timeout=timeout, retries=retries, backoff=backoff, max_retry_after=max_retry_after, max_workers=max_workers)
         if encoding is not None and encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
         wire = wire or ("binary" if encoding is None else "json")
@@ -436,6 +438,23 @@ class AttentionClient:
 
 
 # --- helpers ---------------------------------------------------------------------------------------
+
+
+def _check_settings(*, timeout, retries, backoff, max_retry_after, max_workers) -> None:
+    """ValueError unless each setting can work: a NaN, infinite, negative or 1e308 s timeout, or a
+    negative count, was taken and failed at the first request or retry, out of socket or time."""
+
+    def real(value) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not (real(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, not {timeout!r}")
+    for name, value in (("backoff", backoff), ("max_retry_after", max_retry_after)):
+        if not (real(value) and 0 <= value <= MAX_TIMEOUT_S):
+            raise ValueError(f"{name} must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, not {value!r}")
+    for name, value, least in (("retries", retries, 0), ("max_workers", max_workers, 1)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
 
 
 def _float64_if_any(*arrays: np.ndarray) -> str | None:

@@ -828,3 +828,35 @@ def test_an_mha_answer_of_another_shape_is_a_bad_response():
         server.shutdown()
         server.server_close()
     assert info.value.code == "bad_response"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"timeout": float("nan")},  # socket.settimeout: ValueError at the first request
+        {"timeout": float("inf")},  # OverflowError
+        {"timeout": -1},
+        {"timeout": 0},
+        {"timeout": 1e308},
+        {"retries": -1},  # no attempt at all: AssertionError("unreachable")
+        {"retries": 1.5},
+        {"backoff": float("nan")},  # time.sleep(nan)
+        {"backoff": -1.0},
+        {"max_retry_after": float("nan")},
+        {"max_workers": 0},
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_settings_that_cannot_work_are_refused_at_once(kwargs):
+    """Attack round three: each was taken, and failed later, at the first request or the first
+    retry, with an exception that is not the client's (or an AssertionError)."""
+    with pytest.raises(ValueError):
+        AttentionClient("http://127.0.0.1:9", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args", [["--timeout", "nan"], ["--timeout", "-1"], ["--retries", "-1"], ["--url", "ftp://example.com"]], ids=" ".join
+)
+def test_cli_settings_that_cannot_work_are_usage_errors(args):
+    proc = run_cli(*args, "limits")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
