@@ -32,6 +32,10 @@ Buffer = bytes | bytearray | memoryview  # or anything with the buffer protocol 
 # text) is ~1.7 GB. A Content-Length past it is a server's error, and np.empty of it raised
 # MemoryError (1e15) or ValueError (1e30) out of the client instead of an AttentionError.
 MAX_ANSWER_BYTES = 2**33
+# Heads http.client refuses: a line past 64 KiB, a version it does not speak (and the bare
+# HTTPException, "got more than 100 headers"). Not a connection failure (BadStatusLine, of which
+# RemoteDisconnected is one, can be a keep-alive connection closed under the request: retried).
+UNREADABLE_HEAD = (http.client.LineTooLong, http.client.UnknownProtocol)
 UNKNOWN_LENGTH_PIECE = 2**20  # a body of no declared length is read in pieces of this, counted
 
 
@@ -170,6 +174,8 @@ class Pool:
         except TimeoutError as exc:
             raise TransportError("timeout", f"{method} {url} got no answer within {self.timeout} s.") from exc
         except (OSError, http.client.HTTPException) as exc:  # reset, closed, broken pipe, truncated
+            if isinstance(exc, UNREADABLE_HEAD) or type(exc) is http.client.HTTPException:  # answered, unreadably: no retry helps
+                raise TransportError("bad_response", f"{method} {url} got an answer whose head cannot be read: {exc!r}") from exc
             raise TransportError("connection_error", f"{method} {url} failed: {exc!r}") from exc
         finally:
             sock.settimeout(self.timeout)  # for its next request, if it is kept

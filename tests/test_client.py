@@ -860,3 +860,43 @@ def test_settings_that_cannot_work_are_refused_at_once(kwargs):
 def test_cli_settings_that_cannot_work_are_usage_errors(args):
     proc = run_cli(*args, "limits")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
+
+
+class CountingLiar(Liar):
+    connections = 0
+
+    def setup(self):
+        type(self).connections += 1
+        super().setup()
+
+
+def _head_of(header_lines: list[bytes]) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + b"".join(header_lines) + b"Content-Length: 2\r\n\r\n{}"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        _head_of([b"X-Big: " + b"a" * 100_000 + b"\r\n"]),
+        _head_of([b"X-Many-%d: 1\r\n" % i for i in range(500)]),
+        b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    ],
+    ids=["a-100KB-header", "500-headers", "http-2.0-status-line"],
+)
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_an_answer_whose_head_cannot_be_read_is_not_retried(answer, wire):
+    """A head http.client refuses (a line past 64 KiB, more than 100 headers, a version it does
+    not speak) was a connection_error, retried: the whole request sent again `retries` times to a
+    server that answers so each time. It is a bad_response, as an unreadable body is."""
+    CountingLiar.answer, CountingLiar.connections = answer, 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CountingLiar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=2, split=False, wire=wire, timeout=30) as client:
+            client._sleep = lambda s: None
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert info.value.code == "bad_response" and CountingLiar.connections == 1
