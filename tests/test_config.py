@@ -110,3 +110,15 @@ def test_an_ipv6_host_is_listened_on():
         terminate(proc, 30)
     output = proc.stdout.read().decode(errors="replace")
     assert status == 200, output[-2000:]
+
+
+@pytest.mark.parametrize("value", [",", " , ", ",,,"])
+def test_api_keys_that_name_no_key_are_refused(monkeypatch, value):
+    """Read as no keys, they turned authentication off without a word (attack round three)."""
+    monkeypatch.setenv("ATTN_API_KEYS", value)
+    with pytest.raises(SystemExit, match="ATTN_API_KEYS"):
+        Settings.from_env()
+    monkeypatch.setenv("ATTN_API_KEYS", " a, ,b ")
+    assert Settings.from_env().api_keys == ("a", "b")
+    monkeypatch.setenv("ATTN_API_KEYS", "")  # empty (or unset): no authentication, as documented
+    assert Settings.from_env().api_keys == ()
