@@ -908,3 +908,37 @@ def test_an_answer_whose_head_cannot_be_read_is_not_retried(answer, wire):
         server.shutdown()
         server.server_close()
     assert info.value.code == "bad_response" and CountingLiar.connections == 1
+
+
+class TinyLimits(Stub):
+    """A server whose /limits say one query row per request (ATTN_MAX_T=1 is a valid setting, and
+    a hostile server may say anything); every POST is refused 413."""
+
+    posts = 0
+
+    def do_GET(self):
+        limits = {"max_t": 1, "max_s": 4096, "max_score_elements": 2**27, "max_weights_elements": 2**25, "max_body_bytes": 2**25}
+        self._send(200, limits)
+
+    def do_POST(self):
+        type(self).posts += 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(413, {"error": {"status": 413, "code": "too_long", "message": "T is over 1", "field": "q"}})
+
+
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_limits_that_would_split_a_call_into_thousands_of_requests_are_not_followed(wire):
+    """A call is split into at most _split.MAX_BLOCKS requests: T=5000 rows against max_t=1 were
+    5,000 requests (and a million rows a million), each refused or not. Past the bound the request
+    is sent whole, once, and the server says why it refuses it."""
+    TinyLimits.posts = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), TinyLimits)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=0, wire=wire, timeout=30) as client:
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((5000, 1)), np.ones((4, 1)), np.ones((4, 1)), return_weights=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (info.value.status, TinyLimits.posts) == (413, 1)
