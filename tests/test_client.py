@@ -341,6 +341,18 @@ def _ok(body: bytes, length: int | None = None) -> bytes:
     return head.encode() + body
 
 
+def _v2_binary_answer(head: bytes, data: bytes = b"\0\0\x80\x40") -> bytes:
+    """A /v2 binary answer: the JSON head (its length in Inference-Header-Content-Length), then data."""
+    return (
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
+            b"Content-Length: %d\r\n\r\n" % (len(head), len(head) + len(data))
+        )
+        + head
+        + data
+    )
+
+
 SEED_ANSWER = b'{"out":{"shape":[1,1],"dtype":"float32","data":[4.0]}}'
 LIES = {
     # Each raised out of the client as MemoryError, ValueError, KeyError or AttributeError, or was
@@ -357,6 +369,15 @@ LIES = {
     "out-of-another-shape": (_ok(b'{"out":{"shape":[2,2],"dtype":"float32","data":[4.0,4.0,4.0,4.0]}}'), ["json"]),
     "out-of-another-shape-v2": (
         _ok(b'{"model_name":"attention","outputs":[{"name":"out","datatype":"FP32","shape":[2,2],"data":[4.0,4.0,4.0,4.0]}]}'),
+        ["binary"],
+    ),
+    # Attack round three: a negative size read all the bytes left (count -1).
+    "binary-data-size-2**62": (
+        _v2_binary_answer(b'{"outputs":[{"name":"out","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":%d}}]}' % 2**62),
+        ["binary"],
+    ),
+    "binary-data-size-negative": (
+        _v2_binary_answer(b'{"outputs":[{"name":"out","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":-4}}]}'),
         ["binary"],
     ),
     "weights-of-another-shape": (
