@@ -75,6 +75,11 @@ class Pool:
         self._host, self._port = parts.hostname, parts.port or (443 if self._tls else 80)
         host = f"[{self._host}]" if ":" in self._host else self._host
         self._host_header = host if parts.port is None else f"{host}:{parts.port}"
+        for name, value in headers.items():  # the head is written here, not by http.client, which would refuse these
+            if not (name.isascii() and name.isprintable() and value.isascii() and value.isprintable()) or ":" in name:
+                raise ValueError(
+                    f"header {name!r} would break the request head: its name and value must be printable ASCII (no CR, LF or control)"
+                )
         self.timeout, self.max_idle, self.headers = timeout, max_idle, dict(headers)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()

@@ -963,3 +963,12 @@ def test_limits_that_would_split_a_call_into_thousands_of_requests_are_not_follo
         server.shutdown()
         server.server_close()
     assert (info.value.status, TinyLimits.posts) == (413, 1)
+
+
+@pytest.mark.parametrize("api_key", ["key\r\nX-Injected: yes", "key\nX-Injected: yes", "key\x00", "clé"])
+def test_an_api_key_that_would_break_the_request_head_is_refused(api_key):
+    """The client writes its request head itself: a key holding CR LF (from an environment variable
+    or a file with a trailing line) added a header of the key's choosing to every request
+    (http.client refuses such a value; this head did not). Now ValueError when the client is made."""
+    with pytest.raises(ValueError, match="api_key|header"):
+        AttentionClient("http://127.0.0.1:9", api_key=api_key)
