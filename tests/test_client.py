@@ -972,3 +972,34 @@ def test_an_api_key_that_would_break_the_request_head_is_refused(api_key):
     (http.client refuses such a value; this head did not). Now ValueError when the client is made."""
     with pytest.raises(ValueError, match="api_key|header"):
         AttentionClient("http://127.0.0.1:9", api_key=api_key)
+
+
+def test_cli_does_not_write_a_servers_control_characters_to_the_terminal(tmp_path):
+    """The CLI printed the server's error code and message as they came: a server could write
+    terminal escape sequences (here: set the window title, colour the text) to the user's terminal.
+    Control characters are shown escaped."""
+    body = b'{"error":{"status":422,"code":"bad\\u001b[31m","message":"\\u001b]0;pwned\\u0007 and\\r\\nmore","field":null}}'
+    Liar.answer = b"HTTP/1.1 422 Unprocessable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name in "qkv":
+        np.save(tmp_path / f"{name}.npy", np.ones((1, 1), np.float32))
+    try:
+        files = [str(tmp_path / f"{n}.npy") for n in "qkv"]
+        proc = run_cli(
+            "--url",
+            f"http://127.0.0.1:{server.server_address[1]}",
+            "--wire",
+            "json",
+            "--retries",
+            "0",
+            "attention",
+            *files,
+            "-o",
+            str(tmp_path / "r.npz"),
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 1 and "pwned" in proc.stderr
+    assert not any(c in proc.stderr for c in "\x1b\x07\r") and proc.stderr.count("\n") == 1
