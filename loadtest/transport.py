@@ -18,6 +18,7 @@ import urllib3
 PHASES = ("decode", "validate", "compute", "encode", "total")
 READ_BYTES = 2**20  # an answer's body is read in pieces of at most this, and dropped
 DETAIL_BYTES = 2**16  # of a body, kept: an error's detail comes from it
+DETAIL_CHARS = 300  # of an error's detail, shown
 LIMITS_BYTES = 2**20  # a /limits answer longer than this is not the service's: not read
 
 
@@ -140,9 +141,13 @@ def describe(exc: BaseException) -> str:
 
 
 def _error_detail(response: requests.Response, content: bytes) -> str:
-    """`"413 too_long: T=8192 is over the maximum 4096"` from the service's error body."""
+    """`"413 too_long: T=8192 is over the maximum 4096"` from the service's error body, in
+    printable characters (a server's escape sequences would drive the terminal it is printed
+    on) and at most DETAIL_CHARS of them."""
     try:
         error = orjson.loads(content)["error"]
-        return f"{response.status_code} {error['code']}: {error['message']}"
+        detail = f"{response.status_code} {error['code']}: {error['message']}"
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        return f"{response.status_code} {response.reason}"
+        detail = f"{response.status_code} {response.reason}"
+    shown = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in detail)
+    return shown if len(shown) <= DETAIL_CHARS else shown[: DETAIL_CHARS - 3] + "..."

@@ -386,3 +386,22 @@ def test_numbers_that_bound_nothing_are_usage_errors(args, words, capsys):
     with pytest.raises(SystemExit) as info:
         main(["--url", "http://127.0.0.1:9", *args])
     assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_refusal_is_reported_in_printable_words_and_cut():
+    """The server's error code and message went into the progress line (the terminal) and the
+    report as they came: escape sequences drove the terminal, and a 60 KB message was a 60 KB
+    line. Control characters are escaped and the detail cut to DETAIL_CHARS."""
+    message = "\x1b]0;pwned\x07" + "m" * 60_000
+    body = orjson.dumps({"error": {"status": 413, "code": "too_long\x1b[31m", "message": message, "field": None}})
+
+    def answer():
+        yield b"HTTP/1.1 413 Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    server = Hostile(answer)
+    try:
+        run = run_cell(server.url, b"{}", Load(1, requests=1, timeout_s=5.0))
+    finally:
+        server.close()
+    assert run.refused.startswith("refused: 413 too_long") and "pwned" in run.refused
+    assert not any(c in run.refused for c in "\x1b\x07") and len(run.refused) < 400
