@@ -87,6 +87,12 @@ def _window(text: str) -> tuple[int, int]:
     return left, right
 
 
+def _printable(text) -> str:
+    """text with its control (and other unprintable) characters escaped, as \x1b: the server's
+    words go to the user's terminal, and escape sequences there would drive it."""
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
+
+
 def _load(path: str | None) -> np.ndarray | None:
     if path is None:
         return None
@@ -99,7 +105,12 @@ def _load(path: str | None) -> np.ndarray | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    with AttentionClient(args.url, timeout=args.timeout, retries=args.retries, api_key=args.api_key, wire=args.wire) as api:
+    try:
+        api = AttentionClient(args.url, timeout=args.timeout, retries=args.retries, api_key=args.api_key, wire=args.wire)
+    except ValueError as exc:  # a setting that cannot work: a usage error, as an unreadable file is
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with api:
         try:
             if args.command == "ready":
                 ok = api.ready()
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     weights_dtype=args.weights_dtype,
                 )
         except AttentionError as err:
-            print(f"error: {err.status or '-'} {err.code}: {err.message}", file=sys.stderr)
+            print(f"error: {err.status or '-'} {_printable(err.code)}: {_printable(err.message)}", file=sys.stderr)
             return 1
     np.savez(args.output, **({"out": out} if weights is None else {"out": out, "weights": weights}))
     print(f"wrote {args.output}: out {list(out.shape)}" + ("" if weights is None else f", weights {list(weights.shape)}"))

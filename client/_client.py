@@ -28,6 +28,7 @@ from ._split import Block
 ENCODINGS = ("b64", "flat", "nested")
 WIRES = ("binary", "json")
 BODY_SLACK = 4096  # bytes of JSON around the tensors, kept free under max_body_bytes
+MAX_TIMEOUT_S = 86_400.0  # a day: the longest timeout (or wait) the client takes
 # The /v2 door's error body is the protocol's {"error": message}; the code and the field it names
 # come in the X-Error-Code and X-Error-Field headers, which this service puts on every error answer.
 
@@ -68,6 +69,7 @@ class AttentionClient:
         split: bool = True,
         wire: str | None = None,
     ):
+        _check_settings(timeout=timeout, retries=retries, backoff=backoff, max_retry_after=max_retry_after, max_workers=max_workers)
         if encoding is not None and encoding not in ENCODINGS:
             raise ValueError(f"encoding must be one of {ENCODINGS}, not {encoding!r}")
         wire = wire or ("binary" if encoding is None else "json")
@@ -173,7 +175,8 @@ class AttentionClient:
                     body[name] = value
             if causal:
                 body["causal"] = causal
-            return self._compute("/attention", body)
+            out, weights = self._compute("/attention", body)
+            return _checked(out, weights, (*q.shape[:-2], q.shape[-2], v.shape[-1]), (q.shape[-2], k.shape[-2]))
 
         splittable = self.split and not enable_gqa and not average_weights
         blocks = self._attention_plan(q, k, v, mask, key_lengths, causal, return_weights, bias, alibi_slopes) if splittable else None
@@ -248,7 +251,8 @@ class AttentionClient:
         }
 
         def send(x):
-            return self._compute("/mha", {"x": x, **ws, **options})
+            out, weights = self._compute("/mha", {"x": x, **ws, **options})
+            return _checked(out, weights, (*x.shape[:-1], None), x.shape[-2:-1] * 2)
 
         blocks, lim = None, self._known_limits() if self.split and x.ndim == 3 else None
         if lim is not None and isinstance(heads, int) and heads > 0:
@@ -436,6 +440,23 @@ class AttentionClient:
 # --- helpers ---------------------------------------------------------------------------------------
 
 
+def _check_settings(*, timeout, retries, backoff, max_retry_after, max_workers) -> None:
+    """ValueError unless each setting can work: a NaN, infinite, negative or 1e308 s timeout, or a
+    negative count, was taken and failed at the first request or retry, out of socket or time."""
+
+    def real(value) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not (real(timeout) and 0 < timeout <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be a number of seconds above 0 and at most {MAX_TIMEOUT_S:g}, not {timeout!r}")
+    for name, value in (("backoff", backoff), ("max_retry_after", max_retry_after)):
+        if not (real(value) and 0 <= value <= MAX_TIMEOUT_S):
+            raise ValueError(f"{name} must be a number of seconds from 0 to {MAX_TIMEOUT_S:g}, not {value!r}")
+    for name, value, least in (("retries", retries, 0), ("max_workers", max_workers, 1)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+            raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
+
+
 def _float64_if_any(*arrays: np.ndarray) -> str | None:
     """numpy in, numpy out: float64 inputs are computed, and answered, in float64."""
     return "float64" if any(a.dtype == np.float64 for a in arrays) else None
@@ -481,6 +502,19 @@ def _assemble(parts: list[np.ndarray], blocks: list[Block], shape: tuple[int, ..
     for part, block in zip(parts, blocks, strict=True):
         full[block.b0 : block.b1, block.t0 : block.t1] = part
     return full
+
+
+def _checked(out: np.ndarray, weights: np.ndarray | None, out_shape: tuple, weights_tail: tuple) -> tuple[np.ndarray, np.ndarray | None]:
+    """out and weights if they have the shapes the request asks for: out out_shape (None: any
+    length on that axis), weights ending in weights_tail (T, S); else AttentionError bad_response.
+    A server's out of another shape was returned as is, or broadcast silently into a split result."""
+    shape_ok = len(out.shape) == len(out_shape) and all(w is None or n == w for n, w in zip(out.shape, out_shape, strict=True))
+    if not shape_ok or (weights is not None and weights.shape[-2:] != tuple(weights_tail)):
+        got = f"out {out.shape}" + ("" if weights is None else f", weights {weights.shape}")
+        raise AttentionError(
+            200, "bad_response", f"the server answered {got} to a request for out {out_shape}, weights (..., {weights_tail})", None
+        )
+    return out, weights
 
 
 def _response(answer: Answer) -> requests.Response:

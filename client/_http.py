@@ -12,10 +12,12 @@ preallocated buffer that numpy then views. bench/client_wire.py measures the res
 from __future__ import annotations
 
 import http.client
+import io
 import select
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -30,11 +32,16 @@ Buffer = bytes | bytearray | memoryview  # or anything with the buffer protocol 
 # text) is ~1.7 GB. A Content-Length past it is a server's error, and np.empty of it raised
 # MemoryError (1e15) or ValueError (1e30) out of the client instead of an AttentionError.
 MAX_ANSWER_BYTES = 2**33
+# Heads http.client refuses: a line past 64 KiB, a version it does not speak (and the bare
+# HTTPException, "got more than 100 headers"). Not a connection failure (BadStatusLine, of which
+# RemoteDisconnected is one, can be a keep-alive connection closed under the request: retried).
+UNREADABLE_HEAD = (http.client.LineTooLong, http.client.UnknownProtocol)
+UNKNOWN_LENGTH_PIECE = 2**20  # a body of no declared length is read in pieces of this, counted
 
 
 class TransportError(Exception):
     """No answer: kind "connection_error" (refused, reset, closed, DNS, connect timeout; worth a
-    retry), "timeout" (connected, but no answer within the timeout) or "bad_response" (an answer
+    retry), "timeout" (connected, but the whole answer did not come within the timeout) or "bad_response" (an answer
     that cannot be read: a Content-Length past MAX_ANSWER_BYTES or more than this process can hold)."""
 
     def __init__(self, kind: str, message: str):
@@ -68,6 +75,11 @@ class Pool:
         self._host, self._port = parts.hostname, parts.port or (443 if self._tls else 80)
         host = f"[{self._host}]" if ":" in self._host else self._host
         self._host_header = host if parts.port is None else f"{host}:{parts.port}"
+        for name, value in headers.items():  # the head is written here, not by http.client, which would refuse these
+            if not (name.isascii() and name.isprintable() and value.isascii() and value.isprintable()) or ":" in name:
+                raise ValueError(
+                    f"header {name!r} would break the request head: its name and value must be printable ASCII (no CR, LF or control)"
+                )
         self.timeout, self.max_idle, self.headers = timeout, max_idle, dict(headers)
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -146,29 +158,74 @@ class Pool:
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
     def _exchange(self, sock, head, parts, method, path, align_at) -> tuple[Answer, bool]:
-        url = self.base_url + path
+        """One request and its whole answer within self.timeout: the socket's timeout bounds each
+        send and receive; the deadline, the exchange (a server that trickles a byte per second
+        never let a per-receive timeout fire)."""
+        url, deadline = self.base_url + path, time.monotonic() + self.timeout
         try:
             if hasattr(sock, "sendmsg") and not isinstance(sock, ssl.SSLSocket):
-                _send_gathered(sock, [head, *parts])
+                _send_gathered(sock, [head, *parts], deadline)
             else:  # TLS sockets (and Windows') have no sendmsg
                 for part in [head, *parts]:
                     sock.sendall(part)
-            resp = http.client.HTTPResponse(sock, method=method)
-            resp.begin()
-            pad = 0 if align_at is None else -align_at(resp) % 64
-            body = _read_body(resp, pad)
+            resp = http.client.HTTPResponse(_ByDeadline(sock, deadline), method=method)
+            try:
+                resp.begin()
+                pad = 0 if align_at is None else -align_at(resp) % 64
+                body = _read_body(resp, pad)
+            except BaseException:
+                resp.close()  # its file holds the socket open (sock.close() waits for it) while the error is alive
+                raise
         except TimeoutError as exc:
             raise TransportError("timeout", f"{method} {url} got no answer within {self.timeout} s.") from exc
         except (OSError, http.client.HTTPException) as exc:  # reset, closed, broken pipe, truncated
+            if isinstance(exc, UNREADABLE_HEAD) or type(exc) is http.client.HTTPException:  # answered, unreadably: no retry helps
+                raise TransportError("bad_response", f"{method} {url} got an answer whose head cannot be read: {exc!r}") from exc
             raise TransportError("connection_error", f"{method} {url} failed: {exc!r}") from exc
+        finally:
+            sock.settimeout(self.timeout)  # for its next request, if it is kept
         return Answer(resp.status, resp.reason, resp.headers, body, url), not resp.will_close
 
 
-def _send_gathered(sock: socket.socket, parts: Sequence[Buffer]) -> None:
+class _ByDeadline:
+    """The socket as http.client.HTTPResponse reads it (makefile), each receive given the time
+    left before the deadline as its timeout: past the deadline, TimeoutError."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def makefile(self, mode: str) -> io.BufferedReader:
+        return io.BufferedReader(_DeadlineReader(self._sock, self._deadline))
+
+
+class _DeadlineReader(io.RawIOBase):
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def readinto(self, buf) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the answer did not end within the timeout")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buf)
+
+
+def _send_gathered(sock: socket.socket, parts: Sequence[Buffer], deadline: float) -> None:
     """sendall of the parts in order, gathered: one sendmsg (writev) for all of them while the
-    socket takes them, so the server reads the request in as few pieces as the kernel allows."""
+    socket takes them, so the server reads the request in as few pieces as the kernel allows; by
+    the deadline (a server reading a byte at a time would otherwise hold the client)."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
     while views:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not taken within the timeout")
+        sock.settimeout(left)
         sent = sock.sendmsg(views[:IOV_MAX])
         while views and sent >= len(views[0]):
             sent -= len(views.pop(0))
@@ -179,10 +236,15 @@ def _send_gathered(sock: socket.socket, parts: Sequence[Buffer]) -> None:
 def _read_body(resp: http.client.HTTPResponse, pad: int) -> memoryview:
     """The whole body, into one writable buffer, starting at buf[pad:]: one recv_into after
     another straight into it when the length is known (no intermediate buffers)."""
-    if resp.length is None:  # chunked, or up to the close
-        data = resp.read()
-        buf = bytearray(pad + len(data))
-        buf[pad:] = data
+    if resp.length is None:  # chunked, or up to the close: read in pieces, up to MAX_ANSWER_BYTES
+        pieces, total = [], 0  # (resp.read() read a body that never ends without bound)
+        while piece := resp.read(UNKNOWN_LENGTH_PIECE):
+            total += len(piece)
+            if total > MAX_ANSWER_BYTES:
+                raise TransportError("bad_response", f"the answer's body (of no declared length) runs past {MAX_ANSWER_BYTES} bytes")
+            pieces.append(piece)
+        buf = bytearray(pad + total)
+        buf[pad:] = b"".join(pieces)
         return memoryview(buf)[pad:]
     if resp.length > MAX_ANSWER_BYTES:
         raise TransportError("bad_response", f"the answer declares Content-Length: {resp.length}, past {MAX_ANSWER_BYTES}")

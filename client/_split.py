@@ -25,17 +25,24 @@ class Block:
     t1: int
 
 
+MAX_BLOCKS = 1024  # requests one call may become: past it, limits that small are not followed
+
+
 def plan(n_lead: int, n_rows: int, fits: Callable[[int, int], bool]) -> list[Block] | None:
     """Blocks that cover n_lead x n_rows, each fitting, as few and as even as possible: whole rows
     over fewer leading indices first, then rows of one leading index. None when a single row of a
-    single leading index does not fit (splitting cannot help). fits(lead, rows) must be monotone."""
+    single leading index does not fit (splitting cannot help), or when it would take more than
+    MAX_BLOCKS blocks (limits that small, a server's mistake or lie, turned one call into a request
+    per row: a million rows, a million requests). fits(lead, rows) must be monotone."""
     if fits(n_lead, n_rows):
         return [Block(0, n_lead, 0, n_rows)]
     if fits(1, n_rows):
         per = _largest(lambda b: fits(b, n_rows), n_lead)
-        return [Block(b0, b1, 0, n_rows) for b0, b1 in _even(n_lead, per)]
+        return [Block(b0, b1, 0, n_rows) for b0, b1 in _even(n_lead, per)] if math.ceil(n_lead / per) <= MAX_BLOCKS else None
     if fits(1, 1):
         per = _largest(lambda t: fits(1, t), n_rows)
+        if n_lead * math.ceil(n_rows / per) > MAX_BLOCKS:
+            return None
         return [Block(b, b + 1, t0, t1) for b in range(n_lead) for t0, t1 in _even(n_rows, per)]
     return None
 

@@ -83,6 +83,10 @@ def v2_outputs(body: memoryview, head_length: int) -> dict[str, np.ndarray]:
         params = spec.get("parameters") or {}
         if "binary_data_size" in params:
             size = params["binary_data_size"]
+            if type(size) is not int or not 0 <= size <= len(body) - offset or size % dtype.itemsize:  # -4 read all the rest
+                raise ValueError(
+                    f"output {spec['name']!r} has binary_data_size {size!r}, not its bytes among the {len(body) - offset} left"
+                )
             arr = np.frombuffer(body, dtype=dtype, count=size // dtype.itemsize, offset=offset).reshape(spec["shape"])
             offset += size
         else:

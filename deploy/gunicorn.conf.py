@@ -70,7 +70,10 @@ from service.config import Settings, warnings, web_concurrency  # noqa: E402
 
 _settings = Settings.from_env()
 
-bind = f"{_settings.host}:{_settings.port}"
+# An IPv6 literal (HOST=:: or ::1) in brackets: gunicorn reads "host:port" at the last colon, and
+# "::1:8000" stopped it at start ("'' is not a valid port number").
+_host = f"[{_settings.host}]" if ":" in _settings.host and not _settings.host.startswith("[") else _settings.host
+bind = f"{_host}:{_settings.port}"
 # Worker model, measured by `python -m bench.workers` (b64, T=1024, B=1 H=8 d=64; bench/README.md):
 # 2 workers x 1 BLAS thread had the best throughput at concurrency 2 (2.5x to 7x that of 1 x 2
 # or 2 x 2) and the best latency at concurrency 1 but once (with weights, 2 x 2 answered alone in

@@ -10,7 +10,7 @@ hide its queue by slowing the generator down (coordinated omission).
 
 Both loops stop at the cell's request count or duration, and always at the hard bounds
 `max_requests` and `max_seconds` (a request in flight at the bound may finish, up to
-its `timeout_s`).
+its `timeout_s`; one the server holds longer is abandoned).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import requests
 
-from loadtest.transport import PHASES, Reply, check_reachable, new_session, post
+from loadtest.transport import DETAIL_BYTES, PHASES, Reply, check_reachable, new_session, post
+
+JOIN_GRACE_S = 2.0  # past max_seconds + timeout_s, a cell waits this long for a request in flight
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,8 @@ def _warm_up(sessions: list[requests.Session], url: str, base_url: str, body: by
             return reply
     for session in sessions[1:]:
         try:
-            session.get(f"{base_url}/healthz", timeout=load.timeout_s)
+            with session.get(f"{base_url}/healthz", timeout=load.timeout_s, stream=True) as response:
+                response.raw.read(DETAIL_BYTES)  # read whole, the connection stays for the cell; but never more than this
         except requests.RequestException:
             check_reachable(base_url)
     return None
@@ -199,17 +202,28 @@ def run_cell(base_url: str, body: bytes, load: Load, stop: threading.Event | Non
         ]
         for thread in threads:
             thread.start()
+        # No request is sent past max_seconds, and post() bounds each by timeout_s, but a server
+        # that trickles an answer's head outlasts any per-read timeout: past the bounds (and a
+        # grace) a worker still waiting is abandoned (a daemon thread, sending nothing more).
+        end = t0 + load.max_seconds + load.timeout_s + JOIN_GRACE_S
         try:
             for thread in threads:
-                thread.join()
+                thread.join(max(0.0, end - time.perf_counter()))
         except KeyboardInterrupt:
             stop.set()  # workers finish their request in flight and send no more
             raise
         elapsed = time.perf_counter() - t0
+        stuck = sum(thread.is_alive() for thread in threads)
+        if stuck:
+            stop.set()
+            schedule.capped = (
+                f"{stuck} request(s) still unanswered {load.timeout_s + JOIN_GRACE_S:g} s past the bound of "
+                f"{load.max_seconds:g} s, abandoned"
+            )
     finally:
         for session in sessions:
             session.close()
-    samples = [s for out in outs for s in out]
+    samples = [s for out in outs for s in list(out)]  # an abandoned worker may append later
     if samples and all(s.error == "connection" for s in samples):
         check_reachable(base_url)
     unsent = schedule.planned - schedule.issued if schedule.planned is not None else 0

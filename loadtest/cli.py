@@ -7,6 +7,7 @@ traceback), 2 bad arguments, 130 interrupted (what was measured is still written
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import sys
@@ -58,11 +59,21 @@ def _window(text: str) -> tuple[int, int]:
     return left, right
 
 
-def _positive(kind: type):
+DAY_S = 86_400.0  # the longest a duration, cell or request may be asked to take
+MAX_TENSOR_BYTES = 2**30  # the most the tensors of one body may hold: they are built in memory
+MAX_CONCURRENCY = 1024  # workers of one cell, each a thread with its own session
+
+
+def _positive(kind: type, most: float | None = None):
+    """A positive, finite number (NaN and infinity pass `value <= 0` and then bound nothing),
+    at most `most` if given."""
+
     def convert(text: str):
         value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:g}, got {text}")
         return value
 
     convert.__name__ = kind.__name__
@@ -85,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", type=_T_list, default=(1, 2, 4, 8), metavar="LIST", help="worker counts, same syntax (default 1,2,4,8)")
     amount = p.add_mutually_exclusive_group()
-    amount.add_argument("--duration", type=_positive(float), metavar="S", help="seconds per cell (default 5 unless --requests)")
+    amount.add_argument("--duration", type=_positive(float, DAY_S), metavar="S", help="seconds per cell (default 5 unless --requests)")
     amount.add_argument("--requests", type=_positive(int), metavar="N", help="requests per cell")
     p.add_argument(
         "--rounds",
@@ -146,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bounds = p.add_argument_group("bounds")
     bounds.add_argument("--max-requests-per-cell", type=_positive(int), default=10_000)
-    bounds.add_argument("--max-cell-seconds", type=_positive(float), default=60.0)
-    bounds.add_argument("--timeout", type=_positive(float), default=30.0, help="seconds per request (default 30)")
+    bounds.add_argument("--max-cell-seconds", type=_positive(float, DAY_S), default=60.0)
+    bounds.add_argument("--timeout", type=_positive(float, DAY_S), default=30.0, help="seconds per request (default 30)")
     bounds.add_argument(
         "--warmup",
         type=int,
@@ -231,6 +242,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.duration is not None and args.duration > args.max_cell_seconds:
         parser.error("--duration must not exceed --max-cell-seconds")
+    if max(args.concurrency) > MAX_CONCURRENCY:
+        parser.error(f"--concurrency {max(args.concurrency)} is past {MAX_CONCURRENCY}: each is a thread and a connection")
+    heads = args.heads + 2 * (args.kv_heads or args.heads)  # q's, and k's and v's
+    tensor_bytes = 4 * args.batch * max(args.T) * args.d * heads
+    if tensor_bytes > MAX_TENSOR_BYTES:
+        parser.error(
+            f"the body of T={max(args.T)} would hold {tensor_bytes / 2**30:.3g} GiB of tensors, past the "
+            f"{MAX_TENSOR_BYTES / 2**30:g} GiB this tool builds in memory: lower --T, --batch, --heads or --d"
+        )
     config = config_from_args(args, argv)
     sweep = Sweep(config)
     log = lambda line: print(f"loadtest: {line}", file=sys.stderr, flush=True)  # noqa: E731

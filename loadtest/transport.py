@@ -12,9 +12,14 @@ from typing import Any
 
 import orjson
 import requests
+import urllib3
 
 # The phases the server reports in Server-Timing, in the order it runs them.
 PHASES = ("decode", "validate", "compute", "encode", "total")
+READ_BYTES = 2**20  # an answer's body is read in pieces of at most this, and dropped
+DETAIL_BYTES = 2**16  # of a body, kept: an error's detail comes from it
+DETAIL_CHARS = 300  # of an error's detail, shown
+LIMITS_BYTES = 2**20  # a /limits answer longer than this is not the service's: not read
 
 
 class ConnectionFailure(Exception):
@@ -69,24 +74,35 @@ def parse_server_timing(header: str | None) -> dict[str, float]:
 
 
 def post(session: requests.Session, url: str, body: bytes, timeout: float) -> Reply:
-    """POST `body` to `url` and read the whole response; never raises for HTTP or I/O."""
+    """POST `body` to `url` and read the whole response within `timeout` of sending it; never
+    raises for HTTP or I/O. The body is read and dropped as it comes (its first DETAIL_BYTES kept,
+    for an error's detail): a server's endless answer costs no memory and ends at the deadline.
+    (`timeout` bounds each socket read as well, so a head that trickles can outlast the deadline:
+    run_cell bounds that.)"""
     sent_at = time.perf_counter()
+    deadline = sent_at + timeout
     try:
-        response = session.post(url, data=body, timeout=timeout)
-    except requests.Timeout:
+        with session.post(url, data=body, timeout=timeout, stream=True) as response:
+            kept = bytearray()
+            while piece := response.raw.read1(READ_BYTES):
+                if len(kept) < DETAIL_BYTES:
+                    kept += piece[: DETAIL_BYTES - len(kept)]
+                if time.perf_counter() > deadline:
+                    return Reply(None, sent_at, time.perf_counter(), error="timeout")
+    except (requests.Timeout, urllib3.exceptions.TimeoutError):  # the latter from reading the body
         return Reply(None, sent_at, time.perf_counter(), error="timeout")
-    except requests.RequestException as exc:
+    except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
         return Reply(None, sent_at, time.perf_counter(), error="connection", detail=describe(exc))
     done_at = time.perf_counter()
     phases = parse_server_timing(response.headers.get("Server-Timing"))
-    detail = "" if response.ok else _error_detail(response)
+    detail = "" if response.ok else _error_detail(response, bytes(kept))
     return Reply(response.status_code, sent_at, done_at, phases, detail=detail)
 
 
 def check_reachable(base_url: str, timeout: float = 5.0) -> None:
     """Raise ConnectionFailure unless something answers HTTP at `base_url` (any status)."""
     try:
-        requests.get(f"{base_url}/healthz", timeout=timeout)
+        requests.get(f"{base_url}/healthz", timeout=timeout, stream=True).close()  # the status is enough: its body is not read
     except requests.Timeout:
         raise ConnectionFailure(base_url, f"no answer within {timeout:g} s") from None
     except requests.RequestException as exc:
@@ -96,9 +112,10 @@ def check_reachable(base_url: str, timeout: float = 5.0) -> None:
 def fetch_limits(base_url: str, timeout: float = 5.0) -> dict[str, Any] | None:
     """GET /limits for the report (version, cost model); None if it is not there."""
     try:
-        response = requests.get(f"{base_url}/limits", timeout=timeout)
-        return orjson.loads(response.content) if response.ok else None
-    except (requests.RequestException, orjson.JSONDecodeError):
+        with requests.get(f"{base_url}/limits", timeout=timeout, stream=True) as response:
+            content = response.raw.read(LIMITS_BYTES + 1) if response.ok else b""  # the service's is ~1 KB
+        return orjson.loads(content) if len(content) <= LIMITS_BYTES and content else None
+    except (requests.RequestException, urllib3.exceptions.HTTPError, orjson.JSONDecodeError):
         return None
 
 
@@ -123,10 +140,14 @@ def describe(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def _error_detail(response: requests.Response) -> str:
-    """`"413 too_long: T=8192 is over the maximum 4096"` from the service's error body."""
+def _error_detail(response: requests.Response, content: bytes) -> str:
+    """`"413 too_long: T=8192 is over the maximum 4096"` from the service's error body, in
+    printable characters (a server's escape sequences would drive the terminal it is printed
+    on) and at most DETAIL_CHARS of them."""
     try:
-        error = orjson.loads(response.content)["error"]
-        return f"{response.status_code} {error['code']}: {error['message']}"
+        error = orjson.loads(content)["error"]
+        detail = f"{response.status_code} {error['code']}: {error['message']}"
     except (orjson.JSONDecodeError, KeyError, TypeError):
-        return f"{response.status_code} {response.reason}"
+        detail = f"{response.status_code} {response.reason}"
+    shown = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in detail)
+    return shown if len(shown) <= DETAIL_CHARS else shown[: DETAIL_CHARS - 3] + "..."

@@ -97,7 +97,12 @@ def _cores() -> int:
 
 
 def _keys(raw: str) -> tuple[str, ...]:
-    return tuple(k.strip() for k in raw.split(",") if k.strip())
+    """ATTN_API_KEYS: comma-separated keys. A value that names none (" , ") is refused: read as no
+    keys, it turned authentication off, which is what an empty or unset variable means."""
+    keys = tuple(k.strip() for k in raw.split(",") if k.strip())
+    if not keys:
+        raise SystemExit(f"configuration error: ATTN_API_KEYS={raw!r} names no key; unset it to turn authentication off")
+    return keys
 
 
 def log_format(raw: str) -> str:

@@ -13,10 +13,12 @@ import http.client
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -283,3 +285,36 @@ def set_blocks(monkeypatch, elements: int, rows: int) -> None:
     monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", elements)
     monkeypatch.setattr(kernels, "MIN_ROWS", rows)
     monkeypatch.setattr(kernels, "CAUSAL_BLOCKS", 3)
+
+
+class Hostile:
+    """One loopback connection at a time: reads a request's head and its Content-Length body, then
+    runs answer(conn), which writes what it likes in a loop bounded in count. `sent` counts the
+    bytes the client took before it closed (a send that fails ends the answer)."""
+
+    def __init__(self, answer):
+        self.answer, self.sent = answer, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        with self.listener, contextlib.suppress(OSError):
+            conn, _ = self.listener.accept()
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, body = data.split(b"\r\n\r\n", 1)
+                length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+                while len(body) < length:
+                    body += conn.recv(65536)
+                for piece in self.answer():
+                    conn.sendall(piece)
+                    self.sent += len(piece)
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        self.thread.join(timeout=60)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -16,7 +17,7 @@ import requests
 from client import AttentionClient, AttentionError, _http, _split
 from service import core
 
-from .helpers import ROOT, Q, V, free_port, start_server, stop_server
+from .helpers import ROOT, Hostile, Q, V, free_port, start_server, stop_server
 
 # Limits 4x (and more) below the requests of the splitting tests.
 SMALL_LIMITS = {
@@ -340,6 +341,18 @@ def _ok(body: bytes, length: int | None = None) -> bytes:
     return head.encode() + body
 
 
+def _v2_binary_answer(head: bytes, data: bytes = b"\0\0\x80\x40") -> bytes:
+    """A /v2 binary answer: the JSON head (its length in Inference-Header-Content-Length), then data."""
+    return (
+        (
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nInference-Header-Content-Length: %d\r\n"
+            b"Content-Length: %d\r\n\r\n" % (len(head), len(head) + len(data))
+        )
+        + head
+        + data
+    )
+
+
 SEED_ANSWER = b'{"out":{"shape":[1,1],"dtype":"float32","data":[4.0]}}'
 LIES = {
     # Each raised out of the client as MemoryError, ValueError, KeyError or AttributeError, or was
@@ -351,6 +364,26 @@ LIES = {
     "out-a-number": (_ok(b'{"out":5}'), ["json"]),
     "shape-its-data-lacks": (_ok(b'{"out":{"shape":[9,9],"dtype":"float32","data":[4.0]}}'), ["json"]),
     "dtype-unknown": (_ok(b'{"out":{"shape":[1,1],"dtype":"floaty","data":[4.0]}}'), ["json"]),
+    # Attack round three: an out of another shape than the request's (..., T, dv) was returned as
+    # is, and broadcast silently into a split request's result.
+    "out-of-another-shape": (_ok(b'{"out":{"shape":[2,2],"dtype":"float32","data":[4.0,4.0,4.0,4.0]}}'), ["json"]),
+    "out-of-another-shape-v2": (
+        _ok(b'{"model_name":"attention","outputs":[{"name":"out","datatype":"FP32","shape":[2,2],"data":[4.0,4.0,4.0,4.0]}]}'),
+        ["binary"],
+    ),
+    # Attack round three: a negative size read all the bytes left (count -1).
+    "binary-data-size-2**62": (
+        _v2_binary_answer(b'{"outputs":[{"name":"out","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":%d}}]}' % 2**62),
+        ["binary"],
+    ),
+    "binary-data-size-negative": (
+        _v2_binary_answer(b'{"outputs":[{"name":"out","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":-4}}]}'),
+        ["binary"],
+    ),
+    "weights-of-another-shape": (
+        _ok(b'{"out":{"shape":[1,1],"dtype":"float32","data":[4.0]},"weights":{"shape":[1,3],"dtype":"float32","data":[1,0,0]}}'),
+        ["json"],
+    ),
 }
 
 
@@ -731,3 +764,242 @@ def test_request_head_carries_prefix_host_and_length():
     )
     with pytest.raises(ValueError):
         _http.Pool("ftp://example.com", 5, 1, {})
+
+
+# --- a hostile server: answers that never end, or end too slowly (attack round three) -----------------
+
+
+def _endless_chunks():
+    """A 200 whose chunked body does not end (here: 256 MiB of 1 MiB chunks, then it would)."""
+    yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n" % 2**20 + b" " * 2**20 + b"\r\n"
+    for _ in range(256):
+        yield chunk
+    yield b"0\r\n\r\n"
+
+
+def _endless_until_close():
+    """A 200 with no length, delimited by the close that does not come (here: after 256 MiB)."""
+    yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+    for _ in range(256):
+        yield b" " * 2**20
+
+
+@pytest.mark.parametrize("answer", [_endless_chunks, _endless_until_close], ids=["chunked", "until-close"])
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_an_answer_without_end_is_cut_at_the_answer_limit(monkeypatch, answer, wire):
+    """A body of unknown length (chunked, or up to the close) was read whole by resp.read(): a
+    server that never ends one took the client's memory without bound. It is read up to
+    MAX_ANSWER_BYTES (here 4 MiB), then refused as a bad response."""
+    monkeypatch.setattr(_http, "MAX_ANSWER_BYTES", 4 * 2**20)
+    server = Hostile(answer)
+    try:
+        with AttentionClient(server.url, retries=0, split=False, wire=wire, timeout=30) as client:
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    finally:
+        server.close()
+    assert info.value.code == "bad_response"
+    assert server.sent < 128 * 2**20  # the client stopped reading long before the end
+
+
+def _trickle(head_bytes_per_step: int):
+    """A 200 of a 50-byte body, written a byte every 0.2 s: the head too if head_bytes_per_step is 1."""
+    body = b'{"out":{"shape":[1,1],"dtype":"float32","data":[4.0]}}'
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+
+    def answer():
+        whole = head + body
+        start = 0 if head_bytes_per_step == 1 else len(head)
+        if start:
+            yield head
+        for i in range(start, len(whole)):
+            time.sleep(0.2)
+            yield whole[i : i + 1]
+
+    return answer
+
+
+def _endless_continues():
+    """Interim 100 Continue answers, one every 10 ms (for 60 s), and never a final one: http.client
+    skips any number of them."""
+    for _ in range(6000):
+        time.sleep(0.01)
+        yield b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+@pytest.mark.parametrize("where", ["head", "body", "endless-100-continue"])
+def test_a_trickled_answer_times_out_as_a_whole(where):
+    """timeout bounds the whole answer ("seconds per HTTP request"), not each read: a server that
+    sends a byte every 0.2 s never let a 1 s per-read timeout fire, and held the client for as long
+    as it liked (here ~25 s for a 125-byte answer)."""
+    server = Hostile(_endless_continues if where == "endless-100-continue" else _trickle(1 if where == "head" else 0))
+    try:
+        with AttentionClient(server.url, retries=0, split=False, wire="json", timeout=1) as client:
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    finally:
+        server.close()
+    assert info.value.code == "timeout"
+    assert server.sent < (10_000 if where == "endless-100-continue" else 100)  # the client gave up long before the end
+
+
+def test_an_mha_answer_of_another_shape_is_a_bad_response():
+    """/mha's out must be (..., n, d_out) for x (..., n, d), its weights (..., n, n)."""
+    Liar.answer = _ok(b'{"out":{"shape":[3,2],"dtype":"float32","data":[1,2,3,4,5,6]}}')
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=0, split=False, wire="json", timeout=30) as client:
+            with pytest.raises(AttentionError) as info:
+                client.mha(np.ones((1, 2)), np.eye(2), np.eye(2), np.eye(2), None, 1, return_weights=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert info.value.code == "bad_response"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"timeout": float("nan")},  # socket.settimeout: ValueError at the first request
+        {"timeout": float("inf")},  # OverflowError
+        {"timeout": -1},
+        {"timeout": 0},
+        {"timeout": 1e308},
+        {"retries": -1},  # no attempt at all: AssertionError("unreachable")
+        {"retries": 1.5},
+        {"backoff": float("nan")},  # time.sleep(nan)
+        {"backoff": -1.0},
+        {"max_retry_after": float("nan")},
+        {"max_workers": 0},
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_settings_that_cannot_work_are_refused_at_once(kwargs):
+    """Attack round three: each was taken, and failed later, at the first request or the first
+    retry, with an exception that is not the client's (or an AssertionError)."""
+    with pytest.raises(ValueError):
+        AttentionClient("http://127.0.0.1:9", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "args", [["--timeout", "nan"], ["--timeout", "-1"], ["--retries", "-1"], ["--url", "ftp://example.com"]], ids=" ".join
+)
+def test_cli_settings_that_cannot_work_are_usage_errors(args):
+    proc = run_cli(*args, "limits")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.startswith("error: ")
+
+
+class CountingLiar(Liar):
+    connections = 0
+
+    def setup(self):
+        type(self).connections += 1
+        super().setup()
+
+
+def _head_of(header_lines: list[bytes]) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n" + b"".join(header_lines) + b"Content-Length: 2\r\n\r\n{}"
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        _head_of([b"X-Big: " + b"a" * 100_000 + b"\r\n"]),
+        _head_of([b"X-Many-%d: 1\r\n" % i for i in range(500)]),
+        b"HTTP/2.0 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    ],
+    ids=["a-100KB-header", "500-headers", "http-2.0-status-line"],
+)
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_an_answer_whose_head_cannot_be_read_is_not_retried(answer, wire):
+    """A head http.client refuses (a line past 64 KiB, more than 100 headers, a version it does
+    not speak) was a connection_error, retried: the whole request sent again `retries` times to a
+    server that answers so each time. It is a bad_response, as an unreadable body is."""
+    CountingLiar.answer, CountingLiar.connections = answer, 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), CountingLiar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=2, split=False, wire=wire, timeout=30) as client:
+            client._sleep = lambda s: None
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((1, 1)), np.ones((1, 1)), np.ones((1, 1)))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert info.value.code == "bad_response" and CountingLiar.connections == 1
+
+
+class TinyLimits(Stub):
+    """A server whose /limits say one query row per request (ATTN_MAX_T=1 is a valid setting, and
+    a hostile server may say anything); every POST is refused 413."""
+
+    posts = 0
+
+    def do_GET(self):
+        limits = {"max_t": 1, "max_s": 4096, "max_score_elements": 2**27, "max_weights_elements": 2**25, "max_body_bytes": 2**25}
+        self._send(200, limits)
+
+    def do_POST(self):
+        type(self).posts += 1
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(413, {"error": {"status": 413, "code": "too_long", "message": "T is over 1", "field": "q"}})
+
+
+@pytest.mark.parametrize("wire", ["binary", "json"])
+def test_limits_that_would_split_a_call_into_thousands_of_requests_are_not_followed(wire):
+    """A call is split into at most _split.MAX_BLOCKS requests: T=5000 rows against max_t=1 were
+    5,000 requests (and a million rows a million), each refused or not. Past the bound the request
+    is sent whole, once, and the server says why it refuses it."""
+    TinyLimits.posts = 0
+    server = ThreadingHTTPServer(("127.0.0.1", 0), TinyLimits)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with AttentionClient(f"http://127.0.0.1:{server.server_address[1]}", retries=0, wire=wire, timeout=30) as client:
+            with pytest.raises(AttentionError) as info:
+                client.attention(np.ones((5000, 1)), np.ones((4, 1)), np.ones((4, 1)), return_weights=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert (info.value.status, TinyLimits.posts) == (413, 1)
+
+
+@pytest.mark.parametrize("api_key", ["key\r\nX-Injected: yes", "key\nX-Injected: yes", "key\x00", "clé"])
+def test_an_api_key_that_would_break_the_request_head_is_refused(api_key):
+    """The client writes its request head itself: a key holding CR LF (from an environment variable
+    or a file with a trailing line) added a header of the key's choosing to every request
+    (http.client refuses such a value; this head did not). Now ValueError when the client is made."""
+    with pytest.raises(ValueError, match="api_key|header"):
+        AttentionClient("http://127.0.0.1:9", api_key=api_key)
+
+
+def test_cli_does_not_write_a_servers_control_characters_to_the_terminal(tmp_path):
+    """The CLI printed the server's error code and message as they came: a server could write
+    terminal escape sequences (here: set the window title, colour the text) to the user's terminal.
+    Control characters are shown escaped."""
+    body = b'{"error":{"status":422,"code":"bad\\u001b[31m","message":"\\u001b]0;pwned\\u0007 and\\r\\nmore","field":null}}'
+    Liar.answer = b"HTTP/1.1 422 Unprocessable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    for name in "qkv":
+        np.save(tmp_path / f"{name}.npy", np.ones((1, 1), np.float32))
+    try:
+        files = [str(tmp_path / f"{n}.npy") for n in "qkv"]
+        proc = run_cli(
+            "--url",
+            f"http://127.0.0.1:{server.server_address[1]}",
+            "--wire",
+            "json",
+            "--retries",
+            "0",
+            "attention",
+            *files,
+            "-o",
+            str(tmp_path / "r.npz"),
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 1 and "pwned" in proc.stderr
+    assert not any(c in proc.stderr for c in "\x1b\x07\r") and proc.stderr.count("\n") == 1

@@ -3,9 +3,12 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+import requests
 
+from bench.server import terminate
 from service.config import RANGES, Settings, warnings, web_concurrency
 from tests.helpers import ROOT, free_port
 
@@ -81,3 +84,41 @@ def test_an_in_flight_budget_below_the_body_limit_is_warned_about_at_start():
     assert warnings(Settings()) == []
     [said] = warnings(Settings(max_inflight_bytes=300_000, max_body_bytes=1_000_000))
     assert "ATTN_MAX_INFLIGHT_BYTES=300000" in said and "ATTN_MAX_BODY_BYTES=1000000" in said
+
+
+def test_an_ipv6_host_is_listened_on():
+    """HOST=::1 (or ::, the IPv6 any-address of dual-stack clusters) stopped gunicorn at start with
+    "'' is not a valid port number.": the bind address was written host:port, which an IPv6
+    literal's colons make ambiguous. It is written [host]:port."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(HOST="::1", PORT=str(port), ATTN_WARMUP="0", WEB_CONCURRENCY="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        status = None
+        for _ in range(120):  # up to ~60 s: only stops a hang
+            if proc.poll() is not None:
+                break
+            try:
+                status = requests.get(f"http://[::1]:{port}/healthz", timeout=5).status_code
+                break
+            except requests.ConnectionError:
+                time.sleep(0.5)
+    finally:
+        terminate(proc, 30)
+    output = proc.stdout.read().decode(errors="replace")
+    assert status == 200, output[-2000:]
+
+
+@pytest.mark.parametrize("value", [",", " , ", ",,,"])
+def test_api_keys_that_name_no_key_are_refused(monkeypatch, value):
+    """Read as no keys, they turned authentication off without a word (attack round three)."""
+    monkeypatch.setenv("ATTN_API_KEYS", value)
+    with pytest.raises(SystemExit, match="ATTN_API_KEYS"):
+        Settings.from_env()
+    monkeypatch.setenv("ATTN_API_KEYS", " a, ,b ")
+    assert Settings.from_env().api_keys == ("a", "b")
+    monkeypatch.setenv("ATTN_API_KEYS", "")  # empty (or unset): no authentication, as documented
+    assert Settings.from_env().api_keys == ()

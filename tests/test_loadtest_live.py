@@ -20,7 +20,7 @@ from loadtest.cli import main
 from loadtest.payload import Workload, build_body
 from loadtest.transport import parse_server_timing
 
-from .helpers import ROOT, free_port, tensor
+from .helpers import ROOT, Hostile, free_port, tensor
 
 
 def test_bodies_carry_the_same_tensors_in_both_encodings():
@@ -310,3 +310,98 @@ def test_window_and_gqa_sweep_against_the_live_service(live_server, tmp_path):
     rows = _read_csv(out / "results.csv")
     assert [(r["T"], r["ok"], r["kv_heads"], r["window"]) for r in rows] == [("64", "3", "2", "16,0"), ("128", "3", "2", "16,0")]
     assert "window [16, 0]" in (out / "report.md").read_text()
+
+
+# --- a server that misbehaves: the tool's time and memory stay bounded (attack round three) ---------
+
+
+def _slow_endless_body():
+    """A 200 whose chunked body goes on (1 MiB every 20 ms, 400 MiB in all): each read of it
+    is quick, so a per-read timeout never fires."""
+    yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunk = b"%x\r\n" % 2**20 + b" " * 2**20 + b"\r\n"
+    for _ in range(400):
+        time.sleep(0.02)
+        yield chunk
+    yield b"0\r\n\r\n"
+
+
+def test_an_endless_answer_is_a_timeout_and_is_not_kept():
+    """requests read the whole body into memory, as long as each read came within the timeout: a
+    body that never ends held the worker and took memory without bound. Now the body is read
+    and dropped as it comes (only its head is kept, for an error's detail), by one deadline."""
+    server = Hostile(_slow_endless_body)
+    try:
+        run = run_cell(server.url, b"{}", Load(1, requests=1, timeout_s=1.0, warmup=0))
+        sent = server.sent
+    finally:
+        server.close()
+    assert [(s.status, s.error) for s in run.samples] == [(None, "timeout")]
+    assert sent < 200 * 2**20  # the worker stopped reading long before the end
+
+
+def _trickled_head():
+    """A head sent a byte every 0.2 s (~14 s for all of it)."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    for i in range(len(head)):
+        time.sleep(0.2)
+        yield head[i : i + 1]
+
+
+def test_a_cell_ends_at_its_bounds_whatever_the_server_does():
+    """A request whose answer's head trickles is past any per-read timeout: the cell waited for it
+    however long it took. Now a cell ends by max_seconds + timeout_s (and a grace); a request still
+    unanswered then is abandoned and said so."""
+    server = Hostile(_trickled_head)
+    try:
+        run = run_cell(server.url, b"{}", Load(1, requests=1, timeout_s=0.5, max_seconds=0.5, warmup=0))
+        sent = server.sent
+    finally:
+        server.close()
+    assert sent < 40 and run.samples == [] and "abandoned" in run.capped
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--duration", "nan"], "finite"),
+        (["--max-cell-seconds", "nan"], "finite"),  # no time bound: every cell abandoned at once
+        (["--timeout", "nan"], "finite"),  # a traceback from socket.settimeout
+        (["--timeout", "inf"], "finite"),
+        (["--timeout", "1e308"], "at most 86400"),  # OverflowError from settimeout
+        (["--max-cell-seconds", "1e308"], "at most 86400"),
+        (["--rate", "nan"], "finite"),  # a traceback from the report's plot
+        (["--slo-ms", "nan"], "finite"),  # no cell could fail it, silently
+        (["--early-stop-factor", "inf"], "finite"),
+        (["--T", "16..100000000"], "GiB"),  # the body of T=2**26 alone: 51 GB built in memory
+        (["--T", "64", "--batch", "100000", "--heads", "1000"], "GiB"),
+        (["--concurrency", "1..100000000"], "past 1024"),  # a session and a thread each, 2**26 of them
+    ],
+    ids=lambda x: " ".join(x) if isinstance(x, list) else None,
+)
+def test_numbers_that_bound_nothing_are_usage_errors(args, words, capsys):
+    """Attack round three: NaN and infinity passed `must be positive` (NaN > 0 is false, so is
+    NaN <= 0) and then bounded nothing, or raised a traceback; a T list or workload whose body
+    cannot be built was built until memory ran out. Each is now refused at once (exit 2)."""
+    with pytest.raises(SystemExit) as info:
+        main(["--url", "http://127.0.0.1:9", *args])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_refusal_is_reported_in_printable_words_and_cut():
+    """The server's error code and message went into the progress line (the terminal) and the
+    report as they came: escape sequences drove the terminal, and a 60 KB message was a 60 KB
+    line. Control characters are escaped and the detail cut to DETAIL_CHARS."""
+    message = "\x1b]0;pwned\x07" + "m" * 60_000
+    body = orjson.dumps({"error": {"status": 413, "code": "too_long\x1b[31m", "message": message, "field": None}})
+
+    def answer():
+        yield b"HTTP/1.1 413 Too Large\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    server = Hostile(answer)
+    try:
+        run = run_cell(server.url, b"{}", Load(1, requests=1, timeout_s=5.0))
+    finally:
+        server.close()
+    assert run.refused.startswith("refused: 413 too_long") and "pwned" in run.refused
+    assert not any(c in run.refused for c in "\x1b\x07") and len(run.refused) < 400

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
 import re
 from urllib.parse import urljoin, urlsplit
 
@@ -184,3 +186,34 @@ def test_landing_page_links_resolve(client):
     assert {"docs", "openapi.json", "limits", "v2", "playground"} <= set(urls)
     for url in urls:
         assert client.get(urljoin("/", url)).status_code == 200, url
+
+
+def _csp(resp) -> dict[str, list[str]]:
+    """The Content-Security-Policy header as {directive: [sources]}."""
+    policy = resp.headers.get("Content-Security-Policy", "")
+    return {d.split()[0]: d.split()[1:] for d in policy.split(";") if d.strip()}
+
+
+@pytest.mark.parametrize("path", ["/", "/docs", "/playground"])
+def test_html_pages_carry_a_content_security_policy(client, path):
+    """The HTML pages came with no security header at all (attack round three): any page could be
+    framed (clickjacking the docs' "Try it out"), and nothing stopped a script injected into one
+    from running or loading from elsewhere. Now: scripts from the service only (plus, by hash, the
+    page's own inline script), no plugins, no framing, and nosniff."""
+    resp = client.get(path)
+    assert resp.status_code == 200 and resp.mimetype == "text/html"
+    csp = _csp(resp)
+    assert csp.get("default-src") == ["'self'"] and csp.get("frame-ancestors") == ["'none'"] and csp.get("object-src") == ["'none'"]
+    assert "'unsafe-inline'" not in csp["script-src"] and "'unsafe-eval'" not in csp["script-src"]
+    for script in re.findall(r"<script>(.*?)</script>", resp.get_data(as_text=True), re.S):  # inline: allowed by hash only
+        digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+        assert f"'sha256-{digest}'" in csp["script-src"]
+    assert resp.headers["X-Content-Type-Options"] == "nosniff" and resp.headers["X-Frame-Options"] == "DENY"
+
+
+@pytest.mark.parametrize("path", ["/limits", "/openapi.json", "/no-such-page"])
+def test_json_answers_are_not_sniffed(client, path):
+    """A JSON answer (an error's too, which names what the client sent) is never read as HTML."""
+    resp = client.get(path)
+    assert resp.mimetype == "application/json" and resp.headers["X-Content-Type-Options"] == "nosniff"
+    assert "Content-Security-Policy" not in resp.headers

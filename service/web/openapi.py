@@ -22,7 +22,7 @@ from schemas.fields import Tensor, Window
 from service.config import VERSION, Settings
 from service.wire import WIRE_DTYPES
 
-from .http import MAX_REQUEST_ID, json_response
+from .http import MAX_REQUEST_ID, html_policy, json_response
 
 bp = Blueprint("openapi", __name__)
 
@@ -432,7 +432,9 @@ def openapi_json():
 @bp.get("/docs")
 def docs():
     """Swagger UI for the document; every asset is served from /docs/... by this service."""
-    return Response(DOCS_HTML, mimetype="text/html")
+    resp = Response(DOCS_HTML, mimetype="text/html")
+    resp.headers["Content-Security-Policy"] = DOCS_POLICY
+    return resp
 
 
 @bp.get("/docs/<path:filename>")
@@ -462,7 +464,11 @@ DOCS_HTML = """<!doctype html>
   <div id="swagger-ui"></div>
   <script src="docs/swagger-ui-bundle.js"></script>
   <script src="docs/swagger-ui-standalone-preset.js"></script>
-  <script>
+  <script>{script}</script>
+</body>
+</html>
+"""
+DOCS_SCRIPT = """
     window.ui = SwaggerUIBundle({
       url: "openapi.json",
       dom_id: "#swagger-ui",
@@ -471,10 +477,9 @@ DOCS_HTML = """<!doctype html>
       presets: [SwaggerUIBundle.presets.apis, SwaggerUIStandalonePreset],
       layout: "StandaloneLayout"
     });
-  </script>
-</body>
-</html>
-"""
+  """
+DOCS_HTML = DOCS_HTML.replace("{script}", DOCS_SCRIPT)
+DOCS_POLICY = html_policy(DOCS_SCRIPT)  # the inline script above, by its hash, and no other
 
 LANDING_HTML = """<!doctype html>
 <html lang="en">
