@@ -806,8 +806,8 @@ def test_header(attack_server, case):
     assert status == case.status, (status, body[:300])
     if status is not None:  # every answer has a request id, whoever makes it (the app, the worker, gunicorn's parser)
         assert 0 < len(headers.get("x-request-id", "")) <= 128 and "total;dur=" in headers.get("server-timing", ""), headers
-    if status is not None and status >= 400:  # every refusal is JSON, whoever makes it
-        assert headers["content-type"] == "application/json", (headers, body[:300])
+    if status is not None and status >= 400:  # every refusal is JSON, never sniffed as anything else, whoever makes it
+        assert headers["content-type"] == "application/json" and headers.get("x-content-type-options") == "nosniff", (headers, body[:300])
         err = json.loads(body)["error"]
         if isinstance(err, str):  # the /v2 protocol's shape
             assert err and headers["x-error-code"], (headers, err)

@@ -99,8 +99,8 @@ def error_response(
 ) -> bytes:
     """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS)
     unless given, the body in the shape of the front door path is under (the /v2 protocol's, else
-    the native), and, as every answer has, the request's X-Request-Id (a fresh one if it has none)
-    and Server-Timing (total: since started, time.monotonic() at the request's first byte)."""
+    the native), and, as every answer has, nosniff, the request's X-Request-Id (a fresh one if it
+    has none) and Server-Timing (total: since started, time.monotonic() at the request's first byte)."""
     status = status or errors.status_of(code)
     door = path.partition("?")[0]
     prefix = kserve.bp.url_prefix
@@ -108,6 +108,7 @@ def error_response(
     err = RequestError(code, message)
     body = wire.dumps(shape(err, status))
     headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    headers.append("X-Content-Type-Options: nosniff")  # as the app's answers (http.py)
     headers += [f"{name}: {value}" for name, value in errors.code_headers(err).items()]
     headers.append(f"X-Request-Id: {request_id or http.request_id('')}")
     headers.append(f"Server-Timing: total;dur={(time.monotonic() - started) * 1000 if started else 0.0:.3f}")
