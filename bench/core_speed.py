@@ -14,7 +14,9 @@ of one large request). torch uses its default threads (it ignores ours: no weigh
 sleep between calls (OMP_WAIT_POLICY=PASSIVE): by default its OpenMP threads spin after each call,
 on the two cores the next numpy call needs, and slowed whatever ran after torch (T=64 ~1.7x, T=2048
 ~1.3x, at random). "before" is `git show main:service/core/kernels.py`, imported as a module of
-its own.
+its own; `before=REF` takes it from another commit (say the round's start):
+
+    python -m bench.core_speed small before=6de42b9
 """
 
 from __future__ import annotations
@@ -57,9 +59,12 @@ CASES = [
 ]
 
 
+BEFORE = next((a.partition("=")[2] for a in sys.argv[1:] if a.startswith("before=")), "main")  # the ref "before" is
+
+
 def load_before():
-    """main's kernels.py as a module of its own."""
-    src = subprocess.run(["git", "show", "main:service/core/kernels.py"], capture_output=True, text=True, check=True).stdout
+    """main's kernels.py (or before=REF's) as a module of its own."""
+    src = subprocess.run(["git", "show", f"{BEFORE}:service/core/kernels.py"], capture_output=True, text=True, check=True).stdout
     path = Path(tempfile.mkdtemp(prefix="core-speed-")) / "kernels_main.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("kernels_main", path)
@@ -90,7 +95,7 @@ def mha_small(before, reps: int = 400) -> None:
     x = rng.standard_normal((64, 512), dtype=np.float32)
     wq, wk, wv, wo = ((rng.standard_normal((512, 512)) / np.sqrt(512)).astype(np.float32) for _ in range(4))
     print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; float32; medians")
-    print("| mha n=64 d=512 h=8 | before (main) | after | after / before |")
+    print(f"| mha n=64 d=512 h=8 | before ({BEFORE}) | after | after / before |")
     print("|---|---|---|---|")
     for weights in (False, True):
         runs = {
@@ -145,7 +150,7 @@ def main() -> None:
             rows.append((T, weights, causal, threads, b, a, torch_t))
     unit = lambda s: f"{s * 1e6:,.0f} us" if s < 2e-3 else f"{s * 1e3:,.1f} ms"  # noqa: E731
     print(f"load average {os.getloadavg()[0]:.2f}; numpy {np.__version__}; {dtype.__name__}; medians")
-    print("| T | weights | causal | threads | before (main) | after | after / before | torch SDPA | after / torch |")
+    print(f"| T | weights | causal | threads | before ({BEFORE}) | after | after / before | torch SDPA | after / torch |")
     print("|---|---|---|---|---|---|---|---|---|")
     yes = lambda flag: "yes" if flag else "no"  # noqa: E731
     for T, weights, causal, threads, b, a, t in rows:
