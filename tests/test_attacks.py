@@ -772,6 +772,7 @@ HEADERS = [
         check=lambda h: h["x-error-code"] == "uri_too_long",
     ),
     Raw("host-twice", b"GET /healthz HTTP/1.1\r\nHost: x\r\nHost: y\r\n\r\n", 400, "bad_request"),
+    Raw("bare-lf-head", b"GET /healthz HTTP/1.1\nHost: x\n\n", 400, "bad_framing"),  # at once, not 408 after the header timeout
     Raw("expect-unknown", http_request(headers={**JSON, "Expect": "200-ok"}, body=SEED_BYTES), 417, "expectation_failed"),
     Raw(
         "request-id-echoed-by-the-worker-413",

@@ -72,6 +72,8 @@ def test_head_facts():
         b"POST / HTTP/1.1\r\nContent-Length: 0x10\r\n\r\n",
         b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # not hex
         b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY",  # no CRLF after the data
+        b"GET /healthz HTTP/1.1\nHost: x\n\n",  # lines ended in a bare LF
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\n\n",  # the last one only
     ],
 )
 def test_unframeable_requests_are_malformed(data):
@@ -143,6 +145,16 @@ def test_method_and_path_are_known_before_the_head_ends(step):
     data = b"\r\nPOST /v2/models/attention/infer HTTP/1.1\r\nHost: x\r\nX-Slow: "
     verdict, scanner = scan_growing(data, step, scanner)
     assert verdict.kind == NEED_MORE and (scanner.method, scanner.path) == ("POST", "/v2/models/attention/infer")
+
+
+@pytest.mark.parametrize("step", [1, 2, 5])
+def test_a_bare_lf_head_is_malformed_however_it_arrives(step):
+    """Seen whole or a byte at a time, LF LF ends the scan at once (before, it waited for a CR LF
+    CR LF that never came: 408 after the header timeout); a body's LF LF is not a head's."""
+    verdict, _ = scan_growing(b"GET /healthz HTTP/1.1\nHost: x\n\n", step)
+    assert verdict.kind == MALFORMED and "bare LF" in verdict.reason
+    verdict, _ = scan_growing(post(b"\n\n{}\n\n"), step)
+    assert verdict.kind == COMPLETE
 
 
 def test_a_body_of_more_chunks_than_the_limit_is_malformed():

@@ -65,7 +65,12 @@ class RequestScanner:
         """None once the head is complete (and understood); otherwise the verdict."""
         idx = buf.find(b"\r\n\r\n", max(0, self._searched - 3))
         if idx < 0:
+            # LF LF before any CR LF CR LF: lines ended in a bare LF, which RFC 9112 section 2.2 lets
+            # a server refuse. Waited for, such a head never ended: 408 after the header timeout.
+            bare = buf.find(b"\n\n", max(0, self._searched - 1))
             self._searched = len(buf)
+            if bare >= 0:
+                return Verdict(MALFORMED, reason="the head's lines end in a bare LF; HTTP/1.1 ends each line in CR LF")
             self._scan_request_line(buf)
             return Verdict(HEAD_TOO_LARGE if len(buf) > self.max_head else NEED_MORE)
         if idx + 4 > self.max_head:
