@@ -5,8 +5,10 @@
 a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
 numeric core's blocks (a few numpy calls; a request is at least one block). The score elements
 also count q and out's elements (scaled, divided) and a quarter of k and v's (read for bounds),
-all of a request's time where S or T is tiny (schemas.jobs.Work). Counting blocks
-matters for small causal requests without weights, which the core cuts into many thin blocks.
+all of a request's time where S or T is tiny (schemas.jobs.Work). Counting blocks matters for
+causal requests without weights past the small path's one block (2**19 float32 scores, half as
+many float64: T=256 over 8 heads in float32), which the core cuts into at least 16 thin row
+blocks (core.block_count).
 calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
 second or two); observe() refines them from computed requests by a small weighted least squares.
 
