@@ -41,8 +41,10 @@ UNKNOWN_LENGTH_PIECE = 2**20  # a body of no declared length is read in pieces o
 
 class TransportError(Exception):
     """No answer: kind "connection_error" (refused, reset, closed, DNS, connect timeout; worth a
-    retry), "timeout" (connected, but the whole answer did not come within the timeout) or "bad_response" (an answer
-    that cannot be read: a Content-Length past MAX_ANSWER_BYTES or more than this process can hold)."""
+    retry), "timeout" (connected, but the request was not sent and its whole answer read within
+    the timeout) or "bad_response" (an answer that cannot be read, not retried: a head http.client
+    refuses, a Content-Length past MAX_ANSWER_BYTES or more than this process can hold, a body of no
+    declared length that runs past MAX_ANSWER_BYTES)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -177,7 +179,7 @@ class Pool:
                 resp.close()  # its file holds the socket open (sock.close() waits for it) while the error is alive
                 raise
         except TimeoutError as exc:
-            raise TransportError("timeout", f"{method} {url} got no answer within {self.timeout} s.") from exc
+            raise TransportError("timeout", f"{method} {url} got no whole answer within {self.timeout} s.") from exc
         except (OSError, http.client.HTTPException) as exc:  # reset, closed, broken pipe, truncated
             if isinstance(exc, UNREADABLE_HEAD) or type(exc) is http.client.HTTPException:  # answered, unreadably: no retry helps
                 raise TransportError("bad_response", f"{method} {url} got an answer whose head cannot be read: {exc!r}") from exc
