@@ -380,6 +380,16 @@ LIES = {
         _v2_binary_answer(b'{"outputs":[{"name":"out","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":-4}}]}'),
         ["binary"],
     ),
+    # A size that is not a whole number of items: out took the whole items in it and the weights
+    # were read from 2 bytes later, misaligned (returned as the answer).
+    "binary-data-size-not-whole-items": (
+        _v2_binary_answer(
+            b'{"outputs":[{"name":"out","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":6}},'
+            b'{"name":"weights","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":4}}]}',
+            b"\0\0\x80\x40\0\0\0\0\x80\x3f",
+        ),
+        ["binary"],
+    ),
     "weights-of-another-shape": (
         _ok(b'{"out":{"shape":[1,1],"dtype":"float32","data":[4.0]},"weights":{"shape":[1,3],"dtype":"float32","data":[1,0,0]}}'),
         ["json"],
@@ -970,8 +980,9 @@ def test_an_api_key_that_would_break_the_request_head_is_refused(api_key):
     """The client writes its request head itself: a key holding CR LF (from an environment variable
     or a file with a trailing line) added a header of the key's choosing to every request
     (http.client refuses such a value; this head did not). Now ValueError when the client is made."""
-    with pytest.raises(ValueError, match="api_key|header"):
+    with pytest.raises(ValueError, match="api_key|header") as info:
         AttentionClient("http://127.0.0.1:9", api_key=api_key)
+    assert not any(form in str(info.value) for form in (api_key, repr(api_key)[1:-1]))  # a secret: not repeated, as is or escaped
 
 
 def test_cli_does_not_write_a_servers_control_characters_to_the_terminal(tmp_path):
