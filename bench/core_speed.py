@@ -21,18 +21,14 @@ its own; `before=REF` takes it from another commit (say the round's start):
 
 from __future__ import annotations
 
-import os
-import sys
+from bench.garbage import rerun_with_core_bench_env
 
-from bench.garbage import WORKER_MALLOC_ENV
-
-BENCH_ENV = {**WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-if any(os.environ.get(k) != v for k, v in BENCH_ENV.items()):
-    env = {**os.environ, **BENCH_ENV}  # read at process start: run again with them
-    os.execve(sys.executable, [sys.executable, "-m", "bench.core_speed", *sys.argv[1:]], env)
+rerun_with_core_bench_env("bench.core_speed")
 
 import importlib.util  # noqa: E402
+import os  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
