@@ -238,7 +238,7 @@ class CostModel:
             return
         alone = min(cpu_ms, ms) if cpu_ms is not None and cpu_ms > 0 else ms
         with self._lock:
-            if work.fitted:  # a bias, ALiBi, a mask or key_lengths: predicted by the fit, not taught to it
+            if work.fitted:  # not with a bias, ALiBi, a mask or key_lengths: those are predicted by the fit, not taught to it
                 fit = self._fits[work.dtype]
                 x = work.features()
                 fit.add(x, self._bounded(fit, x, alone))
