@@ -4,6 +4,7 @@ requests against a server with small limits, retries (against a local stub), err
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -1014,3 +1015,16 @@ def test_cli_does_not_write_a_servers_control_characters_to_the_terminal(tmp_pat
         server.server_close()
     assert proc.returncode == 1 and "pwned" in proc.stderr
     assert not any(c in proc.stderr for c in "\x1b\x07\r") and proc.stderr.count("\n") == 1
+
+
+def test_the_hostile_server_ends_when_its_client_closes_early():
+    """tests.helpers.Hostile, which these tests share: a client that closes before its head ends
+    (a refused setting, a timeout while sending) ended a read loop that then spun on recv's b""
+    for ever, a thread burning a core for the rest of the run."""
+    server = Hostile(lambda: iter([b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"]))
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=30) as sock:
+        sock.sendall(b"POST /attention HTTP/1.1\r\nHost: x\r\n")  # half a head, then the close
+    server.thread.join(timeout=30)  # it ends of itself: the timeout only stops a hang
+    alive = server.thread.is_alive()
+    server.close()
+    assert not alive and server.sent == 0
