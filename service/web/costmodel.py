@@ -18,8 +18,8 @@ passes over every score, and key_lengths cut the keys the core computes: their w
 (schemas.jobs.Work) counts the keys computed and a measured factor over the plain time
 (EXTRA_COST), and it is marked fitted=False: predicted with the coefficients plain traffic
 teaches, but never taught to them. Fed to the fit, a hundred ALiBi requests moved every plain
-request's prediction up to 2.3x, a hundred key_lengths=1 requests (cheap, counted in full) down to
-0.2x; a client's stream of such work now leaves plain predictions where they were. And once
+request's prediction up to 2.4x, a hundred key_lengths=1 requests (cheap, counted in full) down to
+0.25x (bench/README.md); a client's stream of such work now leaves plain predictions where they were. And once
 calibrated, each observation teaches at most MAX_PULL x or 1/MAX_PULL of what the calibrated
 coefficients predict for it: relative error weighs a request measured at a hundredth of its
 prediction at a residual of 99, so any request far cheaper than its features say (a kind they
