@@ -214,6 +214,21 @@ def test_plan_is_even_and_covers_everything():
     assert _split.plan(1, 1, lambda b, t: False) is None
 
 
+@pytest.mark.parametrize(
+    ("n_lead", "n_rows"), [(_split.MAX_BLOCKS + 1, 1), (2, _split.MAX_BLOCKS // 2 + 1)], ids=["by-leading-indices", "by-rows"]
+)
+def test_plan_gives_up_past_max_blocks(n_lead, n_rows):
+    """Limits that fit one row of one leading index: both ways of splitting stop at MAX_BLOCKS
+    blocks (None: the request goes whole); one fewer leading index or row, and the plan is made."""
+
+    def fits(b, t):
+        return b == 1 and t == 1
+
+    assert _split.plan(n_lead, n_rows, fits) is None
+    fewer = (n_lead - 1, n_rows) if n_rows == 1 else (n_lead, n_rows - 1)
+    assert len(_split.plan(*fewer, fits)) <= _split.MAX_BLOCKS
+
+
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 def test_causal_rows_are_the_full_masks_rows(align):
     full = core.causal_mask(7, 11, align)
