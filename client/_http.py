@@ -6,7 +6,9 @@ the client slower than tritonclient end to end, and it reads a body in 10 KiB pi
 the end (one more copy of 34 MB at T=1024 with weights). Here a request's head and its body's
 parts (the JSON head, then each tensor's buffer as it lies in memory) go in one gathered send
 (sendmsg: no copy, no write per part), and the answer's body is read once, straight into one
-preallocated buffer that numpy then views. bench/client_wire.py measures the result.
+preallocated buffer that numpy then views (a body of no declared length: in counted pieces, up
+to MAX_ANSWER_BYTES). bench/client_wire.py measures the result. One deadline, the timeout after
+the request starts, bounds the whole exchange: every send and receive gets the time left.
 """
 
 from __future__ import annotations
