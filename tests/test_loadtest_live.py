@@ -388,6 +388,16 @@ def test_numbers_that_bound_nothing_are_usage_errors(args, words, capsys):
     assert info.value.code == 2 and words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("key", ["key\r\nX-Injected: 1", "key\n", "clé"])
+def test_an_api_key_that_cannot_be_sent_is_a_usage_error(key, capsys):
+    """requests refuses such a header value at each request: every request of the sweep was
+    counted a connection error, with nothing saying why. Now exit 2 at once, the key not repeated."""
+    with pytest.raises(SystemExit) as info:
+        main(["--url", "http://127.0.0.1:9", "--api-key", key])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--api-key must be printable ASCII" in err and not any(form in err for form in (key, repr(key)[1:-1]))
+
+
 def test_a_refusal_is_reported_in_printable_words_and_cut():
     """The server's error code and message went into the progress line (the terminal) and the
     report as they came: escape sequences drove the terminal, and a 60 KB message was a 60 KB
