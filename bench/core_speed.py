@@ -1,6 +1,6 @@
 """The numeric core's speed in-process: main's core (before) against this tree's (after) against
 torch's scaled_dot_product_attention, B=1, H=8, d=64, S=T, causal (and at T=4096 also not),
-float32, each implementation once per repetition in a random order, medians.
+float32 (float64 if asked), each implementation once per repetition in a random order, medians.
 
     python -m bench.core_speed          # ~60-90 s; prints a markdown table
     python -m bench.core_speed small    # T <= 256 only (the one-block path), ~20 s
@@ -21,18 +21,14 @@ its own; `before=REF` takes it from another commit (say the round's start):
 
 from __future__ import annotations
 
-import os
-import sys
+from bench.garbage import rerun_with_core_bench_env
 
-from bench.garbage import WORKER_MALLOC_ENV
-
-BENCH_ENV = {**WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-if any(os.environ.get(k) != v for k, v in BENCH_ENV.items()):
-    env = {**os.environ, **BENCH_ENV}  # read at process start: run again with them
-    os.execve(sys.executable, [sys.executable, "-m", "bench.core_speed", *sys.argv[1:]], env)
+rerun_with_core_bench_env("bench.core_speed")
 
 import importlib.util  # noqa: E402
+import os  # noqa: E402
 import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
@@ -120,8 +116,8 @@ def main() -> None:
     rng, order = np.random.default_rng(0), np.random.default_rng(1)
     rows = []
     cases = [c for c in CASES if c[0] <= 256] if "small" in sys.argv[1:] else CASES
+    dtype = np.float64 if "float64" in sys.argv[1:] else np.float32
     for T, weights, causal, reps in cases:
-        dtype = np.float64 if "float64" in sys.argv[1:] else np.float32
         q, k, v = (rng.standard_normal((1, 8, T, 64), dtype=dtype) for _ in range(3))
         runs = {
             (name, threads): partial(core.attention, q, k, v, causal=causal, return_weights=weights, threads=threads, pool=pool)

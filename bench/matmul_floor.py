@@ -21,15 +21,11 @@ thread, the worker's allocator settings). Needs torch (requirements-bench or `pi
 
 from __future__ import annotations
 
-import os
-import sys
+from bench.garbage import rerun_with_core_bench_env
 
-from bench.garbage import WORKER_MALLOC_ENV
+rerun_with_core_bench_env("bench.matmul_floor")  # as bench.core_speed runs the core
 
-BENCH_ENV = {**WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}  # bench/core_speed.py's
-if any(os.environ.get(k) != v for k, v in BENCH_ENV.items()):
-    os.execve(sys.executable, [sys.executable, "-m", "bench.matmul_floor", *sys.argv[1:]], {**os.environ, **BENCH_ENV})
-
+import os  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import threading  # noqa: E402

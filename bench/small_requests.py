@@ -106,16 +106,16 @@ def main(argv: list[str] | None = None) -> None:
     servers = {}
     try:
         for name, tree in trees:
-            argv = [sys.executable, "-m", "service"]
+            command = [sys.executable, "-m", "service"]
             if name == "floor":  # as `python -m service` runs gunicorn (its config, its environment), another app
-                argv = [sys.executable, "-m", "gunicorn", "--config", str(service_main.CONF), "bench.floor_app:create_app()"]
+                command = [sys.executable, "-m", "gunicorn", "--config", str(service_main.CONF), "bench.floor_app:create_app()"]
             for n in args.workers:
                 key = f"{name} {n}w"
                 env = {"WEB_CONCURRENCY": str(n)}
                 env = service_main.environment(env) if name == "floor" else env
                 if n * (2 + 4) < args.connections:  # the default slots per worker: 2 computing + 4 queued
                     env["ATTN_MAX_QUEUE"] = str(-(-args.connections // n) - 2)  # room for every connection: no 503 by design
-                servers[key] = Server(key.replace(" ", "-"), argv, env, cwd=tree, inherit_settings=False)
+                servers[key] = Server(key.replace(" ", "-"), command, env, cwd=tree, inherit_settings=False)
         for server in servers.values():
             server.wait_ready(in_a_row=8)
         runs = {

@@ -80,6 +80,8 @@ class AttentionClient:
         self.max_workers, self.backoff, self.max_retry_after, self.split = max_workers, backoff, max_retry_after, split
         headers = {"Accept": "application/json", "User-Agent": "attention-client/2"}
         if api_key:
+            if not (isinstance(api_key, str) and api_key.isascii() and api_key.isprintable()):  # the key itself is not repeated
+                raise ValueError("api_key must be printable ASCII: no CR, LF, other control or non-ASCII character")
             headers["Authorization"] = f"Bearer {api_key}"
         self._http = Pool(self.base_url, timeout, max(1, max_workers), headers)
         self._limits: dict | None = None

@@ -6,7 +6,9 @@ the client slower than tritonclient end to end, and it reads a body in 10 KiB pi
 the end (one more copy of 34 MB at T=1024 with weights). Here a request's head and its body's
 parts (the JSON head, then each tensor's buffer as it lies in memory) go in one gathered send
 (sendmsg: no copy, no write per part), and the answer's body is read once, straight into one
-preallocated buffer that numpy then views. bench/client_wire.py measures the result.
+preallocated buffer that numpy then views (a body of no declared length: in counted pieces, up
+to MAX_ANSWER_BYTES). bench/client_wire.py measures the result. One deadline, the timeout after
+the request starts, bounds the whole exchange: every send and receive gets the time left.
 """
 
 from __future__ import annotations
@@ -41,8 +43,10 @@ UNKNOWN_LENGTH_PIECE = 2**20  # a body of no declared length is read in pieces o
 
 class TransportError(Exception):
     """No answer: kind "connection_error" (refused, reset, closed, DNS, connect timeout; worth a
-    retry), "timeout" (connected, but the whole answer did not come within the timeout) or "bad_response" (an answer
-    that cannot be read: a Content-Length past MAX_ANSWER_BYTES or more than this process can hold)."""
+    retry), "timeout" (connected, but the request was not sent and its whole answer read within
+    the timeout) or "bad_response" (an answer that cannot be read, not retried: a head http.client
+    refuses, a Content-Length past MAX_ANSWER_BYTES or more than this process can hold, a body of no
+    declared length that runs past MAX_ANSWER_BYTES)."""
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
@@ -177,7 +181,7 @@ class Pool:
                 resp.close()  # its file holds the socket open (sock.close() waits for it) while the error is alive
                 raise
         except TimeoutError as exc:
-            raise TransportError("timeout", f"{method} {url} got no answer within {self.timeout} s.") from exc
+            raise TransportError("timeout", f"{method} {url} got no whole answer within {self.timeout} s.") from exc
         except (OSError, http.client.HTTPException) as exc:  # reset, closed, broken pipe, truncated
             if isinstance(exc, UNREADABLE_HEAD) or type(exc) is http.client.HTTPException:  # answered, unreadably: no retry helps
                 raise TransportError("bad_response", f"{method} {url} got an answer whose head cannot be read: {exc!r}") from exc

@@ -242,6 +242,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
     if args.duration is not None and args.duration > args.max_cell_seconds:
         parser.error("--duration must not exceed --max-cell-seconds")
+    if args.api_key and not (args.api_key.isascii() and args.api_key.isprintable()):  # the key itself is not repeated
+        parser.error("--api-key must be printable ASCII: no CR, LF, other control or non-ASCII character")
     if max(args.concurrency) > MAX_CONCURRENCY:
         parser.error(f"--concurrency {max(args.concurrency)} is past {MAX_CONCURRENCY}: each is a thread and a connection")
     heads = args.heads + 2 * (args.kv_heads or args.heads)  # q's, and k's and v's

@@ -288,9 +288,10 @@ def set_blocks(monkeypatch, elements: int, rows: int) -> None:
 
 
 class Hostile:
-    """One loopback connection at a time: reads a request's head and its Content-Length body, then
+    """One loopback connection: reads a request's head and its Content-Length body (if any), then
     runs answer(conn), which writes what it likes in a loop bounded in count. `sent` counts the
-    bytes the client took before it closed (a send that fails ends the answer)."""
+    bytes the client took before it closed (a send that fails ends the answer); a client that
+    closes before its request is whole gets no answer."""
 
     def __init__(self, answer):
         self.answer, self.sent = answer, 0
@@ -305,11 +306,16 @@ class Hostile:
             with conn:
                 data = b""
                 while b"\r\n\r\n" not in data:
-                    data += conn.recv(65536)
+                    data += (piece := conn.recv(65536))
+                    if not piece:  # closed before its head ended: recv would return b"" forever
+                        return
                 head, body = data.split(b"\r\n\r\n", 1)
-                length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+                declared = re.search(rb"Content-Length: (\d+)", head, re.IGNORECASE)
+                length = int(declared.group(1)) if declared else 0  # a GET has none
                 while len(body) < length:
-                    body += conn.recv(65536)
+                    body += (piece := conn.recv(65536))
+                    if not piece:
+                        return
                 for piece in self.answer():
                     conn.sendall(piece)
                     self.sent += len(piece)

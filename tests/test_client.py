@@ -4,6 +4,7 @@ requests against a server with small limits, retries (against a local stub), err
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -213,6 +214,21 @@ def test_plan_is_even_and_covers_everything():
     assert _split.plan(1, 1, lambda b, t: False) is None
 
 
+@pytest.mark.parametrize(
+    ("n_lead", "n_rows"), [(_split.MAX_BLOCKS + 1, 1), (2, _split.MAX_BLOCKS // 2 + 1)], ids=["by-leading-indices", "by-rows"]
+)
+def test_plan_gives_up_past_max_blocks(n_lead, n_rows):
+    """Limits that fit one row of one leading index: both ways of splitting stop at MAX_BLOCKS
+    blocks (None: the request goes whole); one fewer leading index or row, and the plan is made."""
+
+    def fits(b, t):
+        return b == 1 and t == 1
+
+    assert _split.plan(n_lead, n_rows, fits) is None
+    fewer = (n_lead - 1, n_rows) if n_rows == 1 else (n_lead, n_rows - 1)
+    assert len(_split.plan(*fewer, fits)) <= _split.MAX_BLOCKS
+
+
 @pytest.mark.parametrize("align", ["top_left", "bottom_right"])
 def test_causal_rows_are_the_full_masks_rows(align):
     full = core.causal_mask(7, 11, align)
@@ -378,6 +394,16 @@ LIES = {
     ),
     "binary-data-size-negative": (
         _v2_binary_answer(b'{"outputs":[{"name":"out","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":-4}}]}'),
+        ["binary"],
+    ),
+    # A size that is not a whole number of items: out took the whole items in it and the weights
+    # were read from 2 bytes later, misaligned (returned as the answer).
+    "binary-data-size-not-whole-items": (
+        _v2_binary_answer(
+            b'{"outputs":[{"name":"out","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":6}},'
+            b'{"name":"weights","datatype":"FP32","shape":[1,1],"parameters":{"binary_data_size":4}}]}',
+            b"\0\0\x80\x40\0\0\0\0\x80\x3f",
+        ),
         ["binary"],
     ),
     "weights-of-another-shape": (
@@ -970,8 +996,9 @@ def test_an_api_key_that_would_break_the_request_head_is_refused(api_key):
     """The client writes its request head itself: a key holding CR LF (from an environment variable
     or a file with a trailing line) added a header of the key's choosing to every request
     (http.client refuses such a value; this head did not). Now ValueError when the client is made."""
-    with pytest.raises(ValueError, match="api_key|header"):
+    with pytest.raises(ValueError, match="api_key") as info:  # the argument's name, not the header it goes into
         AttentionClient("http://127.0.0.1:9", api_key=api_key)
+    assert not any(form in str(info.value) for form in (api_key, repr(api_key)[1:-1]))  # a secret: not repeated, as is or escaped
 
 
 def test_cli_does_not_write_a_servers_control_characters_to_the_terminal(tmp_path):
@@ -1003,3 +1030,16 @@ def test_cli_does_not_write_a_servers_control_characters_to_the_terminal(tmp_pat
         server.server_close()
     assert proc.returncode == 1 and "pwned" in proc.stderr
     assert not any(c in proc.stderr for c in "\x1b\x07\r") and proc.stderr.count("\n") == 1
+
+
+def test_the_hostile_server_ends_when_its_client_closes_early():
+    """tests.helpers.Hostile, which these tests share: a client that closes before its head ends
+    (a refused setting, a timeout while sending) ended a read loop that then spun on recv's b""
+    for ever, a thread burning a core for the rest of the run."""
+    server = Hostile(lambda: iter([b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"]))
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=30) as sock:
+        sock.sendall(b"POST /attention HTTP/1.1\r\nHost: x\r\n")  # half a head, then the close
+    server.thread.join(timeout=30)  # it ends of itself: the timeout only stops a hang
+    alive = server.thread.is_alive()
+    server.close()
+    assert not alive and server.sent == 0

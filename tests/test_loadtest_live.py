@@ -18,7 +18,7 @@ import pytest
 from loadtest.cell import Load, run_cell, summarize
 from loadtest.cli import main
 from loadtest.payload import Workload, build_body
-from loadtest.transport import parse_server_timing
+from loadtest.transport import LIMITS_BYTES, fetch_limits, parse_server_timing
 
 from .helpers import ROOT, Hostile, free_port, tensor
 
@@ -388,6 +388,16 @@ def test_numbers_that_bound_nothing_are_usage_errors(args, words, capsys):
     assert info.value.code == 2 and words in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("key", ["key\r\nX-Injected: 1", "key\n", "clé"])
+def test_an_api_key_that_cannot_be_sent_is_a_usage_error(key, capsys):
+    """requests refuses such a header value at each request: every request of the sweep was
+    counted a connection error, with nothing saying why. Now exit 2 at once, the key not repeated."""
+    with pytest.raises(SystemExit) as info:
+        main(["--url", "http://127.0.0.1:9", "--api-key", key])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--api-key must be printable ASCII" in err and not any(form in err for form in (key, repr(key)[1:-1]))
+
+
 def test_a_refusal_is_reported_in_printable_words_and_cut():
     """The server's error code and message went into the progress line (the terminal) and the
     report as they came: escape sequences drove the terminal, and a 60 KB message was a 60 KB
@@ -405,3 +415,20 @@ def test_a_refusal_is_reported_in_printable_words_and_cut():
         server.close()
     assert run.refused.startswith("refused: 413 too_long") and "pwned" in run.refused
     assert not any(c in run.refused for c in "\x1b\x07") and len(run.refused) < 400
+
+
+@pytest.mark.parametrize("pad", [1000, LIMITS_BYTES], ids=["the service's size", "past the bound"])
+def test_limits_are_read_up_to_a_bound(pad):
+    """GET /limits (for the report) read a body of any size whole into memory: one past
+    LIMITS_BYTES is not the service's (~1 KB) and is not read, nor reported."""
+    body = orjson.dumps({"version": "x", "pad": "a" * pad})
+
+    def answer():
+        yield b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+    server = Hostile(answer)
+    try:
+        limits = fetch_limits(server.url)
+    finally:
+        server.close()
+    assert (limits is not None) == (len(body) <= LIMITS_BYTES), limits if limits is None else limits["version"]

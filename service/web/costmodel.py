@@ -5,8 +5,10 @@
 a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
 numeric core's blocks (a few numpy calls; a request is at least one block). The score elements
 also count q and out's elements (scaled, divided) and a quarter of k and v's (read for bounds),
-all of a request's time where S or T is tiny (schemas.jobs.Work). Counting blocks
-matters for small causal requests without weights, which the core cuts into many thin blocks.
+all of a request's time where S or T is tiny (schemas.jobs.Work). Counting blocks matters for
+causal requests without weights past the small path's one block (2**19 float32 scores, half as
+many float64: T=256 over 8 heads in float32), which the core cuts into at least 16 thin row
+blocks (core.block_count).
 calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
 second or two); observe() refines them from computed requests by a small weighted least squares.
 
@@ -16,8 +18,8 @@ passes over every score, and key_lengths cut the keys the core computes: their w
 (schemas.jobs.Work) counts the keys computed and a measured factor over the plain time
 (EXTRA_COST), and it is marked fitted=False: predicted with the coefficients plain traffic
 teaches, but never taught to them. Fed to the fit, a hundred ALiBi requests moved every plain
-request's prediction up to 2.3x, a hundred key_lengths=1 requests (cheap, counted in full) down to
-0.2x; a client's stream of such work now leaves plain predictions where they were. And once
+request's prediction up to 2.4x, a hundred key_lengths=1 requests (cheap, counted in full) down to
+0.25x (bench/README.md); a client's stream of such work now leaves plain predictions where they were. And once
 calibrated, each observation teaches at most MAX_PULL x or 1/MAX_PULL of what the calibrated
 coefficients predict for it: relative error weighs a request measured at a hundredth of its
 prediction at a residual of 99, so any request far cheaper than its features say (a kind they
@@ -236,7 +238,7 @@ class CostModel:
             return
         alone = min(cpu_ms, ms) if cpu_ms is not None and cpu_ms > 0 else ms
         with self._lock:
-            if work.fitted:  # a bias, ALiBi, a mask or key_lengths: predicted by the fit, not taught to it
+            if work.fitted:  # not with a bias, ALiBi, a mask or key_lengths: those are predicted by the fit, not taught to it
                 fit = self._fits[work.dtype]
                 x = work.features()
                 fit.add(x, self._bounded(fit, x, alone))

@@ -4,10 +4,10 @@ The event-loop front (service/web/worker.py) buffers a whole request before a th
 must know when the request is complete: after the head, Content-Length bytes, or a chunked body
 up to its last chunk and trailers. This module only finds that boundary; gunicorn's parser, in
 the thread, still parses and validates the request. Anything this scanner cannot frame (both
-Content-Length and Transfer-Encoding, a bad length, chunked not last, a bad chunk line) is
-MALFORMED and a transfer coding other than chunked is NOT_IMPLEMENTED (RFC 9112 sections 6.1 and
-6.3): the front answers those itself, 400 or 501, and closes the connection; they never reach a
-thread.
+Content-Length and Transfer-Encoding, a bad length, chunked not last, a bad chunk line, more
+than MAX_CHUNKS chunks) is MALFORMED and a transfer coding other than chunked is
+NOT_IMPLEMENTED (RFC 9112 sections 6.1 and 6.3): the front answers those itself, 400 or 501, and
+closes the connection; they never reach a thread.
 
 Pure: no sockets, no clocks. A scanner is fed the same growing buffer again and again and resumes
 where it stopped, so scanning a body costs O(bytes) in total, however it trickles in."""
