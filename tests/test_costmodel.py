@@ -161,6 +161,20 @@ def test_a_calibrated_model_predicts_finite_positive_times_that_grow_with_T():
         assert by_T == sorted(by_T) and len(set(by_T)) == len(by_T), (case, by_T)  # strictly growing with T
 
 
+def test_a_calibrated_model_counts_a_blocks_fixed_cost():
+    """A tiny request (a few numbers) costs the core's fixed cost of one block, a fifth of T=64's
+    time over 8 heads here: calibrated, its prediction is not ~0 (the calibration had no tiny
+    shape, c fitted to ~0, a 2x2 request was predicted at 0.000 ms against ~0.035 measured, and
+    MAX_PULL then kept any observation from teaching otherwise)."""
+    schema = AttentionRequest(Settings())
+    rng = np.random.default_rng(5)
+    with threadpool_limits(limits=1, user_api="blas"):
+        model = CostModel()
+        model.calibrate(1.5)
+    tiny, t64 = (schema.load({name: b64(rng.standard_normal(shape)) for name in "qkv"}) for shape in ((1, 1, 2, 2), (1, 8, 64, 64)))
+    assert model.c > 0 and model.predict_job(tiny) >= 0.05 * model.predict_job(t64), model.coefficients()
+
+
 def test_causal_share():
     assert causal_share(4, 4, False) == 1.0
     assert causal_share(4, 4, "top_left") == pytest.approx(10 / 16)  # 1 + 2 + 3 + 4 of 16

@@ -322,6 +322,7 @@ class CostModel:
 
 # (dtype, shape, kind): attention shapes are (B, H, T, d); mha is (n, d, heads).
 CALIBRATION = [
+    ("float32", (1, 1, 16, 16), "attention"),  # tiny: almost all c, a block's fixed cost (without it c fitted to ~0)
     ("float32", (1, 8, 64, 64), "attention"),
     ("float32", (1, 8, 256, 64), "attention"),
     ("float32", (1, 8, 128, 64), "causal, no weights"),
