@@ -279,7 +279,7 @@ class CostModel:
             self._split[threads] = _running_mean(self._split.get(threads, 1.0), share)
 
     def calibrate(self, budget_s: float = 1.5, seed: int = 0) -> None:
-        """Time the numeric core on a few shapes (T 64..2048, narrow and wide heads, the GPT block)
+        """Time the numeric core on a few shapes (a tiny one, T 64..2048, narrow and wide heads, the GPT block)
         and fit to them; stops early when the budget is spent. The fit then anchors the ridge."""
         rng = np.random.default_rng(seed)
         start = time.perf_counter()
