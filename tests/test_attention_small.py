@@ -155,3 +155,19 @@ def test_a_small_problem_is_one_block_while_its_scores_fit_2_mib(monkeypatch, dt
     itemsize = np.dtype(dtype).itemsize
     assert len(calls) == core.block_count(8, 256, 256, True, itemsize=itemsize) == (1 if itemsize == 4 else 16)
     assert core.score_count(8, 256, 256, True, itemsize=itemsize) == (8 * 256 * 256 if itemsize == 4 else 8 * 16 * 16 * 136)
+
+
+@pytest.mark.parametrize("dtype, score, value", [(np.float32, -50.0, 1e-25), (np.float64, -600.0, 1e-65)])
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_tiny_values_under_a_small_row_sum_keep_their_precision(dtype, score, value, return_weights):
+    """A row whose scores are all far below 0 sums to ~exp(score), above SUM_FLOOR: unshifted, each
+    exp(s) v of values ~1e-25 (float64: 1e-65) underflowed (to 0, or a denormal of a few bits)
+    before the division, so out came back 0 or percents off where the textbook gives v exactly."""
+    T = 4
+    q = np.full((2, T, 1), score, dtype)  # every score of every row is `score` (k = 1, scale 1)
+    k = np.ones((2, T, 1), dtype)
+    v = (value * np.linspace(1, 2, 2 * T * 3).reshape(2, T, 3)).astype(dtype)
+    v[1] *= 1e20  # the other item: ordinary products, kept unshifted
+    out, w = attention(q, k, v, causal=True, scale=1.0, return_weights=return_weights)
+    expect_out, _ = reference(q, k, v, causal=True, scale=1.0)
+    np.testing.assert_allclose(out, expect_out, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=0)

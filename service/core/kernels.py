@@ -66,6 +66,13 @@ COPY_KEYS = 64  # up to this many keys, a small problem's q kᵀ reads a scaled 
 # underflowed (each off by at most the dtype's smallest normal) move the sum of up to 2**20 keys
 # by under 2**-20 of an ulp. float16 (no room at all) keeps the blocks' path.
 SUM_FLOOR = {np.float32: np.finfo(np.float32).tiny * 2.0**40, np.float64: np.finfo(np.float64).tiny * 2.0**40}
+# A row summing below this also has its exp(s) v checked (_faint): unshifted, those products lie
+# below v by the sum's factor, so values of ~1e-25 underflowed before the division (out 0 where the
+# textbook gives v). Above it, a product can underflow only where |v| is below ~1e-24 (float32;
+# float64: ~1e-290), and then by under 2**-30 of v (its relative error: S * the smallest
+# denormal / (sum * max |v|)). Not 1: a causal row 0 sums below 1 about half the time, and the
+# check cost ~5-15% of a T=64 problem there; rows summing below 2**-20 (all scores under ~-14) are rare.
+FAINT_SUM = 2.0**-20
 
 
 class ScoreOverflow(ArithmeticError):
@@ -678,8 +685,9 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     from 128 keys on, not), else over q's scaled copy; base 2 with log2(e) folded into q's scale (exp2 runs ~0.6x exp's time; a bias or ALiBi keeps
     base e); the mask applied after exp as exact zeros (exp of -inf runs ~3-5x slower than of a
     finite score); the row sums by a GEMV. A row keeps that result when its sum lies in
-    [SUM_FLOOR, finite) and its output is finite: then no term overflowed and the terms that
-    underflowed cannot matter. Any other row (scores too large or too small, values that
+    [SUM_FLOOR, finite), its output is finite and, where the sum is below FAINT_SUM, its exp(s) v
+    (out times the sum) is above SUM_FLOOR at its largest: then no term overflowed and the terms (and
+    products exp(s) v) that underflowed cannot matter. Any other row (scores too large or too small, values that
     overflow, no key at all) is computed again as the textbook does, in _small_shifted; the
     choice depends on the row's own inputs only, so a row keeps its bits whatever the others hold."""
     Bkv, g, T, _ = q.shape
@@ -708,10 +716,32 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     if weights is not None:
         np.divide(s, total, out=s)
     floor = SUM_FLOOR[dtype.type]
-    if total.min() >= floor and total.max() < np.inf and np.isfinite(out).all():  # NaN fails every test
+    faint = None  # (Bkv, g, T, 1): rows whose exp(s) v may have underflowed
+    if total.min() < FAINT_SUM:  # exp(s) v then lies far below v: the products of tiny values (1e-25) underflow
+        faint = _faint(out, total, floor)
+    fine = total.min() >= floor and total.max() < np.inf and np.isfinite(out).all()  # NaN fails every test
+    if fine and faint is None:
         return
     bad = ~((total >= floor) & (total < np.inf) & np.isfinite(out).all(axis=-1, keepdims=True))  # (Bkv, g, T, 1)
+    if faint is not None:
+        bad |= faint
     _small_shifted(q, kt, v, out, weights, masks, scale, bad, None if weights is not None else s, lo, hi)
+
+
+def _faint(out: np.ndarray, total: np.ndarray, floor) -> np.ndarray | None:
+    """Boolean (Bkv, g, T, 1), or None for none: the rows summing below FAINT_SUM whose exp(s) v,
+    out (Bkv, g, T, dv) times total (Bkv, g, T, 1), is below floor at its largest: there its
+    products may have underflowed (all to 0 at worst). Reads those rows only (a few, often none):
+    a pass over all of out along its short axis cost ~40% of a T=64 problem. The row's own result
+    alone decides."""
+    low = np.flatnonzero(total < FAINT_SUM)  # flat rows
+    rows = out.reshape(-1, out.shape[-1])[low]  # (len(low), dv), a copy of those rows
+    faint = low[np.abs(rows).max(axis=-1, initial=0) * total.reshape(-1)[low] < floor]
+    if not faint.size:
+        return None
+    marked = np.zeros(total.shape, bool)
+    marked.reshape(-1)[faint] = True
+    return marked
 
 
 def _small_shifted(q, kt, v, out, weights, masks: _Masks, scale, bad, scratch, lo, hi) -> None:
