@@ -171,3 +171,23 @@ def test_tiny_values_under_a_small_row_sum_keep_their_precision(dtype, score, va
     out, w = attention(q, k, v, causal=True, scale=1.0, return_weights=return_weights)
     expect_out, _ = reference(q, k, v, causal=True, scale=1.0)
     np.testing.assert_allclose(out, expect_out, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=0)
+
+
+@pytest.mark.parametrize("keys", [2, 65], ids=["k's scaled copy", "q's scaled copy"])
+def test_a_scaled_query_that_overflows_raises_whatever_the_other_rows(monkeypatch, keys):
+    """q · scale past float32's range (q = 1e30, scale = 1e10) against keys of 1e-40: the textbook
+    scales q first and overflows; up to COPY_KEYS keys the one block scaled k instead (1.4e-30)
+    and answered, unless some other row took the second pass, which then raised: whether a
+    request failed depended on the other rows, and on S."""
+    q = np.ones((2, 2, 1), np.float32)
+    q[0, 0] = 1e30
+    k = np.full((2, keys, 1), 1e-40, np.float32)
+    v = np.ones((2, keys, 1), np.float32)
+    for share in (1, 2**62):  # the one block, and the blocks
+        monkeypatch.setattr(core, "SMALL_SHARE", share)
+        with pytest.raises(ScoreOverflow):
+            attention(q, k, v, scale=1e10)
+        with pytest.raises(ScoreOverflow):
+            attention(q, k, v, scale=1e10, return_weights=False)
+        with pytest.raises(ScoreOverflow):  # row 0 sees key 0 alone: the copy of k again
+            attention(q, k, v, scale=1e10, causal=True)

@@ -701,8 +701,11 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     dtype = q.dtype
     c = scale if masks.biased else dtype.type(scale * LOG2_E)
     s = np.empty((Bkv, g, T, hi - lo), dtype) if weights is None else weights[..., lo:hi]
+    overflows = None  # (Bkv, g, T, 1): rows whose q · scale overflows, where the textbook (scaling q first) raises
     if hi - lo <= min(T, COPY_KEYS):  # k's scaled copy, no larger than q's, and an NN product
         np.matmul(q, np.multiply(kt[..., lo:hi], c, out=np.empty(kt[..., lo:hi].shape, dtype)), out=s)
+        if abs(scale) > 1:  # (never with scale <= 1)
+            overflows = ~np.isfinite(q * scale).all(axis=-1, keepdims=True)
     else:
         np.matmul(q * c, kt[..., lo:hi], out=s)  # (Bkv, g, T, keys) scaled scores; g shares k
     masks.add(s, 0, Bkv, 0, T, lo, hi)  # bias and ALiBi, if any
@@ -720,11 +723,12 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     if total.min() < FAINT_SUM:  # exp(s) v then lies far below v: the products of tiny values (1e-25) underflow
         faint = _faint(out, total, floor)
     fine = total.min() >= floor and total.max() < np.inf and np.isfinite(out).all()  # NaN fails every test
-    if fine and faint is None:
+    if fine and faint is None and (overflows is None or not overflows.any()):
         return
     bad = ~((total >= floor) & (total < np.inf) & np.isfinite(out).all(axis=-1, keepdims=True))  # (Bkv, g, T, 1)
-    if faint is not None:
-        bad |= faint
+    for more in (faint, overflows):  # the textbook's pass raises ScoreOverflow for a row of overflows that sees a key
+        if more is not None:
+            bad |= more
     _small_shifted(q, kt, v, out, weights, masks, scale, bad, None if weights is not None else s, lo, hi)
 
 
