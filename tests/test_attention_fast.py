@@ -269,3 +269,20 @@ def test_a_small_problem_is_one_block_as_exact_as_the_blocks(monkeypatch, rng, v
     for a, b in zip(one, blocked, strict=True):
         if a is not None:
             np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("grow", [1e30, 1e37], ids=["large values", "values near the limit"])
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_past_bit_identical_when_future_values_grow(blocks, rng, grow, return_weights):
+    """Future values of 1e30 lowered the shortcut's limit (the sum of exp(s) v must stay finite)
+    for every row of the item, and values near float32's limit sent the whole item down the
+    normalise-first path: rows before them changed bits."""
+    q, k, v = (rng.standard_normal((3, 10, 4)).astype(np.float32) for _ in range(3))
+    q *= 4  # scores up to ~20-40: within the shortcut's limit, not within a lowered one
+    out, w = attention(q, k, v, causal=True, return_weights=return_weights)
+    v2 = v.copy()
+    v2[:, 6:] *= grow  # rows up to 5 never see them
+    out2, w2 = attention(q, k, v2, causal=True, return_weights=return_weights)
+    np.testing.assert_array_equal(out2[:, :6], out[:, :6])
+    if return_weights:
+        np.testing.assert_array_equal(w2[:, :6], w[:, :6])
