@@ -286,3 +286,16 @@ def test_past_bit_identical_when_future_values_grow(blocks, rng, grow, return_we
     np.testing.assert_array_equal(out2[:, :6], out[:, :6])
     if return_weights:
         np.testing.assert_array_equal(w2[:, :6], w[:, :6])
+
+
+@pytest.mark.parametrize("dtype, score, value", [(np.float32, -50.0, 1e-25), (np.float64, -600.0, 1e-65)])
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_tiny_values_under_small_scores_keep_their_precision(blocks, dtype, score, value, return_weights):
+    """Scores of -50 are within the shortcut's limit (|s| < 64): exponentiated unshifted, exp(s) v
+    of values ~1e-25 underflowed before the division (without weights): out came back 0."""
+    q = np.full((2, 9, 1), score, dtype)
+    k = np.ones((2, 9, 1), dtype)
+    v = (value * np.linspace(1, 2, 2 * 9 * 3).reshape(2, 9, 3)).astype(dtype)
+    out, _ = attention(q, k, v, causal=True, scale=1.0, return_weights=return_weights)
+    expect = oracle.reference(q, k, v, causal=True, scale=1.0)[0]
+    np.testing.assert_allclose(out, expect, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=0)

@@ -308,7 +308,7 @@ def attention(
         v_reach = _reach(v_key, T, upper, lower)  # (Bkv, T)
         # One block (a small float16 problem): every row subtracts its maximum; bounding the scores would
         # cost more numpy calls than the two passes over the block it can save.
-        bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_reach, scale)  # (Bkv, g, T, 1)
+        bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_reach / math.sqrt(max(dv, 1)), v_reach, scale)
         # Beyond this, S * max|v| may overflow: such a row's exp(s - max) must be normalised before the sum.
         big_v = (v_reach * S > np.finfo(dtype).max / 4)[:, None, :, None]  # (Bkv, 1, T, 1)
     # The blocks take exp2, the same softmax in base 2 (numpy's exp2 runs ~0.6x exp's time, float32
@@ -487,6 +487,7 @@ def _small_scores(
     upper: int | None,
     lower: int | None = None,
     masks=None,
+    v_least: np.ndarray | None = None,
     v_most: np.ndarray | None = None,
     scale: float = 1.0,
 ) -> np.ndarray:
@@ -497,8 +498,10 @@ def _small_scores(
 
     Such a row is exponentiated unshifted and exp(s) v summed before it is normalised, so the
     limit is EXP_SAFE, lowered where the values are large: the sum over S keys of exp(s) |v| must
-    stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum, where max |v| <= v_most
-    (Bkv, T), over the keys row t may see (None: 1).
+    stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum; and where they are small:
+    exp(-limit) max|v| must stay above the dtype's smallest normal times 2**40 (as SUM_FLOOR), or
+    the products exp(s) v underflow before the division (values of 1e-25 under scores of -50:
+    out 0). v_least <= max |v| <= v_most, (Bkv, T), over the keys row t may see (None: 1).
     q (Bkv, g, T, d) unscaled: |q_t · scale| is |q_t| |scale|."""
     Bkv, g, T, d = q.shape
     if masks is not None and masks.biased:
@@ -506,8 +509,11 @@ def _small_scores(
     S = kt.shape[-1]
     info = np.finfo(q.dtype)
     most = np.ones((Bkv, T)) if v_most is None else v_most.astype(np.float64)  # (Bkv, T)
+    least = np.ones((Bkv, T)) if v_least is None else v_least.astype(np.float64)
     room = math.log(float(info.max)) - 1.0 - np.log(max(S, 1) * np.maximum(most, 1.0))
-    limit = np.minimum(EXP_SAFE.get(q.dtype.type, 0.0), room)[:, None]  # (Bkv, 1, T); negative: never small
+    floor = math.log(float(info.tiny) * 2.0**40)
+    room_below = np.log(np.maximum(least, np.finfo(np.float64).tiny)) - floor  # v of 0: ~-700, never small
+    limit = np.minimum(EXP_SAFE.get(q.dtype.type, 0.0), np.minimum(room, room_below))[:, None]  # (Bkv, 1, T); negative: never small
     q3 = q.reshape(Bkv * g, T, d)
     q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T) * abs(scale)  # inf if it overflows: no shortcut
     k3 = kt[:, 0]  # (Bkv, d, S)
