@@ -12,6 +12,9 @@ import pytest
 from service.core import ScoreOverflow, attention
 from service.core import kernels as core
 
+from . import oracle
+from .helpers import post, tensor
+
 
 def reference(q, k, v, *, causal=False, mask=None, scale=None):
     """The whole (..., T, S) softmax in float64: mask, subtract the row max, exp, normalise."""
@@ -191,3 +194,33 @@ def test_a_scaled_query_that_overflows_raises_whatever_the_other_rows(monkeypatc
             attention(q, k, v, scale=1e10, return_weights=False)
         with pytest.raises(ScoreOverflow):  # row 0 sees key 0 alone: the copy of k again
             attention(q, k, v, scale=1e10, causal=True)
+
+
+EDGES = {  # name: (request fields beyond q, k, v; the status the API must answer)
+    "q · scale overflows": ({"q": [[1e30], [1.0]], "k": [[1e-40], [1e-40]], "v": [[1.0], [1.0]], "scale": 1e10}, 422),
+    "scores of 89 unshifted": ({"q": [[89.5], [-89.5]], "k": [[1.0], [1.0]], "v": [[1.0], [2.0]], "scale": 1.0}, 200),
+    "scores of -50, values of 1e-25": (
+        {"q": [[-50.0], [-50.0]], "k": [[1.0], [1.0]], "v": [[1e-25], [2e-25]], "scale": 1.0, "causal": True},
+        200,
+    ),
+    "values near float32's limit": ({"q": [[30.0], [1.0]], "k": [[1.0], [1.0]], "v": [[3e38], [3e38]], "scale": 1.0}, 200),
+    "scale 1e30": ({"q": [[1.0], [-1.0]], "k": [[1.0], [0.5]], "v": [[1.0], [2.0]], "scale": 1e30}, 200),
+    "scale 1e-30": ({"q": [[1.0], [-1.0]], "k": [[1.0], [0.5]], "v": [[1.0], [2.0]], "scale": 1e-30}, 200),
+    "bottom_right, S < T": ({"q": [[1.0], [2.0], [3.0]], "k": [[1.0]], "v": [[5.0]], "causal": "bottom_right"}, 200),
+    "-0.0": ({"q": [[-0.0], [-0.0]], "k": [[-0.0], [1.0]], "v": [[-0.0], [1.0]]}, 200),
+}
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no weights"])
+@pytest.mark.parametrize("name", list(EDGES))
+def test_the_api_answers_the_small_paths_edges_or_refuses_them(client, name, weights):
+    """Through the API: 422 non_finite where the textbook overflows, else a 200 whose out is the
+    float64 oracle's (never a 500, never a 200 with a wrong or non-finite number)."""
+    body, status = EDGES[name]
+    r = post(client, {**body, "return_weights": weights})
+    assert r.status_code == status, r.json
+    if status == 422:
+        assert r.json["error"]["code"] == "non_finite", r.json
+        return
+    expect = oracle.reference(body["q"], body["k"], body["v"], causal=body.get("causal", False), scale=body.get("scale"))[0]
+    np.testing.assert_allclose(tensor(r.json["out"]), expect, rtol=1e-5, atol=0)
