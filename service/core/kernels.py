@@ -744,11 +744,10 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     if weights is not None:
         np.divide(s, total, out=s)
     floor = SUM_FLOOR[dtype.type]
-    faint = None  # (Bkv, g, T, 1): rows whose exp(s) v may have underflowed
-    if total.min() < FAINT_SUM:  # exp(s) v then lies far below v: the products of tiny values (1e-25) underflow
-        faint = _faint(out, total, floor)
-    fine = total.min() >= floor and total.max() < np.inf and np.isfinite(out).all()  # NaN fails every test
-    if fine and faint is None and (overflows is None or not overflows.any()):
+    least = total.min()  # NaN where some row's is: NaN fails every test
+    # Below FAINT_SUM, exp(s) v lies far below v: products of tiny values (1e-25) may have underflowed
+    faint = _faint(out, total, floor) if least < FAINT_SUM else None  # (Bkv, g, T, 1) or None
+    if least >= floor and total.max() < np.inf and np.isfinite(out).all() and faint is None and (overflows is None or not overflows.any()):
         return
     bad = ~((total >= floor) & (total < np.inf) & np.isfinite(out).all(axis=-1, keepdims=True))  # (Bkv, g, T, 1)
     for more in (faint, overflows):  # the textbook's pass raises ScoreOverflow for a row of overflows that sees a key
