@@ -176,6 +176,16 @@ def test_tiny_values_under_a_small_row_sum_keep_their_precision(dtype, score, va
     np.testing.assert_allclose(out, expect_out, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=0)
 
 
+def test_values_of_no_width_under_a_small_row_sum():
+    """v (..., S, 0): out (..., T, 0), as before the check of a small sum's exp(s) v (which
+    reshaped out with -1: a ValueError for an empty out)."""
+    q = np.full((1, 2, 1), -50.0, np.float32)
+    k = np.ones((1, 2, 1), np.float32)
+    out, w = attention(q, k, np.ones((1, 2, 0), np.float32), scale=1.0)
+    assert out.shape == (1, 2, 0)
+    np.testing.assert_allclose(w, 0.5)
+
+
 @pytest.mark.parametrize("keys", [2, 65], ids=["k's scaled copy", "q's scaled copy"])
 def test_a_scaled_query_that_overflows_raises_whatever_the_other_rows(monkeypatch, keys):
     """q · scale past float32's range (q = 1e30, scale = 1e10) against keys of 1e-40: the textbook

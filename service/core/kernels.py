@@ -763,7 +763,7 @@ def _faint(out: np.ndarray, total: np.ndarray, floor) -> np.ndarray | None:
     a pass over all of out along its short axis cost ~40% of a T=64 problem. The row's own result
     alone decides."""
     low = np.flatnonzero(total < FAINT_SUM)  # flat rows
-    rows = out.reshape(-1, out.shape[-1])[low]  # (len(low), dv), a copy of those rows
+    rows = out.reshape(total.size, out.shape[-1])[low]  # (len(low), dv), a copy of those rows (dv may be 0)
     faint = low[np.abs(rows).max(axis=-1, initial=0) * total.reshape(-1)[low] < floor]
     if not faint.size:
         return None
