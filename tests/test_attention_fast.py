@@ -299,3 +299,16 @@ def test_tiny_values_under_small_scores_keep_their_precision(blocks, dtype, scor
     out, _ = attention(q, k, v, causal=True, scale=1.0, return_weights=return_weights)
     expect = oracle.reference(q, k, v, causal=True, scale=1.0)[0]
     np.testing.assert_allclose(out, expect, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=0)
+
+
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_a_bounded_row_whose_base_2_scale_would_overflow_is_answered(blocks, return_weights):
+    """q = 1e10, scale = 3e28, keys of 1e-40: scores of ~3e-2, q · scale = 3e38 is finite, but the
+    shortcut's q · scale · log2(e) is not: the blocks answered ResultOverflow (a 422) where the
+    textbook (and the one block) answers."""
+    q = np.full((2, 9, 1), 1e10, np.float32)
+    k = np.full((2, 9, 1), 1e-40, np.float32)
+    v = np.arange(18, dtype=np.float32).reshape(2, 9, 1)
+    out, _ = attention(q, k, v, causal=True, scale=3e28, return_weights=return_weights)
+    expect = oracle.reference(q, k, v, causal=True, scale=3e28)[0]
+    np.testing.assert_allclose(out, expect, rtol=1e-5)

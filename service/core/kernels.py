@@ -518,7 +518,9 @@ def _small_scores(
     q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T) * abs(scale)  # inf if it overflows: no shortcut
     k3 = kt[:, 0]  # (Bkv, d, S)
     k_norm = np.sqrt(np.einsum("bds,bds->bs", k3, k3))  # (Bkv, S)
-    return (q_norm * _reach(k_norm, T, upper, lower)[:, None] < limit)[..., None]
+    small = q_norm * _reach(k_norm, T, upper, lower)[:, None] < limit  # (Bkv, g, T)
+    # and q · scale · log2(e), the shortcut's scaled q, finite (q = 1e10, scale = 3e28: q · scale is, that is not)
+    return (small & (q_norm * LOG2_E < info.max))[..., None]
 
 
 class _PerItem:
