@@ -12,9 +12,6 @@ import pytest
 from service.core import ScoreOverflow, attention
 from service.core import kernels as core
 
-from . import oracle
-from .helpers import post, tensor
-
 
 def reference(q, k, v, *, causal=False, mask=None, scale=None):
     """The whole (..., T, S) softmax in float64: mask, subtract the row max, exp, normalise."""
@@ -226,6 +223,9 @@ EDGES = {  # name: (request fields beyond q, k, v; the status the API must answe
 def test_the_api_answers_the_small_paths_edges_or_refuses_them(client, name, weights):
     """Through the API: 422 non_finite where the textbook overflows, else a 200 whose out is the
     float64 oracle's (never a 500, never a 200 with a wrong or non-finite number)."""
+    from . import oracle  # here, not at the top: main changes this module's imports (a merge stays clean)
+    from .helpers import post, tensor
+
     body, status = EDGES[name]
     r = post(client, {**body, "return_weights": weights})
     assert r.status_code == status, r.json
