@@ -269,3 +269,46 @@ def test_a_small_problem_is_one_block_as_exact_as_the_blocks(monkeypatch, rng, v
     for a, b in zip(one, blocked, strict=True):
         if a is not None:
             np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("grow", [1e30, 1e37], ids=["large values", "values near the limit"])
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_past_bit_identical_when_future_values_grow(blocks, rng, grow, return_weights):
+    """Future values of 1e30 lowered the shortcut's limit (the sum of exp(s) v must stay finite)
+    for every row of the item, and values near float32's limit sent the whole item down the
+    normalise-first path: rows before them changed bits."""
+    q, k, v = (rng.standard_normal((3, 10, 4)).astype(np.float32) for _ in range(3))
+    q *= 4  # scores up to ~20-40: within the shortcut's limit, not within a lowered one
+    out, w = attention(q, k, v, causal=True, return_weights=return_weights)
+    v2 = v.copy()
+    v2[:, 6:] *= grow  # rows up to 5 never see them
+    out2, w2 = attention(q, k, v2, causal=True, return_weights=return_weights)
+    np.testing.assert_array_equal(out2[:, :6], out[:, :6])
+    if return_weights:
+        np.testing.assert_array_equal(w2[:, :6], w[:, :6])
+
+
+@pytest.mark.parametrize("dtype, score, value", [(np.float32, -50.0, 1e-25), (np.float64, -600.0, 1e-65)])
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_tiny_values_under_small_scores_keep_their_precision(blocks, dtype, score, value, return_weights):
+    """Scores of -50 are within the shortcut's limit (|s| < 64): exponentiated unshifted, exp(s) v
+    of values ~1e-25 underflowed before the division (without weights): out came back 0."""
+    q = np.full((2, 9, 1), score, dtype)
+    k = np.ones((2, 9, 1), dtype)
+    v = (value * np.linspace(1, 2, 2 * 9 * 3).reshape(2, 9, 3)).astype(dtype)
+    out, _ = attention(q, k, v, causal=True, scale=1.0, return_weights=return_weights)
+    expect = oracle.reference(q, k, v, causal=True, scale=1.0)[0]
+    np.testing.assert_allclose(out, expect, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=0)
+
+
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_a_bounded_row_whose_base_2_scale_would_overflow_is_answered(blocks, return_weights):
+    """q = 1e10, scale = 3e28, keys of 1e-40: scores of ~3e-2, q · scale = 3e38 is finite, but the
+    shortcut's q · scale · log2(e) is not: the blocks answered ResultOverflow (a 422) where the
+    textbook (and the one block) answers."""
+    q = np.full((2, 9, 1), 1e10, np.float32)
+    k = np.full((2, 9, 1), 1e-40, np.float32)
+    v = np.arange(18, dtype=np.float32).reshape(2, 9, 1)
+    out, _ = attention(q, k, v, causal=True, scale=3e28, return_weights=return_weights)
+    expect = oracle.reference(q, k, v, causal=True, scale=3e28)[0]
+    np.testing.assert_allclose(out, expect, rtol=1e-5)

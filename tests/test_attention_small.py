@@ -137,3 +137,82 @@ def test_a_small_problem_is_one_block_while_its_scores_fit_2_mib(monkeypatch, dt
     itemsize = np.dtype(dtype).itemsize
     assert len(calls) == core.block_count(8, 256, 256, True, itemsize=itemsize) == (1 if itemsize == 4 else 16)
     assert core.score_count(8, 256, 256, True, itemsize=itemsize) == (8 * 256 * 256 if itemsize == 4 else 8 * 16 * 16 * 136)
+
+
+@pytest.mark.parametrize("dtype, score, value", [(np.float32, -50.0, 1e-25), (np.float64, -600.0, 1e-65)])
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_tiny_values_under_a_small_row_sum_keep_their_precision(dtype, score, value, return_weights):
+    """A row whose scores are all far below 0 sums to ~exp(score), above SUM_FLOOR: unshifted, each
+    exp(s) v of values ~1e-25 (float64: 1e-65) underflowed (to 0, or a denormal of a few bits)
+    before the division, so out came back 0 or percents off where the textbook gives v exactly."""
+    T = 4
+    q = np.full((2, T, 1), score, dtype)  # every score of every row is `score` (k = 1, scale 1)
+    k = np.ones((2, T, 1), dtype)
+    v = (value * np.linspace(1, 2, 2 * T * 3).reshape(2, T, 3)).astype(dtype)
+    v[1] *= 1e20  # the other item: ordinary products, kept unshifted
+    out, w = attention(q, k, v, causal=True, scale=1.0, return_weights=return_weights)
+    expect_out, _ = reference(q, k, v, causal=True, scale=1.0)
+    np.testing.assert_allclose(out, expect_out, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=0)
+
+
+def test_values_of_no_width_under_a_small_row_sum():
+    """v (..., S, 0): out (..., T, 0), as before the check of a small sum's exp(s) v (which
+    reshaped out with -1: a ValueError for an empty out)."""
+    q = np.full((1, 2, 1), -50.0, np.float32)
+    k = np.ones((1, 2, 1), np.float32)
+    out, w = attention(q, k, np.ones((1, 2, 0), np.float32), scale=1.0)
+    assert out.shape == (1, 2, 0)
+    np.testing.assert_allclose(w, 0.5)
+
+
+@pytest.mark.parametrize("keys", [2, 65], ids=["k's scaled copy", "q's scaled copy"])
+def test_a_scaled_query_that_overflows_raises_whatever_the_other_rows(monkeypatch, keys):
+    """q · scale past float32's range (q = 1e30, scale = 1e10) against keys of 1e-40: the textbook
+    scales q first and overflows; up to COPY_KEYS keys the one block scaled k instead (1.4e-30)
+    and answered, unless some other row took the second pass, which then raised: whether a
+    request failed depended on the other rows, and on S."""
+    q = np.ones((2, 2, 1), np.float32)
+    q[0, 0] = 1e30
+    k = np.full((2, keys, 1), 1e-40, np.float32)
+    v = np.ones((2, keys, 1), np.float32)
+    for share in (1, 2**62):  # the one block, and the blocks
+        monkeypatch.setattr(core, "SMALL_SHARE", share)
+        with pytest.raises(ScoreOverflow):
+            attention(q, k, v, scale=1e10)
+        with pytest.raises(ScoreOverflow):
+            attention(q, k, v, scale=1e10, return_weights=False)
+        with pytest.raises(ScoreOverflow):  # row 0 sees key 0 alone: the copy of k again
+            attention(q, k, v, scale=1e10, causal=True)
+
+
+EDGES = {  # name: (request fields beyond q, k, v; the status the API must answer)
+    "q · scale overflows": ({"q": [[1e30], [1.0]], "k": [[1e-40], [1e-40]], "v": [[1.0], [1.0]], "scale": 1e10}, 422),
+    "scores of 89 unshifted": ({"q": [[89.5], [-89.5]], "k": [[1.0], [1.0]], "v": [[1.0], [2.0]], "scale": 1.0}, 200),
+    "scores of -50, values of 1e-25": (
+        {"q": [[-50.0], [-50.0]], "k": [[1.0], [1.0]], "v": [[1e-25], [2e-25]], "scale": 1.0, "causal": True},
+        200,
+    ),
+    "values near float32's limit": ({"q": [[30.0], [1.0]], "k": [[1.0], [1.0]], "v": [[3e38], [3e38]], "scale": 1.0}, 200),
+    "scale 1e30": ({"q": [[1.0], [-1.0]], "k": [[1.0], [0.5]], "v": [[1.0], [2.0]], "scale": 1e30}, 200),
+    "scale 1e-30": ({"q": [[1.0], [-1.0]], "k": [[1.0], [0.5]], "v": [[1.0], [2.0]], "scale": 1e-30}, 200),
+    "bottom_right, S < T": ({"q": [[1.0], [2.0], [3.0]], "k": [[1.0]], "v": [[5.0]], "causal": "bottom_right"}, 200),
+    "-0.0": ({"q": [[-0.0], [-0.0]], "k": [[-0.0], [1.0]], "v": [[-0.0], [1.0]]}, 200),
+}
+
+
+@pytest.mark.parametrize("weights", [True, False], ids=["weights", "no weights"])
+@pytest.mark.parametrize("name", list(EDGES))
+def test_the_api_answers_the_small_paths_edges_or_refuses_them(client, name, weights):
+    """Through the API: 422 non_finite where the textbook overflows, else a 200 whose out is the
+    float64 oracle's (never a 500, never a 200 with a wrong or non-finite number)."""
+    from . import oracle  # here, not at the top: main changes this module's imports (a merge stays clean)
+    from .helpers import post, tensor
+
+    body, status = EDGES[name]
+    r = post(client, {**body, "return_weights": weights})
+    assert r.status_code == status, r.json
+    if status == 422:
+        assert r.json["error"]["code"] == "non_finite", r.json
+        return
+    expect = oracle.reference(body["q"], body["k"], body["v"], causal=body.get("causal", False), scale=body.get("scale"))[0]
+    np.testing.assert_allclose(tensor(r.json["out"]), expect, rtol=1e-5, atol=0)

@@ -669,3 +669,43 @@ def test_json_inputs_take_the_fast_path(name):
     """Inputs of numbers come out of wire.loads as arrays, even beside an input it leaves to the schema."""
     doc = wire_json.loads(orjson.dumps(BIG_BODIES[name]))
     assert all(isinstance(spec["data"], np.ndarray) for spec in doc["inputs"][1:3])
+
+
+def big_text(replace: bytes = b"", by: bytes = b"", q_data=BIG_FLAT) -> bytes:
+    """big_seed's JSON text with q's first `replace` (after its "data":[) swapped for `by`: spellings
+    orjson.dumps never writes (escapes, duplicates, 1E5, -0, numbers past float64)."""
+    raw = orjson.dumps(big_seed(q_data))
+    head, tail = raw.split(b'"data":[', 1)
+    return head + b'"data":[' + tail.replace(replace, by, 1) if replace else raw
+
+
+RAW_BODIES = {
+    "-0, 1E5, 1e-400 and 5e-324": big_text(
+        b"0.0,0.14285714285714285,0.2857142857142857,", b"-0,1E5,1e-400,", q_data=BIG_FLAT[:-1] + [5e-324]
+    ),
+    "integers with -0 first": big_text(b"0,1,2,", b"-0,-0,1E2,", q_data=[i % 5 for i in range(128)]),
+    "a number past float64": big_text(b"0.0,", b"1e400,"),
+    "a number past float32": big_text(b"0.0,", b"1e39,"),
+    "an integer past uint64": big_text(b"0.0,", b"18446744073709551616,"),
+    "an integer past int64 below": big_text(b"0.0,", b"-9223372036854775809,"),
+    "a repeated data key": big_text(b"0.0,", b'1],"data":[0.0,'),
+    "an escaped data key": big_text(b"0.0,", b'0.0],"d\\u0061ta":[0.0,'),
+    "an escaped number-free string": big_text(b"0.0,", b'0.0],"note":"a\\"[b","x":[0.0,'),
+    "inputs not a list": orjson.dumps({"inputs": big_seed(BIG_FLAT)["inputs"][0]}),
+    "65 inputs": orjson.dumps({"inputs": big_seed(BIG_FLAT)["inputs"] + [mask_input([1] * 64)] * 62}),
+}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # 1e39 as FP32: refused after numpy's cast
+@pytest.mark.parametrize("name", list(RAW_BODIES))
+def test_json_texts_answer_as_the_plain_parse_does(client, monkeypatch, name):
+    """Spellings of numbers and keys that orjson.dumps never writes: the fast path (simdjson)
+    answers, or refuses, exactly as orjson's plain parse does."""
+    raw = RAW_BODIES[name]
+    fast = infer(client, raw)
+    monkeypatch.setattr(wire_json, "_fast_loads", lambda body: None)
+    plain = infer(client, raw)
+    assert fast.status_code == plain.status_code, (fast.get_json(), plain.get_json())
+    assert fast.status_code != 500, fast.get_json()
+    assert fast.get_json().get("error") == plain.get_json().get("error")
+    assert fast.get_json().get("outputs") == plain.get_json().get("outputs")

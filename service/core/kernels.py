@@ -66,6 +66,13 @@ COPY_KEYS = 64  # up to this many keys, a small problem's q kᵀ reads a scaled 
 # underflowed (each off by at most the dtype's smallest normal) move the sum of up to 2**20 keys
 # by under 2**-20 of an ulp. float16 (no room at all) keeps the blocks' path.
 SUM_FLOOR = {np.float32: np.finfo(np.float32).tiny * 2.0**40, np.float64: np.finfo(np.float64).tiny * 2.0**40}
+# A row summing below this also has its exp(s) v checked (_faint): unshifted, those products lie
+# below v by the sum's factor, so values of ~1e-25 underflowed before the division (out 0 where the
+# textbook gives v). Above it, a product can underflow only where |v| is below ~1e-24 (float32;
+# float64: ~1e-290), and then by under 2**-30 of v (its relative error: S * the smallest
+# denormal / (sum * max |v|)). Not 1: a causal row 0 sums below 1 about half the time, and the
+# check cost ~5-15% of a T=64 problem there; rows summing below 2**-20 (all scores under ~-14) are rare.
+FAINT_SUM = 2.0**-20
 
 
 class ScoreOverflow(ArithmeticError):
@@ -292,14 +299,18 @@ def attention(
     scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else 1))
 
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
-        # max and -min rather than abs: no copy of v, and each a reduction along one long axis
-        vv = vd.reshape(B // g, S * dv)  # a view: vd is contiguous
-        v_max = np.maximum(vv.max(axis=1), -vv.min(axis=1)) if B * S * dv else np.zeros(B // g, dtype)  # (Bkv,) max |v|
+        # Each row's largest |v_s| over the keys it may see (the causal band, the window), bounded by
+        # |v_s| (the 2-norm: max |v_s| <= |v_s| <= sqrt(dv) max |v_s|): what a row's choices below depend
+        # on, so that values past its diagonal change none of its bits. A norm by einsum, as k's: a max
+        # along v's short last axis ran ~15x slower (T=512: 1.25 ms). inf where v_s · v_s overflows.
+        v3 = vd[:, 0]  # (Bkv, S, dv)
+        v_key = np.sqrt(np.einsum("bsd,bsd->bs", v3, v3))  # (Bkv, S)
+        v_reach = _reach(v_key, T, upper, lower)  # (Bkv, T)
         # One block (a small float16 problem): every row subtracts its maximum; bounding the scores would
         # cost more numpy calls than the two passes over the block it can save.
-        bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_max, scale)  # (Bkv, g, T, 1)
-        # Beyond this, S * max|v| may overflow: exp(s - max) v must be normalised before the sum.
-        big_v = v_max * S > np.finfo(dtype).max / 4  # (Bkv,)
+        bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_reach / math.sqrt(max(dv, 1)), v_reach, scale)
+        # Beyond this, S * max|v| may overflow: such a row's exp(s - max) must be normalised before the sum.
+        big_v = (v_reach * S > np.finfo(dtype).max / 4)[:, None, :, None]  # (Bkv, 1, T, 1)
     # The blocks take exp2, the same softmax in base 2 (numpy's exp2 runs ~0.6x exp's time, float32
     # and float64 alike, as exact): a row whose scores are provably small carries log2(e) in its
     # scale; any other row keeps its scores, ScoreOverflow included, and scales s - max (<= 0) by
@@ -452,13 +463,32 @@ def _range_max(x: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
     return np.maximum(m[..., a], m[..., a + width - span])
 
 
+def _reach(x: np.ndarray, T: int, upper: int | None, lower: int | None) -> np.ndarray:
+    """(Bkv, T): for x (Bkv, S) >= 0, its max over the keys t + lower <= s <= t + upper that row t may
+    see (None: that side open); a row that sees no key gets some key's value (it computes nothing)."""
+    Bkv, S = x.shape
+    if S == 0:
+        return np.zeros((Bkv, T), x.dtype)
+    if upper is None and lower is None:
+        return np.broadcast_to(x.max(axis=-1, keepdims=True), (Bkv, T))
+    t = np.arange(T)
+    if lower is None:
+        seen_max = np.maximum.accumulate(x, axis=-1)  # (Bkv, S): max x over s' <= s
+        return seen_max[:, np.clip(t + upper, 0, S - 1)]  # over the keys up to the last row t may see
+    if upper is None:
+        seen_max = np.maximum.accumulate(x[:, ::-1], axis=-1)[:, ::-1]  # max x over s' >= s
+        return seen_max[:, np.clip(t + lower, 0, S - 1)]
+    return _range_max(x, t + lower, upper - lower + 1)  # over row t's window
+
+
 def _small_scores(
     q: np.ndarray,
     kt: np.ndarray,
     upper: int | None,
     lower: int | None = None,
     masks=None,
-    v_max: np.ndarray | None = None,
+    v_least: np.ndarray | None = None,
+    v_most: np.ndarray | None = None,
     scale: float = 1.0,
 ) -> np.ndarray:
     """Boolean (Bkv, g, T, 1): True where every score row t may see is within +-limit, by
@@ -468,31 +498,29 @@ def _small_scores(
 
     Such a row is exponentiated unshifted and exp(s) v summed before it is normalised, so the
     limit is EXP_SAFE, lowered where the values are large: the sum over S keys of exp(s) |v| must
-    stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum (v_max (Bkv,) is max |v|).
+    stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum; and where they are small:
+    exp(-limit) max|v| must stay above the dtype's smallest normal times 2**40 (as SUM_FLOOR), or
+    the products exp(s) v underflow before the division (values of 1e-25 under scores of -50:
+    out 0). v_least <= max |v| <= v_most, (Bkv, T), over the keys row t may see (None: 1).
     q (Bkv, g, T, d) unscaled: |q_t · scale| is |q_t| |scale|."""
     Bkv, g, T, d = q.shape
     if masks is not None and masks.biased:
         return np.zeros((Bkv, g, T, 1), bool)
     S = kt.shape[-1]
-    v_big = np.ones(Bkv) if v_max is None else np.maximum(v_max.astype(np.float64), 1.0)
-    room = math.log(float(np.finfo(q.dtype).max)) - 1.0 - np.log(max(S, 1) * v_big)  # (Bkv,)
-    limit = np.minimum(EXP_SAFE.get(q.dtype.type, 0.0), room)[:, None, None]  # (Bkv, 1, 1); negative: never small
+    info = np.finfo(q.dtype)
+    most = np.ones((Bkv, T)) if v_most is None else v_most.astype(np.float64)  # (Bkv, T)
+    least = np.ones((Bkv, T)) if v_least is None else v_least.astype(np.float64)
+    room = math.log(float(info.max)) - 1.0 - np.log(max(S, 1) * np.maximum(most, 1.0))
+    floor = math.log(float(info.tiny) * 2.0**40)
+    room_below = np.log(np.maximum(least, np.finfo(np.float64).tiny)) - floor  # v of 0: ~-700, never small
+    limit = np.minimum(EXP_SAFE.get(q.dtype.type, 0.0), np.minimum(room, room_below))[:, None]  # (Bkv, 1, T); negative: never small
     q3 = q.reshape(Bkv * g, T, d)
     q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T) * abs(scale)  # inf if it overflows: no shortcut
     k3 = kt[:, 0]  # (Bkv, d, S)
     k_norm = np.sqrt(np.einsum("bds,bds->bs", k3, k3))  # (Bkv, S)
-    if upper is None and lower is None:
-        return (q_norm * k_norm.max(axis=-1, keepdims=True)[:, None] < limit)[..., None]
-    t = np.arange(T)
-    if lower is None:
-        seen_max = np.maximum.accumulate(k_norm, axis=-1)  # (Bkv, S): max |k_s| over s' <= s
-        reach = seen_max[:, np.clip(t + upper, 0, S - 1)]  # (Bkv, T) over the keys up to the last row t may see
-    elif upper is None:
-        seen_max = np.maximum.accumulate(k_norm[:, ::-1], axis=-1)[:, ::-1]  # max |k_s| over s' >= s
-        reach = seen_max[:, np.clip(t + lower, 0, S - 1)]
-    else:
-        reach = _range_max(k_norm, t + lower, upper - lower + 1)  # over row t's window
-    return (q_norm * reach[:, None] < limit)[..., None]
+    small = q_norm * _reach(k_norm, T, upper, lower)[:, None] < limit  # (Bkv, g, T)
+    # and q · scale · log2(e), the shortcut's scaled q, finite (q = 1e10, scale = 3e28: q · scale is, that is not)
+    return (small & (q_norm * LOG2_E < info.max))[..., None]
 
 
 class _PerItem:
@@ -610,7 +638,7 @@ class _Masks:
 def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, row_scale, b0, b1, t0, t1) -> None:
     """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
     written into out (and weights). q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv);
-    big_v (Bkv,) True where S * max |v| may overflow (then exp(s) is normalised before the matmul);
+    big_v (Bkv, 1, T, 1) True where S * max |v| may overflow (then that row's exp(s) is normalised before the matmul);
     exp np.exp, or np.exp2 where row_scale (a scalar or (Bkv, g, T, 1)) carries log2(e); or None
     for a small problem's one block (all items and rows; row_scale the scale): _small_block. Every
     block, that one too, is one call of this function (the cost model counts them: block_count)."""
@@ -649,7 +677,7 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
         if exp is np.exp2:  # the shifted rows to base 2; a bounded row is already (times 1, exact)
             np.multiply(s, np.where(bound[b0:b1, :, t0:t1], 1, LOG2_E).astype(s.dtype), out=s)
     exp(s, out=s)  # exp(-inf) = exp2(-inf) = 0 exactly: masked weights are 0
-    if weights is not None or big_v[b0:b1].any():  # normalise first: sum_s w_s v_s <= max |v| stays finite
+    if weights is not None:  # normalise first: sum_s w_s v_s <= max |v| stays finite
         total = s.sum(axis=-1, keepdims=True)  # (nb, g, tn, 1), pairwise: rows sum to 1 within an ulp or two
         total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
         w = s if weights is None else weights[b0:b1, :, t0:t1, lo:hi]  # the same memory but for one block
@@ -660,9 +688,15 @@ def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, ro
         # columns ~10-15% slower than 64: the sums as 1 @ exp(sᵀ) (a GEMV) cost less, and v needs no copy.
         total = scratch[-nb * g * tn :].reshape(nb, g, tn)
         np.matmul(_ones(S, s.dtype)[: hi - lo], st, out=total)  # (nb, g, tn) row sums of the key-major scores
-        np.matmul(s, v[b0:b1, :, lo:hi], out=o)  # (nb, g, tn, dv)
         total = total[..., None]  # (nb, g, tn, 1)
         total[total == 0] = 1
+        big = big_v[b0:b1, :, t0:t1]  # (nb, 1, tn, 1): rows whose S * max |v| may overflow
+        if big.any():  # those rows normalised first (sum_s w_s v_s <= max |v| stays finite), each row its own way
+            np.divide(s, np.where(big, total, 1), out=s)
+            np.matmul(s, v[b0:b1, :, lo:hi], out=o)
+            np.divide(o, np.where(big, 1, total), out=o)
+            return
+        np.matmul(s, v[b0:b1, :, lo:hi], out=o)  # (nb, g, tn, dv)
         np.divide(o, total, out=o)
 
 
@@ -678,8 +712,9 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     from 128 keys on, not), else over q's scaled copy; base 2 with log2(e) folded into q's scale (exp2 runs ~0.6x exp's time; a bias or ALiBi keeps
     base e); the mask applied after exp as exact zeros (exp of -inf runs ~3-5x slower than of a
     finite score); the row sums by a GEMV. A row keeps that result when its sum lies in
-    [SUM_FLOOR, finite) and its output is finite: then no term overflowed and the terms that
-    underflowed cannot matter. Any other row (scores too large or too small, values that
+    [SUM_FLOOR, finite), its output is finite and, where the sum is below FAINT_SUM, its exp(s) v
+    (out times the sum) is above SUM_FLOOR at its largest: then no term overflowed and the terms (and
+    products exp(s) v) that underflowed cannot matter. Any other row (scores too large or too small, values that
     overflow, no key at all) is computed again as the textbook does, in _small_shifted; the
     choice depends on the row's own inputs only, so a row keeps its bits whatever the others hold."""
     Bkv, g, T, _ = q.shape
@@ -693,8 +728,11 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     dtype = q.dtype
     c = scale if masks.biased else dtype.type(scale * LOG2_E)
     s = np.empty((Bkv, g, T, hi - lo), dtype) if weights is None else weights[..., lo:hi]
+    overflows = None  # (Bkv, g, T, 1): rows whose q · scale overflows, where the textbook (scaling q first) raises
     if hi - lo <= min(T, COPY_KEYS):  # k's scaled copy, no larger than q's, and an NN product
         np.matmul(q, np.multiply(kt[..., lo:hi], c, out=np.empty(kt[..., lo:hi].shape, dtype)), out=s)
+        if abs(scale) > 1:  # (never with scale <= 1)
+            overflows = ~np.isfinite(q * scale).all(axis=-1, keepdims=True)
     else:
         np.matmul(q * c, kt[..., lo:hi], out=s)  # (Bkv, g, T, keys) scaled scores; g shares k
     masks.add(s, 0, Bkv, 0, T, lo, hi)  # bias and ALiBi, if any
@@ -708,10 +746,32 @@ def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
     if weights is not None:
         np.divide(s, total, out=s)
     floor = SUM_FLOOR[dtype.type]
-    if total.min() >= floor and total.max() < np.inf and np.isfinite(out).all():  # NaN fails every test
+    least = total.min()  # NaN where some row's is: NaN fails every test
+    # Below FAINT_SUM, exp(s) v lies far below v: products of tiny values (1e-25) may have underflowed
+    faint = _faint(out, total, floor) if least < FAINT_SUM else None  # (Bkv, g, T, 1) or None
+    if least >= floor and total.max() < np.inf and np.isfinite(out).all() and faint is None and (overflows is None or not overflows.any()):
         return
     bad = ~((total >= floor) & (total < np.inf) & np.isfinite(out).all(axis=-1, keepdims=True))  # (Bkv, g, T, 1)
+    for more in (faint, overflows):  # the textbook's pass raises ScoreOverflow for a row of overflows that sees a key
+        if more is not None:
+            bad |= more
     _small_shifted(q, kt, v, out, weights, masks, scale, bad, None if weights is not None else s, lo, hi)
+
+
+def _faint(out: np.ndarray, total: np.ndarray, floor) -> np.ndarray | None:
+    """Boolean (Bkv, g, T, 1), or None for none: the rows summing below FAINT_SUM whose exp(s) v,
+    out (Bkv, g, T, dv) times total (Bkv, g, T, 1), is below floor at its largest: there its
+    products may have underflowed (all to 0 at worst). Reads those rows only (a few, often none):
+    a pass over all of out along its short axis cost ~40% of a T=64 problem. The row's own result
+    alone decides."""
+    low = np.flatnonzero(total < FAINT_SUM)  # flat rows
+    rows = out.reshape(total.size, out.shape[-1])[low]  # (len(low), dv), a copy of those rows (dv may be 0)
+    faint = low[np.abs(rows).max(axis=-1, initial=0) * total.reshape(-1)[low] < floor]
+    if not faint.size:
+        return None
+    marked = np.zeros(total.shape, bool)
+    marked.reshape(-1)[faint] = True
+    return marked
 
 
 def _small_shifted(q, kt, v, out, weights, masks: _Masks, scale, bad, scratch, lo, hi) -> None:
