@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from schemas import AttentionRequest, MhaRequest, RequestError
 from service.web.errors import status_of
+from service.wire import json as wire_json
 
 from . import oracle
 from .helpers import WORKED, WORKED_OUT, WORKED_WEIGHTS, Q, V, b64, encoding_of, flat, post, tensor
@@ -505,3 +506,16 @@ def test_a_body_the_server_cannot_read_is_400_not_500(client, exc, length):
     r = client.post("/attention", content_type="application/json", environ_overrides=environ)
     assert r.status_code == 400, r.get_json()
     assert r.get_json()["error"]["code"] == "bad_framing" and type(exc).__name__ in r.get_json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", ["scale", "window", "causal", "dtype"])
+@pytest.mark.parametrize("data", [[i / 3 for i in range(70)], [[1, 2, 3]] * 30, list(range(70))], ids=["floats", "rows", "ints"])
+def test_a_field_sent_as_an_array_is_shown_as_sent_whichever_parse(client, monkeypatch, field, data):
+    """An option sent as {"data": [64 numbers or more]} comes out of wire.loads' fast path as an
+    array; its refusal shows the value as the client sent it ([0.0, 0.33...), the same message as
+    orjson's plain parse gives, never numpy's array([...])."""
+    body = orjson.dumps({"q": Q, "k": Q, "v": V, field: {"data": data}})
+    fast = client.post("/attention", data=body, content_type="application/json").get_json()
+    monkeypatch.setattr(wire_json, "_fast_loads", lambda body: None)
+    plain = client.post("/attention", data=body, content_type="application/json").get_json()
+    assert fast == plain and "array(" not in fast["error"]["message"], fast

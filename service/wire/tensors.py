@@ -137,9 +137,60 @@ def _shape(value: dict) -> tuple[int, ...]:
 
 def show(value) -> str:
     """A client's value (or field name) as a message shows it: its repr, cut if long (a 1 MB key
-    is not echoed)."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+    is not echoed). An array loads() decoded (in it, or it) shows as the list it was sent as, so
+    the message is the same whichever way the body was parsed."""
+    text = repr(_as_sent(value))
+    return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
+
+
+SHOWN = 40  # characters of a client's value in a message
+
+
+class _Sent:
+    """An ndarray whose repr is the start of the list it was sent as: [[0.5, 1.25, ... rather
+    than numpy's array([[0.5, ...; at most SHOWN characters of it are made, never the list."""
+
+    __slots__ = ("arr",)
+
+    def __init__(self, arr: np.ndarray):
+        self.arr = arr
+
+    def __repr__(self) -> str:
+        out: list[str] = []
+        size = 0
+
+        def walk(a: np.ndarray) -> None:
+            nonlocal size
+            out.append("[")
+            size += 1
+            for i, x in enumerate(a):
+                if size > SHOWN:  # the rest is cut: the text so far is the start of the list's repr
+                    return
+                if i:
+                    out.append(", ")
+                    size += 2
+                if a.ndim > 1:
+                    walk(x)
+                else:
+                    out.append(repr(x.item()))
+                    size += len(out[-1])
+            out.append("]")
+            size += 1
+
+        walk(self.arr)
+        return "".join(out)
+
+
+def _as_sent(value, depth: int = 2):
+    """value with the ndarrays loads() decoded (at its top or in its dicts and lists, two levels
+    down) shown as sent."""
+    if isinstance(value, np.ndarray):
+        return _Sent(value)
+    if depth and isinstance(value, dict) and any(isinstance(v, (np.ndarray, dict, list)) for v in value.values()):
+        return {k: _as_sent(v, depth - 1) for k, v in value.items()}
+    if depth and isinstance(value, list) and value and any(isinstance(v, (np.ndarray, dict)) for v in value):
+        return [_as_sent(v, depth - 1) for v in value]
+    return value
 
 
 def show_names(names: list) -> str:
@@ -255,4 +306,5 @@ def narrow(arr: np.ndarray, dtype: np.dtype, what: str = "holds", code: str = "b
         if lo < info.min or hi > info.max:  # numpy compares int64, uint64 and float exactly enough here
             bad = lo if lo < info.min else hi
             raise TensorError(code, f"{what} {bad}, outside {dtype.name}'s range {info.min}..{info.max}")
-    return arr.astype(dtype, copy=False)
+    with np.errstate(over="ignore"):  # a float past the dtype's range becomes inf, refused as non_finite: no warning
+        return arr.astype(dtype, copy=False)
