@@ -429,3 +429,19 @@ def test_narrow_makes_floats_past_the_dtype_inf_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert np.isinf(codec.narrow(np.array([1e39, -1e39]), np.float32)).all()
+
+
+@pytest.mark.parametrize(
+    "value, shown",
+    [
+        (np.arange(70) / 4, "[0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5..."),
+        (np.ones((30, 3), np.int64), "[[1, 1, 1], [1, 1, 1], [1, 1, 1], [1,..."),
+        ({"data": np.arange(70)}, "{'data': [0, 1, 2, 3, 4, 5, 6, 7, 8, ..."),
+        (np.array(2.5), "2.5"),  # a 0-d array: its number, not a failure to iterate it
+        (np.zeros((2, 0)), "[[], []]"),
+    ],
+)
+def test_show_gives_an_array_as_the_list_it_was_sent_as(value, shown):
+    assert codec.show(value) == shown
+    if isinstance(value, np.ndarray):
+        assert codec.show(value) == codec.show(value.tolist())  # what the plain parse would show

@@ -455,7 +455,7 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     if "data" not in spec:
         raise RequestError("missing_field", f"input {name} has neither data nor parameters.binary_data_size.", name)
     data = spec["data"]
-    if isinstance(data, list) and data and isinstance(data[0], list) or isinstance(data, np.ndarray) and data.ndim > 1:
+    if (isinstance(data, list) and data and isinstance(data[0], list)) or (isinstance(data, np.ndarray) and data.ndim > 1):
         data = wire.NestedData(data)  # nested as the shape (lists, or an array wire.loads decoded): wire.decode checks that it is
     return {"shape": shape, "dtype": dtype, "data": data}
 

@@ -135,15 +135,15 @@ def _shape(value: dict) -> tuple[int, ...]:
     return tuple(shape)
 
 
+SHOWN = 40  # characters of a client's value in a message
+
+
 def show(value) -> str:
     """A client's value (or field name) as a message shows it: its repr, cut if long (a 1 MB key
     is not echoed). An array loads() decoded (in it, or it) shows as the list it was sent as, so
     the message is the same whichever way the body was parsed."""
     text = repr(_as_sent(value))
     return text if len(text) <= SHOWN else text[: SHOWN - 3] + "..."
-
-
-SHOWN = 40  # characters of a client's value in a message
 
 
 class _Sent:
@@ -185,7 +185,7 @@ def _as_sent(value, depth: int = 2):
     """value with the ndarrays loads() decoded (at its top or in its dicts and lists, two levels
     down) shown as sent."""
     if isinstance(value, np.ndarray):
-        return _Sent(value)
+        return _Sent(value) if value.ndim else value.item()  # a 0-d array: its number, as sent
     if depth and isinstance(value, dict) and any(isinstance(v, (np.ndarray, dict, list)) for v in value.values()):
         return {k: _as_sent(v, depth - 1) for k, v in value.items()}
     if depth and isinstance(value, list) and value and any(isinstance(v, (np.ndarray, dict)) for v in value):
