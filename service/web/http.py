@@ -143,6 +143,7 @@ def html_policy(*inline_scripts: str) -> str:
 
 
 HTML_POLICY = html_policy()  # a page with an inline script sets its own (openapi.docs)
+NOSNIFF = ("X-Content-Type-Options", "nosniff")  # on every answer, the app's and the worker's own
 
 
 def install(app: Flask) -> None:
@@ -163,7 +164,7 @@ def install(app: Flask) -> None:
             parts = [f"{k};dur={v:.3f}" for k, v in g.phases.items()] + [f"total;dur={total:.3f}"]
             resp.headers["Server-Timing"] = ", ".join(parts)
             resp.headers["X-Request-Id"] = g.request_id
-        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers[NOSNIFF[0]] = NOSNIFF[1]
         if resp.mimetype == "text/html":
             resp.headers.setdefault("Content-Security-Policy", HTML_POLICY)
             resp.headers["X-Frame-Options"] = "DENY"  # frame-ancestors for browsers without CSP 2

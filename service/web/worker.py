@@ -108,7 +108,7 @@ def error_response(
     err = RequestError(code, message)
     body = wire.dumps(shape(err, status))
     headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
-    headers.append("X-Content-Type-Options: nosniff")  # as the app's answers (http.py)
+    headers.append(": ".join(http.NOSNIFF))  # as the app's answers
     headers += [f"{name}: {value}" for name, value in errors.code_headers(err).items()]
     headers.append(f"X-Request-Id: {request_id or http.request_id('')}")
     headers.append(f"Server-Timing: total;dur={(time.monotonic() - started) * 1000 if started else 0.0:.3f}")
