@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import requests
+from threadpoolctl import threadpool_limits
 
 from bench.server import terminate
 
@@ -124,11 +125,23 @@ def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1, what: st
 READY_IN_A_ROW = 20
 
 
+SERVER_BLAS_THREADS = 1  # the BLAS threads of each worker of a test server (start_server)
+
+
+def server_blas():
+    """A context in which this process's BLAS runs as a test server's workers do, so that a result
+    computed here has the server's bits (threadpoolctl)."""
+    return threadpool_limits(limits=SERVER_BLAS_THREADS, user_api="blas")
+
+
 def start_server(env: dict | None = None, timeout: float = 120.0):
     """Start `python -m service` on a free loopback port; returns (process, base_url) once ready."""
     port = free_port()
     inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}  # each server its own
-    full_env = {**inherited, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
+    # The server runs as deployed, one BLAS thread a worker (deploy/gunicorn.conf.py), whatever the
+    # test process was given: tests that compare its bits compute theirs under SERVER_BLAS_THREADS.
+    blas = {var: str(SERVER_BLAS_THREADS) for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    full_env = {**inherited, **blas, "HOST": "127.0.0.1", "PORT": str(port), **(env or {})}
     log = tempfile.NamedTemporaryFile(prefix="attention-server-", suffix=".log", delete=False)
     proc = subprocess.Popen(
         [sys.executable, "-m", "service"], cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
