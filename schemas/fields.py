@@ -20,6 +20,7 @@ from .errors import RequestError
 class _Coded:
     """Mixin: marshmallow's ValidationErrors become RequestErrors with a code and the field's name."""
 
+    name: str  # marshmallow's Field sets it when the schema binds the field
     _label: str | None = None
 
     @property

@@ -16,6 +16,7 @@ import mmap
 import os
 import threading
 from contextlib import contextmanager
+from typing import cast
 
 import numpy as np
 import orjson
@@ -124,7 +125,7 @@ def _decode_parsed(parsed, skeleton: bytes | bytearray | mmap.mmap, payloads: di
     doc, arrays, found = {}, 0, 0  # arrays: those decoded to ndarray, counted as the text counts them
     for key, value in _items(parsed):
         if isinstance(value, simdjson.Array) and _of_objects(value):  # the Open Inference Protocol's "inputs"
-            items = [_tensor_object(item, {}) for item in value]  # a payload in one is left for orjson
+            items = [_tensor_object(cast(simdjson.Object, item), {}) for item in value]  # a payload in one is left for orjson
             value = [item for item, _, _ in items]
             arrays += sum(n for _, n, _ in items)
         elif isinstance(value, simdjson.Array):
@@ -191,7 +192,9 @@ def _cut_b64(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray | m
     # 5-byte needle runs at ~1 GB/s through base64 text, whose letters defeat its skips; the search
     # for a payload's closing quote is memchr). Counting the keys first was a second pass over the
     # payloads: 300 us of a T=64 request's ~2 ms (bench/README.md, "Small requests").
-    view, pieces, payloads, pos, keys = memoryview(body), [], {}, 0, 0
+    view, pos, keys = memoryview(body), 0, 0
+    pieces: list[memoryview | bytes] = []
+    payloads: dict[str, Payload] = {}
     nonce = os.urandom(8).hex()
     while (key := body.find(b'"b64"', pos)) >= 0:
         keys += 1

@@ -69,14 +69,16 @@ def dump_chunks(obj) -> tuple[bytes | Iterator[bytes], int | None]:
     skeleton = orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY, default=marker)
     if not lazy:
         return skeleton, len(skeleton)
-    parts, pos, length = [], 0, len(skeleton)
+    parts: list = []
+    pos = 0
+    length: int | None = len(skeleton)  # None once an array's text, of unknown length, is in
     for i, value in enumerate(lazy):
         mark = f"lazy:{nonce}:{i}".encode()
         at = skeleton.index(mark, pos)
         if isinstance(value, B64Text):  # the text goes between the marker's quotes
             parts += [(skeleton[pos:at],), value.chunks()]
             pos = at + len(mark)
-            length -= len(mark) - len(value)
+            length = None if length is None else length - (len(mark) - len(value))
         else:  # an array replaces the marker and its quotes
             parts += [(skeleton[pos : at - 1],), value.chunks()]
             pos = at + len(mark) + 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import binascii
 import itertools
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import pybase64
@@ -21,7 +22,7 @@ from .json import Payload
 from .stream import NESTED_CHUNK_ELEMENTS, B64Text, NestedArray
 
 ENCODINGS = ("nested", "flat", "b64")
-WIRE_DTYPES = {
+WIRE_DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype("<f2"),
     "float32": np.dtype("<f4"),
     "float64": np.dtype("<f8"),
@@ -106,7 +107,7 @@ def _decode_nested(value) -> np.ndarray:
 
 def _holds_bool(value: list, ndim: int) -> bool:
     """numpy turns [1.5, true] into floats; find a boolean hidden among numbers (C-speed scan)."""
-    flat = value
+    flat: Iterable = value
     for _ in range(ndim - 1):
         flat = itertools.chain.from_iterable(flat)
     return bool in set(map(type, flat))
@@ -201,6 +202,7 @@ def show_names(names: list) -> str:
 
 
 def _dtype(value: dict, default: str | None) -> np.dtype | None:
+    """The dtype a tensor object names (or default); None when neither names one."""
     name = value.get("dtype", default)
     if name is None:
         return None
@@ -265,6 +267,7 @@ def _decode_b64(value: dict) -> np.ndarray:
     if value.get("dtype") is None:  # absent or null: the bytes cannot be read without it
         raise TensorError("bad_type", 'needs "dtype" with "b64": float16, float32, float64, bool, int32 or int64')
     dtype = _dtype(value, None)
+    assert dtype is not None  # "dtype" is present: checked above
     text = value["b64"]
     if isinstance(text, Payload):  # decoded by loads() straight from the body
         raw = text.raw
