@@ -43,11 +43,13 @@ bp = Blueprint("kserve", __name__, url_prefix="/v2")
 
 SERVER_NAME = "attention-service"
 MODEL_VERSION = "1"
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration"]
+PLATFORM = "numpy"  # the metadata's platform, and the configuration's platform and backend
 
 DATATYPES = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}  # -> wire dtypes
 FLOAT = ("FP32", "FP64", "FP16")  # FP16 inputs are computed in parameters.dtype, as float16 b64 in the native JSON
 OUTPUT_DATATYPES = {wire.WIRE_DTYPES[DATATYPES[datatype]]: datatype for datatype in FLOAT}  # FP16: weights_dtype float16
+OUTPUT_DATATYPE = FLOAT[0]  # the outputs' advertised datatype: FP64 or FP16 as the request's parameters say
 OUTPUTS = ("out", "weights")
 # Scheduling hints Triton's client may send (TRITON_RESERVED_REQUEST_PARAMS); this server has no
 # batcher or sequence scheduler to give them to, so they are accepted and have no effect.
@@ -191,7 +193,7 @@ def model_metadata(name: str, version: str | None = None):
         {
             "name": model.name,
             "versions": [MODEL_VERSION],
-            "platform": "numpy",
+            "platform": PLATFORM,
             "inputs": [
                 {
                     "name": n,
@@ -204,7 +206,7 @@ def model_metadata(name: str, version: str | None = None):
             "outputs": [
                 {
                     "name": n,
-                    "datatype": "FP32",
+                    "datatype": OUTPUT_DATATYPE,
                     "shape": shape,
                     "parameters": {
                         "datatypes": "FP32,FP64,FP16",
@@ -214,6 +216,41 @@ def model_metadata(name: str, version: str | None = None):
                 for n, (shape, doc) in model.outputs.items()
             ],
             "parameters": dict(model.parameters),  # the request parameters this model takes (beyond the protocol's own)
+        }
+    )
+
+
+@bp.get("/models/<name>/config")
+@bp.get("/models/<name>/versions/<version>/config")
+def model_config(name: str, version: str | None = None):
+    """Triton's model configuration extension: the model as model_config.proto's JSON, read by
+    Triton's tools (perf_analyzer) beside the metadata. The same table as the metadata: each
+    datatype as TYPE_<datatype>, each shape as dims (-1: any length), the optional inputs marked.
+    No batching or scheduling (max_batch_size 0, no dynamic_batching): each request is one call."""
+    model = _model(name, version)
+    return json_response(
+        {
+            "name": model.name,
+            "platform": PLATFORM,
+            "backend": PLATFORM,
+            "version_policy": {"specific": {"versions": [int(MODEL_VERSION)]}},
+            "max_batch_size": 0,
+            "input": [
+                {
+                    "name": n,
+                    "data_type": f"TYPE_{types[0]}",
+                    "format": "FORMAT_NONE",
+                    "dims": shape,
+                    "is_shape_tensor": False,
+                    "allow_ragged_batch": False,
+                    "optional": n in model.optional,
+                }
+                for n, (types, shape, _) in model.inputs.items()
+            ],
+            "output": [
+                {"name": n, "data_type": f"TYPE_{OUTPUT_DATATYPE}", "dims": shape, "label_filename": "", "is_shape_tensor": False}
+                for n, (shape, _) in model.outputs.items()
+            ],
         }
     )
 

@@ -1,0 +1,198 @@
+"""Triton's own latency tool, perf_analyzer, against this service over the Open Inference Protocol.
+
+    make bench-perf-analyzer                          # = python -m bench.perf_analyzer (a few minutes)
+    python -m bench.perf_analyzer --window-ms 500     # shorter windows, noisier
+
+perf_analyzer is the C++ binary that the tritonclient 2.40.0 wheel (the last to ship it) puts in
+its venv's bin/. It links the CUDA runtime even over HTTP on a machine without a GPU (the
+nvidia-cuda-runtime-cu12 wheel's libcudart, put on LD_LIBRARY_PATH) and Debian's libb64-0d
+(installed with apt-get when it is missing and this runs as root). The venv lives in
+$BENCH_PERF_ANALYZER_DIR, by default .perf-analyzer/ at the repository root (gitignored), built
+once and rebuilt when REQUIREMENTS change.
+
+The service starts as `make run` starts it (python -m service, the default settings) on a free
+loopback port. perf_analyzer reads the model's metadata and configuration (/v2/models/attention
+and .../config), then sends q, k, v (1, 8, T, 64) float32 (seeded normal values, from an
+--input-data file: the optional inputs are left out), synchronous requests, binary tensors both
+ways; it asks for every output the metadata lists, so each answer carries the weights. One run of
+perf_analyzer per (T, concurrency), so that a concurrency that does not stabilise within its
+windows costs only its own row. The table goes to bench/out/perf_analyzer.md and is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import datetime
+import glob
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bench.server import ROOT, Server
+
+OUT = ROOT / "bench" / "out" / "perf_analyzer.md"
+REQUIREMENTS = ("tritonclient[all]==2.40.0", "nvidia-cuda-runtime-cu12==12.9.79")
+B, H, D = 1, 8, 64
+MODEL = "attention"
+
+
+def tool_dir() -> Path:
+    return Path(os.environ.get("BENCH_PERF_ANALYZER_DIR") or ROOT / ".perf-analyzer")
+
+
+def ensure_venv() -> Path:
+    """The venv holding perf_analyzer, (re)built when REQUIREMENTS changed since its stamp."""
+    venv = tool_dir() / "venv"
+    python, stamp = venv / "bin" / "python", venv / ".requirements-sha256"
+    digest = hashlib.sha256("\n".join(REQUIREMENTS).encode()).hexdigest()
+    if not (python.exists() and stamp.exists() and stamp.read_text().strip() == digest):
+        print(f"building perf_analyzer's venv in {venv} (a few minutes, once)", file=sys.stderr, flush=True)
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
+        stamp.write_text(digest + "\n")
+    return venv
+
+
+def tool_env(venv: Path) -> dict[str, str]:
+    """The environment perf_analyzer runs in: the CUDA runtime wheel's lib/ on LD_LIBRARY_PATH."""
+    libs = glob.glob(str(venv / "lib" / "python*" / "site-packages" / "nvidia" / "cuda_runtime" / "lib"))
+    if not libs:
+        raise SystemExit(f"no nvidia/cuda_runtime/lib in {venv}: the nvidia-cuda-runtime-cu12 wheel is missing")
+    path = os.pathsep.join([libs[0], *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
+    return {**os.environ, "LD_LIBRARY_PATH": path}
+
+
+def missing_libraries(binary: Path, env: dict[str, str]) -> list[str]:
+    """The shared libraries the dynamic loader cannot find for binary (ldd's "not found" lines)."""
+    lines = subprocess.run(["ldd", str(binary)], env=env, capture_output=True, text=True, check=False).stdout.splitlines()
+    return [line.split()[0] for line in lines if "not found" in line]
+
+
+def ensure_libb64(binary: Path, env: dict[str, str]) -> None:
+    """libb64.so.0d from Debian's libb64-0d: installed when missing and we may; refused otherwise."""
+    missing = missing_libraries(binary, env)
+    if any(lib.startswith("libb64") for lib in missing) and shutil.which("apt-get") and os.geteuid() == 0:
+        print("installing Debian's libb64-0d (perf_analyzer links libb64.so.0d)", file=sys.stderr, flush=True)
+        if subprocess.run(["apt-get", "install", "-y", "-q", "libb64-0d"], check=False).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], check=True)
+            subprocess.run(["apt-get", "install", "-y", "-q", "libb64-0d"], check=True)
+        missing = missing_libraries(binary, env)
+    if missing:
+        raise SystemExit(f"perf_analyzer cannot load {', '.join(missing)} (libb64.so.0d: apt-get install libb64-0d)")
+
+
+def input_file(length: int, seed: int = 0) -> Path:
+    """perf_analyzer's --input-data JSON: q, k, v (B, H, T, D) float32 as b64, with their shapes."""
+    rng = np.random.default_rng(seed)
+    shape = [B, H, length, D]
+    step = {
+        name: {"b64": base64.b64encode(rng.standard_normal(shape, dtype=np.float32).tobytes()).decode(), "shape": shape} for name in "qkv"
+    }
+    path = tool_dir() / "inputs" / f"attention-T{length}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"data": [step]}))
+    return path
+
+
+def measure(binary: Path, env: dict, url: str, data: Path, concurrency: int, args) -> dict | str:
+    """One perf_analyzer run at one concurrency: {infer_s, p50_ms, p99_ms}, or its last error line."""
+    csv_path = tool_dir() / "result.csv"
+    csv_path.unlink(missing_ok=True)
+    argv = [
+        str(binary),
+        *("-m", MODEL, "-u", url.removeprefix("http://"), "-i", "http"),
+        *("--concurrency-range", f"{concurrency}:{concurrency}", "--input-data", str(data)),
+        *("--measurement-interval", str(args.window_ms), "--max-trials", str(args.max_trials)),
+        *("--stability-percentage", str(args.stability), "-f", str(csv_path)),
+    ]
+    try:
+        run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return f"stopped after {args.timeout:.0f} s"
+    rows = list(csv.DictReader(csv_path.open())) if csv_path.exists() else []
+    if run.returncode != 0 or not rows:
+        lines = [line.strip() for line in (run.stdout + run.stderr).splitlines() if line.strip()]
+        return lines[-1] if lines else f"exit status {run.returncode}"
+    row = rows[0]
+    return {
+        "infer_s": float(row["Inferences/Second"]),
+        "p50_ms": float(row["p50 latency"]) / 1e3,
+        "p99_ms": float(row["p99 latency"]) / 1e3,
+    }
+
+
+def table(results: dict[tuple[int, int], dict | str], lengths, concurrencies) -> str:
+    lines = ["| T | concurrency | infer/s | p50 ms | p99 ms |", "|---:|---:|---:|---:|---:|"]
+    for length in lengths:
+        for c in concurrencies:
+            r = results[length, c]
+            if isinstance(r, str):
+                lines.append(f"| {length} | {c} | {r} | | |")
+            else:
+                lines.append(f"| {length} | {c} | {r['infer_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="64,256,1024", help="T values, comma-separated")
+    parser.add_argument("--max-concurrency", type=int, default=4)
+    parser.add_argument("--window-ms", type=int, default=2000, help="perf_analyzer's --measurement-interval")
+    parser.add_argument("--max-trials", type=int, default=8, help="windows before a concurrency gives up stabilising")
+    parser.add_argument("--stability", type=int, default=50, help="perf_analyzer's --stability-percentage")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds for one perf_analyzer run before it is stopped")
+    args = parser.parse_args()
+    lengths = [int(t) for t in args.lengths.split(",")]
+    concurrencies = range(1, args.max_concurrency + 1)
+
+    venv = ensure_venv()
+    binary, env = venv / "bin" / "perf_analyzer", tool_env(venv)
+    ensure_libb64(binary, env)
+    inputs = {length: input_file(length) for length in lengths}
+
+    load_start = os.getloadavg()
+    server = Server("perf-analyzer", inherit_settings=False)  # as `make run`: python -m service, default settings
+    try:
+        server.wait_ready(in_a_row=4, path="/v2/health/ready")
+        results = {}
+        for length in lengths:
+            for c in concurrencies:
+                results[length, c] = measure(binary, env, server.url, inputs[length], c, args)
+                print(f"T={length} concurrency={c}: {results[length, c]}", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+
+    load = " ".join(f"{x:.2f}" for x in load_start), " ".join(f"{x:.2f}" for x in os.getloadavg())
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    command = " ".join(["python -m bench.perf_analyzer", *sys.argv[1:]])
+    report = "\n".join(
+        [
+            "# perf_analyzer against this service (`make bench-perf-analyzer`)",
+            "",
+            f"`{command}`: perf_analyzer (tritonclient 2.40.0) -m {MODEL} -i http, synchronous, --concurrency-range c:c,",
+            f"--measurement-interval {args.window_ms} ms, --stability-percentage {args.stability}, --max-trials {args.max_trials};",
+            f"q, k, v ({B}, {H}, T, {D}) float32, both outputs (out, weights) as binary; the server as `make run` starts it.",
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; {when},"
+            f" load average at start {load[0]}, at end {load[1]}.",
+            "",
+            table(results, lengths, concurrencies),
+            "",
+        ]
+    )
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
