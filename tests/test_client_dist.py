@@ -3,6 +3,7 @@ build backend pinned in requirements-dev.txt), holds the client and the load tes
 of the service's, and its version is the one the CLIs and the User-Agent show."""
 
 import configparser
+import json
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,15 @@ def test_the_metadata_names_the_version_and_requires_none_of_the_servers_stack(w
     assert {"numpy", "requests", "matplotlib"} <= names and not names & SERVER_STACK, names
     by_extra = {r.name.lower(): str(r.marker) if r.marker else None for r in requires}
     assert by_extra["matplotlib"] == 'extra == "loadtest"' and by_extra["numpy"] is None
+
+
+@pytest.mark.parametrize("module", ["attention_client", "attention_client.__main__", "attention_client.loadtest.cli"])
+def test_the_client_and_the_load_tester_load_nothing_of_the_server(module):
+    code = f"import json, sys; import {module}; print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(json.loads(proc.stdout))
+    assert not loaded & {"service", "schemas", "flask", "werkzeug", "gunicorn", "marshmallow", "torch", "matplotlib"}, loaded
 
 
 @pytest.mark.parametrize("module, prog", [("attention_client", "attention-client"), ("attention_client.loadtest", "attention-loadtest")])
