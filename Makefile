@@ -53,14 +53,17 @@ bench-peers: $(VENV)/.dev-stamp
 LOADTEST_VENV := .venv-loadtest
 $(LOADTEST_VENV)/.stamp: client/pyproject.toml $(shell find client/attention_client -name '*.py')
 	$(PYTHON) -m venv $(LOADTEST_VENV)
+	rm -rf client/build
 	$(LOADTEST_VENV)/bin/pip install -q './client[loadtest]'
 	touch $@
 
 loadtest: $(LOADTEST_VENV)/.stamp
 	$(LOADTEST_VENV)/bin/attention-loadtest $(LOADTEST_ARGS)
 
-# The client's wheel and sdist (attention-client, with its [loadtest] extra) in dist/.
+# The client's wheel and sdist (attention-client, with its [loadtest] extra) in dist/. The build's scratch
+# (client/build) goes first: setuptools would put a module since removed from the sources into the wheel.
 dist: $(VENV)/.dev-stamp
+	rm -rf client/build
 	$(PY) -m build --no-isolation --outdir dist client
 
 # Mixed traffic against a server it starts on 127.0.0.1 (10 min by default; not part of `make test`, which
@@ -70,4 +73,4 @@ soak: $(VENV)/.dev-stamp
 	$(PY) -m soak $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) $(LOADTEST_VENV) dist client/build .pytest_cache .hypothesis .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(LOADTEST_VENV) dist client/build client/*.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache
