@@ -4,16 +4,19 @@ PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: run test bench loadtest soak lint clean
+.PHONY: run test bench loadtest soak lint dist clean
 
 $(VENV)/.run-stamp: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
-$(VENV)/.dev-stamp: requirements.txt requirements-dev.txt
+# The dev venv also holds the client from the working tree (editable), so tests, bench/ and soak/ import
+# attention_client; built without isolation by the setuptools pinned in requirements-dev.txt.
+$(VENV)/.dev-stamp: requirements.txt requirements-dev.txt client/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-build-isolation -e './client[loadtest]'
 	touch $(VENV)/.run-stamp $@
 
 # A terminal reads the plain access log better; ATTN_LOG_FORMAT=json make run gives the JSON lines deployments get.
@@ -23,11 +26,13 @@ run: $(VENV)/.run-stamp
 test: lint
 	$(PY) -m pytest
 
-# Lint and format check (ruff), and the layer contracts (import-linter): configured in pyproject.toml.
+# Lint and format check (ruff), the layer contracts (import-linter) and the types (mypy, over the packages
+# its files list): configured in pyproject.toml.
 lint: $(VENV)/.dev-stamp
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # Side by side with the textbook service, in one run (~10 min): bench/out/results.md. Not part of
 # `make test`. OPENBLAS_CORETYPE/L2_SIZE, if the machine sets them, are unset for this command only
@@ -50,9 +55,24 @@ bench-peers: $(VENV)/.dev-stamp
 bench-perf-analyzer: $(VENV)/.dev-stamp
 	$(PY) -m bench.perf_analyzer $(BENCH_PERF_ANALYZER_ARGS)
 
-# The latency-limit sweep against a running server: make loadtest LOADTEST_ARGS="--url http://127.0.0.1:8000 --slo-ms 250"
-loadtest: $(VENV)/.dev-stamp
-	$(PY) -m loadtest $(LOADTEST_ARGS)
+# The latency-limit sweep against a running server: make loadtest LOADTEST_ARGS="--url http://127.0.0.1:8000 --slo-ms 250".
+# Its venv holds the load tester alone, installed as a user would (pip install './client[loadtest]'), rebuilt when
+# the client changes.
+LOADTEST_VENV := .venv-loadtest
+$(LOADTEST_VENV)/.stamp: client/pyproject.toml $(shell find client/attention_client -name '*.py')
+	$(PYTHON) -m venv $(LOADTEST_VENV)
+	rm -rf client/build
+	$(LOADTEST_VENV)/bin/pip install -q './client[loadtest]'
+	touch $@
+
+loadtest: $(LOADTEST_VENV)/.stamp
+	$(LOADTEST_VENV)/bin/attention-loadtest $(LOADTEST_ARGS)
+
+# The client's wheel and sdist (attention-client, with its [loadtest] extra) in dist/. The build's scratch
+# (client/build) goes first: setuptools would put a module since removed from the sources into the wheel.
+dist: $(VENV)/.dev-stamp
+	rm -rf client/build
+	$(PY) -m build --no-isolation --outdir dist client
 
 # Mixed traffic against a server it starts on 127.0.0.1 (10 min by default; not part of `make test`, which
 # runs a 50 s version): make soak SOAK_ARGS="--duration 1800"; --url/--pid soak a running server.
@@ -61,4 +81,4 @@ soak: $(VENV)/.dev-stamp
 	$(PY) -m soak $(SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) $(LOADTEST_VENV) dist client/build client/*.egg-info .pytest_cache .hypothesis .ruff_cache .mypy_cache

@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
 sys.path.insert(0, str(ROOT))
 
+from attention_client.loadtest.transport import parse_server_timing  # noqa: E402
 from bench.baseline_service import textbook_attention  # noqa: E402
 from bench.server import Server  # noqa: E402
-from loadtest.transport import parse_server_timing  # noqa: E402
 from service.core import attention  # noqa: E402
 
 H, D = 8, 64

@@ -37,8 +37,8 @@ import numpy as np
 import requests
 import tritonclient.http as triton
 
+from attention_client import AttentionClient, _wire
 from bench.server import Server
-from client import AttentionClient, _wire
 
 Path = tuple[Callable, Callable]  # (call(q, k, v) -> (out, weights), close())
 

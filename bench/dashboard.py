@@ -8,7 +8,7 @@ titles, units, legends, stacking and thresholds.
     python -m bench.dashboard [--out docs/dashboard.png] [--duration-per-cell 6]
 
 It starts the service (2 workers) and Prometheus on loopback, runs the load-test tool
-(`python -m loadtest`, T=64..1024, concurrency 1 and 4) with, beside it, the other kinds of
+(`attention-loadtest`, T=64..1024, concurrency 1 and 4) with, beside it, the other kinds of
 traffic the dashboard shows (every() below: /mha, /v2, 422, 404, 504 and bursts that draw 503),
 then renders. About 2 minutes."""
 
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         side = threading.Thread(target=side_traffic, daemon=True)
         side.start()
         with tempfile.TemporaryDirectory(prefix="dashboard-loadtest-") as out:
-            cmd = [sys.executable, "-m", "loadtest", "--url", server.url, "--T", "64..1024", "--concurrency", "1,4"]
+            cmd = [sys.executable, "-m", "attention_client.loadtest", "--url", server.url, "--T", "64..1024", "--concurrency", "1,4"]
             cmd += ["--duration", f"{args.duration_per_cell:g}", "--heads", "8", "--no-weights", "--encoding", "b64", "--out", out]
             print("+", " ".join(cmd[1:]), file=sys.stderr)
             subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)

@@ -26,8 +26,8 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script: the project's packages
 
+from attention_client.loadtest.transport import parse_server_timing  # noqa: E402
 from bench.server import Server  # noqa: E402
-from loadtest.transport import parse_server_timing  # noqa: E402
 
 
 def b64_request(session: requests.Session, url: str, q, k, v) -> tuple[np.ndarray, np.ndarray, requests.Response, int]:

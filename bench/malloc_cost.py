@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import orjson
 
-from client import encode_tensor
+from attention_client import encode_tensor
 from service.config import Settings
 from service.web import create_app
 

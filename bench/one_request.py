@@ -36,9 +36,9 @@ import pybase64
 import requests
 from threadpoolctl import threadpool_limits
 
+from attention_client import AttentionClient
 from bench.__main__ import Client, request_body
 from bench.server import Server
-from client import AttentionClient
 from schemas.jobs import AttentionJob
 from service.core import attention
 

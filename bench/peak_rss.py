@@ -43,7 +43,7 @@ def _child(i: int) -> None:
     import numpy as np
     import orjson
 
-    from client import encode_tensor
+    from attention_client import encode_tensor
     from schemas import AttentionRequest, MhaRequest
     from service import wire
     from service.config import Settings

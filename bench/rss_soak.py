@@ -19,7 +19,7 @@ import time
 import numpy as np
 import orjson
 
-from client import encode_tensor
+from attention_client import encode_tensor
 
 
 def _body(rng: random.Random) -> bytes:

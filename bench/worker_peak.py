@@ -17,9 +17,9 @@ import time
 import numpy as np
 import orjson
 
+from attention_client import encode_tensor
 from bench.garbage import CATALOGUE
 from bench.server import Server
-from client import encode_tensor
 
 MiB = 2**20
 

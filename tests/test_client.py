@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import requests
 
-from client import AttentionClient, AttentionError, _http, _split
+from attention_client import AttentionClient, AttentionError, _http, _split
 from service import core
 
 from .helpers import ROOT, Hostile, Q, V, free_port, start_server, stop_server
@@ -432,7 +432,7 @@ def test_an_answer_the_client_cannot_use_is_a_bad_response(lie, wire):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "client", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "attention_client", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
 
 @pytest.mark.live

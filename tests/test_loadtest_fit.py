@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from loadtest import report
-from loadtest.cell import CellRun, Sample, summarize
-from loadtest.cli import parse_Ts
-from loadtest.fit import fit_power, fit_quadratic, slo_search
+from attention_client.loadtest import report
+from attention_client.loadtest.cell import CellRun, Sample, summarize
+from attention_client.loadtest.cli import parse_Ts
+from attention_client.loadtest.fit import fit_power, fit_quadratic, slo_search
 
 T_GRID = [64, 128, 256, 512, 1024, 2048, 4096]
 

@@ -15,10 +15,10 @@ import numpy as np
 import orjson
 import pytest
 
-from loadtest.cell import Load, run_cell, summarize
-from loadtest.cli import main
-from loadtest.payload import Workload, build_body
-from loadtest.transport import LIMITS_BYTES, fetch_limits, parse_server_timing
+from attention_client.loadtest.cell import Load, run_cell, summarize
+from attention_client.loadtest.cli import main
+from attention_client.loadtest.payload import Workload, build_body
+from attention_client.loadtest.transport import LIMITS_BYTES, fetch_limits, parse_server_timing
 
 from .helpers import ROOT, Hostile, free_port, tensor
 
@@ -49,7 +49,7 @@ def test_connection_failure_is_one_line_and_exit_status_1(tmp_path):
         [
             sys.executable,
             "-m",
-            "loadtest",
+            "attention_client.loadtest",
             "--url",
             url,
             "--T",
@@ -177,7 +177,7 @@ def test_tiny_sweep_against_the_live_service(live_server, tmp_path):
         [
             sys.executable,
             "-m",
-            "loadtest",
+            "attention_client.loadtest",
             "--url",
             live_server,
             "--T",
@@ -296,7 +296,7 @@ def test_bodies_with_a_window_and_grouped_heads():
     ids=["window of one", "window below -1", "kv-heads do not divide"],
 )
 def test_bad_variant_flags_are_usage_errors(args, words):
-    proc = subprocess.run([sys.executable, "-m", "loadtest", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "attention_client.loadtest", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and words in proc.stderr
 
 
@@ -305,7 +305,7 @@ def test_window_and_gqa_sweep_against_the_live_service(live_server, tmp_path):
     out = tmp_path / "out"
     args = ["--url", live_server, "--T", "64,128", "--concurrency", "1", "--requests", "3", "--heads", "4", "--d", "16"]
     args += ["--kv-heads", "2", "--window", "16,0", "--no-weights", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "-m", "loadtest", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "attention_client.loadtest", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     rows = _read_csv(out / "results.csv")
     assert [(r["T"], r["ok"], r["kv_heads"], r["window"]) for r in rows] == [("64", "3", "2", "16,0"), ("128", "3", "2", "16,0")]

@@ -1,11 +1,11 @@
-"""`python -m client`: the attention service from the shell, for numpy users.
+"""`attention-client` (or `python -m attention_client`): the attention service from the shell, for numpy users.
 
-    python -m client --url http://127.0.0.1:8000 attention q.npy k.npy v.npy [--mask m.npy] [--causal] -o result.npz
-    python -m client --url URL attention q.npy k.npy v.npy --enable-gqa --window 256,0 --bias b.npy \
+    attention-client --url http://127.0.0.1:8000 attention q.npy k.npy v.npy [--mask m.npy] [--causal] -o result.npz
+    attention-client --url URL attention q.npy k.npy v.npy --enable-gqa --window 256,0 --bias b.npy \
         --alibi-slopes s.npy --average-weights --weights-dtype float16 -o result.npz
-    python -m client --url URL mha x.npy wq.npy wk.npy wv.npy [wo.npy] --heads 8 [--kv-heads 2 --scale 1 --window 256,0] -o result.npz
-    python -m client --url URL limits
-    python -m client --url URL ready
+    attention-client --url URL mha x.npy wq.npy wk.npy wv.npy [wo.npy] --heads 8 [--kv-heads 2 --scale 1 --window 256,0] -o result.npz
+    attention-client --url URL limits
+    attention-client --url URL ready
 
 Tensors travel as raw bytes both ways (the /v2 door's binary extension); --wire json sends b64 JSON
 to the native endpoints instead.
@@ -19,14 +19,17 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
+from . import __version__
 from ._client import AttentionClient, AttentionError
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m client", description="Call the attention service with .npy files.")
+    p = argparse.ArgumentParser(prog="attention-client", description="Call the attention service with .npy files.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument(
         "--url", default=os.environ.get("ATTN_URL", "http://127.0.0.1:8000"), help="service base URL (default $ATTN_URL or %(default)s)"
     )
@@ -93,9 +96,11 @@ def _printable(text) -> str:
     return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
 
 
-def _load(path: str | None) -> np.ndarray | None:
-    if path is None:
-        return None
+def _load_if(path: str | None) -> np.ndarray | None:
+    return None if path is None else _load(path)
+
+
+def _load(path: str) -> np.ndarray:
     try:
         return np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -124,22 +129,26 @@ def main(argv: list[str] | None = None) -> int:
                     _load(args.q),
                     _load(args.k),
                     _load(args.v),
-                    _load(args.mask),
+                    _load_if(args.mask),
                     causal=args.causal or False,
-                    key_lengths=_load(args.key_lengths),
+                    key_lengths=_load_if(args.key_lengths),
                     scale=args.scale,
                     return_weights=args.weights,
                     dtype=args.dtype,
                     enable_gqa=args.enable_gqa,
                     window=args.window,
-                    bias=_load(args.bias),
-                    alibi_slopes=_load(args.alibi_slopes),
+                    bias=_load_if(args.bias),
+                    alibi_slopes=_load_if(args.alibi_slopes),
                     average_weights=args.average_weights,
                     weights_dtype=args.weights_dtype,
                 )
             else:
                 out, weights = api.mha(
-                    *(_load(getattr(args, n)) for n in ("x", "wq", "wk", "wv", "wo")),
+                    _load(args.x),
+                    _load(args.wq),
+                    _load(args.wk),
+                    _load(args.wv),
+                    _load_if(args.wo),
                     args.heads,
                     causal=args.causal,
                     return_weights=args.weights,
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         except AttentionError as err:
             print(f"error: {err.status or '-'} {_printable(err.code)}: {_printable(err.message)}", file=sys.stderr)
             return 1
-    np.savez(args.output, **({"out": out} if weights is None else {"out": out, "weights": weights}))
+    arrays: dict[str, Any] = {"out": out} if weights is None else {"out": out, "weights": weights}
+    np.savez(args.output, **arrays)
     print(f"wrote {args.output}: out {list(out.shape)}" + ("" if weights is None else f", weights {list(weights.shape)}"))
     return 0
 

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from loadtest.cell import CellResult, CellRun, Load, run_cell, summarize
-from loadtest.payload import Workload, build_body
-from loadtest.transport import check_reachable, fetch_limits
+from .cell import CellResult, CellRun, Load, run_cell, summarize
+from .payload import Workload, build_body
+from .transport import check_reachable, fetch_limits
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.cell import CellResult
-from loadtest.fit import PowerFit, QuadraticFit, SloAnswer, fit_power, fit_quadratic, slo_search
-from loadtest.sweep import Sweep
-from loadtest.transport import PHASES
+from .cell import CellResult
+from .fit import PowerFit, QuadraticFit, SloAnswer, fit_power, fit_quadratic, slo_search
+from .sweep import Sweep
+from .transport import PHASES
 
 
 @dataclass(frozen=True)
@@ -325,17 +325,18 @@ def plot(sweep: Sweep, fits: list[ConcurrencyFit], path: Path) -> None:
 def write_all(sweep: Sweep, out_dir: Path) -> list[Path]:
     """Write report.md, results.csv and latency.png into `out_dir` (created); return the paths.
 
-    Without matplotlib (a dev requirement) the plot is left out and the report says so.
+    Without matplotlib (the [loadtest] extra) the plot is left out and the report says so.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     fits = analyze(sweep)
     csv_path, md_path = out_dir / "results.csv", out_dir / "report.md"
-    png_path: Path | None = out_dir / "latency.png"
+    png_path = out_dir / "latency.png"
     write_csv(sweep, csv_path)
     try:
         plot(sweep, fits, png_path)
+        plots = [png_path]
     except ImportError:
-        sweep.notes.append("no latency.png: matplotlib is not installed (pip install -r requirements-dev.txt)")
-        png_path = None
-    write_markdown(sweep, fits, md_path, plot_name=png_path.name if png_path else None)
-    return [p for p in (csv_path, md_path, png_path) if p is not None]
+        sweep.notes.append("no latency.png: matplotlib is not installed (pip install 'attention-client[loadtest]')")
+        plots = []
+    write_markdown(sweep, fits, md_path, plot_name=png_path.name if plots else None)
+    return [csv_path, md_path, *plots]

@@ -1,6 +1,6 @@
 """The latency-limit sweep: T x concurrency against POST /attention -> table, CSV, plot.
 
-    python -m loadtest --url http://127.0.0.1:8000 --T 256..4096 --concurrency 1,2 --slo-ms 200
+    attention-loadtest --url http://127.0.0.1:8000 --T 256..4096 --concurrency 1,2 --slo-ms 200
 
 Modules, in the order data flows:
 

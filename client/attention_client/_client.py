@@ -21,7 +21,7 @@ import numpy as np
 import requests
 from requests.structures import CaseInsensitiveDict
 
-from . import _split, _wire
+from . import __version__, _split, _wire
 from ._http import Answer, Pool, TransportError
 from ._split import Block
 
@@ -78,7 +78,7 @@ class AttentionClient:
         self.base_url = base_url.rstrip("/")
         self.timeout, self.retries, self.encoding, self.wire = timeout, retries, encoding or "b64", wire
         self.max_workers, self.backoff, self.max_retry_after, self.split = max_workers, backoff, max_retry_after, split
-        headers = {"Accept": "application/json", "User-Agent": "attention-client/2"}
+        headers = {"Accept": "application/json", "User-Agent": f"attention-client/{__version__}"}
         if api_key:
             if not (isinstance(api_key, str) and api_key.isascii() and api_key.isprintable()):  # the key itself is not repeated
                 raise ValueError("api_key must be printable ASCII: no CR, LF, other control or non-ASCII character")

@@ -9,36 +9,18 @@ JSON: tensors in one of the API's encodings (b64: pybase64, spliced into orjson'
 
 from __future__ import annotations
 
-import base64
-import json
+from typing import Any
 
 import numpy as np
+import orjson
+import pybase64
 
-try:  # orjson writes numpy arrays and long strings much faster; the standard library also works
-    import orjson
-
-    def dumps(obj) -> bytes:
-        return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
-
-    loads = orjson.loads
-except ImportError:  # pragma: no cover
-
-    def dumps(obj) -> bytes:
-        return json.dumps(obj, default=lambda a: a.tolist(), separators=(",", ":")).encode()
-
-    def loads(data):
-        return json.loads(bytes(data))
+b64encode, b64decode = pybase64.b64encode, pybase64.b64decode_as_bytearray  # SIMD base64: the standard library's output
+loads = orjson.loads
 
 
-try:  # SIMD base64, several times the standard library's speed; same output
-    import pybase64
-
-    b64encode, b64decode = pybase64.b64encode, pybase64.b64decode_as_bytearray
-except ImportError:  # pragma: no cover
-    b64encode = base64.b64encode
-
-    def b64decode(text) -> bytearray:
-        return bytearray(base64.b64decode(text))
+def dumps(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 # numpy dtype <-> the protocol's datatype, for every dtype the client sends or the server answers.
@@ -113,7 +95,7 @@ def encode_tensor(a: np.ndarray, encoding: str = "b64"):
     if encoding == "flat":
         return {"shape": list(a.shape), "dtype": a.dtype.name, "data": a.reshape(-1)}
     little = a.astype(a.dtype.newbyteorder("<"), copy=False)
-    return {"shape": list(a.shape), "dtype": a.dtype.name, "b64": b64encode(little.reshape(-1).view(np.uint8)).decode("ascii")}
+    return {"shape": list(a.shape), "dtype": a.dtype.name, "b64": b64encode(little.reshape(-1).view(np.uint8).data).decode("ascii")}
 
 
 def json_request(body: dict, encoding: str) -> list[bytes]:
@@ -127,7 +109,7 @@ def json_request(body: dict, encoding: str) -> list[bytes]:
     for key, a in tensors.items():
         little = np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<"))
         meta = dumps({"shape": list(a.shape), "dtype": a.dtype.name})[:-1]  # without its closing brace
-        fields.append([dumps(key), b":", meta, b',"b64":"', b64encode(little.reshape(-1).view(np.uint8)), b'"}'])
+        fields.append([dumps(key), b":", meta, b',"b64":"', b64encode(little.reshape(-1).view(np.uint8).data), b'"}'])
     if plain:
         fields.append([dumps(plain)[1:-1]])  # the options, without their braces
     parts = [b"{"]

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -172,7 +173,7 @@ class Pool:
             else:  # TLS sockets (and Windows') have no sendmsg
                 for part in [head, *parts]:
                     sock.sendall(part)
-            resp = http.client.HTTPResponse(_ByDeadline(sock, deadline), method=method)
+            resp = http.client.HTTPResponse(cast(socket.socket, _ByDeadline(sock, deadline)), method=method)  # it only calls makefile()
             try:
                 resp.begin()
                 pad = 0 if align_at is None else -align_at(resp) % 64
@@ -253,10 +254,10 @@ def _read_body(resp: http.client.HTTPResponse, pad: int) -> memoryview:
     if resp.length > MAX_ANSWER_BYTES:
         raise TransportError("bad_response", f"the answer declares Content-Length: {resp.length}, past {MAX_ANSWER_BYTES}")
     try:
-        buf = np.empty(pad + resp.length, dtype=np.uint8)  # not zeroed first, unlike bytearray(n): the socket fills it
+        arr = np.empty(pad + resp.length, dtype=np.uint8)  # not zeroed first, unlike bytearray(n): the socket fills it
     except MemoryError:
         raise TransportError("bad_response", f"no memory for an answer of Content-Length: {resp.length}") from None
-    view = memoryview(buf)[pad:]
+    view = arr.data[pad:]
     got = 0
     while got < len(view):
         n = resp.readinto(view[got:])

@@ -1,4 +1,4 @@
-"""`python -m loadtest`: parse the command line, run the sweep, write the outputs.
+"""`attention-loadtest` (or `python -m attention_client.loadtest`): parse the command line, run the sweep, write the outputs.
 
 Exit status: 0 done, 1 the service could not be reached (one line on stderr, no
 traceback), 2 bad arguments, 130 interrupted (what was measured is still written).
@@ -14,11 +14,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.cell import Load
-from loadtest.payload import Workload
-from loadtest.report import write_all
-from loadtest.sweep import Sweep, SweepConfig, run_sweep
-from loadtest.transport import ConnectionFailure
+from .. import __version__
+from .cell import Load
+from .payload import Workload
+from .report import write_all
+from .sweep import Sweep, SweepConfig, run_sweep
+from .transport import ConnectionFailure
 
 
 def parse_Ts(text: str) -> tuple[int, ...]:
@@ -83,9 +84,10 @@ def _positive(kind: type, most: float | None = None):
 def build_parser() -> argparse.ArgumentParser:
     """Every option, with the defaults the README documents."""
     p = argparse.ArgumentParser(
-        prog="python -m loadtest",
+        prog="attention-loadtest",
         description="Sweep T x concurrency against POST /attention; write report.md, results.csv and latency.png.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the service (default %(default)s)")
     p.add_argument(
         "--T",
@@ -225,7 +227,7 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConf
         max_error_rate=args.max_error_rate,
         fit_min_T=args.fit_min_T,
         rounds=args.rounds,
-        command=shlex.join(["python", "-m", "loadtest", *_redact(argv)]),
+        command=shlex.join(["attention-loadtest", *_redact(argv)]),
     )
 
 

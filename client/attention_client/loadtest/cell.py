@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import requests
 
-from loadtest.transport import DETAIL_BYTES, PHASES, Reply, check_reachable, new_session, post
+from .transport import DETAIL_BYTES, PHASES, Reply, check_reachable, new_session, post
 
 JOIN_GRACE_S = 2.0  # past max_seconds + timeout_s, a cell waits this long for a request in flight
 
@@ -127,6 +127,7 @@ class _Schedule:
         if load.requests is not None:
             self.planned: int | None = load.requests
         elif load.rate is not None:
+            assert load.duration_s is not None  # Load holds exactly one of requests and duration_s
             self.planned = math.ceil(load.duration_s * load.rate)
         else:
             self.planned = None  # closed loop for a duration: as many as fit

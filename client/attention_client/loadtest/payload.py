@@ -13,7 +13,7 @@ from typing import Literal
 import numpy as np
 import orjson
 
-from client import encode_tensor
+from attention_client import encode_tensor
 
 Encoding = Literal["nested", "b64"]
 
@@ -55,7 +55,7 @@ def build_body(workload: Workload, T: int) -> bytes:
     shape = (workload.batch, workload.heads, T, workload.d)
     kv_shape = (workload.batch, workload.kv_heads or workload.heads, T, workload.d)
     q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in (shape, kv_shape, kv_shape))
-    options = {}
+    options: dict[str, bool | list[int]] = {}
     if workload.kv_heads is not None:
         options["enable_gqa"] = True
     if workload.window is not None:
