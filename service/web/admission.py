@@ -41,12 +41,15 @@ import re
 import threading
 import time
 
-from flask import Flask, Response, current_app, g, has_app_context, request
+from flask import Flask, Response, has_app_context, request
 
 from schemas import RequestError
 from schemas.jobs import AttentionJob, MhaJob
+from service.config import Settings
+from service.cost import work_of
 
 from . import census, metrics, parallel
+from .context import context, services
 from .errors import ApiError
 from .http import phase
 
@@ -206,19 +209,19 @@ class Ticket:
 def admit(job: AttentionJob | MhaJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
     not fit in memory beside the others (503), then wait for a compute slot. The prediction is the
-    cost model's alone-time x the slowdown that requests admitted at the same count of requests
-    busy in the server (Gate.busy(); kept in g.busy for run()) saw lately. It is kept in
-    g.predicted_ms, for the compute metrics and the response's cost; a job that will be split is
-    predicted at the share of one thread's time that splits have taken (CostModel.split_factor)."""
-    g.job = job  # its shape, for the access log and the trace
-    model = current_app.extensions["attention.cost"]
-    g.busy = server_busy()  # the load it is admitted into: its slowdown is predicted, then learned, by this count
+    cost model's for the load it is admitted into (the requests busy in the server, Gate.busy())
+    and the threads it is to compute on; the request's context keeps the job, its work, that
+    count (the compute teaches the model by it) and the prediction (for the compute metrics and
+    the response's cost)."""
+    ctx = context()
+    ctx.job = job  # its shape, for the access log and the trace
+    work = ctx.work = work_of(job)
+    ctx.busy = server_busy()  # the load it is admitted into: its slowdown is predicted, then learned, by this count
     # Alone on the server, a large job is split on several threads (parallel.py): it is predicted
     # at what splits have taken, not at one thread's time (which would refuse deadlines it meets).
-    split = model.split_factor(parallel.planned(job.work(), parallel.computing()))  # the count the split itself is decided by
-    predicted = g.predicted_ms = model.predict_job(job, model.contention(g.busy)) * split
-    deadline = g.get("deadline_ms")
-    ticket = g.get("admission")
+    threads = parallel.planned(work, parallel.computing())  # the count the split itself is decided by
+    predicted = ctx.predicted_ms = services().cost.predict(work, ctx.busy, threads)
+    deadline, ticket = ctx.deadline_ms, ctx.admission
     if deadline is not None:
         left = deadline - elapsed_ms()
         if predicted > left:
@@ -243,14 +246,14 @@ def server_computing() -> int:
     the shared census), the caller's own request included if it holds a compute slot. Without a
     shared table (the Flask test client) this app's own count; outside a request, the count of the
     last app created in this process (0 if none)."""
-    gate = current_app.extensions.get("attention.gate") if has_app_context() else _last_gate
+    gate = services().gate if has_app_context() else _last_gate
     return gate.computing() if gate is not None else 0
 
 
 def server_busy() -> int:
     """Gate.busy() of this app's gate (at least 1: the caller's own request): the requests
     computing in the server, or about to, that the cost model's slowdown is keyed by."""
-    gate = current_app.extensions.get("attention.gate") if has_app_context() else _last_gate
+    gate = services().gate if has_app_context() else _last_gate
     return max(1, gate.busy() if gate is not None else 0)
 
 
@@ -258,7 +261,7 @@ _last_gate: Gate | None = None  # for server_computing() and server_busy() outsi
 
 
 def elapsed_ms() -> float:
-    return (time.perf_counter() - g.t0) * 1000
+    return (time.perf_counter() - context().t0) * 1000
 
 
 def _deadline(why: str) -> RequestError:
@@ -301,39 +304,47 @@ def _drain() -> None:
         pass
 
 
-def install(app: Flask) -> None:
+def make_gate(settings: Settings) -> Gate:
+    """A worker's gate, in the server's census when gunicorn's arbiter made one (census.shared())."""
     global _last_gate
-    settings = app.extensions["attention.settings"]
-    app.extensions["attention.gate"] = _last_gate = Gate(
-        settings.max_inflight, settings.max_queue, settings.max_inflight_bytes, census.shared()
-    )
+    _last_gate = Gate(settings.max_inflight, settings.max_queue, settings.max_inflight_bytes, census.shared())
+    return _last_gate
+
+
+def install(app: Flask) -> None:
+    """The gate's hooks: refusals before the body is read, and the ticket given back (its slot
+    once the response is built, its bytes once it is sent)."""
+    held = services(app)
+    settings = held.settings
 
     @app.before_request
     def _gate():
         if request.method != "POST" or not COMPUTE_PATH.fullmatch(request.path):
             return
+        ctx = context()
         try:
             if settings.api_keys:
                 _check_key(settings.api_keys)
-            g.deadline_ms = _parse_deadline()
+            deadline = ctx.deadline_ms = _parse_deadline()
             nbytes = request.content_length
-            if g.deadline_ms is not None and nbytes:
-                floor = app.extensions["attention.cost"].read_floor_ms(nbytes)
-                if floor > g.deadline_ms - elapsed_ms():
+            if deadline is not None and nbytes:
+                floor = held.cost.read_floor_ms(nbytes)
+                if floor > deadline - elapsed_ms():
                     raise _deadline(
-                        f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={g.deadline_ms:g}"
+                        f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={deadline:g}"
                     )
             over = nbytes is not None and nbytes > settings.max_body_bytes  # about to be refused with 413, unparsed
             if nbytes is None or over:
                 nbytes = settings.max_body_bytes  # chunked: read up to the limit
-            g.admission = app.extensions["attention.gate"].enter(nbytes, 0 if over else nbytes * PARSE_FACTOR)
+            ctx.admission = held.gate.enter(nbytes, 0 if over else nbytes * PARSE_FACTOR)
         except RequestError:
             _drain()
             raise
 
     @app.after_request
     def _hand_over(resp: Response):
-        ticket = g.pop("admission", None)
+        ctx = context()
+        ticket, ctx.admission = ctx.admission, None
         if ticket is not None:
             ticket.end_compute()  # a slow reader must not pin a compute slot
             metrics.when_sent(resp, ticket.release)  # its bytes are held until the body is sent
@@ -341,6 +352,7 @@ def install(app: Flask) -> None:
 
     @app.teardown_request
     def _release(exc):
-        ticket = g.pop("admission", None)  # still here only if no response was made
+        ctx = context()
+        ticket, ctx.admission = ctx.admission, None  # still here only if no response was made
         if ticket is not None:
             ticket.release()
