@@ -46,7 +46,7 @@ MAX_PATH = 256
 MAX_METHOD = 16
 
 
-_second: tuple[int, str] = (-1, "")  # the last second formatted, and its text (strftime costs ~1 us)
+_second: tuple[int, str] = (-1, "")  # the last second formatted, and its text (strftime once a second, not once a line)
 
 
 def rfc3339(t: float) -> str:

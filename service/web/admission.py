@@ -24,7 +24,7 @@ What is counted where. The request bound is the server's: the workers share a ce
 admitted and computing requests (census.py, made by the gunicorn arbiter before they fork), so a
 client is refused only when the server holds (max_inflight + max_queue) x workers requests, however
 its keep-alive connections landed (a connection stays with the worker that accepted it: with
-per-worker counts, 7 of 8 connections on one worker got 503 while the other idled). One worker may
+per-worker counts, most connections on one worker got 503 while the other idled). One worker may
 then hold more than its own share waiting; gunicorn's threads are sized to hold them all
 (deploy/gunicorn.conf.py). Compute slots (max_inflight) and bytes (max_inflight_bytes) stay per
 worker: a worker computes on its own threads, and the bytes bound keeps one process's memory
@@ -57,10 +57,9 @@ COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/
 MAX_WAIT_S = 30.0  # longest a job waits for a compute slot without a deadline: then 503
 DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
 # Peak bytes of parsing a JSON body (wire.loads, the depth check and the schema's load), beyond
-# the body itself, per byte of body, at most. Measured with `python -m bench.garbage --sizes 32
-# --rss` (peak RSS growth over the held body, 32 MiB bodies): objects of empty b64 1028 MB (32.1x),
-# ragged rows of three 962 MB (30x), rows of one or two 750 MB (23x), strings in rows 552 MB;
-# valid bodies far less (bench/peak_rss.py: nested float text ~4x, b64 ~0.8x). The gate charges
+# the body itself, per byte of body, at most: above the worst hostile body measured (objects of
+# empty b64) with `python -m bench.garbage --sizes 32 --rss` (peak RSS growth over the held body;
+# bench/README.md), and far above valid bodies (bench/peak_rss.py). The gate charges
 # Content-Length x PARSE_FACTOR before the body is read, so that the peak one request can cause
 # is in ATTN_MAX_INFLIGHT_BYTES before it happens; after validation the job's working bytes
 # replace it (reserve()). Only the lone request of a worker may exceed the bound.

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app, g
 
-from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
-from service.config import Settings
-from service.cost import CostModel, Work
+if TYPE_CHECKING:  # annotations only: this module is imported by every other of the web layer
+    from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
+    from service.config import Settings
+    from service.cost import CostModel, Work
 
-if TYPE_CHECKING:
     from .admission import Gate, Ticket
     from .tracing import Spans, Trace
 
