@@ -62,7 +62,7 @@ class RequestContext:
     trace: Trace | None = None
     span: Any = None  # the OpenTelemetry span, when spans are on; ended once the response is sent
     spans: list[tuple[str, float, float]] | None = None  # (phase, start, ms) for child spans, when on
-    trace_clock: tuple[int, float] | None = None  # (time.time_ns(), perf_counter()) at the span's start
+    trace_clock: tuple[int, float] = (0, 0.0)  # (time.time_ns(), perf_counter()) at the span's start
     # metrics
     metrics_t0: float | None = None  # set by metrics' before hook, taken by its after or teardown hook
     # admission and compute

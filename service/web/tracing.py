@@ -199,7 +199,8 @@ def install(app: Flask) -> None:
         ctx = context()
         if ctx.trace is not None:
             resp.headers["traceparent"] = ctx.trace.traceparent()
-            if (span := ctx.span) is not None:
+            spans = services(app).spans
+            if (span := ctx.span) is not None and spans is not None:
                 ctx.span = None
-                services(app).spans.finish(span, resp, ctx)
+                spans.finish(span, resp, ctx)
         return resp
