@@ -139,7 +139,7 @@ class Spans:
 
 def use_provider(app: Flask, provider) -> None:
     """Trace this app's requests with an OpenTelemetry TracerProvider (tests pass one with an
-    in-memory exporter); install() calls it when the OTEL_* variables configure an exporter."""
+    in-memory exporter). An app's own, from the OTEL_* variables, is spans_for()'s."""
     services(app).spans = Spans(provider.get_tracer("service.web"))
 
 
