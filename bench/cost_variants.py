@@ -27,7 +27,7 @@ from threadpoolctl import threadpool_limits
 
 from schemas import AttentionRequest, MhaRequest
 from service.config import Settings
-from service.web.costmodel import CostModel, median_ms
+from service.cost import CostModel, median_ms, work_of
 
 
 def b64(arr, dtype: str = "float32") -> dict:
@@ -88,7 +88,7 @@ def main() -> None:
                     job = schemas[cls].load(doc)
                     job.compute()
                     ms = median_ms(job.compute, min_runs=5, min_ms=150, clock=time.thread_time)
-                    predicted = model.predict_job(job)
+                    predicted = model.predict(work_of(job))
                     ratio = ms / predicted
                     plain_ratio = plain_ratio or ratio
                     print(
@@ -120,9 +120,9 @@ def stream(model: CostModel, schemas: dict, rng, counts=(12, 100)) -> str:
     requests (T=64..1024, with and without weights), as the least and largest ratio after /
     before. A stream of plain requests is the control: calibration is not exact, so honest
     traffic moves predictions too (towards the truth)."""
-    plain = [schemas[AttentionRequest].load(kinds(rng, T, w)["plain"][1]).work() for T, w in PLAIN]
+    plain = [work_of(schemas[AttentionRequest].load(kinds(rng, T, w)["plain"][1])) for T, w in PLAIN]
     saved = copy.deepcopy(model._fits)
-    before = [model.predict_work(w) for w in plain]
+    before = [model.predict(w) for w in plain]
     lines = ["", "| stream of | requests | plain predicted after / before: min | max |", "|---|---|---|---|"]
     for name in STREAMS:
         works = []
@@ -130,12 +130,12 @@ def stream(model: CostModel, schemas: dict, rng, counts=(12, 100)) -> str:
             cls, doc = kinds(rng, 1024 if name == "one key (S=1)" else 256, weights)[name]
             job = schemas[cls].load(doc)
             job.compute()
-            works.append((job.work(), median_ms(job.compute, min_runs=5, min_ms=100, clock=time.thread_time)))
+            works.append((work_of(job), median_ms(job.compute, min_runs=5, min_ms=100, clock=time.thread_time)))
         for n in counts:
             model._fits = copy.deepcopy(saved)
             for i in range(n):
                 model.observe(*works[i % 2])
-            ratios = [model.predict_work(w) / b for w, b in zip(plain, before, strict=True)]
+            ratios = [model.predict(w) / b for w, b in zip(plain, before, strict=True)]
             lines.append(f"| {name} | {n} | {min(ratios):.2f} | {max(ratios):.2f} |")
     model._fits = saved
     return "\n".join(lines)

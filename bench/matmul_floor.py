@@ -3,7 +3,7 @@
     python -m bench.matmul_floor            # ~30 s; prints a markdown table
 
 B=1, H=8, T=S=4096, d=64, causal, float32, on 2 threads as a large request alone on the server
-(parallel.py's split). Three things, each once per repetition in a random order, medians:
+(service/cost/split.py's split). Three things, each once per repetition in a random order, medians:
 
 - matmuls only: exactly the two matmuls of every causal block the core computes (q_blk kᵀ and
   scores v over the keys up to the block's last row; 128-row blocks, the core's at this size),

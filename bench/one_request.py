@@ -2,7 +2,7 @@
 side in one run. B=1, H=8, d=64, causal, float32, b64 on the wire. Medians.
 
   threshold   in-process, the numeric core on one thread against split on two, T = 64 .. 1024 with
-              and without weights: the least work worth splitting (service.web.parallel.MIN_FLOPS)
+              and without weights: the least work worth splitting (service.cost.split.MIN_FLOPS)
   latency     concurrency 1, end to end through requests (body built with pybase64 and orjson,
               response parsed and decoded to numpy: numpy to numpy), through our AttentionClient
               (its default binary wire, the /v2 door: numpy to numpy with no base64 or JSON of the
@@ -41,6 +41,7 @@ from bench.__main__ import Client, request_body
 from bench.server import Server
 from schemas.jobs import AttentionJob
 from service.core import attention
+from service.cost import work_of
 
 H, D = 8, 64
 SECTIONS = ("threshold", "latency", "throughput")
@@ -54,7 +55,7 @@ def tensors(T: int, seed: int = 0) -> list[np.ndarray]:
 def flops(T: int, weights: bool) -> int:
     q, k, v = tensors(1)
     q, k, v = (np.broadcast_to(a, (1, H, T, D)) for a in (q, k, v))
-    return AttentionJob(q, k, v, None, "top_left", None, None, weights, "b64").work().flops
+    return work_of(AttentionJob(q, k, v, None, "top_left", None, None, weights, "b64")).flops
 
 
 def alternate(fns: dict, reps: int, pause_after: tuple = ()) -> dict:
@@ -90,7 +91,7 @@ def call(session: requests.Session, url: str, q, k, v, weights: bool):
 
 
 def threshold(reps: int) -> None:
-    print("\n### Threshold: in-process, one thread against split on two (service.web.parallel.MIN_FLOPS)\n")
+    print("\n### Threshold: in-process, one thread against split on two (service.cost.split.MIN_FLOPS)\n")
     print("| T | weights | MFLOP | one thread ms | split ms | speedup |")
     print("|---:|---|---:|---:|---:|---:|")
     with ThreadPoolExecutor(1) as pool:

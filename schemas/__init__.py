@@ -2,7 +2,7 @@
 themselves, and RequestError. Imports service.core, service.wire and service.config only."""
 
 from .errors import RequestError
-from .jobs import COMPUTE_DTYPES, AttentionJob, MhaJob, Work
+from .jobs import COMPUTE_DTYPES, AttentionJob, MhaJob
 from .requests import AttentionRequest, MhaRequest
 
-__all__ = ["COMPUTE_DTYPES", "AttentionJob", "AttentionRequest", "MhaJob", "MhaRequest", "RequestError", "Work"]
+__all__ = ["COMPUTE_DTYPES", "AttentionJob", "AttentionRequest", "MhaJob", "MhaRequest", "RequestError"]

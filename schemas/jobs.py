@@ -1,6 +1,7 @@
 """Jobs: validated requests, the unit every other module talks to. A job holds its arrays in the
-compute dtype and knows what computing it costs (flops, score elements, the numeric core's blocks,
-the working memory) and how to compute itself on the numeric core.
+compute dtype, knows its shapes (B, T, S, the head widths, flops and score elements), its working
+memory, and how to compute itself on the numeric core. What computing it takes in time is the
+cost model's (service.cost reads the shapes).
 
 Shape legend as in service.core: B the product of the attention's leading axes (heads included),
 T queries, S keys, d query/key width, dv value width, n sequence length, h heads.
@@ -24,48 +25,6 @@ WEIGHTS_DTYPES = ("float16", "float32", "float64")  # the precisions weights may
 # a time, nested text in blocks of 2**18 numbers (~6 MB); plus the core's O(block) scratch.
 RESPONSE_CHUNK_BYTES = 8 * 2**20
 SCRATCH_BYTES = 4 * 2**20
-
-
-# What a bias, ALiBi or a mask multiply a plain request's time by, (with weights, without): the
-# CPU time of each against a plain request of the same shape, B=1 H=8 d=64, T=256 and 1024
-# (bench/README.md, `python -m bench.cost_variants`, two runs). With weights a bias measured
-# 1.3-2.0x, ALiBi 2.2-3.4x, a mask 1.5-2.4x; without, 2.3-4.2x, 2.7-6.4x and 1.6-2.9x: each adds passes
-# over every score, and turns off the no-weights path's bounded scores (which skip two passes),
-# more of its time the larger T. Several add up: 1 + the sum of (factor - 1).
-EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)}
-# With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
-# half a computed score's time each (key_lengths=1 with weights: 0.17-0.40x a plain request's time).
-ZEROED_WEIGHT_SHARE = 0.5
-# What each element of q and out, and of k and v, costs beside the matmuls, in computed scores:
-# q is scaled and out divided (a pass or two each), k and v read once for their bounds.
-# Negligible where S and T are alike and large; all of the time where one is tiny (T=4096 with S=1
-# ran 26-39x its prediction without them, T=1 with S=1024 3.4-3.6x; bench/README.md).
-QUERY_ELEMENT_WEIGHT, KEY_ELEMENT_WEIGHT = 1.0, 0.25
-
-
-@dataclass(frozen=True)
-class Work:
-    """What the cost model reads of a job: the arithmetic the numeric core actually does.
-
-    cost_factor is what a bias, ALiBi or a mask multiply the plain work's time by (EXTRA_COST);
-    fitted False marks work whose cost the features only estimate (those, and key_lengths), which
-    the fit predicts but does not learn from."""
-
-    flops: int
-    score_elements: int
-    dtype: str
-    T: int  # query positions (n for /mha)
-    blocks: int = 1  # the numeric core's blocks (core.block_count)
-    cost_factor: float = 1.0  # the plain work's time x this (a bias, ALiBi, a mask)
-    fitted: bool = True  # the fit may learn from its measured time
-    query_elements: int = 0  # the elements of q and out (QUERY_ELEMENT_WEIGHT scores each)
-    key_elements: int = 0  # the elements of k and v (KEY_ELEMENT_WEIGHT scores each)
-
-    def features(self) -> np.ndarray:
-        """(GFLOP, M score elements, blocks) x cost_factor: what the fit's a, b, c multiply; the
-        score elements count q, k, v and out's elements too, at their weights."""
-        scores = self.score_elements + QUERY_ELEMENT_WEIGHT * self.query_elements + KEY_ELEMENT_WEIGHT * self.key_elements
-        return np.array([self.flops / 1e9, scores / 1e6, float(self.blocks)]) * self.cost_factor
 
 
 class _Job:
@@ -99,39 +58,9 @@ class _Job:
         return self.other_flops + 2 * self.score_elements * sum(self.head_widths)
 
     @property
-    def computed_share(self) -> float:
-        """The share of the scores the core computes. Without weights under a causal mask it skips
-        the keys past each block's diagonal (about half; a small problem is one block, which
-        computes them all); with weights it writes the whole (T, S) buffer, and measured here
-        saved 0-36%: all is counted. A window's band is what the core
-        computes either way (B*T*min(S, left+right+1) and the block edges: core.score_count), and
-        no key past the largest key_lengths is."""
-        if self.window is not None:
-            share = core.score_count(self.B, self.T, self.S, self.causal, window=self.window, itemsize=self.itemsize) / self.score_elements
-        else:  # a small problem's one block computes every score, as the weights path does
-            share = 1.0 if self.return_weights or self.blocks == 1 else core.causal_share(self.T, self.S, self.causal)
-        # The core computes no key at or past the largest key_lengths (key_lengths of 1: one key a
-        # row): exact without a band (causal, window), the lesser count (an upper bound) with one.
-        return min(share, self.key_end / self.S) if self.S else share
-
-    @property
     def key_end(self) -> int:
         """No key at or past this is computed: S (AttentionJob: the largest key_lengths)."""
         return self.S
-
-    @property
-    def cost_factor(self) -> float:
-        """What a bias, ALiBi or a mask multiply the plain work's time by (EXTRA_COST)."""
-        return 1.0
-
-    @property
-    def fitted(self) -> bool:
-        """Whether the features count this job's cost as calibration timed it (the fit learns from it)."""
-        return True
-
-    @property
-    def blocks(self) -> int:
-        return core.block_count(self.B, self.T, self.S, self.causal, window=self.window, groups=self.groups, itemsize=self.itemsize)
 
     @property
     def itemsize(self) -> int:
@@ -146,23 +75,6 @@ class _Job:
     @property
     def weights_itemsize(self) -> int:
         return np.dtype(self.weights_dtype or self.dtype).itemsize
-
-    def work(self) -> Work:
-        """Computed once: admission predicts from it and the compute is measured against it (a job
-        is frozen, so the answer cannot change; ~50 us of a small request's fixed cost)."""
-        work = self.__dict__.get("_work")
-        if work is None:
-            share = self.computed_share
-            attention_flops = self.flops - self.other_flops
-            flops = self.other_flops + share * attention_flops
-            scores = self.score_elements * share
-            if self.return_weights:  # the weights past the largest key_lengths: not computed, but written 0
-                scores += ZEROED_WEIGHT_SHARE * self.B * self.T * (self.S - self.key_end) / self.cost_factor  # no bias on them
-            d, dv = self.head_widths
-            rows, keys = self.B * self.T * (d + dv), self.B // self.groups * self.S * (d + dv)  # q and out; k and v
-            work = Work(int(flops), int(scores), self.dtype, int(self.T), self.blocks, self.cost_factor, self.fitted, rows, keys)
-            object.__setattr__(self, "_work", work)  # frozen dataclass: its fields are fixed, this is a cache
-        return work
 
     @property
     def output_elements(self) -> int:
@@ -179,10 +91,9 @@ class _Job:
         Counted (itemsize: 4 for float32, 8 for float64): the cast inputs, plus 8 bytes a number
         decoded from JSON text (float64 or int64, alive until the cast; b64 of the compute dtype
         is its decoded bytes, no copy), the core's arrays (_core_bytes), the weights if returned,
-        a response chunk and the core's scratch, both bounded by the job's own size. Measured
-        against the peak RSS of the same pipeline (bench/peak_rss.py): 0.84-1.24x for b64 bodies;
-        the parse of a JSON body peaks before the job exists (the gate charges it, see
-        service.web.admission)."""
+        a response chunk and the core's scratch, both bounded by the job's own size, and checked
+        against the peak RSS of the same pipeline (bench/peak_rss.py, bench/README.md). The parse
+        of a JSON body peaks before the job exists (the gate charges it, see service.web.admission)."""
         itemsize = np.dtype(self.dtype).itemsize
         elements = sum(a.size for a in vars(self).values() if isinstance(a, np.ndarray))  # a bias included
         total = elements * itemsize
@@ -284,17 +195,6 @@ class AttentionJob(_Job):
     @property
     def key_end(self) -> int:
         return self.S if self.key_lengths is None else min(self.S, int(self.key_lengths.max(initial=0)))
-
-    @property
-    def cost_factor(self) -> float:
-        extra = (factors[0 if self.return_weights else 1] - 1 for name, factors in EXTRA_COST.items() if getattr(self, name) is not None)
-        return 1.0 + sum(extra, 0.0)
-
-    @property
-    def fitted(self) -> bool:
-        """Without a bias, ALiBi, a mask or key_lengths: their cost is estimated, not what calibration timed,
-        and a stream of them fed to the fit would move every plain request's prediction."""
-        return self.cost_factor == 1.0 and self.key_lengths is None
 
     @property
     def output_elements(self) -> int:

@@ -1,6 +1,7 @@
 """The attention service. Importing this package loads nothing: its layers import downward only,
 
     service.web     Flask: the two front doors (native API, KServe v2), admission, metrics, docs
+    service.cost    the cost model: a job's work, the fit that predicts and learns its time, the split policy
     schemas         the domain: request schemas -> jobs (AttentionJob, MhaJob), RequestError
     service.wire    bytes <-> arrays: strict JSON, the tensor encodings, streamed responses
     service.core    the numeric core: attention, mha (numpy only)

@@ -164,7 +164,7 @@ class Settings:
     # or a plain one for a terminal; OpenTelemetry span exporters, set by the standard OTEL_* variables.
     log_format: str = "json"
     otel_trace_exporters: tuple[str, ...] = ()
-    # One large request alone on the server is computed on this many threads (service/web/parallel.py);
+    # One large request alone on the server is computed on this many threads (service/cost/split.py);
     # under load every request keeps one. Default: the cores; 1 turns splitting off.
     split_threads: int = field(default_factory=_cores)
 

@@ -18,8 +18,9 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import AttentionRequest
+from service.cost import CostModel
 from service.web import admission, census, create_app, ops
-from service.web.costmodel import CostModel
+from service.web.context import services
 from service.web.errors import ApiError
 
 from .helpers import WORKED, b64, big_body, start_server, stop_server, wait_until
@@ -48,7 +49,7 @@ def test_a_generous_deadline_is_served(client, raw):
 def test_a_deadline_shorter_than_the_prediction_is_504_before_compute(app, client, rng):
     # 1 s per thousand scores: 64x64 is predicted at 4 s, far past a deadline of 1 s that reading
     # and validating the body cannot use up even on a busy machine (a 3 ms deadline once could)
-    app.extensions["attention.cost"] = CostModel(a=0, b=1e6, c=0)
+    services(app).cost = CostModel(a=0, b=1e6, c=0)
     q = rng.standard_normal((64, 16))
     body = {"q": b64(q), "k": b64(q), "v": b64(q)}
     r = post(client, body, **{"X-Deadline-Ms": "1000"})
@@ -59,8 +60,8 @@ def test_a_deadline_shorter_than_the_prediction_is_504_before_compute(app, clien
 
 
 def test_waiting_for_a_slot_counts_against_the_deadline(app, client):
-    app.extensions["attention.cost"] = CostModel(a=0, b=0, c=0)  # predicted at 0 ms: only the wait can miss the deadline
-    gate = app.extensions["attention.gate"]
+    services(app).cost = CostModel(a=0, b=0, c=0)  # predicted at 0 ms: only the wait can miss the deadline
+    gate = services(app).gate
     for _ in range(gate.max_inflight):
         gate._slots.acquire()  # every compute slot busy
     try:
@@ -93,7 +94,7 @@ def test_a_deadline_too_short_for_the_upload_is_refused_before_parsing(live_serv
 
 
 def test_the_kserve_infer_route_is_admitted_the_same_way(app, client):
-    app.extensions["attention.cost"] = CostModel(a=0, b=0, c=50)  # every job predicted at 50 ms
+    services(app).cost = CostModel(a=0, b=0, c=50)  # every job predicted at 50 ms
     tensor = {"datatype": "FP32", "shape": [3, 2], "data": [1, 0, 0, 1, 1, 1]}
     body = {"inputs": [{"name": name, **tensor} for name in ("q", "k", "v")]}
     r = client.post("/v2/models/attention/infer", json=body, headers={"X-Deadline-Ms": "10"})
@@ -105,7 +106,7 @@ def test_the_kserve_infer_route_is_admitted_the_same_way(app, client):
 
 
 def test_past_the_request_bound_is_503_with_retry_after(app, client):
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     held = [gate.enter(0) for _ in range(gate.max_inflight + gate.max_queue)]
     try:
         r = post(client)
@@ -121,7 +122,7 @@ def test_past_the_request_bound_is_503_with_retry_after(app, client):
 def test_bytes_in_flight_are_bounded_before_the_body_is_read(settings, rng):
     app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     held = gate.enter(40_000)
     try:
         q = rng.standard_normal((64, 16))
@@ -135,7 +136,7 @@ def test_bytes_in_flight_are_bounded_before_the_body_is_read(settings, rng):
 
 
 def test_a_streamed_answer_frees_its_slot_at_once_and_its_bytes_when_sent(app, client, rng):
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     q = rng.standard_normal((2, 32, 8))
     r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)})  # b64 answers are encoded as they stream
     assert r.is_streamed and gate.bytes > 0  # the answer is in memory until it is sent ...
@@ -147,7 +148,7 @@ def test_a_streamed_answer_frees_its_slot_at_once_and_its_bytes_when_sent(app, c
 
 
 def test_a_built_answer_holds_its_bytes_until_sent_too(app, client):
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     r = post(client)  # a small nested answer: built whole before it is sent
     assert gate.admitted == 0 and gate.bytes > 0
     r.get_data()
@@ -239,7 +240,7 @@ def test_the_parse_is_charged_before_the_body_is_read(settings, rng):
     length = len(json.dumps(body))  # ~17 kB: its body fits in 100 kB, its parse charge does not
     app = create_app(replace(settings, max_inflight_bytes=100_000))
     client = app.test_client()
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     assert length < 100_000 < length * (1 + admission.PARSE_FACTOR)
     held = gate.enter(1)
     try:
@@ -253,11 +254,11 @@ def test_the_parse_is_charged_before_the_body_is_read(settings, rng):
 
 
 def test_after_validation_the_parse_charge_becomes_the_working_bytes(app, client, rng):
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     q = rng.standard_normal((2, 32, 8))
     body = {"q": b64(q), "k": b64(q), "v": b64(q)}
     r = post(client, body)  # b64 answers stream: the ticket is held until the body is read
-    job = AttentionRequest(app.extensions["attention.settings"]).load(json.loads(json.dumps(body)))
+    job = AttentionRequest(services(app).settings).load(json.loads(json.dumps(body)))
     assert r.is_streamed and gate.bytes == r.request.content_length + job.working_bytes()
     r.get_data()
     assert (gate.admitted, gate.bytes) == (0, 0)
@@ -267,7 +268,7 @@ def test_working_bytes_are_reserved_after_validation(settings, rng, monkeypatch)
     monkeypatch.setattr(admission, "PARSE_FACTOR", 0)  # the gate charges the body alone: the reservation is what is tested
     app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     held = gate.enter(10_000)
     try:
         q = rng.standard_normal((4, 64, 8))  # a 33 kB body fits; its 16k scores need ~16 kB more
@@ -354,7 +355,7 @@ def test_server_computing_counts_every_worker(settings, monkeypatch):
     table = census.Table(rows=4)
     monkeypatch.setattr(census, "_shared", table)  # as in a worker forked from the arbiter
     app = create_app(settings)
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     assert gate.table is table
     started, stop = FORK.Event(), FORK.Event()
     child = FORK.Process(target=_compute_until, args=(table, started, stop))
@@ -373,7 +374,7 @@ def test_server_computing_counts_every_worker(settings, monkeypatch):
 
 
 def test_without_a_shared_table_server_computing_is_this_apps_count(app, client):
-    gate = app.extensions["attention.gate"]
+    gate = services(app).gate
     assert not gate.table.shared
     ticket = gate.enter(0)
     with app.app_context():
@@ -454,7 +455,7 @@ def test_a_draining_worker_draws_no_clients(settings, monkeypatch):
     try:
         assert started.wait(HANG)
         app = create_app(settings)
-        gate = app.extensions["attention.gate"]
+        gate = services(app).gate
         held = [gate.enter(0) for _ in range(3)]
         row = next(r for r in range(table.rows) if table.cells[r * census.FIELDS + census.PID] == sibling.pid)
         assert table.busiest_margin(row) == -2 and table.busiest_margin(gate.row) == 2

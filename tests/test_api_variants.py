@@ -12,6 +12,7 @@ import pytest
 from schemas import AttentionRequest, MhaRequest
 from service import core
 from service.config import Settings
+from service.cost import work_of
 
 from .helpers import WORKED, b64, post, tensor
 
@@ -132,11 +133,11 @@ def test_the_jobs_count_the_variants():
     schema = AttentionRequest(Settings(warmup=False))  # the default limits
     full = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "return_weights": False})
     windowed = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "return_weights": False, "window": [7, 0]})
-    assert full.work().score_elements == 8 * 64 * 64
-    assert windowed.work().score_elements == core.score_count(8, 64, 64, window=(7, 0)) < 8 * 64 * 64 / 2
-    assert windowed.work().blocks == core.block_count(8, 64, 64, window=(7, 0))
+    assert work_of(full).score_elements == 8 * 64 * 64
+    assert work_of(windowed).score_elements == core.score_count(8, 64, 64, window=(7, 0)) < 8 * 64 * 64 / 2
+    assert work_of(windowed).blocks == core.block_count(8, 64, 64, window=(7, 0))
     gqa = schema.load({"q": q.tolist(), "k": k[:, :2].tolist(), "v": v[:, :2].tolist(), "enable_gqa": True})
-    assert gqa.groups == 4 and gqa.work().blocks == core.block_count(8, 64, 64, groups=4)
+    assert gqa.groups == 4 and work_of(gqa).blocks == core.block_count(8, 64, 64, groups=4)
     bias = rng.standard_normal((8, 64, 64))
     biased = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "bias": b64(bias)})
     plain = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist()})

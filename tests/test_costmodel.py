@@ -15,11 +15,11 @@ import pytest
 import requests
 from threadpoolctl import threadpool_limits
 
-from schemas import AttentionRequest, Work
-from schemas.jobs import EXTRA_COST
+from schemas import AttentionRequest
 from service.config import Settings
 from service.core import causal_share
-from service.web.costmodel import CostModel, contention, median_ms
+from service.cost import EXTRA_COST, MAX_PULL, CostModel, Work, contention, median_ms, work_of
+from service.web.context import services
 
 from .helpers import b64, serving
 
@@ -36,7 +36,7 @@ def test_observations_recover_the_coefficients():
             model.observe(work, ms)
     assert (model.a, model.b, model.c) == pytest.approx((20.0, 3.0, 0.3), rel=0.03)
     for work, ms in synthetic(20.0, 3.0, 0.3):
-        assert model.predict_work(work) == pytest.approx(ms, rel=0.02)
+        assert model.predict(work) == pytest.approx(ms, rel=0.02)
 
 
 def test_coefficients_stay_non_negative_and_one_shape_does_not_unsettle_others():
@@ -48,9 +48,9 @@ def test_coefficients_stay_non_negative_and_one_shape_does_not_unsettle_others()
     one = Work(2 * 10**9, 8 * 10**6, "float32", 1024)
     for _ in range(200):
         model.observe(one, 100.0)  # all traffic one shape, 1.5x slower than the defaults say
-    assert model.predict_work(one) == pytest.approx(100.0, rel=0.05)
+    assert model.predict(one) == pytest.approx(100.0, rel=0.05)
     small = Work(4 * 32768 * 64, 32768, "float32", 64)
-    assert 0.05 < model.predict_work(small) < 2.0  # still sane elsewhere
+    assert 0.05 < model.predict(small) < 2.0  # still sane elsewhere
 
 
 # --- contention: the alone-time is fitted, the slowdown predicted (synthetic, no wall clock) -----
@@ -73,8 +73,8 @@ def test_under_contention_the_fit_keeps_the_alone_time_and_the_slowdown_is_predi
     assert model.contention(4) == pytest.approx(2.4, rel=0.01)
     assert model.contention(1) == 1.0  # another count's slowdown is its own
     for work, alone in synthetic(20.0, 3.0, 0.3):
-        assert model.predict_work(work) == pytest.approx(alone, rel=0.02)
-        assert model.predict_work(work, model.contention(4)) == pytest.approx(alone * 2.4, rel=0.03)
+        assert model.predict(work) == pytest.approx(alone, rel=0.02)
+        assert model.predict(work, 4) == pytest.approx(alone * 2.4, rel=0.03)
     assert model.coefficients()["slowdown_by_busy"] == {"4": pytest.approx(2.4, rel=0.01)}
 
 
@@ -107,16 +107,16 @@ def test_admit_predicts_at_the_load_it_admits_into_and_run_teaches_by_the_same_c
     observe() that count, the wall time and the thread's CPU time."""
     from service.web import admission
 
-    model = app.extensions["attention.cost"]
+    model = services(app).cost
     monkeypatch.setattr(admission, "server_busy", lambda: 4)
     monkeypatch.setattr(model, "contention", lambda busy: {4: 2.5}[busy])
     seen = []
-    monkeypatch.setattr(model, "observe", lambda work, ms, cpu_ms, busy: seen.append((work, ms, cpu_ms, busy)))
+    monkeypatch.setattr(model, "observe", lambda work, ms, cpu_ms, busy, threads: seen.append((work, ms, cpu_ms, busy)))
     r = client.post("/attention", json={"q": [[1.0, 0.0], [0.0, 1.0]], "k": [[1.0, 0.0], [0.0, 1.0]], "v": [[1.0, 2.0], [3.0, 4.0]]})
     assert r.status_code == 200
     [(work, ms, cpu_ms, busy)] = seen
     assert busy == 4 and ms > 0 and cpu_ms >= 0
-    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict_work(work) * 2.5, abs=1e-3)
+    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict(work) * 2.5, abs=1e-3)
 
 
 def test_limits_show_the_coefficients(client):
@@ -146,7 +146,7 @@ def calibrate_and_measure(rng) -> list[tuple[int, str, float, float]]:
                 run = job.compute
                 run()
                 case = f"{'causal' if causal else 'full'} {'with' if weights else 'without'} weights"
-                rows.append((T, case, model.predict_job(job), median_ms(run, min_ms=100)))
+                rows.append((T, case, model.predict(work_of(job)), median_ms(run, min_ms=100)))
     return rows
 
 
@@ -172,7 +172,7 @@ def test_a_calibrated_model_counts_a_blocks_fixed_cost():
         model = CostModel()
         model.calibrate(1.5)
     tiny, t64 = (schema.load({name: b64(rng.standard_normal(shape)) for name in "qkv"}) for shape in ((1, 1, 2, 2), (1, 8, 64, 64)))
-    assert model.c > 0 and model.predict_job(tiny) >= 0.05 * model.predict_job(t64), model.coefficients()
+    assert model.c > 0 and model.predict(work_of(tiny)) >= 0.05 * model.predict(work_of(t64)), model.coefficients()
 
 
 def test_causal_share():
@@ -211,18 +211,18 @@ def test_live_predictions_under_load_match_the_measured_compute():
 
 def test_a_split_is_predicted_at_the_share_of_one_threads_time_that_splits_took():
     """split_factor(threads) starts at 1 (no claim before a split is seen), learns ms / the
-    one-thread prediction from observe_split, and leaves the fit (one thread's time) alone."""
+    one-thread prediction from observe(threads=2), and leaves the fit (one thread's time) alone."""
     model = CostModel()
     work = Work(2 * 10**9, 8 * 10**6, "float32", 1024)  # T=1024 with weights, 8 heads
-    one_thread = model.predict_work(work)
+    one_thread = model.predict(work)
     assert model.split_factor(2) == model.split_factor(1) == 1.0
     for _ in range(60):
-        model.observe_split(work, 0.55 * one_thread, threads=2)
+        model.observe(work, 0.55 * one_thread, threads=2)
     assert model.split_factor(2) == pytest.approx(0.55, rel=0.01)
     assert model.split_factor(4) == 1.0 and model.split_factor(1) == 1.0
-    assert model.predict_work(work) == one_thread  # the fit did not move
-    model.observe_split(work, 0.5 * one_thread, threads=1)  # not a split: ignored
-    model.observe_split(work, float("nan"), threads=2)
+    assert model.predict(work) == one_thread  # the fit did not move
+    assert model.predict(work, threads=2) == pytest.approx(0.55 * one_thread, rel=0.01)
+    model.observe(work, float("nan"), threads=2)
     assert model.split_factor(2) == pytest.approx(0.55, rel=0.01)
     assert model.coefficients()["split_factor_by_threads"] == {"2": pytest.approx(0.55, rel=0.01)}
 
@@ -234,7 +234,7 @@ def test_requests_the_fit_mispredicts_do_not_steer_the_split_factor(share):
     model = CostModel()
     work = Work(2 * 10**9, 8 * 10**6, "float32", 1024)
     for _ in range(60):
-        model.observe_split(work, share * model.predict_work(work), threads=2)
+        model.observe(work, share * model.predict(work), threads=2)
     assert 0.5 - 1e-9 <= model.split_factor(2) <= 1.0 + 1e-9
 
 
@@ -261,7 +261,7 @@ def attention_job(rng, T: int, weights: bool, kind: str = "plain", H: int = 8):
 
 
 def plain_predictions(model, rng) -> list[float]:
-    return [model.predict_job(attention_job(rng, T, w)) for T, w in PLAIN_SHAPES]
+    return [model.predict(work_of(attention_job(rng, T, w))) for T, w in PLAIN_SHAPES]
 
 
 @pytest.mark.parametrize("kind", sorted(KIND_COST))
@@ -276,12 +276,12 @@ def test_a_stream_the_features_do_not_count_leaves_plain_predictions_alone(kind)
     jobs = [(attention_job(rng, 256, w, kind), attention_job(rng, 256, w)) for w in (True, False)]
     for i in range(100):
         job, plain = jobs[i % 2]
-        model.observe(job.work(), KIND_COST[kind] * model.predict_job(plain), cpu_ms=KIND_COST[kind] * model.predict_job(plain))
+        model.observe(work_of(job), KIND_COST[kind] * model.predict(work_of(plain)), cpu_ms=KIND_COST[kind] * model.predict(work_of(plain)))
     after = plain_predictions(model, rng)
     assert after == before, [round(a / b, 2) for a, b in zip(after, before, strict=True)]
-    assert all(fit.n == 0 for fit in model._fits.values()) and not any(job.work().fitted for job, _ in jobs)
+    assert all(fit.n == 0 for fit in model._fits.values()) and not any(work_of(job).fitted for job, _ in jobs)
     for job, plain in jobs:  # nor the share of one thread's time that splits take
-        model.observe_split(job.work(), KIND_COST[kind] * model.predict_job(plain), threads=2)
+        model.observe(work_of(job), KIND_COST[kind] * model.predict(work_of(plain)), threads=2)
     assert model.split_factor(2) == 1.0
 
 
@@ -294,14 +294,16 @@ def test_the_kinds_the_fit_does_not_learn_are_predicted_by_the_work_they_do():
     rng = np.random.default_rng(6)
     model = CostModel(a=14.6, b=3.3, c=0.17)
     for i, weights in enumerate((True, False)):
-        plain = model.predict_job(attention_job(rng, 256, weights))
+        plain = model.predict(work_of(attention_job(rng, 256, weights)))
         for kind, field in (("mask", "mask"), ("bias", "bias"), ("alibi", "alibi_slopes")):
-            assert model.predict_job(attention_job(rng, 256, weights, kind)) / plain == pytest.approx(EXTRA_COST[field][i])
-        lengths = {kind: model.predict_job(attention_job(rng, 256, weights, kind)) / plain for kind in ("key_lengths=1", "key_lengths=S/2")}
+            assert model.predict(work_of(attention_job(rng, 256, weights, kind))) / plain == pytest.approx(EXTRA_COST[field][i])
+        lengths = {
+            kind: model.predict(work_of(attention_job(rng, 256, weights, kind))) / plain for kind in ("key_lengths=1", "key_lengths=S/2")
+        }
         assert lengths["key_lengths=1"] < (0.5 if weights else 0.3) and lengths["key_lengths=S/2"] < 1, lengths
     job = attention_job(rng, 256, False, "key_lengths=S/2")
-    assert job.work().flops == job.flops // 2 and job.work().score_elements == job.score_elements // 2  # exact without a band
-    assert attention_job(rng, 256, True).work().fitted
+    assert work_of(job).flops == job.flops // 2 and work_of(job).score_elements == job.score_elements // 2  # exact without a band
+    assert work_of(attention_job(rng, 256, True)).fitted
 
 
 def test_one_observation_pulls_the_fit_at_most_max_pull():
@@ -310,7 +312,6 @@ def test_one_observation_pulls_the_fit_at_most_max_pull():
     a residual of 99: one took every plain prediction to 0.02-0.15x, a hundred to 0.01-0.10x.
     Taken as at least 1/MAX_PULL of what the calibrated coefficients predict (which no stream
     moves), a hundred leave them at no less than 1/MAX_PULL."""
-    from service.web.costmodel import MAX_PULL
 
     rng = np.random.default_rng(7)
     model = CostModel(a=14.6, b=3.3, c=0.17)
@@ -318,8 +319,8 @@ def test_one_observation_pulls_the_fit_at_most_max_pull():
         model.observe(work, ms)
     model.anchor()
     before = plain_predictions(model, rng)
-    work = attention_job(rng, 256, False).work()
-    cheap = model.predict_work(work) / 100
+    work = work_of(attention_job(rng, 256, False))
+    cheap = model.predict(work) / 100
     for _ in range(100):
         model.observe(work, cheap)
     ratios = [after / b for after, b in zip(plain_predictions(model, rng), before, strict=True)]
@@ -346,7 +347,7 @@ def test_honest_traffic_is_still_learned(calibrated, speed):
         for work, ms in synthetic(10.0 * speed, 6.0 * speed, 0.1 * speed):
             model.observe(work, ms)
     for work, ms in synthetic(10.0 * speed, 6.0 * speed, 0.1 * speed):
-        assert model.predict_work(work) == pytest.approx(ms, rel=0.02)
+        assert model.predict(work) == pytest.approx(ms, rel=0.02)
 
 
 def test_requests_the_fit_does_not_learn_leave_the_served_fit_alone(app, client):
@@ -362,15 +363,15 @@ def test_requests_the_fit_does_not_learn_leave_the_served_fit_alone(app, client)
         assert r.status_code == 200, r.json
         return r.json["cost"]["predicted_ms"]
 
-    model = app.extensions["attention.cost"]
-    work = AttentionRequest(Settings()).load(plain).work()
+    model = services(app).cost
+    work = work_of(AttentionRequest(Settings()).load(plain))
     observed = model.coefficients()["by_dtype"]["float32"]["observations"]
     assert post(plain) > 0
-    seen, predicted = model.coefficients()["by_dtype"]["float32"], model.predict_work(work)
+    seen, predicted = model.coefficients()["by_dtype"]["float32"], model.predict(work)
     assert seen["observations"] == observed + 1  # the service's computations do reach the fit
     for _ in range(12):
         post({**plain, "alibi_slopes": b64([0.5, 0.25, 0.125, 0.0625])})
-    assert model.coefficients()["by_dtype"]["float32"] == seen and model.predict_work(work) == predicted
+    assert model.coefficients()["by_dtype"]["float32"] == seen and model.predict(work) == predicted
 
 
 def test_a_request_with_one_key_or_one_query_is_counted_by_its_rows():
@@ -385,8 +386,8 @@ def test_a_request_with_one_key_or_one_query_is_counted_by_its_rows():
     one_key = schema.load({"q": b64(q), "k": b64(k[:, :, :1]), "v": b64(v[:, :, :1])})
     one_query = schema.load({"q": b64(q[:, :, :1]), "k": b64(k), "v": b64(v)})
     for job, under in ((one_key, 10), (one_query, 2)):  # what they ran over the scores-only prediction: 17-20x (T=1024) and 3.5x
-        scores_only = dataclasses.replace(job.work(), query_elements=0, key_elements=0)
-        assert model.predict_work(job.work()) > under * model.predict_work(scores_only)
+        scores_only = dataclasses.replace(work_of(job), query_elements=0, key_elements=0)
+        assert model.predict(work_of(job)) > under * model.predict(scores_only)
 
 
 def test_observations_that_swamp_the_ridge_leave_a_fit_not_an_error(monkeypatch):
@@ -410,4 +411,4 @@ def test_observations_that_swamp_the_ridge_leave_a_fit_not_an_error(monkeypatch)
         model.observe(work, 4e-11)  # a clock's glitch: far below any real compute
     assert singular  # the face was met (else this test proves nothing)
     theta = model._fits["float32"].theta
-    assert np.isfinite(theta).all() and (theta >= 0).all() and model.predict_work(work) >= 0
+    assert np.isfinite(theta).all() and (theta >= 0).all() and model.predict(work) >= 0

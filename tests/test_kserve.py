@@ -14,6 +14,7 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from service import core
+from service.web.context import services
 from service.wire import json as wire_json
 from service.wire import stream
 
@@ -440,7 +441,7 @@ def test_unknown_model_infer_is_404(client):
 
 
 def test_not_ready_answers_503(app, client):
-    app.extensions["attention.state"]["ready"] = False
+    services(app).ready = False
     assert client.get("/v2/health/ready").status_code == 503
     assert client.get("/v2/models/attention/ready").status_code == 503
     assert client.get("/v2/health/live").status_code == 200

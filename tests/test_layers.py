@@ -30,6 +30,7 @@ def loaded_after(module: str) -> set[str]:
         ("service.core", (*WEB, "schemas", "orjson", "simdjson", "pybase64")),
         ("service.wire", (*WEB, "schemas")),
         ("schemas", ("flask", "werkzeug", "apispec", "prometheus_client")),
+        ("service.cost", ("flask", "werkzeug", "apispec", "prometheus_client", "gunicorn")),
     ],
 )
 def test_a_layer_imports_alone_and_loads_nothing_above_it(module, forbidden):

@@ -1,4 +1,4 @@
-"""The split policy (service/web/parallel.py): a large request alone on the server is computed on
+"""The split policy (service/cost/split.py, asked through service/web/parallel.py): a large request alone on the server is computed on
 ATTN_SPLIT_THREADS threads, anything else on one; the decision unit-tested, then through the app
 (the gate's count), then on the real server (its answer equals the in-process core's, bit for bit)."""
 
@@ -11,9 +11,10 @@ import pytest
 import requests
 from prometheus_client import REGISTRY
 
-from schemas import Work
 from service.core import attention, kernels
-from service.web import admission, census, create_app, parallel
+from service.cost import Work, split, threads_for, work_of
+from service.web import admission, census, create_app
+from service.web.context import services
 
 from .conftest import SMALL
 from .helpers import b64, post, server_blas, serving, tensor
@@ -25,7 +26,7 @@ def work(flops: int, blocks: int = 32) -> Work:
     return Work(flops=flops, score_elements=flops // 128, dtype="float32", T=1024, blocks=blocks)
 
 
-LARGE, SMALL_WORK = parallel.MIN_FLOPS, parallel.MIN_FLOPS - 1
+LARGE, SMALL_WORK = split.MIN_FLOPS, split.MIN_FLOPS - 1
 
 
 @pytest.mark.parametrize(
@@ -43,7 +44,7 @@ LARGE, SMALL_WORK = parallel.MIN_FLOPS, parallel.MIN_FLOPS - 1
     ids=["idle large", "idle larger, 4 threads", "bounded by blocks", "one block", "idle small", "busy", "busier", "off"],
 )
 def test_threads_for(w, computing, max_threads, expect):
-    assert parallel.threads_for(w, computing, max_threads, parallel.MIN_FLOPS) == expect
+    assert threads_for(w, computing, max_threads) == expect
 
 
 def splits() -> float:
@@ -53,7 +54,7 @@ def splits() -> float:
 @pytest.fixture
 def split_app(monkeypatch):
     """An app with small limits that splits on two threads anything of 2 blocks and more."""
-    monkeypatch.setattr(parallel, "MIN_FLOPS", 0)
+    monkeypatch.setattr(split, "MIN_FLOPS", 0)
     monkeypatch.setattr(kernels, "SMALL_SHARE", 2**62)  # no one-block path for small problems: these are split in blocks
     app = create_app(dataclasses.replace(SMALL, split_threads=2))
     app.testing = True
@@ -80,10 +81,10 @@ def test_alone_it_splits_and_answers_as_one_thread(split_app, rng):
 def test_beside_another_request_it_does_not_split(split_app, rng, where):
     """A request admitted and not yet answered, in this worker's gate or in a sibling's that shares
     the server's census, keeps this one on one thread; alone again, it splits."""
-    gate = split_app.extensions["attention.gate"]
+    gate = services(split_app).gate
     if where == "another worker":
         table = census.Table(rows=2, shared=False)  # the server's table, as the arbiter makes it (here in-process)
-        split_app.extensions["attention.gate"] = admission.Gate(SMALL.max_inflight, SMALL.max_queue, SMALL.max_inflight_bytes, table)
+        services(split_app).gate = admission.Gate(SMALL.max_inflight, SMALL.max_queue, SMALL.max_inflight_bytes, table)
         gate = admission.Gate(SMALL.max_inflight, SMALL.max_queue, SMALL.max_inflight_bytes, table)
     other = gate.enter(0)
     try:
@@ -98,18 +99,19 @@ def test_beside_another_request_it_does_not_split(split_app, rng, where):
 
 def test_split_off_has_no_pool(rng):
     app = create_app(dataclasses.replace(SMALL, split_threads=1))
-    assert app.extensions["attention.pool"] is None
+    assert services(app).pool is None
     before = splits()
     assert post(app.test_client(), body(rng)[1]).status_code == 200
     assert splits() == before
 
 
 def test_a_split_compute_does_not_teach_the_cost_model(split_app, rng, monkeypatch):
-    """The cost model predicts one thread's time (a request's under load): a split's time is not fed to it."""
-    seen = []
-    monkeypatch.setattr(split_app.extensions["attention.cost"], "observe", lambda work, ms: seen.append(ms))
+    """The cost model predicts one thread's time (a request's under load): a split's time is not fed
+    to the fit, only to the share splits take."""
+    model = services(split_app).cost
     assert post(split_app.test_client(), body(rng)[1]).status_code == 200
-    assert seen == []
+    assert all(fit.n == 0 for fit in model._fits.values())
+    assert set(model.coefficients()["split_factor_by_threads"]) == {"2"}
 
 
 @pytest.mark.live
@@ -118,7 +120,7 @@ def test_live_big_request_split_equals_the_core():
     its answer is the in-process core's, bit for bit."""
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((1, 8, 512, 64)).astype(np.float32) for _ in range(3))
-    assert parallel.threads_for(work_of(q, k, v), 1, 2, parallel.MIN_FLOPS) == 2  # large enough
+    assert threads_for(attention_work(q, k, v), 1, 2) == 2  # large enough
     with serving({"ATTN_SPLIT_THREADS": "2", "ATTN_WARMUP": "false"}) as srv:
 
         def split_count() -> float:
@@ -137,10 +139,10 @@ def test_live_big_request_split_equals_the_core():
     assert tensor(r.json()["weights"]).tobytes() == weights.tobytes()
 
 
-def work_of(q, k, v) -> Work:
+def attention_work(q, k, v) -> Work:
     from schemas.jobs import AttentionJob
 
-    return AttentionJob(q, k, v, None, "top_left", None, None, True, "b64").work()
+    return work_of(AttentionJob(q, k, v, None, "top_left", None, None, True, "b64"))
 
 
 def test_a_request_that_will_split_is_predicted_at_the_split_s_share(split_app, rng, monkeypatch):
@@ -148,20 +150,19 @@ def test_a_request_that_will_split_is_predicted_at_the_split_s_share(split_app, 
     the share splits have taken (not one thread's time, which would refuse deadlines it can meet),
     and its compute teaches that share, not the fit; beside another request it is predicted at
     one thread's time."""
-    model = split_app.extensions["attention.cost"]
+    model = services(split_app).cost
     monkeypatch.setattr(model, "split_factor", lambda threads: {1: 1.0, 2: 0.5}[threads])
-    taught = []
-    monkeypatch.setattr(model, "observe_split", lambda work, ms, threads: taught.append((work, threads)))
-    monkeypatch.setattr(model, "observe", lambda *args: None)  # the fit stays as it is: predictions are comparable
+    taught = []  # the model learns nothing: predictions stay comparable
+    monkeypatch.setattr(model, "observe", lambda work, ms, cpu_ms, busy, threads: taught.append((work, threads)))
     r = post(split_app.test_client(), body(rng)[1])
     assert r.status_code == 200, r.json
     [(work, threads)] = taught
     assert threads == 2
-    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict_work(work, model.contention(1)) * 0.5, abs=1e-3)
-    other = split_app.extensions["attention.gate"].enter(0)  # another request admitted: no split
+    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict(work, 1) * 0.5, abs=1e-3)
+    other = services(split_app).gate.enter(0)  # another request admitted: no split
     try:
         r = post(split_app.test_client(), body(rng)[1])
     finally:
         other.release()
-    assert r.status_code == 200 and len(taught) == 1
-    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict_work(work, model.contention(2)), abs=1e-3)
+    assert r.status_code == 200 and taught[1][1] == 1  # computed on one thread
+    assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict(work, 2), abs=1e-3)

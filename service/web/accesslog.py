@@ -33,19 +33,20 @@ import os
 import time
 
 import orjson
-from flask import Flask, Response, g, request
+from flask import Flask, Response, request
 from gunicorn import glogging
 
 from service.config import Settings
 
 from . import http, metrics, tracing
+from .context import context, services
 
 STDOUT = 1  # the access log's file descriptor; written with one os.write per line (no buffer to flush)
 MAX_PATH = 256
 MAX_METHOD = 16
 
 
-_second: tuple[int, str] = (-1, "")  # the last second formatted, and its text (strftime costs ~1 us)
+_second: tuple[int, str] = (-1, "")  # the last second formatted, and its text (strftime once a second, not once a line)
 
 
 def rfc3339(t: float) -> str:
@@ -89,16 +90,12 @@ def _clip(s: str, n: int) -> str:
 
 def install(app: Flask) -> None:
     """Write each request's line once its response is sent (metrics.when_sent)."""
-    fmt = app.extensions["attention.settings"].log_format
+    fmt = services(app).settings.log_format
 
     @app.after_request
     def _log(resp: Response):
-        # The request and g once through their proxies (each access through one costs a lookup).
-        req, ctx = request._get_current_object(), g._get_current_object()
-        t0 = ctx.get("t0")
-        if t0 is None:  # http's clock never started: not a request this app saw through
-            return resp
-        trace, rule, method = ctx.get("trace"), req.url_rule, req.method
+        req, ctx = request._get_current_object(), context()  # the request once through its proxy (each access costs a lookup)
+        t0, trace, rule, method = ctx.t0, ctx.trace, req.url_rule, req.method
         record = {
             "ts": None,  # when sent: below
             "level": "info",
@@ -111,16 +108,16 @@ def install(app: Flask) -> None:
             "path": _clip(req.path, MAX_PATH),
             "status": resp.status_code,
         }
-        if (code := ctx.get("error_code")) is not None:
+        if (code := ctx.error_code) is not None:
             record["code"] = code
-            if (field := ctx.get("error_field")) is not None:
+            if (field := ctx.error_field) is not None:
                 record["field"] = field
-        phases = ctx.get("phases")
+        phases = ctx.phases
         if phases:
             record["phases"] = {k: round(v, 3) for k, v in phases.items()}
-        if (job := ctx.get("job")) is not None:
+        if (job := ctx.job) is not None:
             record.update(tracing.job_fields(job))
-        if (predicted := ctx.get("predicted_ms")) is not None:
+        if (predicted := ctx.predicted_ms) is not None:
             record["predicted_ms"] = round(predicted, 3)
         if phases and "compute" in phases:
             record["compute_ms"] = round(phases["compute"], 3)

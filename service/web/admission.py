@@ -24,7 +24,7 @@ What is counted where. The request bound is the server's: the workers share a ce
 admitted and computing requests (census.py, made by the gunicorn arbiter before they fork), so a
 client is refused only when the server holds (max_inflight + max_queue) x workers requests, however
 its keep-alive connections landed (a connection stays with the worker that accepted it: with
-per-worker counts, 7 of 8 connections on one worker got 503 while the other idled). One worker may
+per-worker counts, most connections on one worker got 503 while the other idled). One worker may
 then hold more than its own share waiting; gunicorn's threads are sized to hold them all
 (deploy/gunicorn.conf.py). Compute slots (max_inflight) and bytes (max_inflight_bytes) stay per
 worker: a worker computes on its own threads, and the bytes bound keeps one process's memory
@@ -41,12 +41,15 @@ import re
 import threading
 import time
 
-from flask import Flask, Response, current_app, g, has_app_context, request
+from flask import Flask, Response, has_app_context, request
 
 from schemas import RequestError
 from schemas.jobs import AttentionJob, MhaJob
+from service.config import Settings
+from service.cost import work_of
 
 from . import census, metrics, parallel
+from .context import context, services
 from .errors import ApiError
 from .http import phase
 
@@ -54,10 +57,9 @@ COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/
 MAX_WAIT_S = 30.0  # longest a job waits for a compute slot without a deadline: then 503
 DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
 # Peak bytes of parsing a JSON body (wire.loads, the depth check and the schema's load), beyond
-# the body itself, per byte of body, at most. Measured with `python -m bench.garbage --sizes 32
-# --rss` (peak RSS growth over the held body, 32 MiB bodies): objects of empty b64 1028 MB (32.1x),
-# ragged rows of three 962 MB (30x), rows of one or two 750 MB (23x), strings in rows 552 MB;
-# valid bodies far less (bench/peak_rss.py: nested float text ~4x, b64 ~0.8x). The gate charges
+# the body itself, per byte of body, at most: above the worst hostile body measured (objects of
+# empty b64) with `python -m bench.garbage --sizes 32 --rss` (peak RSS growth over the held body;
+# bench/README.md), and far above valid bodies (bench/peak_rss.py). The gate charges
 # Content-Length x PARSE_FACTOR before the body is read, so that the peak one request can cause
 # is in ATTN_MAX_INFLIGHT_BYTES before it happens; after validation the job's working bytes
 # replace it (reserve()). Only the lone request of a worker may exceed the bound.
@@ -206,19 +208,19 @@ class Ticket:
 def admit(job: AttentionJob | MhaJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
     not fit in memory beside the others (503), then wait for a compute slot. The prediction is the
-    cost model's alone-time x the slowdown that requests admitted at the same count of requests
-    busy in the server (Gate.busy(); kept in g.busy for run()) saw lately. It is kept in
-    g.predicted_ms, for the compute metrics and the response's cost; a job that will be split is
-    predicted at the share of one thread's time that splits have taken (CostModel.split_factor)."""
-    g.job = job  # its shape, for the access log and the trace
-    model = current_app.extensions["attention.cost"]
-    g.busy = server_busy()  # the load it is admitted into: its slowdown is predicted, then learned, by this count
+    cost model's for the load it is admitted into (the requests busy in the server, Gate.busy())
+    and the threads it is to compute on; the request's context keeps the job, its work, that
+    count (the compute teaches the model by it) and the prediction (for the compute metrics and
+    the response's cost)."""
+    ctx = context()
+    ctx.job = job  # its shape, for the access log and the trace
+    work = ctx.work = work_of(job)
+    ctx.busy = server_busy()  # the load it is admitted into: its slowdown is predicted, then learned, by this count
     # Alone on the server, a large job is split on several threads (parallel.py): it is predicted
     # at what splits have taken, not at one thread's time (which would refuse deadlines it meets).
-    split = model.split_factor(parallel.planned(job.work(), parallel.computing()))  # the count the split itself is decided by
-    predicted = g.predicted_ms = model.predict_job(job, model.contention(g.busy)) * split
-    deadline = g.get("deadline_ms")
-    ticket = g.get("admission")
+    threads = parallel.planned(work, parallel.computing())  # the count the split itself is decided by
+    predicted = ctx.predicted_ms = services().cost.predict(work, ctx.busy, threads)
+    deadline, ticket = ctx.deadline_ms, ctx.admission
     if deadline is not None:
         left = deadline - elapsed_ms()
         if predicted > left:
@@ -243,14 +245,14 @@ def server_computing() -> int:
     the shared census), the caller's own request included if it holds a compute slot. Without a
     shared table (the Flask test client) this app's own count; outside a request, the count of the
     last app created in this process (0 if none)."""
-    gate = current_app.extensions.get("attention.gate") if has_app_context() else _last_gate
+    gate = services().gate if has_app_context() else _last_gate
     return gate.computing() if gate is not None else 0
 
 
 def server_busy() -> int:
     """Gate.busy() of this app's gate (at least 1: the caller's own request): the requests
     computing in the server, or about to, that the cost model's slowdown is keyed by."""
-    gate = current_app.extensions.get("attention.gate") if has_app_context() else _last_gate
+    gate = services().gate if has_app_context() else _last_gate
     return max(1, gate.busy() if gate is not None else 0)
 
 
@@ -258,7 +260,7 @@ _last_gate: Gate | None = None  # for server_computing() and server_busy() outsi
 
 
 def elapsed_ms() -> float:
-    return (time.perf_counter() - g.t0) * 1000
+    return (time.perf_counter() - context().t0) * 1000
 
 
 def _deadline(why: str) -> RequestError:
@@ -301,39 +303,47 @@ def _drain() -> None:
         pass
 
 
-def install(app: Flask) -> None:
+def make_gate(settings: Settings) -> Gate:
+    """A worker's gate, in the server's census when gunicorn's arbiter made one (census.shared())."""
     global _last_gate
-    settings = app.extensions["attention.settings"]
-    app.extensions["attention.gate"] = _last_gate = Gate(
-        settings.max_inflight, settings.max_queue, settings.max_inflight_bytes, census.shared()
-    )
+    _last_gate = Gate(settings.max_inflight, settings.max_queue, settings.max_inflight_bytes, census.shared())
+    return _last_gate
+
+
+def install(app: Flask) -> None:
+    """The gate's hooks: refusals before the body is read, and the ticket given back (its slot
+    once the response is built, its bytes once it is sent)."""
+    held = services(app)
+    settings = held.settings
 
     @app.before_request
     def _gate():
         if request.method != "POST" or not COMPUTE_PATH.fullmatch(request.path):
             return
+        ctx = context()
         try:
             if settings.api_keys:
                 _check_key(settings.api_keys)
-            g.deadline_ms = _parse_deadline()
+            deadline = ctx.deadline_ms = _parse_deadline()
             nbytes = request.content_length
-            if g.deadline_ms is not None and nbytes:
-                floor = app.extensions["attention.cost"].read_floor_ms(nbytes)
-                if floor > g.deadline_ms - elapsed_ms():
+            if deadline is not None and nbytes:
+                floor = held.cost.read_floor_ms(nbytes)
+                if floor > deadline - elapsed_ms():
                     raise _deadline(
-                        f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={g.deadline_ms:g}"
+                        f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={deadline:g}"
                     )
             over = nbytes is not None and nbytes > settings.max_body_bytes  # about to be refused with 413, unparsed
             if nbytes is None or over:
                 nbytes = settings.max_body_bytes  # chunked: read up to the limit
-            g.admission = app.extensions["attention.gate"].enter(nbytes, 0 if over else nbytes * PARSE_FACTOR)
+            ctx.admission = held.gate.enter(nbytes, 0 if over else nbytes * PARSE_FACTOR)
         except RequestError:
             _drain()
             raise
 
     @app.after_request
     def _hand_over(resp: Response):
-        ticket = g.pop("admission", None)
+        ctx = context()
+        ticket, ctx.admission = ctx.admission, None
         if ticket is not None:
             ticket.end_compute()  # a slow reader must not pin a compute slot
             metrics.when_sent(resp, ticket.release)  # its bytes are held until the body is sent
@@ -341,6 +351,7 @@ def install(app: Flask) -> None:
 
     @app.teardown_request
     def _release(exc):
-        ticket = g.pop("admission", None)  # still here only if no response was made
+        ctx = context()
+        ticket, ctx.admission = ctx.admission, None  # still here only if no response was made
         if ticket is not None:
             ticket.release()

@@ -8,9 +8,10 @@ from flask import Flask, Response
 from schemas import AttentionRequest, MhaRequest
 from service import wire
 from service.config import Settings
+from service.cost import CostModel
 
 from . import accesslog, admission, api, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
-from .costmodel import CostModel
+from .context import EXTENSION, Services
 
 
 class ServiceFlask(Flask):
@@ -29,17 +30,25 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = ServiceFlask("service")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.extensions["attention.settings"] = settings
-    app.extensions["attention.schemas"] = {cls: cls(settings) for cls in (AttentionRequest, MhaRequest)}
-    app.extensions["attention.kserve.schemas"] = kserve.build_schemas(settings)
-    app.extensions["attention.cost"] = CostModel()
-    app.extensions["attention.state"] = {"ready": not settings.warmup, "draining": False}  # ops.warm_up() readies it
-    http.install(app)
+    gate = admission.make_gate(settings)
+    app.extensions[EXTENSION] = Services(
+        settings=settings,
+        schemas={cls: cls(settings) for cls in (AttentionRequest, MhaRequest)},
+        kserve_schemas=kserve.build_schemas(settings),
+        cost=CostModel(),
+        gate=gate,
+        pool=parallel.make_pool(settings),
+        spans=tracing.spans_for(settings),
+        ready=not settings.warmup,  # else ops.warm_up() readies it
+    )
+    # The event-loop worker (worker.py) finds the placement signal here, until the transport is
+    # handed it through its own interface.
+    app.extensions["attention.gate"] = gate
+    http.install(app)  # first: it makes each request's context
     tracing.install(app)  # after http (its clock), before the rest: every request has a trace
     accesslog.install(app)
     metrics.install(app)  # before admission: its refusals are counted too
     admission.install(app)
-    parallel.install(app)
     errors.register(app, shapes={kserve.bp: kserve.error_body})
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)

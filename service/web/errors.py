@@ -9,11 +9,13 @@ import logging
 from collections.abc import Callable
 from urllib.parse import quote
 
-from flask import Blueprint, Flask, Response, g, request
+from flask import Blueprint, Flask, Response, request
 from werkzeug.exceptions import HTTPException
 
 from schemas import RequestError
 from service import wire
+
+from .context import context
 
 log = logging.getLogger("service")
 
@@ -134,8 +136,9 @@ class Responder:
 
     def respond(self, err: RequestError, headers: dict | None = None, status: int | None = None) -> Response:
         status = status or status_of(err.code)
-        g.error_code = err.code  # counted by metrics as a rejection
-        g.error_field = err.field  # logged beside it (accesslog)
+        ctx = context()
+        ctx.error_code = err.code  # counted by metrics as a rejection
+        ctx.error_field = err.field  # logged beside it (accesslog)
         resp = Response(wire.dumps(self.shape()(err, status)), status=status, mimetype="application/json")
         resp.headers.update(code_headers(err))
         resp.headers.update(headers or {})

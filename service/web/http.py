@@ -12,11 +12,13 @@ import time
 import uuid
 
 import orjson
-from flask import Flask, Response, g, request
+from flask import Flask, Response, request
 from gunicorn.http.errors import NoMoreData, ParseException
 
 from schemas import RequestError
 from service import wire
+
+from .context import begin, context
 
 MAX_JSON_DEPTH = 12  # a rank-6 tensor inside a request object is 8 deep; KServe's envelope adds a few
 
@@ -24,7 +26,8 @@ MAX_JSON_DEPTH = 12  # a rank-6 tensor inside a request object is 8 deep; KServe
 class phase:  # noqa: N801 - used as a function: `with phase("decode"):`
     """Time a block as one phase of this request (milliseconds, accumulated); `with phase(name) as
     timer` gives a timer whose ms is the block's own time once it ends. A class, not a
-    @contextmanager: a request times 4-5 phases, and the generator's machinery cost ~5 us each."""
+    @contextmanager: a request times several phases, and the generator's machinery costs more
+    than this."""
 
     __slots__ = ("name", "start", "ms")
 
@@ -37,14 +40,14 @@ class phase:  # noqa: N801 - used as a function: `with phase("decode"):`
 
     def __exit__(self, *exc) -> None:
         self.ms = (time.perf_counter() - self.start) * 1000
-        ctx = g._get_current_object()  # one proxy lookup for the three uses below
+        ctx = context()
         ctx.phases[self.name] = ctx.phases.get(self.name, 0.0) + self.ms
-        if "spans" in ctx:  # OpenTelemetry is on: each phase is also a child span (service.web.tracing)
+        if ctx.spans is not None:  # OpenTelemetry is on: each phase is also a child span (service.web.tracing)
             ctx.spans.append((self.name, self.start, self.ms))
 
 
 def phases_ms() -> dict[str, float]:
-    return {k: round(v, 3) for k, v in g.phases.items()}
+    return {k: round(v, 3) for k, v in context().phases.items()}
 
 
 def check_media_type(require_json: bool = True) -> None:
@@ -77,7 +80,7 @@ def _read(length: int | None) -> bytes | bytearray | mmap.mmap:
         return request.get_data(cache=False)
     take_whole = getattr(request.environ.get("wsgi.input"), "take_whole", None)  # the event-loop worker's MemoryBody
     if take_whole is not None and (body := take_whole()) is not None:
-        return body  # no copy: into a fresh buffer, 32 MiB cost 4-5 ms in huge pages, 17-22 ms in 4 KiB ones (bench/README.md)
+        return body  # no copy: a fresh buffer of a large body costs milliseconds of page faults (bench/README.md)
     stream, body = request.stream, bytearray(length)
     view, got = memoryview(body), 0
     while got < length and (n := stream.readinto(view[got : got + 2**20])):
@@ -147,23 +150,22 @@ NOSNIFF = ("X-Content-Type-Options", "nosniff")  # on every answer, the app's an
 
 
 def install(app: Flask) -> None:
-    """Per-request clock and request id, the Server-Timing / X-Request-Id headers, and the
-    security headers: nosniff on every answer (a JSON error that names what the client sent is
-    never read as HTML), and on HTML pages a Content-Security-Policy and no framing."""
+    """The request's context (its clock and request id: installed first, so every other hook
+    finds it), the Server-Timing / X-Request-Id headers, and the security headers: nosniff on
+    every answer (a JSON error that names what the client sent is never read as HTML), and on
+    HTML pages a Content-Security-Policy and no framing."""
 
     @app.before_request
     def _start():
-        g.t0 = time.perf_counter()
-        g.phases = {}
-        g.request_id = request_id(request.headers.get("X-Request-Id", ""))
+        begin(time.perf_counter(), request_id(request.headers.get("X-Request-Id", "")))
 
     @app.after_request
     def _headers(resp: Response):
-        if "t0" in g:
-            total = (time.perf_counter() - g.t0) * 1000
-            parts = [f"{k};dur={v:.3f}" for k, v in g.phases.items()] + [f"total;dur={total:.3f}"]
-            resp.headers["Server-Timing"] = ", ".join(parts)
-            resp.headers["X-Request-Id"] = g.request_id
+        ctx = context()
+        total = (time.perf_counter() - ctx.t0) * 1000
+        parts = [f"{k};dur={v:.3f}" for k, v in ctx.phases.items()] + [f"total;dur={total:.3f}"]
+        resp.headers["Server-Timing"] = ", ".join(parts)
+        resp.headers["X-Request-Id"] = ctx.request_id
         resp.headers[NOSNIFF[0]] = NOSNIFF[1]
         if resp.mimetype == "text/html":
             resp.headers.setdefault("Content-Security-Policy", HTML_POLICY)

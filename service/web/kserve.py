@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 
 import numpy as np
-from flask import Blueprint, Response, current_app, request
+from flask import Blueprint, Response, request
 
 from schemas import AttentionRequest, MhaRequest, RequestError
 from schemas.fields import show
@@ -34,10 +34,9 @@ from schemas.jobs import AttentionJob, MhaJob
 from service import wire
 from service.config import VERSION, Settings
 
-from .admission import admit
-from .api import cost, run
+from .compute import cost, run, validate
+from .context import services
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
-from .ops import readiness
 
 bp = Blueprint("kserve", __name__, url_prefix="/v2")
 
@@ -291,9 +290,7 @@ def load_infer(model: Model) -> InferRequest:
         header, blobs = _split_body(read_body())
         doc = parse_json(header)
         native, requested, binary_default = _translate(model, doc, _Blobs(blobs))
-    with phase("validate"):
-        job = current_app.extensions["attention.kserve.schemas"][model.name].load(native)
-    admit(job)  # 504 if it cannot meet its deadline, 503 if it does not fit; waits for a compute slot
+    job = validate(services().kserve_schemas[model.name], native)
     if requested is None:
         requested = ["out", "weights"] if job.return_weights else ["out"]
     elif "weights" in requested and not job.return_weights:
@@ -519,7 +516,7 @@ def _model(name: str, version: str | None) -> Model:
 
 
 def _ready() -> bool:
-    return readiness() == "ready"
+    return services().readiness() == "ready"
 
 
 def _name(spec: dict, what: str, field: str) -> str:

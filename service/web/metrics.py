@@ -20,9 +20,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from flask import Blueprint, Flask, Response, g, request
+from flask import Blueprint, Flask, Response, request
 
-from schemas import Work
+from service.cost import Work
 
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # named but perhaps not made (an emptyDir at /tmp)
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
@@ -39,6 +39,8 @@ from prometheus_client import (  # noqa: E402  (after the directory exists)
     values,
 )
 from prometheus_client.core import GaugeMetricFamily  # noqa: E402
+
+from .context import context, services  # noqa: E402
 
 MULTIPROCESS = getattr(values.ValueClass, "_multiprocess", False)
 
@@ -240,17 +242,18 @@ def _endpoint() -> str:
 def install(app: Flask) -> None:
     """Count every request: register before the admission hooks so rejections are counted too."""
     app.register_blueprint(bp)
-    READY.set(1 if app.extensions["attention.state"]["ready"] else 0)  # ops.warm_up() and drain() change it
+    READY.set(1 if services(app).ready else 0)  # ops.warm_up() and drain() change it
 
     @app.before_request
     def _start():
-        g.metrics_t0 = time.perf_counter()
+        context().metrics_t0 = time.perf_counter()
         IN_FLIGHT.inc()
         IN_FLIGHT_MAX.inc()
 
     @app.after_request
     def _observe(resp: Response):
-        t0 = g.pop("metrics_t0", None)
+        ctx = context()
+        t0, ctx.metrics_t0 = ctx.metrics_t0, None
         if t0 is None:
             return resp
         endpoint, method, status = _endpoint(), method_label(request.method), str(resp.status_code)
@@ -263,14 +266,16 @@ def install(app: Flask) -> None:
             IN_FLIGHT_MAX.dec()
 
         when_sent(resp, sent)
-        for name, ms in g.get("phases", {}).items():
+        for name, ms in ctx.phases.items():
             child(PHASES, endpoint, name).observe(ms / 1000)
-        if "error_code" in g:  # an error answer (not, say, /readyz's 503)
-            child(REJECTIONS, endpoint, g.error_code).inc()
+        if ctx.error_code is not None:  # an error answer (not, say, /readyz's 503)
+            child(REJECTIONS, endpoint, ctx.error_code).inc()
         return resp
 
     @app.teardown_request
     def _finish(exc):
-        if g.pop("metrics_t0", None) is not None:  # no response was made
+        ctx = context()
+        if ctx.metrics_t0 is not None:  # no response was made
+            ctx.metrics_t0 = None
             IN_FLIGHT.dec()
             IN_FLIGHT_MAX.dec()

@@ -22,6 +22,7 @@ from schemas.fields import Tensor, Window
 from service.config import VERSION, Settings
 from service.wire import WIRE_DTYPES
 
+from .context import services
 from .http import MAX_REQUEST_ID, html_policy, json_response
 
 bp = Blueprint("openapi", __name__)
@@ -222,7 +223,7 @@ DEADLINE_NOTE = (
 
 def build(app: Flask) -> dict:
     """The OpenAPI 3.0 document of the routes registered on app."""
-    settings: Settings = app.extensions["attention.settings"]
+    settings: Settings = services(app).settings
     served = {rule.rule for rule in app.url_map.iter_rules()}
     spec = _spec(settings)
     _compute_paths(spec, settings, served)
@@ -414,10 +415,10 @@ def _mha_examples() -> dict:
 
 def document() -> dict:
     """This app's document, built on first use."""
-    ext = current_app.extensions
-    if "attention.openapi" not in ext:
-        ext["attention.openapi"] = build(current_app)
-    return ext["attention.openapi"]
+    held = services()
+    if held.openapi is None:
+        held.openapi = build(current_app)
+    return held.openapi
 
 
 # --- routes ---------------------------------------------------------------------------------

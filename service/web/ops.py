@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from flask import Blueprint, Flask, current_app
+from flask import Blueprint, Flask
 
 from service.config import VERSION
 
 from . import metrics
+from .context import services
 from .http import json_response
 
 bp = Blueprint("ops", __name__)
@@ -28,27 +29,20 @@ def healthz():
 @bp.get("/readyz")
 def readyz():
     """200 when this worker can serve, 503 while starting (warm-up) or draining (SIGTERM)."""
-    status = readiness()
+    status = services().readiness()
     return json_response({"status": status}, status=200 if status == "ready" else 503)
-
-
-def readiness() -> str:
-    """This worker's readiness, the one source for both front doors (/readyz and /v2's ready
-    endpoints): "ready", "starting" (warm-up) or "draining" (after SIGTERM)."""
-    state = current_app.extensions["attention.state"]
-    return "draining" if state.get("draining") else "ready" if state["ready"] else "starting"
 
 
 @bp.get("/limits")
 def limits():
     """The limits in force (server_slots: the compute requests the whole server admits at once), the
     default dtype, the cost model's coefficients, the version."""
-    settings = current_app.extensions["attention.settings"]
+    svc = services()
     return json_response(
         {
-            **settings.limits(),
-            "server_slots": current_app.extensions["attention.gate"].server_slots(),
-            "cost_model": current_app.extensions["attention.cost"].coefficients(),
+            **svc.settings.limits(),
+            "server_slots": svc.gate.server_slots(),
+            "cost_model": svc.cost.coefficients(),
             "version": VERSION,
         }
     )
@@ -58,17 +52,17 @@ def warm_up(app: Flask) -> None:
     """Calibrate the cost model on this machine, then report ready. Never raises: a failed
     calibration leaves the default coefficients, which still serve."""
     try:
-        app.extensions["attention.cost"].calibrate(WARMUP_BUDGET_S)
+        services(app).cost.calibrate(WARMUP_BUDGET_S)
     except Exception:
         log.exception("cost model calibration failed; serving with the default coefficients")
-    app.extensions["attention.state"]["ready"] = True
+    services(app).ready = True
     metrics.READY.set(1)
 
 
 def start_warm_up(app: Flask) -> threading.Thread | None:
     """Warm up in the background, so /healthz answers (and /readyz says 503) meanwhile. None if
     the settings ask for no warm-up (the app is ready at once)."""
-    if app.extensions["attention.state"]["ready"]:
+    if services(app).ready:
         return None
     thread = threading.Thread(target=warm_up, args=(app,), name="warm-up", daemon=True)
     thread.start()
@@ -77,7 +71,7 @@ def start_warm_up(app: Flask) -> threading.Thread | None:
 
 def drain(app: Flask) -> None:
     """From now on /readyz says 503; requests in flight finish (the server stops accepting)."""
-    gate = app.extensions["attention.gate"]  # the other workers send no keep-alive clients this way (admission's census)
+    gate = services(app).gate  # the other workers send no keep-alive clients this way (admission's census)
     gate.table.retire(gate.row)
-    app.extensions["attention.state"]["draining"] = True
+    services(app).draining = True
     metrics.READY.set(0)

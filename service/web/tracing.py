@@ -24,9 +24,12 @@ import re
 import time
 from dataclasses import dataclass
 
-from flask import Flask, Response, g, request
+from flask import Flask, Response, request
+
+from service.config import Settings
 
 from . import metrics
+from .context import RequestContext, context, services
 
 log = logging.getLogger("service")
 
@@ -110,24 +113,25 @@ class Spans:
         trace.trace_id, trace.span_id, trace.flags = f"{sc.trace_id:032x}", f"{sc.span_id:016x}", f"{sc.trace_flags:02x}"
         return span
 
-    def finish(self, span, resp: Response) -> None:
+    def finish(self, span, resp: Response, ctx: RequestContext) -> None:
         """Attributes, a child span per timed phase, and the span's end once the body is sent."""
         status = resp.status_code
-        attributes = {"http.response.status_code": status, "attention.request_id": g.request_id}
-        if (code := g.get("error_code")) is not None:
+        attributes = {"http.response.status_code": status, "attention.request_id": ctx.request_id}
+        if (code := ctx.error_code) is not None:
             attributes["error.type"] = code
-        if (job := g.get("job")) is not None:
+        if (job := ctx.job) is not None:
             attributes.update({f"attention.{k}": v for k, v in job_fields(job).items()})
-        if (predicted := g.get("predicted_ms")) is not None:
+        if (predicted := ctx.predicted_ms) is not None:
             attributes["attention.predicted_ms"] = predicted
-        if (compute := g.phases.get("compute")) is not None:
+        if (compute := ctx.phases.get("compute")) is not None:
             attributes["attention.compute_ms"] = compute
         span.set_attributes(attributes)
         if status >= 500:
             span.set_status(self.api.Status(self.api.StatusCode.ERROR, code))
-        wall0, perf0 = g.trace_clock
+        wall0, perf0 = ctx.trace_clock
         parent = self.api.set_span_in_context(span)
-        for name, began, ms in g.pop("spans", ()):
+        spans, ctx.spans = ctx.spans or [], None
+        for name, began, ms in spans:
             t = wall0 + int((began - perf0) * 1e9)
             self.tracer.start_span(name, context=parent, start_time=t).end(end_time=t + int(ms * 1e6))
         metrics.when_sent(resp, span.end)
@@ -135,8 +139,8 @@ class Spans:
 
 def use_provider(app: Flask, provider) -> None:
     """Trace this app's requests with an OpenTelemetry TracerProvider (tests pass one with an
-    in-memory exporter); install() calls it when the OTEL_* variables configure an exporter."""
-    app.extensions["attention.spans"] = Spans(provider.get_tracer("service.web"))
+    in-memory exporter). An app's own, from the OTEL_* variables, is spans_for()'s."""
+    services(app).spans = Spans(provider.get_tracer("service.web"))
 
 
 def _provider(exporters: tuple[str, ...]):
@@ -166,18 +170,23 @@ def _provider(exporters: tuple[str, ...]):
     return provider if exporting else None  # spans nobody receives are not made
 
 
-def install(app: Flask) -> None:
-    """Continue or start a trace per request and answer with its traceparent; spans if configured."""
-    settings = app.extensions["attention.settings"]
-    app.extensions["attention.spans"] = None
+def spans_for(settings: Settings) -> Spans | None:
+    """Spans to trace an app's requests with, when the OTEL_* variables configure an exporter
+    (and the SDK and the exporter are installed); else None."""
     if settings.otel_trace_exporters and (provider := _provider(settings.otel_trace_exporters)) is not None:
-        use_provider(app, provider)
+        return Spans(provider.get_tracer("service.web"))
+    return None
+
+
+def install(app: Flask) -> None:
+    """Continue or start a trace per request and answer with its traceparent; spans if configured
+    (Services.spans: spans_for(), or use_provider())."""
 
     @app.before_request
     def _start():
-        ctx = g._get_current_object()  # once through the proxy
+        ctx = context()
         trace = ctx.trace = start(request.headers.get("traceparent"))
-        spans = app.extensions["attention.spans"]
+        spans = services(app).spans
         if spans is not None:
             rule, method = request.url_rule, metrics.method_label(request.method)  # a bounded span name
             name = method if rule is None else f"{method} {rule.rule}"
@@ -187,10 +196,11 @@ def install(app: Flask) -> None:
 
     @app.after_request
     def _propagate(resp: Response):
-        ctx = g._get_current_object()
-        trace = ctx.get("trace")
-        if trace is not None:
-            resp.headers["traceparent"] = trace.traceparent()
-            if (span := ctx.pop("span", None)) is not None:
-                app.extensions["attention.spans"].finish(span, resp)
+        ctx = context()
+        if ctx.trace is not None:
+            resp.headers["traceparent"] = ctx.trace.traceparent()
+            spans = services(app).spans
+            if (span := ctx.span) is not None and spans is not None:
+                ctx.span = None
+                spans.finish(span, resp, ctx)
         return resp

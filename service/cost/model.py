@@ -5,47 +5,46 @@
 a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
 numeric core's blocks (a few numpy calls; a request is at least one block). The score elements
 also count q and out's elements (scaled, divided) and a quarter of k and v's (read for bounds),
-all of a request's time where S or T is tiny (schemas.jobs.Work). Counting blocks matters for
-causal requests without weights past the small path's one block (2**19 float32 scores, half as
-many float64: T=256 over 8 heads in float32), which the core cuts into at least 16 thin row
-blocks (core.block_count).
+all of a request's time where S or T is tiny (features.Work). Counting blocks matters for causal
+requests without weights past the small path's one block, which the core cuts into thin row
+blocks (plan.blocks).
 calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
 second or two); observe() refines them from computed requests by a small weighted least squares.
+predict() and observe() are the whole interface: admission predicts, the compute learns.
 
 What the fit learns from, and how much. The features count plain work, causal masks, windows,
 grouped-query heads, /mha and either dtype (each dtype its own fit). A bias, ALiBi or a mask add
 passes over every score, and key_lengths cut the keys the core computes: their work
-(schemas.jobs.Work) counts the keys computed and a measured factor over the plain time
+(features.work_of) counts the keys computed and a measured factor over the plain time
 (EXTRA_COST), and it is marked fitted=False: predicted with the coefficients plain traffic
-teaches, but never taught to them. Fed to the fit, a hundred ALiBi requests moved every plain
-request's prediction up to 2.4x, a hundred key_lengths=1 requests (cheap, counted in full) down to
-0.25x (bench/README.md); a client's stream of such work now leaves plain predictions where they were. And once
-calibrated, each observation teaches at most MAX_PULL x or 1/MAX_PULL of what the calibrated
-coefficients predict for it: relative error weighs a request measured at a hundredth of its
-prediction at a residual of 99, so any request far cheaper than its features say (a kind they
-miss, a clock's glitch) otherwise drags every prediction down with it.
+teaches, but never taught to them (fed to the fit, a stream of such requests moved every plain
+request's prediction: bench/README.md). And once calibrated, each observation teaches at most
+MAX_PULL x or 1/MAX_PULL of what the calibrated coefficients predict for it: relative error weighs
+a request measured at a hundredth of its prediction at a residual of 99, so any request far
+cheaper than its features say (a kind they miss, a clock's glitch) otherwise drags every
+prediction down with it.
 
 The fit minimises relative error, sum(((x·θ - ms) / ms)^2), since what matters is the ratio of
-prediction to measurement from 0.2 ms to seconds alike; old observations fade (forget), and a
-ridge towards the calibrated coefficients keeps the fit well posed when traffic is all one shape
-(then GFLOP and score elements are proportional and cannot be told apart). Coefficients are kept
-non-negative. Each worker process has its own model.
+prediction to measurement from fractions of a millisecond to seconds alike; old observations fade
+(forget), and a ridge towards the calibrated coefficients keeps the fit well posed when traffic is
+all one shape (then GFLOP and score elements are proportional and cannot be told apart).
+Coefficients are kept non-negative. Each worker process has its own model.
 
 Contention. The coefficients are one thread's time with a core to itself (the alone-time). Under
-load the server computes several requests at once (2 workers x 2 slots: 4 threads on 2 cores) and
-each runs slower. run() measures what its request saw: the computing thread's CPU time
-(time.thread_time) is its alone-time, since a thread waiting for a core or for the GIL burns
-none; so observe() fits the CPU time, and the coefficients do not drift with load. wall / CPU is
-the slowdown the request saw; the model keeps a running mean of it for each count of requests
-busy in the server when the request was admitted (computing or about to, itself included:
-admission's Gate.busy(), from the census of every worker), starting from contention(n, cores) =
-max(1, n / cores). admit() predicts alone-time x the slowdown at the count busy as it admits:
-predicted and learned by the same count, so what the count does not see (the GIL, this server's
-threads that decode and encode, other processes on the machine) is learned, and forgotten when
-the load goes. cost.predicted_ms, and /metrics' measured/predicted ratio, so compare like with
-like under load too. A large request alone, split over the idle cores (parallel.py), is not fed
-to the fit: it is predicted at one thread's time x split_factor(threads), the running mean of
-the share of that time splits have taken (observe_split).
+load the server computes several requests at once, more threads than cores, and each runs slower.
+The compute measures what its request saw: the computing thread's CPU time (time.thread_time) is
+its alone-time, since a thread waiting for a core or for the GIL burns none; so observe() fits the
+CPU time, and the coefficients do not drift with load. wall / CPU is the slowdown the request saw;
+the model keeps a running mean of it for each count of requests busy in the server when the
+request was admitted (computing or about to, itself included: admission's Gate.busy(), from the
+census of every worker), starting from contention(n, cores) = max(1, n / cores). predict() gives
+alone-time x the slowdown at the count busy as it admits: predicted and learned by the same count,
+so what the count does not see (the GIL, this server's threads that decode and encode, other
+processes on the machine) is learned, and forgotten when the load goes. cost.predicted_ms, and
+/metrics' measured/predicted ratio, so compare like with like under load too. A large request
+alone, split over the idle cores (split.py), is not fed to the fit: it is predicted at one
+thread's time x split_factor(threads), the running mean of the share of that time splits have
+taken.
 
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
@@ -56,15 +55,16 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import socket
-import statistics
 import threading
 import time
 
 import numpy as np
 
-from schemas import COMPUTE_DTYPES, AttentionJob, MhaJob, Work
+from schemas import COMPUTE_DTYPES
 from service import wire
+
+from .calibration import CALIBRATION, median_ms, probe, receive_and_parse, timed
+from .features import Work, work_of
 
 
 def contention(threads: float, cores: int) -> float:
@@ -93,16 +93,16 @@ def available_cores() -> int:
 
 
 # The slowdown by requests busy (and a split's share of one thread's time, by threads): the weight
-# of one observation in its running (geometric) mean (~7 requests' memory: a neighbour's load
-# comes and goes quickly; 0.05 lagged it on this shared machine), and the most requests counted
+# of one observation in its running (geometric) mean (a memory of a few requests: a neighbour's
+# load comes and goes quickly, and a smaller weight lagged it), and the most requests counted
 # apart (more are counted as that many).
 SLOWDOWN_WEIGHT = 0.15
 MAX_BUSY = 32
 # The most one observation tells a calibrated fit: its time is taken as between 1/MAX_PULL and
 # MAX_PULL times what the calibrated coefficients predict. The fit weighs relative error against
 # the measured time, so a request far cheaper than predicted pulled without bound (a hundredth of
-# its prediction: a residual of 99), one far dearer by at most 1. Calibrated here, plain requests
-# land within 0.45-1.9x of their prediction (`pytest -s tests/test_costmodel.py -k calibrated`,
+# its prediction: a residual of 99), one far dearer by at most 1. Calibrated, plain requests land
+# well within it of their prediction (`pytest -s tests/test_costmodel.py -k calibrated`,
 # bench/README.md), so honest traffic is not cut.
 MAX_PULL = 4.0
 
@@ -160,7 +160,7 @@ class _Fit:
 
 def _solve3(A: list[list[float]], r: list[float]) -> list[float] | None:
     """A x = r for a 3 x 3 A by Cramer's rule, None if A is singular: every computed request
-    refits, and np.linalg.solve's checks and wrapping cost ~8x this (A is positive definite, its
+    refits, and np.linalg.solve's checks and wrapping cost several times this (A is positive definite, its
     ridge keeps it well conditioned)."""
     (a, b, c), (d, e, f), (g, h, i) = A
     co = (e * i - f * h, f * g - d * i, d * h - e * g)  # cofactors of the first row
@@ -216,24 +216,30 @@ class CostModel:
     def c(self) -> float:
         return float(self._fits["float32"].theta[2])
 
-    def predict_work(self, work: Work, contention: float = 1.0) -> float:
-        """Predicted compute ms of work on one thread: its alone-time x contention (1: alone)."""
+    def predict(self, work: Work, busy: float | None = None, threads: int = 1) -> float:
+        """Predicted compute ms of work: its alone-time (one thread with a core to itself), x the
+        slowdown seen while busy requests (itself included) were busy in the server (None: alone),
+        x the share of one thread's time that a split on threads takes (split_factor)."""
         theta = self._fits.get(work.dtype, self._fits["float32"]).theta
-        return float(theta @ work.features()) * contention
-
-    def predict_job(self, job: AttentionJob | MhaJob, contention: float = 1.0) -> float:
-        return self.predict_work(job.work(), contention)
+        ms = float(theta @ work.features())
+        if busy is not None:
+            ms *= self.contention(busy)
+        return ms * self.split_factor(threads)
 
     def read_floor_ms(self, body_bytes: int) -> float:
         """The least time receiving and parsing a body of this many bytes takes (a b64 body, the
         fastest kind, through a local socket): what a deadline must allow before compute starts."""
         return self.read_ms_per_mb * body_bytes / 1e6
 
-    def observe(self, work: Work, ms: float, cpu_ms: float | None = None, busy: float = 1.0) -> None:
-        """Refine the fit with one measured compute: ms of wall time, cpu_ms of the computing
-        thread's CPU time over it (None: ms was measured alone), admitted while busy requests were
-        computing in the server or about to (itself included). The fit learns the alone-time,
-        min(cpu_ms, ms); the slowdown at that count learns ms / alone-time."""
+    def observe(self, work: Work, ms: float, cpu_ms: float | None = None, busy: float = 1.0, threads: int = 1) -> None:
+        """Learn from one measured compute: ms of wall time, cpu_ms of the computing thread's CPU
+        time over it (None: ms was measured alone), admitted while busy requests were computing in
+        the server or about to (itself included), on threads threads. On one thread the fit learns
+        the alone-time, min(cpu_ms, ms), and the slowdown at that count ms / alone-time; a split
+        teaches only split_factor(threads), the fit being one thread's time."""
+        if threads > 1:
+            self._observe_split(work, ms, threads)
+            return
         if not (ms > 0 and math.isfinite(ms)) or work.dtype not in self._fits:
             return
         alone = min(cpu_ms, ms) if cpu_ms is not None and cpu_ms > 0 else ms
@@ -259,21 +265,21 @@ class CostModel:
 
     def split_factor(self, threads: int) -> float:
         """What a computation split on this many threads takes, as a share of its predicted
-        one-thread time: the running mean of what splits took (ms / predict_work), 1 until one has
+        one-thread time: the running mean of what splits took (ms / predict(work)), 1 until one has
         been seen (and for threads <= 1)."""
         return self._split.get(threads, 1.0) if threads > 1 else 1.0
 
-    def observe_split(self, work: Work, ms: float, threads: int) -> None:
+    def _observe_split(self, work: Work, ms: float, threads: int) -> None:
         """Learn split_factor(threads) from one split computation of ms wall time. The fit itself
         learns only from one-thread computations, the time a request gets under load."""
-        predicted = self.predict_work(work)
+        predicted = self.predict(work)
         if threads <= 1 or not work.fitted or not (ms > 0 and math.isfinite(ms)) or not predicted > 0:
             return  # not fitted: its prediction is an estimate, whose error is not the split's
         # A split on n threads takes between 1/n of one thread's time and about all of it (alone, it
         # only splits when it gains); a ratio outside says the request's cost is not what the fit
-        # models (ALiBi took 4x its prediction, key_lengths=1 a tenth), not what splitting does.
-        # Taught as is, a dozen such requests moved the factor from 0.75 to 1.57 or 0.12, and every
-        # later split's prediction with it (deadlines refused that it met, or admitted that it missed).
+        # models, not what splitting does. Taught as is, a few such requests would move the factor,
+        # and every later split's prediction with it (deadlines refused that it met, or admitted
+        # that it missed).
         share = min(max(ms / predicted, 1 / threads), 1.0)
         with self._lock:
             self._split[threads] = _running_mean(self._split.get(threads, 1.0), share)
@@ -284,13 +290,13 @@ class CostModel:
         rng = np.random.default_rng(seed)
         start = time.perf_counter()
         body = wire.dumps({"q": wire.encode(rng.standard_normal((8, 256, 256)).astype(np.float32), "b64")})  # 2.8 MB
-        self.read_ms_per_mb = min(_timed(lambda: _receive_and_parse(body)) for _ in range(3)) / (len(body) / 1e6)
+        self.read_ms_per_mb = min(timed(lambda: receive_and_parse(body)) for _ in range(3)) / (len(body) / 1e6)
         for dtype, shape, kind in CALIBRATION:
             if time.perf_counter() - start > budget_s:
                 break
-            job = _probe(rng, dtype, shape, kind)
+            job = probe(rng, dtype, shape, kind)
             job.compute()  # first touch: page faults, lazy initialisation
-            self.observe(job.work(), median_ms(job.compute, clock=time.thread_time))  # CPU time: the alone-time, neighbours or not
+            self.observe(work_of(job), median_ms(job.compute, clock=time.thread_time))  # CPU time: the alone-time, neighbours or not
         self.anchor()
         self.calibration_s = time.perf_counter() - start
 
@@ -318,62 +324,3 @@ class CostModel:
             "slowdown_by_busy": {str(n): round(v, 3) for n, v in sorted(self._slowdown.items())},
             "split_factor_by_threads": {str(n): round(v, 3) for n, v in sorted(self._split.items())},
         }
-
-
-# (dtype, shape, kind): attention shapes are (B, H, T, d); mha is (n, d, heads).
-CALIBRATION = [
-    ("float32", (1, 1, 16, 16), "attention"),  # tiny: almost all c, a block's fixed cost (without it c fitted to ~0)
-    ("float32", (1, 8, 64, 64), "attention"),
-    ("float32", (1, 8, 256, 64), "attention"),
-    ("float32", (1, 8, 128, 64), "causal, no weights"),
-    ("float32", (1, 8, 1024, 64), "causal, no weights"),
-    ("float32", (1, 8, 512, 16), "attention"),
-    ("float32", (1, 8, 512, 128), "attention"),
-    ("float32", (256, 512, 8), "mha"),
-    ("float32", (1, 8, 1024, 64), "attention"),
-    ("float32", (1, 2, 2048, 64), "attention"),
-    ("float64", (1, 8, 128, 64), "attention"),
-    ("float64", (1, 8, 512, 64), "attention"),
-    ("float64", (1, 2, 1024, 64), "attention"),
-]
-
-
-def _probe(rng, dtype: str, shape: tuple, kind: str) -> AttentionJob | MhaJob:
-    if kind == "mha":
-        n, d, h = shape
-        x, wq, wk, wv, wo = (rng.standard_normal(s).astype(dtype) for s in ((n, d), (d, d), (d, d), (d, d), (d, d)))
-        return MhaJob(x, wq, wk, wv, wo, heads=h, causal=True, return_weights=True, encoding="b64")
-    q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
-    causal, weights = ("top_left", False) if kind == "causal, no weights" else (False, True)
-    return AttentionJob(q, k, v, None, causal=causal, key_lengths=None, scale=None, return_weights=weights, encoding="b64")
-
-
-def _receive_and_parse(body: bytes) -> None:
-    """Send body through a local socket pair, receive it in 1 MiB reads and decode it."""
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        thread = threading.Thread(target=sender.sendall, args=(body,))
-        thread.start()
-        buf = bytearray(len(body))
-        view, got = memoryview(buf), 0
-        while got < len(buf):
-            got += receiver.recv_into(view[got : got + 2**20])
-        view.release()
-        thread.join()
-    wire.decode(wire.loads(buf)["q"])
-
-
-def median_ms(run, min_runs: int = 3, min_ms: float = 30.0, max_runs: int = 25, clock=time.perf_counter) -> float:
-    """Median time of run() by clock (wall time by default; time.thread_time for this thread's CPU
-    time), over at least min_runs calls and min_ms of calls: on a shared machine a quick call is
-    often preempted, and one preemption must not become the measurement."""
-    times: list[float] = []
-    while len(times) < max_runs and (len(times) < min_runs or sum(times) < min_ms):
-        times.append(_timed(run, clock))
-    return statistics.median(times)
-
-
-def _timed(run, clock=time.perf_counter) -> float:
-    t0 = clock()
-    run()
-    return (clock() - t0) * 1000

@@ -1,0 +1,92 @@
+"""What the cost model reads of a job: its Work, the arithmetic the numeric core actually does,
+and the factors for what the fit's features do not count (a bias, ALiBi, a mask, key_lengths).
+
+A job (schemas.jobs) carries shapes only; work_of() turns them into the fit's features."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import plan
+from .plan import Job
+
+# What a bias, ALiBi or a mask multiply a plain request's time by, (with weights, without): the
+# CPU time of each against a plain request of the same shape (`python -m bench.cost_variants`,
+# bench/README.md). Each adds passes over every score, and turns off the no-weights path's bounded
+# scores (which skip two passes), more of its time the larger T. Several add up: 1 + the sum of
+# (factor - 1).
+EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)}
+# With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
+# half a computed score's time each.
+ZEROED_WEIGHT_SHARE = 0.5
+# What each element of q and out, and of k and v, costs beside the matmuls, in computed scores:
+# q is scaled and out divided (a pass or two each), k and v read once for their bounds.
+# Negligible where S and T are alike and large; all of the time where one is tiny (bench/README.md).
+QUERY_ELEMENT_WEIGHT, KEY_ELEMENT_WEIGHT = 1.0, 0.25
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the cost model reads of a job: the arithmetic the numeric core actually does.
+
+    cost_factor is what a bias, ALiBi or a mask multiply the plain work's time by (EXTRA_COST);
+    fitted False marks work whose cost the features only estimate (those, and key_lengths), which
+    the fit predicts but does not learn from."""
+
+    flops: int
+    score_elements: int
+    dtype: str
+    T: int  # query positions (n for /mha)
+    blocks: int = 1  # the numeric core's blocks (plan.blocks)
+    cost_factor: float = 1.0  # the plain work's time x this (a bias, ALiBi, a mask)
+    fitted: bool = True  # the fit may learn from its measured time
+    query_elements: int = 0  # the elements of q and out (QUERY_ELEMENT_WEIGHT scores each)
+    key_elements: int = 0  # the elements of k and v (KEY_ELEMENT_WEIGHT scores each)
+
+    def features(self) -> np.ndarray:
+        """(GFLOP, M score elements, blocks) x cost_factor: what the fit's a, b, c multiply; the
+        score elements count q, k, v and out's elements too, at their weights."""
+        scores = self.score_elements + QUERY_ELEMENT_WEIGHT * self.query_elements + KEY_ELEMENT_WEIGHT * self.key_elements
+        return np.array([self.flops / 1e9, scores / 1e6, float(self.blocks)]) * self.cost_factor
+
+
+def cost_factor(job: Job) -> float:
+    """What a bias, ALiBi or a mask multiply the plain work's time by (EXTRA_COST; /mha has none)."""
+    extra = (factors[0 if job.return_weights else 1] - 1 for name, factors in EXTRA_COST.items() if getattr(job, name, None) is not None)
+    return 1.0 + sum(extra, 0.0)
+
+
+def computed_share(job: Job, blocks: int) -> float:
+    """The share of the scores the core computes. Without weights under a causal mask it skips
+    the keys past each block's diagonal (about half; a small problem is one block, which computes
+    them all); with weights it writes the whole (T, S) buffer, and all is counted. A window's band
+    is what the core computes either way (plan.window_scores), and no key past the largest
+    key_lengths is."""
+    if job.window is not None:
+        share = plan.window_scores(job) / job.score_elements
+    else:  # a small problem's one block computes every score, as the weights path does
+        share = 1.0 if job.return_weights or blocks == 1 else plan.causal_share(job)
+    # The core computes no key at or past the largest key_lengths (key_lengths of 1: one key a
+    # row): exact without a band (causal, window), the lesser count (an upper bound) with one.
+    return min(share, job.key_end / job.S) if job.S else share
+
+
+def work_of(job: Job) -> Work:
+    """The job's work: the flops and scores the core computes, its blocks, and what the features
+    miss (cost_factor; fitted False with a bias, ALiBi, a mask or key_lengths: their cost is
+    estimated, not what calibration timed, and a stream of them fed to the fit would move every
+    plain request's prediction)."""
+    blocks = plan.blocks(job)
+    share = computed_share(job, blocks)
+    factor = cost_factor(job)
+    attention_flops = job.flops - job.other_flops
+    flops = job.other_flops + share * attention_flops
+    scores = job.score_elements * share
+    if job.return_weights:  # the weights past the largest key_lengths: not computed, but written 0
+        scores += ZEROED_WEIGHT_SHARE * job.B * job.T * (job.S - job.key_end) / factor  # no bias on them
+    fitted = factor == 1.0 and getattr(job, "key_lengths", None) is None
+    d, dv = job.head_widths
+    rows, keys = job.B * job.T * (d + dv), job.B // job.groups * job.S * (d + dv)  # q and out; k and v
+    return Work(int(flops), int(scores), job.dtype, int(job.T), blocks, factor, fitted, rows, keys)

@@ -1,0 +1,50 @@
+"""The one computation behind both front doors (the native API, api.py, and the Open Inference
+Protocol, kserve.py): a body validated into a job and admitted, the job computed and measured,
+and the cost summary of its answer. The doors differ only in their envelopes."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
+from service.cost import work_of
+
+from . import metrics, parallel
+from .admission import admit
+from .context import context, services
+from .http import phase
+
+Job = AttentionJob | MhaJob
+
+
+def validate(schema: AttentionRequest | MhaRequest, doc: dict) -> Job:
+    """The decoded body validated into a job (the validate phase; 422 on anything invalid), then
+    admitted: 504 if it cannot meet its deadline, 503 if it does not fit; waits for a compute slot."""
+    with phase("validate"):
+        job = schema.load(doc)
+    admit(job)
+    return job
+
+
+def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
+    """Compute an admitted job, timed as the compute phase; the measured time (with the thread's
+    CPU time, the requests busy in the server when it was admitted, and the threads it took)
+    teaches the cost model and is counted against admit()'s prediction."""
+    ctx = context()
+    work = ctx.work or work_of(job)
+    threads = parallel.threads(work)  # more than one only for a large job alone on the server
+    cpu_start = time.thread_time()
+    with phase("compute") as timer:
+        result = job.compute(threads, services().pool)
+    cpu_ms = (time.thread_time() - cpu_start) * 1000
+    metrics.observe_compute(work, timer.ms, ctx.predicted_ms or 0.0)
+    services().cost.observe(work, timer.ms, cpu_ms, ctx.busy, threads)
+    return result
+
+
+def cost(job: Job) -> dict:
+    """The cost summary of a response: what the job is, and what the cost model predicted for it
+    when admitting it."""
+    return {"flops": job.flops, "score_elements": job.score_elements, "predicted_ms": round(context().predicted_ms or 0.0, 3)}
