@@ -1,4 +1,4 @@
-"""The event-loop worker's buffers, in-process (service/web/worker.py): the body handed to the app
+"""The event-loop worker's buffers, in-process (service/transport/worker.py): the body handed to the app
 without a copy, and a response written in pieces flowing while the thread still writes."""
 
 from __future__ import annotations
@@ -10,33 +10,37 @@ from types import SimpleNamespace
 import pytest
 from gunicorn.http import errors as perr
 
-from service.web.worker import ClientSocket, MemoryBody, SendBudget, error_response, parser_refusal
+from service.transport import BODY_KEY, Refusal
+from service.transport.worker import ClientSocket, MemoryBody, SendBudget, parser_refusal, with_body
+from service.web.front import error_answer
+
+
+def body_seen_by_app(body: MemoryBody) -> dict:
+    """The environ the worker calls the app with, for a request whose wsgi.input is body."""
+    seen = {}
+    with_body(lambda environ, start_response: seen.update(environ), {"wsgi.input": body}, None)
+    return seen
 
 
 def test_a_body_of_one_buffer_is_handed_over_whole():
     body = bytearray(b'{"q": [1, 2, 3]}')
-    taken = MemoryBody([b"", body]).take_whole()
-    assert taken is body  # the received buffer itself: no copy
+    assert body_seen_by_app(MemoryBody([b"", body]))[BODY_KEY] is body  # the received buffer itself: no copy
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["two segments", "bytes", "partly read"],
-)
+@pytest.mark.parametrize("case", ["two segments", "bytes"])
 def test_otherwise_the_body_is_read_as_before(case):
-    """take_whole() gives None where the body is not one whole buffer of its own, and the body
-    then reads in full as before."""
+    """No BODY_KEY where the body is not one whole buffer of its own; the body then reads in full
+    from wsgi.input."""
     body = bytearray(b'{"q": [1, 2, 3]}')
-    if case == "two segments":
-        reader = MemoryBody([body[:5], body[5:]])
-    elif case == "bytes":
-        reader = MemoryBody([bytes(body)])
-    else:
-        reader = MemoryBody([body])
-        first = reader.read(3)
-    assert reader.take_whole() is None
-    rest = reader.read()
-    assert (first + rest if case == "partly read" else rest) == bytes(body)
+    reader = MemoryBody([body[:5], body[5:]]) if case == "two segments" else MemoryBody([bytes(body)])
+    assert BODY_KEY not in body_seen_by_app(reader)
+    assert reader.read() == bytes(body)
+
+
+def test_a_read_body_reads_in_full_by_pieces():
+    body = bytearray(b'{"q": [1, 2, 3]}\n{"k": 1}')
+    reader = MemoryBody([body])
+    assert reader.read(3) + reader.readline() + reader.read() == bytes(body)
 
 
 @pytest.fixture
@@ -104,7 +108,7 @@ def test_a_head_gunicorn_refuses_gets_a_status_and_a_code(exc, status, code):
     """handle_error's statuses are gunicorn's; each has a code, and its answer is JSON."""
     limits = SimpleNamespace(limit_request_line=4094, limit_request_fields=100, limit_request_field_size=8190)
     assert parser_refusal(exc, limits)[:2] == (status, code)
-    answer = error_response(code, parser_refusal(exc, limits)[2], "/v2/models/attention/infer", status)
+    answer = error_answer(Refusal(status, code, parser_refusal(exc, limits)[2], "POST", "/v2/models/attention/infer"))
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(f"HTTP/1.1 {status} ".encode()) and b"Content-Type: application/json" in head
     assert set(json.loads(body)) == {"error"} and f"X-Error-Code: {code}".encode() in head

@@ -17,8 +17,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
   request is complete 400 `incomplete_request` (it can still read the answer); each then closes.
   Only a complete request reaches a thread, already in memory; the thread never reads the socket.
-  The body is handed to the app in the buffer it was received into, not copied (MemoryBody; a
-  large one is read into a mapping of its own, BODY_BUFFER_AFTER).
+  The body is handed to the app in the buffer it was received into, not copied, under the environ
+  key BODY_KEY (a large one is read into a mapping of its own, BODY_BUFFER_AFTER).
   A body over ATTN_MAX_BODY_BYTES gets 413 from here; the bytes of requests being read count
   against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it).
 - Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
@@ -32,14 +32,14 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
   and no thread.
 - Placement: a POST reaching this worker while it holds PLACEMENT_MARGIN more admitted requests
-  than its least busy sibling (admission's shared census) is answered with Connection: close, so
-  that keep-alive clients the kernel happened to put on one worker spread over all of them.
+  than its least busy sibling (hooks.margin()) is answered with Connection: close, so that
+  keep-alive clients the kernel happened to put on one worker spread over all of them.
 
-These answers, and those to heads gunicorn's parser refuses (handle_error), are in the API's
-error shapes (errors.py, kserve.py) and counted in /metrics as the app's own are, and logged in
-the same access-log line (accesslog.worker_answer). Everything else
-(WSGI, keep-alive, graceful stop, max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service
-serves plain HTTP/1.1 behind an ingress)."""
+These answers, and those to heads gunicorn's parser refuses (handle_error), are made by the app
+(hooks.refuse: its error shapes, its counts, its access log): the worker is handed its hooks
+before it serves (service.transport). Everything else (WSGI, keep-alive, graceful stop,
+max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an
+ingress)."""
 
 from __future__ import annotations
 
@@ -53,24 +53,20 @@ import threading
 import time
 from collections import deque
 from functools import partial
-from http import HTTPStatus
 
 from gunicorn import http as gunicorn_http
 from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.unreader import Unreader
 from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
 
-from schemas import RequestError
-from service import wire
 from service.config import Settings
 
-from . import accesslog, errors, framing, http, kserve, metrics
+from . import BODY_KEY, Hooks, Refusal, framing
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 # A body of known length is read straight into a buffer of its own (recv_into) once this much of it
 # has arrived and at least as much is still to come: appended to the connection's buffer instead,
-# each byte was received into a new bytes object and copied once more (a 33.5 MB body spent ~2/3 of
-# its receive time there, bench/README.md "Large requests on the wire"). The buffer is an anonymous
+# each byte is received into a new bytes object and copied once more. The buffer is an anonymous
 # mapping, not a bytearray: bytearray(n) writes its n bytes, a mapping's pages are touched only by
 # the bytes that arrive, so a client that declares a length and stalls holds what it sent (plus at
 # most one huge page), never what it declared; and it is page-aligned, so are the body's tensors.
@@ -84,38 +80,13 @@ SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a s
 # worker holds this many more admitted requests than its least busy sibling is answered with
 # Connection: close; the client's next connection goes to whichever worker accepts it first, most
 # often the idle one (the busy one's event loop waits for the GIL behind its computing threads).
-# 3, not 2: with 8 wrk connections at T=64, 2 answered 5% of requests with a close (a 5+3 split
-# flapping to 4+4 and back) at more CPU per request; 3 closed ~1%, at main's CPU per request, and
-# still spread 8 connections opened on one worker 4+4 within a second (python -m bench.admission).
+# 3, not 2: at 2, a split one request off even flaps back and forth, each flap a close and a new
+# connection; 3 still evens out connections that all opened on one worker.
 PLACEMENT_MARGIN = 3
 # What one connection may hold for its reader once the worker's send budget (ATTN_SEND_BUFFER_BYTES)
-# is spent: about one piece of a streamed answer (a nested block of 2**18 numbers is ~2.5-5 MB).
+# is spent: about one piece of a streamed answer (a nested block of the wire's chunked encoder).
 HELD_PAST_BUDGET = 8 * 2**20
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
-
-
-def error_response(
-    code: str, message: str, path: str, status: int | None = None, request_id: str | None = None, started: float = 0.0
-) -> bytes:
-    """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS)
-    unless given, the body in the shape of the front door path is under (the /v2 protocol's, else
-    the native), and, as every answer has, nosniff, the request's X-Request-Id (a fresh one if it
-    has none) and Server-Timing (total: since started, time.monotonic() at the request's first byte)."""
-    status = status or errors.status_of(code)
-    door = path.partition("?")[0]
-    prefix = kserve.bp.url_prefix
-    shape = kserve.error_body if door == prefix or door.startswith(prefix + "/") else errors.native_body
-    err = RequestError(code, message)
-    body = wire.dumps(shape(err, status))
-    headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
-    headers.append(": ".join(http.NOSNIFF))  # as the app's answers
-    headers += [f"{name}: {value}" for name, value in errors.code_headers(err).items()]
-    headers.append(f"X-Request-Id: {request_id or http.request_id('')}")
-    headers.append(f"Server-Timing: total;dur={(time.monotonic() - started) * 1000 if started else 0.0:.3f}")
-    if status == 503:
-        headers.append("Retry-After: 1")
-    headers.append("Connection: close")
-    return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
 
 
 def parser_refusal(exc: Exception, limits) -> tuple[int, str, str]:
@@ -201,8 +172,8 @@ class ClientSocket(socket.socket):
         """Once the worker holds its send budget, the thread holds back what it has not encoded
         yet: it sends (waiting for the socket, up to timeout without progress: TimeoutError, the
         client is dropped) until this connection holds HELD_PAST_BUDGET at most. Without it, a
-        client that reads nothing had the whole answer held (786 MB of nested text for a 262 KB
-        request) until the send timeout. It waits as a thread only (the compute slot went back
+        client that reads nothing has the whole answer held (nested text many times the size of
+        its request) until the send timeout. It waits as a thread only (the compute slot went back
         when the response was built), and only while the budget is spent, when the event loop
         lets no new POST in."""
         writable = select.poll()  # poll, not select: a worker's connections may number past FD_SETSIZE
@@ -270,10 +241,11 @@ class BufferedUnreader(Unreader):
 
 class MemoryBody:
     """A request body of known length that is already in memory (segments of the received buffer),
-    as gunicorn's Body reads it: readinto() copies it once into the reader's buffer, and
-    take_whole() hands over the received buffer itself when the body is all of it. gunicorn's own
-    Body over the unreader copied a body up to eight times on its way to the app (BytesIO buffers at
-    each layer, slices of them): for a 530 KB request, ~5% of a small request's CPU."""
+    as gunicorn's Body reads it (wsgi.input): readinto() copies it once into the reader's buffer.
+    gunicorn's own Body over the unreader copies a body several times on its way to the app (BytesIO
+    buffers at each layer, slices of them). `whole` is the body as one buffer of its own (the event
+    loop's receive buffer, or a large body's own mapping, which nothing else holds), or None; the
+    app gets it, not copied, under BODY_KEY, and parses the bytes where the socket put them."""
 
     failed = False  # gunicorn's parser asks: reading never fails here
 
@@ -281,17 +253,6 @@ class MemoryBody:
         parts = [s for s in segments if len(s)]
         self.whole = parts[0] if len(parts) == 1 and type(parts[0]) in (bytearray, mmap.mmap) else None
         self.segments = deque(memoryview(s).cast("B") for s in parts)
-
-    def take_whole(self) -> bytearray | mmap.mmap | None:
-        """The whole body, not copied, when it is one buffer of its own (the event loop's receive
-        buffer, or a large body's own mapping, which nothing else holds) and none of it has been
-        read; else None, and the body is read as before. The app parses the bytes where the socket
-        put them (service.web.http, service.wire.loads)."""
-        whole, self.whole = self.whole, None
-        if whole is None or len(self.segments) != 1 or len(self.segments[0]) != len(whole):
-            return None
-        self.segments.clear()
-        return whole
 
     def readinto(self, b) -> int:
         out, got = memoryview(b).cast("B"), 0
@@ -379,6 +340,14 @@ def _body_from_memory(req) -> None:
     req.body = MemoryBody(segments)
 
 
+def with_body(app, environ: dict, start_response):
+    """Call the WSGI app with the body, read into memory as one buffer, under BODY_KEY."""
+    body = environ.get("wsgi.input")
+    if type(body) is MemoryBody and body.whole is not None:
+        environ[BODY_KEY] = body.whole
+    return app(environ, start_response)
+
+
 class FrontWorker(ThreadWorker):
     """gthread, with the reading and the slow writing moved from the threads to the event loop."""
 
@@ -390,6 +359,7 @@ class FrontWorker(ThreadWorker):
         self.stopping_at: float | None = None
         self.next_sweep = 0.0
         self.received = 0  # bytes of requests being read, in all connections' buffers
+        self.hooks: Hooks | None = None  # the app's side, set before run() (service.transport)
 
     def init_process(self):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -397,6 +367,14 @@ class FrontWorker(ThreadWorker):
         if soft != resource.RLIM_INFINITY and soft < want:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         super().init_process()
+
+    def run(self):
+        """gthread's loop, once the app's hooks are in place; the app is called with the body under
+        BODY_KEY."""
+        if self.hooks is None:
+            raise RuntimeError("FrontWorker has no hooks: set worker.hooks in post_worker_init (service.transport)")
+        self.wsgi = partial(with_body, self.wsgi)
+        super().run()
 
     # -- connections in and out -------------------------------------------------------------------
 
@@ -486,7 +464,8 @@ class FrontWorker(ThreadWorker):
             conn.deadline = conn.started + self.settings.header_timeout_s
         # Appended as it comes, never a bytearray of the Content-Length a client declares: that
         # would be as many bytes of memory at once (bytearray(n) zeroes them), held by a client
-        # that sends a head and stalls (100 stalled uploads of 300 KB declaring 30 MB each: 1.5 GB).
+        # that sends a head and stalls (a few hundred KB each, declaring their limit, would hold
+        # as many limits).
         # A large body moves to a mapping of its length (_body_buffer, past BODY_BUFFER_AFTER),
         # whose pages only arriving bytes touch. What a connection holds is what it sent, counted here.
         conn.buf += data
@@ -516,7 +495,9 @@ class FrontWorker(ThreadWorker):
             self._close(conn)
             return
         what = "head" if conn.scanner.head_end is None else "body"
-        self._answer(conn, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete.")
+        self._answer(
+            conn, 400, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete."
+        )
 
     def _received(self, conn: Conn, n: int) -> None:
         """n more bytes of conn's request have arrived: count them, then act on them."""
@@ -526,6 +507,7 @@ class FrontWorker(ThreadWorker):
             # client must send the bytes to hold them, and the one that goes past it is refused.
             self._answer(
                 conn,
+                503,
                 "overloaded",
                 f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={self.settings.max_inflight_bytes}); retry shortly.",
             )
@@ -559,19 +541,21 @@ class FrontWorker(ThreadWorker):
                 limit = self.settings.send_buffer_bytes
                 self._answer(
                     conn,
+                    503,
                     "overloaded",
                     f"The server holds more response bytes that clients have not read than it allows (ATTN_SEND_BUFFER_BYTES={limit}); retry shortly.",
                 )
                 return
             self._dispatch(conn, verdict.end)
         elif verdict.kind == framing.MALFORMED:  # never guessed at, never handed to a thread
-            self._answer(conn, "bad_framing", f"Where the request ends cannot be told: {verdict.reason} (RFC 9112 section 6).")
+            self._answer(conn, 400, "bad_framing", f"Where the request ends cannot be told: {verdict.reason} (RFC 9112 section 6).")
         elif verdict.kind == framing.NOT_IMPLEMENTED:
-            self._answer(conn, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
+            self._answer(conn, 501, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
         elif verdict.kind == framing.BODY_TOO_LARGE:
-            self._answer(conn, "body_too_large", errors.body_too_large(self.settings.max_body_bytes))
+            limit = self.settings.max_body_bytes  # the app's own 413 says the same (errors.body_too_large)
+            self._answer(conn, 413, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).")
         elif verdict.kind == framing.HEAD_TOO_LARGE:
-            self._answer(conn, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
+            self._answer(conn, 431, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
 
     @staticmethod
     def _body_buffer(conn: Conn) -> None:
@@ -621,44 +605,17 @@ class FrontWorker(ThreadWorker):
         conn.state = Conn.IN_THREAD
         self.enqueue_req(conn)
 
-    def _answer(self, conn: Conn, code: str, message: str) -> None:
-        """Answer with an error from here (its status is the code's), count it, and close."""
-        status, scanner = errors.status_of(code), conn.scanner
+    def _answer(self, conn: Conn, status: int, code: str, message: str) -> None:
+        """Answer with an error from here (the app shapes, counts and logs it), and close."""
+        scanner = conn.scanner
         self.log.info("%s %s: %s (%s)", conn.client, status, code, message)
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
         received = len(conn.buf) + conn.body_got
-        answer = self._error_answer(code, message, status, scanner.method, scanner.path, head, conn.started, received)
+        answer = self.hooks.refuse(Refusal(status, code, message, scanner.method, scanner.path, head, conn.started, received))
         self._release_buf(conn)
         conn.keep = False
         conn.sock.queue(answer)
         self._write(conn)
-
-    def _error_answer(
-        self, code: str, message: str, status: int, method: str, path: str, head: bytes | None, started: float, received: int
-    ) -> bytes:
-        """The bytes of an error answer the worker makes itself (_answer, handle_error), counted in
-        /metrics as the app's own and logged in the same access line, with the request id its head
-        sent (or a fresh one) and the time since started (time.monotonic() at its first byte)."""
-        endpoint = self._endpoint(path, method)
-        metrics.REQUESTS.labels(endpoint, metrics.method_label(method), str(status)).inc()
-        metrics.REJECTIONS.labels(endpoint, code).inc()
-        request_id = accesslog.head_request_id(head)
-        answer = error_response(code, message, path, status, request_id, started)
-        sizes = (received, len(answer))
-        accesslog.worker_answer(self.settings.log_format, head, method, path, endpoint, code, status, sizes, started, request_id)
-        return answer
-
-    def _endpoint(self, path: str, method: str) -> str:
-        """The route path is served by, as the app labels it (a bounded label): "unmatched" when
-        no route has it, as for the app's 404 and 405, or before the head is known."""
-        url_map = getattr(self.wsgi, "url_map", None)
-        if url_map is None or not path.startswith("/"):
-            return "unmatched"
-        try:
-            rule, _ = url_map.bind("localhost").match(path.partition("?")[0], method=method or "GET", return_rule=True)
-        except Exception:  # werkzeug's NotFound, MethodNotAllowed, RequestRedirect
-            return "unmatched"
-        return rule.rule
 
     # -- in a thread ------------------------------------------------------------------------------
 
@@ -675,7 +632,7 @@ class FrontWorker(ThreadWorker):
             _body_from_memory(req)
             keep = self.handle_request(req, conn)
             if isinstance(req.body, MemoryBody):  # what the app left unread is in memory: dropped, not
-                req.body.segments.clear()  # read through 8 KB at a time by finish_body (a refused 33 MB body: ~20 ms)
+                req.body.segments.clear()  # not read through 8 KB at a time by finish_body
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
             conn.dropped = True  # part of a response is lost: nothing more may be sent on it
@@ -705,7 +662,7 @@ class FrontWorker(ThreadWorker):
         path = getattr(req, "path", None) or getattr(scanner, "path", None) or ""
         method = getattr(req, "method", None) or getattr(scanner, "method", None) or ""
         head, started = getattr(conn, "head", None), getattr(conn, "started", 0.0)
-        answer = self._error_answer(code, message, status, method, path, head, started, len(head or b""))
+        answer = self.hooks.refuse(Refusal(status, code, message, method, path, head, started, len(head or b"")))
         try:
             client.sendall(answer)
         except OSError:
@@ -713,9 +670,8 @@ class FrontWorker(ThreadWorker):
 
     def _crowded(self) -> bool:
         """This worker holds PLACEMENT_MARGIN or more admitted requests than its least busy sibling
-        (the shared census; never when it is alone)."""
-        gate = self.wsgi.extensions.get("attention.gate") if hasattr(self.wsgi, "extensions") else None
-        return gate is not None and gate.table.busiest_margin(gate.row) >= PLACEMENT_MARGIN
+        (never when it is alone)."""
+        return self.hooks.margin() >= PLACEMENT_MARGIN
 
     # -- sending ----------------------------------------------------------------------------------
 
@@ -806,7 +762,7 @@ class FrontWorker(ThreadWorker):
                     else f"{self.settings.body_timeout_s} s plus 1 s per {self.settings.body_min_rate} bytes (ATTN_BODY_TIMEOUT_S, ATTN_BODY_MIN_RATE)"
                 )
                 self._unwatch(conn)
-                self._answer(conn, "timeout", f"The {what} did not arrive in time: the limit is {limit}.")
+                self._answer(conn, 408, "timeout", f"The {what} did not arrive in time: the limit is {limit}.")
             else:
                 if conn.state == Conn.WRITING:
                     self.log.info("%s read nothing of its response for %s s: dropped", conn.client, self.settings.send_timeout_s)
