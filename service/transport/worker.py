@@ -57,7 +57,7 @@ from functools import partial
 from gunicorn import http as gunicorn_http
 from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.unreader import Unreader
-from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
+from gunicorn.workers.gthread import ThreadWorker
 
 from service.config import Settings
 
@@ -75,6 +75,7 @@ MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
 LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
 LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
 SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a second)
+STOP_IDLE_S = 2.0  # a graceful stop closes idle connections after this, as gthread does its kept-alive ones
 # Connection placement: a keep-alive connection stays with the worker that accepted it, so clients
 # that all landed on one worker queue there while its sibling idles. A POST that arrives while this
 # worker holds this many more admitted requests than its least busy sibling is answered with
@@ -296,14 +297,15 @@ class MemoryBody:
         return iter(self.readline, b"")
 
 
-class Conn(TConn):
-    """A client connection and where it is: reading a request, in a thread, writing, closing."""
+class Conn:
+    """A client connection and where it is: reading a request, in a thread, writing, closing. sock,
+    client and server are what gthread's handle_request reads of a connection."""
 
     READING, IN_THREAD, WRITING, CLOSING = "reading", "in_thread", "writing", "closing"
 
-    def __init__(self, cfg, sock, client, server):
-        super().__init__(cfg, sock, client, server)
-        self.initialized = True  # no TLS, no HTTP/2: gunicorn's init() has nothing to do
+    def __init__(self, sock: ClientSocket, client, server):
+        self.sock, self.client, self.server = sock, client, server
+        self.parser = None  # gunicorn's parser of the request in a thread
         # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
         self.buf = bytearray()
@@ -392,7 +394,7 @@ class FrontWorker(ThreadWorker):
             return
         sock = ClientSocket(raw.family, raw.type, raw.proto, fileno=raw.detach(), budget=self.budget)
         self.nr_conns += 1
-        conn = Conn(self.cfg, sock, addr, listener.getsockname())
+        conn = Conn(sock, addr, listener.getsockname())
         self.conns[conn] = None
         self._start_request(conn, b"", new=True)
 
@@ -419,7 +421,10 @@ class FrontWorker(ThreadWorker):
         self._unwatch(conn)
         self.budget.give(conn.sock.drop_outbox())
         self.nr_conns -= 1
-        conn.close()
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
         if self.worker_connections < self.cfg.worker_connections:  # after EMFILE: accept again
             self.worker_connections = self.cfg.worker_connections
 
@@ -751,7 +756,7 @@ class FrontWorker(ThreadWorker):
         for conn in [c for c in self.conns if c.state != Conn.IN_THREAD]:
             idle = conn.state == Conn.READING and not conn.buf
             if idle and self.stopping_at is not None:
-                conn.deadline = min(conn.deadline, self.stopping_at + STOP_KEEPALIVE_LINGER)
+                conn.deadline = min(conn.deadline, self.stopping_at + STOP_IDLE_S)
             if now < conn.deadline:
                 continue
             if conn.state == Conn.READING and conn.buf:
