@@ -39,7 +39,14 @@ These answers, and those to heads gunicorn's parser refuses (handle_error), are 
 (hooks.refuse: its error shapes, its counts, its access log): the worker is handed its hooks
 before it serves (service.transport). Everything else (WSGI, keep-alive, graceful stop,
 max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an
-ingress)."""
+ingress).
+
+Of gthread it keeps the event loop (run, the poller, accept), the thread pool and the way back from
+it (enqueue_req, finish_request), handle_request (the WSGI call, keep-alive, max_requests), and
+gunicorn's request parser, which parses the head again in the thread, fed from memory
+(BufferedUnreader) and then handed the body in memory (MemoryBody). Those are gunicorn's insides,
+not its API: gunicorn is pinned exactly (requirements.txt), and tests/test_worker_io.py,
+test_slow_clients.py and test_lifecycle.py say when a new version breaks them."""
 
 from __future__ import annotations
 
@@ -81,8 +88,9 @@ STOP_IDLE_S = 2.0  # a graceful stop closes idle connections after this, as gthr
 # worker holds this many more admitted requests than its least busy sibling is answered with
 # Connection: close; the client's next connection goes to whichever worker accepts it first, most
 # often the idle one (the busy one's event loop waits for the GIL behind its computing threads).
-# 3, not 2: at 2, a split one request off even flaps back and forth, each flap a close and a new
-# connection; 3 still evens out connections that all opened on one worker.
+# 3, not 2: at 2, workers one request either side of an even split keep passing a connection back
+# and forth, each pass a close and a reconnect; 3 still evens out connections that all opened on
+# one worker.
 PLACEMENT_MARGIN = 3
 # What one connection may hold for its reader once the worker's send budget (ATTN_SEND_BUFFER_BYTES)
 # is spent: about one piece of a streamed answer (a nested block of the wire's chunked encoder).
