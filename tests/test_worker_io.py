@@ -112,3 +112,11 @@ def test_a_head_gunicorn_refuses_gets_a_status_and_a_code(exc, status, code):
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(f"HTTP/1.1 {status} ".encode()) and b"Content-Type: application/json" in head
     assert set(json.loads(body)) == {"error"} and f"X-Error-Code: {code}".encode() in head
+
+
+def test_the_app_reads_the_body_under_body_key(client):
+    """A body the worker hands over under BODY_KEY is the one the app parses, not wsgi.input's."""
+    body = bytearray(b'{"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[2.0, 3.0]]}')
+    r = client.post("/attention", data=b"x" * len(body), content_type="application/json", environ_overrides={BODY_KEY: body})
+    assert r.status_code == 200, r.json
+    assert r.json["out"] == [[2.0, 3.0]]
