@@ -183,7 +183,7 @@ class RequestScanner:
                 return verdict
         if self.body_length is None:
             return self._scan_chunked(buf)
-        end = self.head_end + self.body_length
+        end = (self.head_end or 0) + self.body_length  # head_end is set once _scan_head returns None
         return Verdict(COMPLETE, end) if len(buf) >= end else Verdict(NEED_MORE)
 
     def body_received(self, buffered: int) -> int:

@@ -60,6 +60,7 @@ import threading
 import time
 from collections import deque
 from functools import partial
+from typing import Any
 
 from gunicorn import http as gunicorn_http
 from gunicorn.http.body import Body, LengthReader
@@ -96,6 +97,7 @@ PLACEMENT_MARGIN = 3
 # is spent: about one piece of a streamed answer (a nested block of the wire's chunked encoder).
 HELD_PAST_BUDGET = 8 * 2**20
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
+Buffer = bytes | bytearray | mmap.mmap | memoryview
 
 
 def parser_refusal(exc: Exception, limits) -> tuple[int, str, str]:
@@ -231,7 +233,7 @@ class BufferedUnreader(Unreader):
     """gunicorn's parser reads the request from memory (what the event loop received), never from
     the socket: at the end of the buffer it sees the end of the stream."""
 
-    def __init__(self, segments: list[memoryview]):
+    def __init__(self, segments: list[Buffer]):
         super().__init__()
         self.segments = deque(s for s in segments if len(s))
 
@@ -258,7 +260,7 @@ class MemoryBody:
 
     failed = False  # gunicorn's parser asks: reading never fails here
 
-    def __init__(self, segments: list):
+    def __init__(self, segments: list[Buffer]):
         parts = [s for s in segments if len(s)]
         self.whole = parts[0] if len(parts) == 1 and type(parts[0]) in (bytearray, mmap.mmap) else None
         self.segments = deque(memoryview(s).cast("B") for s in parts)
@@ -313,13 +315,13 @@ class Conn:
 
     def __init__(self, sock: ClientSocket, client, server):
         self.sock, self.client, self.server = sock, client, server
-        self.parser = None  # gunicorn's parser of the request in a thread
+        self.parser: Any = None  # gunicorn's parser of the request in a thread
         # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
         self.buf = bytearray()
         self.body: mmap.mmap | None = None  # a large body's own buffer (BODY_BUFFER_AFTER); buf then holds the head
         self.body_got = 0  # bytes of it received
-        self.scanner: framing.RequestScanner | None = None
+        self.scanner: framing.RequestScanner  # set by _start_request, before each request
         self.body_started = 0.0
         self.deadline = 0.0
         self.keep = False  # after the response: keep-alive (True) or close
@@ -361,6 +363,8 @@ def with_body(app, environ: dict, start_response):
 class FrontWorker(ThreadWorker):
     """gthread, with the reading and the slow writing moved from the threads to the event loop."""
 
+    hooks: Hooks  # the app's side, set before run() (post_worker_init; service.transport)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.settings = Settings.from_env()
@@ -369,7 +373,6 @@ class FrontWorker(ThreadWorker):
         self.stopping_at: float | None = None
         self.next_sweep = 0.0
         self.received = 0  # bytes of requests being read, in all connections' buffers
-        self.hooks: Hooks | None = None  # the app's side, set before run() (service.transport)
 
     def init_process(self):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -381,7 +384,7 @@ class FrontWorker(ThreadWorker):
     def run(self):
         """gthread's loop, once the app's hooks are in place; the app is called with the body under
         BODY_KEY."""
-        if self.hooks is None:
+        if getattr(self, "hooks", None) is None:
             raise RuntimeError("FrontWorker has no hooks: set worker.hooks in post_worker_init (service.transport)")
         self.wsgi = partial(with_body, self.wsgi)
         super().run()
@@ -460,7 +463,7 @@ class FrontWorker(ThreadWorker):
 
     def _on_readable(self, conn: Conn, _fileobj) -> None:
         if conn.body is not None:
-            self._on_body_readable(conn)
+            self._on_body_readable(conn, conn.body)
             return
         try:
             data = conn.sock.recv(RECV_BYTES)
@@ -484,11 +487,11 @@ class FrontWorker(ThreadWorker):
         conn.buf += data
         self._received(conn, len(data))
 
-    def _on_body_readable(self, conn: Conn) -> None:
+    def _on_body_readable(self, conn: Conn, body: mmap.mmap) -> None:
         """The rest of a large body, straight into its own buffer (never past its end: what follows
         it, pipelined, is read as the next request)."""
         try:
-            with memoryview(conn.body) as view:
+            with memoryview(body) as view:
                 n = conn.sock.recv_into(view[conn.body_got :])
         except (BlockingIOError, InterruptedError):
             return
@@ -540,14 +543,11 @@ class FrontWorker(ThreadWorker):
                 conn.body_started = time.monotonic()
                 if conn.scanner.expects_continue:  # the client waits for this before its body
                     self._send_now(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
-            if conn.scanner.head_end is not None:
+            if (head_end := conn.scanner.head_end) is not None:
                 received = conn.scanner.body_received(len(conn.buf)) + conn.body_got
-                if (
-                    conn.body is None
-                    and conn.scanner.body_length is not None
-                    and BODY_BUFFER_AFTER <= received <= conn.scanner.body_length - BODY_BUFFER_AFTER
-                ):
-                    self._body_buffer(conn)
+                length = conn.scanner.body_length
+                if conn.body is None and length is not None and BODY_BUFFER_AFTER <= received <= length - BODY_BUFFER_AFTER:
+                    self._body_buffer(conn, head_end, length)
                 conn.deadline = conn.body_started + self.settings.body_timeout_s + received / self.settings.body_min_rate
         elif verdict.kind == framing.COMPLETE:
             if self.budget.full and conn.scanner.method == "POST":
@@ -571,10 +571,9 @@ class FrontWorker(ThreadWorker):
             self._answer(conn, 431, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
 
     @staticmethod
-    def _body_buffer(conn: Conn) -> None:
-        """Move the body received so far into a buffer of the body's length (BODY_BUFFER_AFTER),
-        where the rest will be read; buf keeps the head."""
-        head_end, length = conn.scanner.head_end, conn.scanner.body_length
+    def _body_buffer(conn: Conn, head_end: int, length: int) -> None:
+        """Move the body received so far (from head_end in buf) into a buffer of the body's length
+        (BODY_BUFFER_AFTER), where the rest will be read; buf keeps the head."""
         body = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)  # anonymous: pages are touched as bytes arrive
         if hasattr(mmap, "MADV_HUGEPAGE"):
             body.madvise(mmap.MADV_HUGEPAGE)  # faulted in 2 MiB pages, as malloc's blocks (service/__main__.py)
@@ -607,7 +606,7 @@ class FrontWorker(ThreadWorker):
             # The 100 Continue has been sent: hide the Expect header so gunicorn does not send another.
             start, stop = scanner.expect_line
             head = head[:start] + head[stop:]
-        body = conn.body  # a large body's own buffer, or None: the body follows the head in buf
+        body: bytearray | mmap.mmap | None = conn.body  # a large body's own buffer, or None: the body follows the head in buf
         self._release_buf(conn)
         if body is None:
             del buf[end:]  # what follows the request (pipelined), copied to pending above

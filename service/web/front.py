@@ -24,7 +24,7 @@ def error_answer(refusal: transport.Refusal, request_id: str | None = None) -> b
     Server-Timing (total: since its first byte), Retry-After on a 503."""
     status, door = refusal.status, refusal.path.partition("?")[0]
     prefix = kserve.bp.url_prefix
-    shape = kserve.error_body if door == prefix or door.startswith(prefix + "/") else errors.native_body
+    shape = kserve.error_body if door == prefix or door.startswith(f"{prefix}/") else errors.native_body
     err = RequestError(refusal.code, refusal.message)
     started = refusal.started
     headers = [("Content-Type", "application/json"), http.NOSNIFF, *errors.code_headers(err).items()]
