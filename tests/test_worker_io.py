@@ -4,6 +4,7 @@ without a copy, and a response written in pieces flowing while the thread still 
 from __future__ import annotations
 
 import json
+import mmap
 import socket
 from types import SimpleNamespace
 
@@ -22,25 +23,35 @@ def body_seen_by_app(body: MemoryBody) -> dict:
     return seen
 
 
-def test_a_body_of_one_buffer_is_handed_over_whole():
+def test_a_body_is_handed_over_whole():
     body = bytearray(b'{"q": [1, 2, 3]}')
-    assert body_seen_by_app(MemoryBody([b"", body]))[BODY_KEY] is body  # the received buffer itself: no copy
+    assert body_seen_by_app(MemoryBody(body))[BODY_KEY] is body  # the received buffer itself: no copy
 
 
-@pytest.mark.parametrize("case", ["two segments", "bytes"])
-def test_otherwise_the_body_is_read_as_before(case):
-    """No BODY_KEY where the body is not one whole buffer of its own; the body then reads in full
-    from wsgi.input."""
-    body = bytearray(b'{"q": [1, 2, 3]}')
-    reader = MemoryBody([body[:5], body[5:]]) if case == "two segments" else MemoryBody([bytes(body)])
-    assert BODY_KEY not in body_seen_by_app(reader)
-    assert reader.read() == bytes(body)
+def test_an_empty_body_is_not():
+    assert BODY_KEY not in body_seen_by_app(MemoryBody(bytearray()))
 
 
-def test_a_read_body_reads_in_full_by_pieces():
-    body = bytearray(b'{"q": [1, 2, 3]}\n{"k": 1}')
-    reader = MemoryBody([body])
-    assert reader.read(3) + reader.readline() + reader.read() == bytes(body)
+@pytest.mark.parametrize("kind", ["bytearray", "mmap"])
+def test_wsgi_input_reads_the_body_in_full_by_pieces(kind):
+    data = b'{"q": [1, 2, 3]}\n{"k": 1}\nno newline'
+    if kind == "mmap":
+        body = mmap.mmap(-1, len(data))
+        body[:] = data
+    else:
+        body = bytearray(data)
+    reader = MemoryBody(body)
+    into = bytearray(2)
+    assert reader.readinto(into) == 2
+    got = bytes(into) + reader.read(3) + reader.readline() + reader.readline(4) + b"".join(reader.readlines())
+    assert got == data and reader.read() == b""
+
+
+def test_what_the_app_left_unread_is_dropped():
+    reader = MemoryBody(bytearray(b"abcdef"))
+    reader.read(2)
+    reader.drop()
+    assert reader.read() == b"" and reader.readinto(bytearray(4)) == 0
 
 
 @pytest.fixture

@@ -44,9 +44,10 @@ ingress).
 Of gthread it keeps the event loop (run, the poller, accept), the thread pool and the way back from
 it (enqueue_req, finish_request), handle_request (the WSGI call, keep-alive, max_requests), and
 gunicorn's request parser, which parses the head again in the thread, fed from memory
-(BufferedUnreader) and then handed the body in memory (MemoryBody). Those are gunicorn's insides,
-not its API: gunicorn is pinned exactly (requirements.txt), and tests/test_worker_io.py,
-test_slow_clients.py and test_lifecycle.py say when a new version breaks them."""
+(BufferedUnreader); a body of known length is then given to its request in memory (MemoryBody).
+Those are gunicorn's insides, not its API: gunicorn is pinned exactly (requirements.txt), and
+tests/test_worker_io.py, test_slow_clients.py and test_lifecycle.py say when a new version
+breaks them."""
 
 from __future__ import annotations
 
@@ -63,7 +64,6 @@ from functools import partial
 from typing import Any
 
 from gunicorn import http as gunicorn_http
-from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.unreader import Unreader
 from gunicorn.workers.gthread import ThreadWorker
 
@@ -251,54 +251,44 @@ class BufferedUnreader(Unreader):
 
 
 class MemoryBody:
-    """A request body of known length that is already in memory (segments of the received buffer),
-    as gunicorn's Body reads it (wsgi.input): readinto() copies it once into the reader's buffer.
-    gunicorn's own Body over the unreader copies a body several times on its way to the app (BytesIO
-    buffers at each layer, slices of them). `whole` is the body as one buffer of its own (the event
-    loop's receive buffer, or a large body's own mapping, which nothing else holds), or None; the
-    app gets it, not copied, under BODY_KEY, and parses the bytes where the socket put them."""
+    """wsgi.input for a request body of known length that is already in memory: one buffer (the
+    event loop's receive buffer, or a large body's own mapping, which nothing else holds), read as
+    gunicorn's Body is, once copied into the reader's buffer by readinto(). gunicorn's own Body over
+    the unreader copies a body several times on its way to the app (BytesIO buffers at each layer,
+    slices of them). `whole` is the buffer itself (None for an empty body): the app gets it, not
+    copied, under BODY_KEY, and parses the bytes where the socket put them."""
 
     failed = False  # gunicorn's parser asks: reading never fails here
 
-    def __init__(self, segments: list[Buffer]):
-        parts = [s for s in segments if len(s)]
-        self.whole = parts[0] if len(parts) == 1 and type(parts[0]) in (bytearray, mmap.mmap) else None
-        self.segments = deque(memoryview(s).cast("B") for s in parts)
+    def __init__(self, body: bytearray | mmap.mmap):
+        self.whole = body if len(body) else None
+        self.body, self.pos = body, 0
+
+    def drop(self) -> None:
+        """Forget what was not read: nothing is left for gunicorn's finish_body to read through."""
+        self.pos = len(self.body)
 
     def readinto(self, b) -> int:
-        out, got = memoryview(b).cast("B"), 0
-        while self.segments and got < len(out):
-            head = self.segments[0]
-            n = min(len(head), len(out) - got)
-            out[got : got + n] = head[:n]
-            got += n
-            if n == len(head):
-                self.segments.popleft()
-            else:
-                self.segments[0] = head[n:]
-        return got
+        out = memoryview(b).cast("B")
+        n = min(len(out), len(self.body) - self.pos)
+        with memoryview(self.body) as view:
+            out[:n] = view[self.pos : self.pos + n]
+        self.pos += n
+        return n
 
     def read(self, size: int | None = None) -> bytes:
-        left = sum(map(len, self.segments))
-        size = left if size is None or size < 0 else min(size, left)
-        buf = bytearray(size)
-        return bytes(buf[: self.readinto(buf)])
+        left = len(self.body) - self.pos
+        n = left if size is None or size < 0 else min(size, left)
+        with memoryview(self.body) as view:
+            out = bytes(view[self.pos : self.pos + n])
+        self.pos += n
+        return out
 
     def readline(self, size: int | None = None) -> bytes:
-        limit = sum(map(len, self.segments)) if size is None or size < 0 else size
-        line = bytearray()
-        while self.segments and len(line) < limit:
-            head = self.segments[0]
-            end = bytes(head[: limit - len(line)]).find(b"\n")
-            n = min(len(head), limit - len(line)) if end < 0 else end + 1
-            line += head[:n]
-            if n == len(head):
-                self.segments.popleft()
-            else:
-                self.segments[0] = head[n:]
-            if end >= 0:
-                break
-        return bytes(line)
+        left = len(self.body) - self.pos
+        limit = left if size is None or size < 0 else min(size, left)
+        end = self.body.find(b"\n", self.pos, self.pos + limit)
+        return self.read(limit if end < 0 else end + 1 - self.pos)
 
     def readlines(self, size: int | None = None) -> list[bytes]:
         return list(iter(self.readline, b""))
@@ -331,25 +321,7 @@ class Conn:
         self.dropped = False  # the thread gave up on a client that did not read
         self.started = 0.0  # monotonic time of the request's first byte (an early answer's duration)
         self.head: bytes | None = None  # the request head handed to a thread, while it is there
-
-
-def _body_from_memory(req) -> None:
-    """Serve a Content-Length body straight from the received buffer (MemoryBody): what the parser
-    holds after the head, then the unread segments, which are the body and nothing else (the event
-    loop cut the buffer at the request's end). Left to gunicorn if the count is not exactly the
-    Content-Length (never seen: the scanner checked the framing)."""
-    body = req.body
-    if type(body) is not Body or type(body.reader) is not LengthReader or body.buf.tell():
-        return
-    unreader = body.reader.unreader
-    if not isinstance(unreader, BufferedUnreader):
-        return
-    segments = [unreader.take_buffered(), *unreader.segments]
-    if sum(map(len, segments)) != body.reader.length:
-        unreader.unread(segments[0])  # put back what was taken: gunicorn reads as before
-        return
-    unreader.segments.clear()
-    req.body = MemoryBody(segments)
+        self.known_body: bytearray | mmap.mmap | None = None  # ... and its body, if of known length
 
 
 def with_body(app, environ: dict, start_response):
@@ -365,7 +337,7 @@ class FrontWorker(ThreadWorker):
 
     hooks: Hooks  # the app's side, set before run() (post_worker_init; service.transport)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.settings = Settings.from_env()
         self.budget = SendBudget(self.settings.send_buffer_bytes)
@@ -597,9 +569,10 @@ class FrontWorker(ThreadWorker):
         scanner, buf = conn.scanner, conn.buf
         head_end = end if scanner.head_end is None else scanner.head_end
         conn.pending = bytes(buf[end:])
-        # The head and the body as separate segments: gunicorn's parser reads the head through its
-        # own buffers (a first segment running into the body had up to 64 KB of it copied there and
-        # back), and the body is the received buffer itself, for MemoryBody to hand to the app.
+        # gunicorn's parser reads the head alone (a buffer running into the body would have up to
+        # 64 KB of it copied through the parser's buffers and back); a body of known length
+        # (framed by the scanner) is the received buffer itself, handed to the app as MemoryBody,
+        # and only a chunked one is decoded by gunicorn's reader, from memory.
         head = bytes(buf[:head_end])
         conn.head = head  # kept while in the thread: the request id of an answer handle_error makes
         if scanner.expect_line is not None and scanner.head_end is not None:
@@ -612,8 +585,10 @@ class FrontWorker(ThreadWorker):
             del buf[end:]  # what follows the request (pipelined), copied to pending above
             del buf[:head_end]  # in place: a bytearray drops its first bytes by moving its start, no copy
             body = buf
+        chunked = scanner.body_length is None
+        conn.known_body = None if chunked else body
         conn.parser = gunicorn_http.get_parser(self.cfg, conn.sock, conn.client)
-        conn.parser.unreader = BufferedUnreader([head, body])
+        conn.parser.unreader = BufferedUnreader([head, body] if chunked else [head])
         conn.state = Conn.IN_THREAD
         self.enqueue_req(conn)
 
@@ -641,10 +616,11 @@ class FrontWorker(ThreadWorker):
                 return False
             if req.method == "POST" and self._crowded():
                 req.force_close()  # this answer says Connection: close: the client's next connection may land elsewhere
-            _body_from_memory(req)
+            if conn.known_body is not None:
+                req.body = MemoryBody(conn.known_body)
             keep = self.handle_request(req, conn)
-            if isinstance(req.body, MemoryBody):  # what the app left unread is in memory: dropped, not
-                req.body.segments.clear()  # not read through 8 KB at a time by finish_body
+            if isinstance(req.body, MemoryBody):
+                req.body.drop()  # what the app left unread is in memory: not read through 8 KB at a time by finish_body
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
             conn.dropped = True  # part of a response is lost: nothing more may be sent on it
@@ -699,7 +675,7 @@ class FrontWorker(ThreadWorker):
             return
         conn.keep = keep
         conn.parser = None  # it holds the request's buffer (up to ATTN_MAX_BODY_BYTES): not while idle
-        conn.head = None
+        conn.head = conn.known_body = None
         conn.sock.setblocking(False)
         self._write(conn)
 
