@@ -119,7 +119,7 @@ control_socket_disable = True
 #   kept so that one worker can use both cores when the connections happen to land on it.
 #
 # --- slow and stalled clients: gthread, its reading and slow writing moved to the event loop ----
-# service/web/worker.py's FrontWorker is gthread (everything above holds) except that a thread gets a
+# service/transport/worker.py's FrontWorker is gthread (everything above holds) except that a thread gets a
 # request only once the event loop has read all of it, under deadlines (408 past them), and hands
 # a response a client does not read to the event loop instead of waiting (dropped after
 # ATTN_SEND_TIMEOUT_S; past ATTN_SEND_BUFFER_BYTES held, new POSTs get 503). gthread alone gives
@@ -127,7 +127,7 @@ control_socket_disable = True
 # deadline: 100 stalled uploads took every thread.
 # Idle connections cost a file descriptor and no thread; worker_connections bounds them per worker
 # (the worker raises its soft open-files limit to fit). README: "Slow and stalled clients".
-worker_class = "service.web.worker.FrontWorker"
+worker_class = "service.transport.worker.FrontWorker"
 # Admission bounds the whole server (service/web/census.py): one worker may hold every admitted
 # request while its siblings idle, so its threads fit all of them, and 16 more.
 threads = workers * (_settings.max_inflight + _settings.max_queue) + 16
@@ -153,11 +153,16 @@ def on_starting(server):
 
 
 def post_worker_init(worker):
-    """In each worker, before it serves: the warm-up in the background (/readyz says 503 until it is
-    done, /healthz answers meanwhile), and readiness 503 from SIGTERM on."""
-    from service.web import ops
+    """In each worker, before it serves: the transport's hooks into the app (its own refusals in the
+    API's shapes, counted and logged; the placement signal: service.transport), the warm-up in the
+    background (/readyz says 503 until it is done, /healthz answers meanwhile), and readiness 503
+    from SIGTERM on."""
+    from service.transport.worker import FrontWorker
+    from service.web import front, ops
 
     app = worker.wsgi
+    if isinstance(worker, FrontWorker):  # worker_class, unless GUNICORN_CMD_ARGS chose another
+        worker.hooks = front.Front(app)
     ops.start_warm_up(app)
     stop = signal.getsignal(signal.SIGTERM)
 

@@ -153,7 +153,7 @@ class Settings:
     max_queue: int = 4  # waiting requests per worker: the server admits (max_inflight + max_queue) x workers, then 503
     max_inflight_bytes: int = 512 * 2**20  # bodies + estimated working bytes per worker before 503
     warmup: bool = True  # calibrate the cost model at start-up
-    # Slow and stalled clients (service/web/worker.py): a request is read by the event loop, under
+    # Slow and stalled clients (service/transport/worker.py): a request is read by the event loop, under
     # these deadlines, before a thread sees it; a response a client does not read is held here.
     header_timeout_s: int = 10  # a request line and headers must arrive within this (408 past it)
     body_timeout_s: int = 30  # a body gets this long, plus 1 s per body_min_rate bytes received

@@ -423,7 +423,7 @@ def test_the_gate_refuses_at_the_servers_bound_with_retry_after():
 
 
 def test_busiest_margin_compares_with_the_least_busy_sibling():
-    """What the worker's connection placement reads (worker.FrontWorker._crowded)."""
+    """What the worker's connection placement reads (service.web.front.Front.margin)."""
     table = census.Table(rows=4)
     mine = table.join(6)
     assert table.busiest_margin(mine) == 0  # alone: never crowded

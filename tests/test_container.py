@@ -238,9 +238,9 @@ def test_report_size_and_start_time(image, container, capsys):
 
 
 def test_stalled_request_gets_408(container):
-    """The container runs the slow-client defence (service/web/worker.py): a request head that stalls
+    """The container runs the slow-client defence (service/transport/worker.py): a request head that stalls
     gets 408 after ATTN_HEADER_TIMEOUT_S (10 s by default) and the connection closes."""
-    assert "Using worker: service.web.worker.FrontWorker" in container["logs"]()
+    assert "Using worker: service.transport.worker.FrontWorker" in container["logs"]()
     port = int(container["base"].rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
         s.sendall(b"POST /attention HTTP/1.1\r\nHost: x\r\nContent-")

@@ -1,11 +1,11 @@
-"""service.web.framing: where a request ends, from the bytes so far, however they arrive."""
+"""service.transport.framing: where a request ends, from the bytes so far, however they arrive."""
 
 from __future__ import annotations
 
 import pytest
 
-from service.web import framing
-from service.web.framing import (
+from service.transport import framing
+from service.transport.framing import (
     BODY_TOO_LARGE,
     COMPLETE,
     HEAD_TOO_LARGE,

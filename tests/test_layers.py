@@ -29,6 +29,7 @@ def loaded_after(module: str) -> set[str]:
         ("service.config", (*WEB, "numpy", "schemas")),
         ("service.core", (*WEB, "schemas", "orjson", "simdjson", "pybase64")),
         ("service.wire", (*WEB, "schemas")),
+        ("service.transport.worker", (*WEB, "numpy", "schemas")),
         ("schemas", ("flask", "werkzeug", "apispec", "prometheus_client")),
         ("service.cost", ("flask", "werkzeug", "apispec", "prometheus_client", "gunicorn")),
     ],

@@ -1,4 +1,4 @@
-"""Slow and stalled clients against the real server (service/web/worker.py under gunicorn): stalled
+"""Slow and stalled clients against the real server (service/transport/worker.py under gunicorn): stalled
 and trickling uploads get 408 and are closed, stalled downloads are dropped, and neither, nor a
 thousand idle connections, starves anyone else. One worker (22 threads), so that more stalled
 connections than threads would starve it if each held a thread; short timeouts keep it quick.

@@ -1,42 +1,57 @@
-"""The event-loop worker's buffers, in-process (service/web/worker.py): the body handed to the app
+"""The event-loop worker's buffers, in-process (service/transport/worker.py): the body handed to the app
 without a copy, and a response written in pieces flowing while the thread still writes."""
 
 from __future__ import annotations
 
 import json
+import mmap
 import socket
 from types import SimpleNamespace
 
 import pytest
 from gunicorn.http import errors as perr
 
-from service.web.worker import ClientSocket, MemoryBody, SendBudget, error_response, parser_refusal
+from service.transport import BODY_KEY, Refusal
+from service.transport.worker import ClientSocket, MemoryBody, SendBudget, parser_refusal, with_body
+from service.web.front import error_answer
 
 
-def test_a_body_of_one_buffer_is_handed_over_whole():
+def body_seen_by_app(body: MemoryBody) -> dict:
+    """The environ the worker calls the app with, for a request whose wsgi.input is body."""
+    seen = {}
+    with_body(lambda environ, start_response: seen.update(environ), {"wsgi.input": body}, None)
+    return seen
+
+
+def test_a_body_is_handed_over_whole():
     body = bytearray(b'{"q": [1, 2, 3]}')
-    taken = MemoryBody([b"", body]).take_whole()
-    assert taken is body  # the received buffer itself: no copy
+    assert body_seen_by_app(MemoryBody(body))[BODY_KEY] is body  # the received buffer itself: no copy
 
 
-@pytest.mark.parametrize(
-    "case",
-    ["two segments", "bytes", "partly read"],
-)
-def test_otherwise_the_body_is_read_as_before(case):
-    """take_whole() gives None where the body is not one whole buffer of its own, and the body
-    then reads in full as before."""
-    body = bytearray(b'{"q": [1, 2, 3]}')
-    if case == "two segments":
-        reader = MemoryBody([body[:5], body[5:]])
-    elif case == "bytes":
-        reader = MemoryBody([bytes(body)])
+def test_an_empty_body_is_not():
+    assert BODY_KEY not in body_seen_by_app(MemoryBody(bytearray()))
+
+
+@pytest.mark.parametrize("kind", ["bytearray", "mmap"])
+def test_wsgi_input_reads_the_body_in_full_by_pieces(kind):
+    data = b'{"q": [1, 2, 3]}\n{"k": 1}\nno newline'
+    if kind == "mmap":
+        body = mmap.mmap(-1, len(data))
+        body[:] = data
     else:
-        reader = MemoryBody([body])
-        first = reader.read(3)
-    assert reader.take_whole() is None
-    rest = reader.read()
-    assert (first + rest if case == "partly read" else rest) == bytes(body)
+        body = bytearray(data)
+    reader = MemoryBody(body)
+    into = bytearray(2)
+    assert reader.readinto(into) == 2
+    got = bytes(into) + reader.read(3) + reader.readline() + reader.readline(4) + b"".join(reader.readlines())
+    assert got == data and reader.read() == b""
+
+
+def test_what_the_app_left_unread_is_dropped():
+    reader = MemoryBody(bytearray(b"abcdef"))
+    reader.read(2)
+    reader.drop()
+    assert reader.read() == b"" and reader.readinto(bytearray(4)) == 0
 
 
 @pytest.fixture
@@ -104,7 +119,15 @@ def test_a_head_gunicorn_refuses_gets_a_status_and_a_code(exc, status, code):
     """handle_error's statuses are gunicorn's; each has a code, and its answer is JSON."""
     limits = SimpleNamespace(limit_request_line=4094, limit_request_fields=100, limit_request_field_size=8190)
     assert parser_refusal(exc, limits)[:2] == (status, code)
-    answer = error_response(code, parser_refusal(exc, limits)[2], "/v2/models/attention/infer", status)
+    answer = error_answer(Refusal(status, code, parser_refusal(exc, limits)[2], "POST", "/v2/models/attention/infer"))
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(f"HTTP/1.1 {status} ".encode()) and b"Content-Type: application/json" in head
     assert set(json.loads(body)) == {"error"} and f"X-Error-Code: {code}".encode() in head
+
+
+def test_the_app_reads_the_body_under_body_key(client):
+    """A body the worker hands over under BODY_KEY is the one the app parses, not wsgi.input's."""
+    body = bytearray(b'{"q": [[1.0, 0.0]], "k": [[1.0, 0.0]], "v": [[2.0, 3.0]]}')
+    r = client.post("/attention", data=b"x" * len(body), content_type="application/json", environ_overrides={BODY_KEY: body})
+    assert r.status_code == 200, r.json
+    assert r.json["out"] == [[2.0, 3.0]]

@@ -16,7 +16,7 @@ every row are sums over live workers.
   the kernel releases it if its holder dies, so a worker killed at any moment cannot wedge the
   others. Giving back and computing counts (add()) are stores to the worker's own row, under a
   lock of its threads only: a reader sees the count before or after, both true at some instant.
-- Connection placement (service/web/worker.py) reads busiest_margin(), a snapshot without lock.
+- Connection placement (service/transport/worker.py) reads busiest_margin(), a snapshot without lock.
 - A dead worker's counts do not leak: the arbiter zeroes its row (forget(), from child_exit), and
   a worker that joins zeroes any row whose process is gone (should the hook not have run).
 

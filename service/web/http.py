@@ -17,6 +17,7 @@ from gunicorn.http.errors import NoMoreData, ParseException
 
 from schemas import RequestError
 from service import wire
+from service.transport import BODY_KEY
 
 from .context import begin, context
 
@@ -62,7 +63,7 @@ def check_media_type(require_json: bool = True) -> None:
 def read_body() -> bytes | bytearray | mmap.mmap:
     """The raw body; werkzeug refuses it with 413 past MAX_CONTENT_LENGTH before reading it all.
 
-    With a Content-Length, the buffer the worker received it into (service.web.worker.MemoryBody:
+    With a Content-Length, the buffer the worker received it into (environ[service.transport.BODY_KEY]:
     a bytearray, or for a large body an anonymous mapping), or else read in 1 MiB steps into one
     buffer of that size: the body is in memory once (get_data() holds it twice at the end, and
     gunicorn's read of it all at once, twice)."""
@@ -78,9 +79,8 @@ def read_body() -> bytes | bytearray | mmap.mmap:
 def _read(length: int | None) -> bytes | bytearray | mmap.mmap:
     if not length:
         return request.get_data(cache=False)
-    take_whole = getattr(request.environ.get("wsgi.input"), "take_whole", None)  # the event-loop worker's MemoryBody
-    if take_whole is not None and (body := take_whole()) is not None:
-        return body  # no copy: a fresh buffer of a large body costs milliseconds of page faults (bench/README.md)
+    if (body := request.environ.get(BODY_KEY)) is not None:  # the event-loop worker's buffer (service.transport)
+        return body  # not copied: a fresh buffer of the body's size would be written once more
     stream, body = request.stream, bytearray(length)
     view, got = memoryview(body), 0
     while got < length and (n := stream.readinto(view[got : got + 2**20])):

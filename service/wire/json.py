@@ -55,7 +55,7 @@ class Payload:
 
 def loads(body: bytes | bytearray | mmap.mmap):
     """Strict JSON: NaN, Infinity and numbers past float64 are errors (orjson.JSONDecodeError).
-    body may be the anonymous mapping the worker read a large body into (service.web.worker).
+    body may be the anonymous mapping the worker read a large body into (service.transport.worker).
 
     An object's tensors come back decoded (see the module docstring): a top-level array of at
     least FAST_MIN_ELEMENTS numbers, or the "data" of a top-level object or of an object in a

@@ -17,8 +17,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
   request is complete 400 `incomplete_request` (it can still read the answer); each then closes.
   Only a complete request reaches a thread, already in memory; the thread never reads the socket.
-  The body is handed to the app in the buffer it was received into, not copied (MemoryBody; a
-  large one is read into a mapping of its own, BODY_BUFFER_AFTER).
+  The body is handed to the app in the buffer it was received into, not copied, under the environ
+  key BODY_KEY (a large one is read into a mapping of its own, BODY_BUFFER_AFTER).
   A body over ATTN_MAX_BODY_BYTES gets 413 from here; the bytes of requests being read count
   against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it).
 - Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
@@ -32,14 +32,22 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
   and no thread.
 - Placement: a POST reaching this worker while it holds PLACEMENT_MARGIN more admitted requests
-  than its least busy sibling (admission's shared census) is answered with Connection: close, so
-  that keep-alive clients the kernel happened to put on one worker spread over all of them.
+  than its least busy sibling (hooks.margin()) is answered with Connection: close, so that
+  keep-alive clients the kernel happened to put on one worker spread over all of them.
 
-These answers, and those to heads gunicorn's parser refuses (handle_error), are in the API's
-error shapes (errors.py, kserve.py) and counted in /metrics as the app's own are, and logged in
-the same access-log line (accesslog.worker_answer). Everything else
-(WSGI, keep-alive, graceful stop, max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service
-serves plain HTTP/1.1 behind an ingress)."""
+These answers, and those to heads gunicorn's parser refuses (handle_error), are made by the app
+(hooks.refuse: its error shapes, its counts, its access log): the worker is handed its hooks
+before it serves (service.transport). Everything else (WSGI, keep-alive, graceful stop,
+max_requests) is gunicorn's. Not for TLS or HTTP/2 (the service serves plain HTTP/1.1 behind an
+ingress).
+
+Of gthread it keeps the event loop (run, the poller, accept), the thread pool and the way back from
+it (enqueue_req, finish_request), handle_request (the WSGI call, keep-alive, max_requests), and
+gunicorn's request parser, which parses the head again in the thread, fed from memory
+(BufferedUnreader); a body of known length is then given to its request in memory (MemoryBody).
+Those are gunicorn's insides, not its API: gunicorn is pinned exactly (requirements.txt), and
+tests/test_worker_io.py, test_slow_clients.py and test_lifecycle.py say when a new version
+breaks them."""
 
 from __future__ import annotations
 
@@ -53,24 +61,20 @@ import threading
 import time
 from collections import deque
 from functools import partial
-from http import HTTPStatus
+from typing import Any
 
 from gunicorn import http as gunicorn_http
-from gunicorn.http.body import Body, LengthReader
 from gunicorn.http.unreader import Unreader
-from gunicorn.workers.gthread import STOP_KEEPALIVE_LINGER, TConn, ThreadWorker
+from gunicorn.workers.gthread import ThreadWorker
 
-from schemas import RequestError
-from service import wire
 from service.config import Settings
 
-from . import accesslog, errors, framing, http, kserve, metrics
+from . import BODY_KEY, Hooks, Refusal, framing
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 # A body of known length is read straight into a buffer of its own (recv_into) once this much of it
 # has arrived and at least as much is still to come: appended to the connection's buffer instead,
-# each byte was received into a new bytes object and copied once more (a 33.5 MB body spent ~2/3 of
-# its receive time there, bench/README.md "Large requests on the wire"). The buffer is an anonymous
+# each byte is received into a new bytes object and copied once more. The buffer is an anonymous
 # mapping, not a bytearray: bytearray(n) writes its n bytes, a mapping's pages are touched only by
 # the bytes that arrive, so a client that declares a length and stalls holds what it sent (plus at
 # most one huge page), never what it declared; and it is page-aligned, so are the body's tensors.
@@ -79,43 +83,21 @@ MAX_HEAD_BYTES = 64 * 1024  # request line and headers (431 past it)
 LINGER_S = 2.0  # after an error answer: how long the client may still send before the close
 LINGER_BYTES = 1 << 20  # ... and how much of it is read and thrown away
 SWEEP_S = 0.25  # how often deadlines are checked (run() wakes at least once a second)
+STOP_IDLE_S = 2.0  # a graceful stop closes idle connections after this, as gthread does its kept-alive ones
 # Connection placement: a keep-alive connection stays with the worker that accepted it, so clients
 # that all landed on one worker queue there while its sibling idles. A POST that arrives while this
 # worker holds this many more admitted requests than its least busy sibling is answered with
 # Connection: close; the client's next connection goes to whichever worker accepts it first, most
 # often the idle one (the busy one's event loop waits for the GIL behind its computing threads).
-# 3, not 2: with 8 wrk connections at T=64, 2 answered 5% of requests with a close (a 5+3 split
-# flapping to 4+4 and back) at more CPU per request; 3 closed ~1%, at main's CPU per request, and
-# still spread 8 connections opened on one worker 4+4 within a second (python -m bench.admission).
+# 3, not 2: at 2, workers one request either side of an even split keep passing a connection back
+# and forth, each pass a close and a reconnect; 3 still evens out connections that all opened on
+# one worker.
 PLACEMENT_MARGIN = 3
 # What one connection may hold for its reader once the worker's send budget (ATTN_SEND_BUFFER_BYTES)
-# is spent: about one piece of a streamed answer (a nested block of 2**18 numbers is ~2.5-5 MB).
+# is spent: about one piece of a streamed answer (a nested block of the wire's chunked encoder).
 HELD_PAST_BUDGET = 8 * 2**20
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
-
-
-def error_response(
-    code: str, message: str, path: str, status: int | None = None, request_id: str | None = None, started: float = 0.0
-) -> bytes:
-    """A complete HTTP/1.1 answer to close the connection with: the status of code (errors.STATUS)
-    unless given, the body in the shape of the front door path is under (the /v2 protocol's, else
-    the native), and, as every answer has, nosniff, the request's X-Request-Id (a fresh one if it
-    has none) and Server-Timing (total: since started, time.monotonic() at the request's first byte)."""
-    status = status or errors.status_of(code)
-    door = path.partition("?")[0]
-    prefix = kserve.bp.url_prefix
-    shape = kserve.error_body if door == prefix or door.startswith(prefix + "/") else errors.native_body
-    err = RequestError(code, message)
-    body = wire.dumps(shape(err, status))
-    headers = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "Content-Type: application/json", f"Content-Length: {len(body)}"]
-    headers.append(": ".join(http.NOSNIFF))  # as the app's answers
-    headers += [f"{name}: {value}" for name, value in errors.code_headers(err).items()]
-    headers.append(f"X-Request-Id: {request_id or http.request_id('')}")
-    headers.append(f"Server-Timing: total;dur={(time.monotonic() - started) * 1000 if started else 0.0:.3f}")
-    if status == 503:
-        headers.append("Retry-After: 1")
-    headers.append("Connection: close")
-    return ("\r\n".join(headers) + "\r\n\r\n").encode() + body
+Buffer = bytes | bytearray | mmap.mmap | memoryview
 
 
 def parser_refusal(exc: Exception, limits) -> tuple[int, str, str]:
@@ -201,8 +183,8 @@ class ClientSocket(socket.socket):
         """Once the worker holds its send budget, the thread holds back what it has not encoded
         yet: it sends (waiting for the socket, up to timeout without progress: TimeoutError, the
         client is dropped) until this connection holds HELD_PAST_BUDGET at most. Without it, a
-        client that reads nothing had the whole answer held (786 MB of nested text for a 262 KB
-        request) until the send timeout. It waits as a thread only (the compute slot went back
+        client that reads nothing has the whole answer held (nested text many times the size of
+        its request) until the send timeout. It waits as a thread only (the compute slot went back
         when the response was built), and only while the budget is spent, when the event loop
         lets no new POST in."""
         writable = select.poll()  # poll, not select: a worker's connections may number past FD_SETSIZE
@@ -251,7 +233,7 @@ class BufferedUnreader(Unreader):
     """gunicorn's parser reads the request from memory (what the event loop received), never from
     the socket: at the end of the buffer it sees the end of the stream."""
 
-    def __init__(self, segments: list[memoryview]):
+    def __init__(self, segments: list[Buffer]):
         super().__init__()
         self.segments = deque(s for s in segments if len(s))
 
@@ -269,64 +251,44 @@ class BufferedUnreader(Unreader):
 
 
 class MemoryBody:
-    """A request body of known length that is already in memory (segments of the received buffer),
-    as gunicorn's Body reads it: readinto() copies it once into the reader's buffer, and
-    take_whole() hands over the received buffer itself when the body is all of it. gunicorn's own
-    Body over the unreader copied a body up to eight times on its way to the app (BytesIO buffers at
-    each layer, slices of them): for a 530 KB request, ~5% of a small request's CPU."""
+    """wsgi.input for a request body of known length that is already in memory: one buffer (the
+    event loop's receive buffer, or a large body's own mapping, which nothing else holds), read as
+    gunicorn's Body is, once copied into the reader's buffer by readinto(). gunicorn's own Body over
+    the unreader copies a body several times on its way to the app (BytesIO buffers at each layer,
+    slices of them). `whole` is the buffer itself (None for an empty body): the app gets it, not
+    copied, under BODY_KEY, and parses the bytes where the socket put them."""
 
     failed = False  # gunicorn's parser asks: reading never fails here
 
-    def __init__(self, segments: list):
-        parts = [s for s in segments if len(s)]
-        self.whole = parts[0] if len(parts) == 1 and type(parts[0]) in (bytearray, mmap.mmap) else None
-        self.segments = deque(memoryview(s).cast("B") for s in parts)
+    def __init__(self, body: bytearray | mmap.mmap):
+        self.whole = body if len(body) else None
+        self.body, self.pos = body, 0
 
-    def take_whole(self) -> bytearray | mmap.mmap | None:
-        """The whole body, not copied, when it is one buffer of its own (the event loop's receive
-        buffer, or a large body's own mapping, which nothing else holds) and none of it has been
-        read; else None, and the body is read as before. The app parses the bytes where the socket
-        put them (service.web.http, service.wire.loads)."""
-        whole, self.whole = self.whole, None
-        if whole is None or len(self.segments) != 1 or len(self.segments[0]) != len(whole):
-            return None
-        self.segments.clear()
-        return whole
+    def drop(self) -> None:
+        """Forget what was not read: nothing is left for gunicorn's finish_body to read through."""
+        self.pos = len(self.body)
 
     def readinto(self, b) -> int:
-        out, got = memoryview(b).cast("B"), 0
-        while self.segments and got < len(out):
-            head = self.segments[0]
-            n = min(len(head), len(out) - got)
-            out[got : got + n] = head[:n]
-            got += n
-            if n == len(head):
-                self.segments.popleft()
-            else:
-                self.segments[0] = head[n:]
-        return got
+        out = memoryview(b).cast("B")
+        n = min(len(out), len(self.body) - self.pos)
+        with memoryview(self.body) as view:
+            out[:n] = view[self.pos : self.pos + n]
+        self.pos += n
+        return n
 
     def read(self, size: int | None = None) -> bytes:
-        left = sum(map(len, self.segments))
-        size = left if size is None or size < 0 else min(size, left)
-        buf = bytearray(size)
-        return bytes(buf[: self.readinto(buf)])
+        left = len(self.body) - self.pos
+        n = left if size is None or size < 0 else min(size, left)
+        with memoryview(self.body) as view:
+            out = bytes(view[self.pos : self.pos + n])
+        self.pos += n
+        return out
 
     def readline(self, size: int | None = None) -> bytes:
-        limit = sum(map(len, self.segments)) if size is None or size < 0 else size
-        line = bytearray()
-        while self.segments and len(line) < limit:
-            head = self.segments[0]
-            end = bytes(head[: limit - len(line)]).find(b"\n")
-            n = min(len(head), limit - len(line)) if end < 0 else end + 1
-            line += head[:n]
-            if n == len(head):
-                self.segments.popleft()
-            else:
-                self.segments[0] = head[n:]
-            if end >= 0:
-                break
-        return bytes(line)
+        left = len(self.body) - self.pos
+        limit = left if size is None or size < 0 else min(size, left)
+        end = self.body.find(b"\n", self.pos, self.pos + limit)
+        return self.read(limit if end < 0 else end + 1 - self.pos)
 
     def readlines(self, size: int | None = None) -> list[bytes]:
         return list(iter(self.readline, b""))
@@ -335,20 +297,21 @@ class MemoryBody:
         return iter(self.readline, b"")
 
 
-class Conn(TConn):
-    """A client connection and where it is: reading a request, in a thread, writing, closing."""
+class Conn:
+    """A client connection and where it is: reading a request, in a thread, writing, closing. sock,
+    client and server are what gthread's handle_request reads of a connection."""
 
     READING, IN_THREAD, WRITING, CLOSING = "reading", "in_thread", "writing", "closing"
 
-    def __init__(self, cfg, sock, client, server):
-        super().__init__(cfg, sock, client, server)
-        self.initialized = True  # no TLS, no HTTP/2: gunicorn's init() has nothing to do
+    def __init__(self, sock: ClientSocket, client, server):
+        self.sock, self.client, self.server = sock, client, server
+        self.parser: Any = None  # gunicorn's parser of the request in a thread
         # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
         self.buf = bytearray()
         self.body: mmap.mmap | None = None  # a large body's own buffer (BODY_BUFFER_AFTER); buf then holds the head
         self.body_got = 0  # bytes of it received
-        self.scanner: framing.RequestScanner | None = None
+        self.scanner: framing.RequestScanner  # set by _start_request, before each request
         self.body_started = 0.0
         self.deadline = 0.0
         self.keep = False  # after the response: keep-alive (True) or close
@@ -358,31 +321,23 @@ class Conn(TConn):
         self.dropped = False  # the thread gave up on a client that did not read
         self.started = 0.0  # monotonic time of the request's first byte (an early answer's duration)
         self.head: bytes | None = None  # the request head handed to a thread, while it is there
+        self.known_body: bytearray | mmap.mmap | None = None  # ... and its body, if of known length
 
 
-def _body_from_memory(req) -> None:
-    """Serve a Content-Length body straight from the received buffer (MemoryBody): what the parser
-    holds after the head, then the unread segments, which are the body and nothing else (the event
-    loop cut the buffer at the request's end). Left to gunicorn if the count is not exactly the
-    Content-Length (never seen: the scanner checked the framing)."""
-    body = req.body
-    if type(body) is not Body or type(body.reader) is not LengthReader or body.buf.tell():
-        return
-    unreader = body.reader.unreader
-    if not isinstance(unreader, BufferedUnreader):
-        return
-    segments = [unreader.take_buffered(), *unreader.segments]
-    if sum(map(len, segments)) != body.reader.length:
-        unreader.unread(segments[0])  # put back what was taken: gunicorn reads as before
-        return
-    unreader.segments.clear()
-    req.body = MemoryBody(segments)
+def with_body(app, environ: dict, start_response):
+    """Call the WSGI app with the body, read into memory as one buffer, under BODY_KEY."""
+    body = environ.get("wsgi.input")
+    if type(body) is MemoryBody and body.whole is not None:
+        environ[BODY_KEY] = body.whole
+    return app(environ, start_response)
 
 
 class FrontWorker(ThreadWorker):
     """gthread, with the reading and the slow writing moved from the threads to the event loop."""
 
-    def __init__(self, *args, **kwargs):
+    hooks: Hooks  # the app's side, set before run() (post_worker_init; service.transport)
+
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.settings = Settings.from_env()
         self.budget = SendBudget(self.settings.send_buffer_bytes)
@@ -397,6 +352,14 @@ class FrontWorker(ThreadWorker):
         if soft != resource.RLIM_INFINITY and soft < want:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
         super().init_process()
+
+    def run(self):
+        """gthread's loop, once the app's hooks are in place; the app is called with the body under
+        BODY_KEY."""
+        if getattr(self, "hooks", None) is None:
+            raise RuntimeError("FrontWorker has no hooks: set worker.hooks in post_worker_init (service.transport)")
+        self.wsgi = partial(with_body, self.wsgi)
+        super().run()
 
     # -- connections in and out -------------------------------------------------------------------
 
@@ -414,7 +377,7 @@ class FrontWorker(ThreadWorker):
             return
         sock = ClientSocket(raw.family, raw.type, raw.proto, fileno=raw.detach(), budget=self.budget)
         self.nr_conns += 1
-        conn = Conn(self.cfg, sock, addr, listener.getsockname())
+        conn = Conn(sock, addr, listener.getsockname())
         self.conns[conn] = None
         self._start_request(conn, b"", new=True)
 
@@ -441,7 +404,10 @@ class FrontWorker(ThreadWorker):
         self._unwatch(conn)
         self.budget.give(conn.sock.drop_outbox())
         self.nr_conns -= 1
-        conn.close()
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
         if self.worker_connections < self.cfg.worker_connections:  # after EMFILE: accept again
             self.worker_connections = self.cfg.worker_connections
 
@@ -469,7 +435,7 @@ class FrontWorker(ThreadWorker):
 
     def _on_readable(self, conn: Conn, _fileobj) -> None:
         if conn.body is not None:
-            self._on_body_readable(conn)
+            self._on_body_readable(conn, conn.body)
             return
         try:
             data = conn.sock.recv(RECV_BYTES)
@@ -486,17 +452,18 @@ class FrontWorker(ThreadWorker):
             conn.deadline = conn.started + self.settings.header_timeout_s
         # Appended as it comes, never a bytearray of the Content-Length a client declares: that
         # would be as many bytes of memory at once (bytearray(n) zeroes them), held by a client
-        # that sends a head and stalls (100 stalled uploads of 300 KB declaring 30 MB each: 1.5 GB).
+        # that sends a head and stalls (a few hundred KB each, declaring their limit, would hold
+        # as many limits).
         # A large body moves to a mapping of its length (_body_buffer, past BODY_BUFFER_AFTER),
         # whose pages only arriving bytes touch. What a connection holds is what it sent, counted here.
         conn.buf += data
         self._received(conn, len(data))
 
-    def _on_body_readable(self, conn: Conn) -> None:
+    def _on_body_readable(self, conn: Conn, body: mmap.mmap) -> None:
         """The rest of a large body, straight into its own buffer (never past its end: what follows
         it, pipelined, is read as the next request)."""
         try:
-            with memoryview(conn.body) as view:
+            with memoryview(body) as view:
                 n = conn.sock.recv_into(view[conn.body_got :])
         except (BlockingIOError, InterruptedError):
             return
@@ -516,7 +483,9 @@ class FrontWorker(ThreadWorker):
             self._close(conn)
             return
         what = "head" if conn.scanner.head_end is None else "body"
-        self._answer(conn, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete.")
+        self._answer(
+            conn, 400, "incomplete_request", f"The client closed its side of the connection before the request {what} was complete."
+        )
 
     def _received(self, conn: Conn, n: int) -> None:
         """n more bytes of conn's request have arrived: count them, then act on them."""
@@ -526,6 +495,7 @@ class FrontWorker(ThreadWorker):
             # client must send the bytes to hold them, and the one that goes past it is refused.
             self._answer(
                 conn,
+                503,
                 "overloaded",
                 f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={self.settings.max_inflight_bytes}); retry shortly.",
             )
@@ -545,39 +515,37 @@ class FrontWorker(ThreadWorker):
                 conn.body_started = time.monotonic()
                 if conn.scanner.expects_continue:  # the client waits for this before its body
                     self._send_now(conn, b"HTTP/1.1 100 Continue\r\n\r\n")
-            if conn.scanner.head_end is not None:
+            if (head_end := conn.scanner.head_end) is not None:
                 received = conn.scanner.body_received(len(conn.buf)) + conn.body_got
-                if (
-                    conn.body is None
-                    and conn.scanner.body_length is not None
-                    and BODY_BUFFER_AFTER <= received <= conn.scanner.body_length - BODY_BUFFER_AFTER
-                ):
-                    self._body_buffer(conn)
+                length = conn.scanner.body_length
+                if conn.body is None and length is not None and BODY_BUFFER_AFTER <= received <= length - BODY_BUFFER_AFTER:
+                    self._body_buffer(conn, head_end, length)
                 conn.deadline = conn.body_started + self.settings.body_timeout_s + received / self.settings.body_min_rate
         elif verdict.kind == framing.COMPLETE:
             if self.budget.full and conn.scanner.method == "POST":
                 limit = self.settings.send_buffer_bytes
                 self._answer(
                     conn,
+                    503,
                     "overloaded",
                     f"The server holds more response bytes that clients have not read than it allows (ATTN_SEND_BUFFER_BYTES={limit}); retry shortly.",
                 )
                 return
             self._dispatch(conn, verdict.end)
         elif verdict.kind == framing.MALFORMED:  # never guessed at, never handed to a thread
-            self._answer(conn, "bad_framing", f"Where the request ends cannot be told: {verdict.reason} (RFC 9112 section 6).")
+            self._answer(conn, 400, "bad_framing", f"Where the request ends cannot be told: {verdict.reason} (RFC 9112 section 6).")
         elif verdict.kind == framing.NOT_IMPLEMENTED:
-            self._answer(conn, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
+            self._answer(conn, 501, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
         elif verdict.kind == framing.BODY_TOO_LARGE:
-            self._answer(conn, "body_too_large", errors.body_too_large(self.settings.max_body_bytes))
+            limit = self.settings.max_body_bytes  # the app's own 413 says the same (errors.body_too_large)
+            self._answer(conn, 413, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).")
         elif verdict.kind == framing.HEAD_TOO_LARGE:
-            self._answer(conn, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
+            self._answer(conn, 431, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
 
     @staticmethod
-    def _body_buffer(conn: Conn) -> None:
-        """Move the body received so far into a buffer of the body's length (BODY_BUFFER_AFTER),
-        where the rest will be read; buf keeps the head."""
-        head_end, length = conn.scanner.head_end, conn.scanner.body_length
+    def _body_buffer(conn: Conn, head_end: int, length: int) -> None:
+        """Move the body received so far (from head_end in buf) into a buffer of the body's length
+        (BODY_BUFFER_AFTER), where the rest will be read; buf keeps the head."""
         body = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE)  # anonymous: pages are touched as bytes arrive
         if hasattr(mmap, "MADV_HUGEPAGE"):
             body.madvise(mmap.MADV_HUGEPAGE)  # faulted in 2 MiB pages, as malloc's blocks (service/__main__.py)
@@ -601,64 +569,40 @@ class FrontWorker(ThreadWorker):
         scanner, buf = conn.scanner, conn.buf
         head_end = end if scanner.head_end is None else scanner.head_end
         conn.pending = bytes(buf[end:])
-        # The head and the body as separate segments: gunicorn's parser reads the head through its
-        # own buffers (a first segment running into the body had up to 64 KB of it copied there and
-        # back), and the body is the received buffer itself, for MemoryBody to hand to the app.
+        # gunicorn's parser reads the head alone (a buffer running into the body would have up to
+        # 64 KB of it copied through the parser's buffers and back); a body of known length
+        # (framed by the scanner) is the received buffer itself, handed to the app as MemoryBody,
+        # and only a chunked one is decoded by gunicorn's reader, from memory.
         head = bytes(buf[:head_end])
         conn.head = head  # kept while in the thread: the request id of an answer handle_error makes
         if scanner.expect_line is not None and scanner.head_end is not None:
             # The 100 Continue has been sent: hide the Expect header so gunicorn does not send another.
             start, stop = scanner.expect_line
             head = head[:start] + head[stop:]
-        body = conn.body  # a large body's own buffer, or None: the body follows the head in buf
+        body: bytearray | mmap.mmap | None = conn.body  # a large body's own buffer, or None: the body follows the head in buf
         self._release_buf(conn)
         if body is None:
             del buf[end:]  # what follows the request (pipelined), copied to pending above
             del buf[:head_end]  # in place: a bytearray drops its first bytes by moving its start, no copy
             body = buf
+        chunked = scanner.body_length is None
+        conn.known_body = None if chunked else body
         conn.parser = gunicorn_http.get_parser(self.cfg, conn.sock, conn.client)
-        conn.parser.unreader = BufferedUnreader([head, body])
+        conn.parser.unreader = BufferedUnreader([head, body] if chunked else [head])
         conn.state = Conn.IN_THREAD
         self.enqueue_req(conn)
 
-    def _answer(self, conn: Conn, code: str, message: str) -> None:
-        """Answer with an error from here (its status is the code's), count it, and close."""
-        status, scanner = errors.status_of(code), conn.scanner
+    def _answer(self, conn: Conn, status: int, code: str, message: str) -> None:
+        """Answer with an error from here (the app shapes, counts and logs it), and close."""
+        scanner = conn.scanner
         self.log.info("%s %s: %s (%s)", conn.client, status, code, message)
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
         received = len(conn.buf) + conn.body_got
-        answer = self._error_answer(code, message, status, scanner.method, scanner.path, head, conn.started, received)
+        answer = self.hooks.refuse(Refusal(status, code, message, scanner.method, scanner.path, head, conn.started, received))
         self._release_buf(conn)
         conn.keep = False
         conn.sock.queue(answer)
         self._write(conn)
-
-    def _error_answer(
-        self, code: str, message: str, status: int, method: str, path: str, head: bytes | None, started: float, received: int
-    ) -> bytes:
-        """The bytes of an error answer the worker makes itself (_answer, handle_error), counted in
-        /metrics as the app's own and logged in the same access line, with the request id its head
-        sent (or a fresh one) and the time since started (time.monotonic() at its first byte)."""
-        endpoint = self._endpoint(path, method)
-        metrics.REQUESTS.labels(endpoint, metrics.method_label(method), str(status)).inc()
-        metrics.REJECTIONS.labels(endpoint, code).inc()
-        request_id = accesslog.head_request_id(head)
-        answer = error_response(code, message, path, status, request_id, started)
-        sizes = (received, len(answer))
-        accesslog.worker_answer(self.settings.log_format, head, method, path, endpoint, code, status, sizes, started, request_id)
-        return answer
-
-    def _endpoint(self, path: str, method: str) -> str:
-        """The route path is served by, as the app labels it (a bounded label): "unmatched" when
-        no route has it, as for the app's 404 and 405, or before the head is known."""
-        url_map = getattr(self.wsgi, "url_map", None)
-        if url_map is None or not path.startswith("/"):
-            return "unmatched"
-        try:
-            rule, _ = url_map.bind("localhost").match(path.partition("?")[0], method=method or "GET", return_rule=True)
-        except Exception:  # werkzeug's NotFound, MethodNotAllowed, RequestRedirect
-            return "unmatched"
-        return rule.rule
 
     # -- in a thread ------------------------------------------------------------------------------
 
@@ -672,10 +616,11 @@ class FrontWorker(ThreadWorker):
                 return False
             if req.method == "POST" and self._crowded():
                 req.force_close()  # this answer says Connection: close: the client's next connection may land elsewhere
-            _body_from_memory(req)
+            if conn.known_body is not None:
+                req.body = MemoryBody(conn.known_body)
             keep = self.handle_request(req, conn)
-            if isinstance(req.body, MemoryBody):  # what the app left unread is in memory: dropped, not
-                req.body.segments.clear()  # read through 8 KB at a time by finish_body (a refused 33 MB body: ~20 ms)
+            if isinstance(req.body, MemoryBody):
+                req.body.drop()  # what the app left unread is in memory: not read through 8 KB at a time by finish_body
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
             conn.dropped = True  # part of a response is lost: nothing more may be sent on it
@@ -705,7 +650,7 @@ class FrontWorker(ThreadWorker):
         path = getattr(req, "path", None) or getattr(scanner, "path", None) or ""
         method = getattr(req, "method", None) or getattr(scanner, "method", None) or ""
         head, started = getattr(conn, "head", None), getattr(conn, "started", 0.0)
-        answer = self._error_answer(code, message, status, method, path, head, started, len(head or b""))
+        answer = self.hooks.refuse(Refusal(status, code, message, method, path, head, started, len(head or b"")))
         try:
             client.sendall(answer)
         except OSError:
@@ -713,9 +658,8 @@ class FrontWorker(ThreadWorker):
 
     def _crowded(self) -> bool:
         """This worker holds PLACEMENT_MARGIN or more admitted requests than its least busy sibling
-        (the shared census; never when it is alone)."""
-        gate = self.wsgi.extensions.get("attention.gate") if hasattr(self.wsgi, "extensions") else None
-        return gate is not None and gate.table.busiest_margin(gate.row) >= PLACEMENT_MARGIN
+        (never when it is alone)."""
+        return self.hooks.margin() >= PLACEMENT_MARGIN
 
     # -- sending ----------------------------------------------------------------------------------
 
@@ -731,7 +675,7 @@ class FrontWorker(ThreadWorker):
             return
         conn.keep = keep
         conn.parser = None  # it holds the request's buffer (up to ATTN_MAX_BODY_BYTES): not while idle
-        conn.head = None
+        conn.head = conn.known_body = None
         conn.sock.setblocking(False)
         self._write(conn)
 
@@ -795,7 +739,7 @@ class FrontWorker(ThreadWorker):
         for conn in [c for c in self.conns if c.state != Conn.IN_THREAD]:
             idle = conn.state == Conn.READING and not conn.buf
             if idle and self.stopping_at is not None:
-                conn.deadline = min(conn.deadline, self.stopping_at + STOP_KEEPALIVE_LINGER)
+                conn.deadline = min(conn.deadline, self.stopping_at + STOP_IDLE_S)
             if now < conn.deadline:
                 continue
             if conn.state == Conn.READING and conn.buf:
@@ -806,7 +750,7 @@ class FrontWorker(ThreadWorker):
                     else f"{self.settings.body_timeout_s} s plus 1 s per {self.settings.body_min_rate} bytes (ATTN_BODY_TIMEOUT_S, ATTN_BODY_MIN_RATE)"
                 )
                 self._unwatch(conn)
-                self._answer(conn, "timeout", f"The {what} did not arrive in time: the limit is {limit}.")
+                self._answer(conn, 408, "timeout", f"The {what} did not arrive in time: the limit is {limit}.")
             else:
                 if conn.state == Conn.WRITING:
                     self.log.info("%s read nothing of its response for %s s: dropped", conn.client, self.settings.send_timeout_s)

@@ -1,6 +1,6 @@
 """Where an HTTP/1.1 request ends, found in the bytes received so far (RFC 9112 section 6).
 
-The event-loop front (service/web/worker.py) buffers a whole request before a thread sees it, so it
+The event-loop worker (worker.py) buffers a whole request before a thread sees it, so it
 must know when the request is complete: after the head, Content-Length bytes, or a chunked body
 up to its last chunk and trailers. This module only finds that boundary; gunicorn's parser, in
 the thread, still parses and validates the request. Anything this scanner cannot frame (both
@@ -24,10 +24,10 @@ BODY_TOO_LARGE = "body_too_large"  # the body is over the limit (413)
 HEAD_TOO_LARGE = "head_too_large"  # no end of head within the limit (431)
 
 MAX_CHUNK_LINE = 8192  # a chunk-size line (hex digits and extensions), as gunicorn bounds it
-# Chunks per request. Each costs Python work twice (here, then gunicorn's reader in the thread),
-# ~16 us in all: a 32 MiB body of 1-byte chunks took ~90 s of CPU, where any 32 MiB JSON body takes
-# ~0.6 s. 65536 chunks cost ~1 s; a 32 MiB body within them averages 512-byte chunks (clients
-# write 8 KiB and more: requests, curl, http.client).
+# Chunks per request. Each costs Python work twice (here, then gunicorn's reader in the thread), so a
+# body of tiny chunks would cost far more CPU than any JSON body of its size; a body at the size
+# limit within this many chunks still has chunks of hundreds of bytes (clients write 8 KiB and
+# more: requests, curl, http.client).
 MAX_CHUNKS = 2**16
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 
@@ -183,7 +183,7 @@ class RequestScanner:
                 return verdict
         if self.body_length is None:
             return self._scan_chunked(buf)
-        end = self.head_end + self.body_length
+        end = (self.head_end or 0) + self.body_length  # head_end is set once _scan_head returns None
         return Verdict(COMPLETE, end) if len(buf) >= end else Verdict(NEED_MORE)
 
     def body_received(self, buffered: int) -> int:

@@ -1,0 +1,62 @@
+"""The transport: HTTP/1.1 connections in a gunicorn worker's event loop (worker.py), where a request
+ends (framing.py), and the one interface between it and the application it serves (this module).
+
+The transport knows bytes, connections and deadlines, never the app: it imports nothing of
+service.web nor of Flask (an import-linter contract in pyproject.toml says so). What it needs of
+the app it is handed at start, as one object with the methods of `Hooks`:
+
+- `refuse(refusal)`: the answer, as bytes (`answer()` frames them), to a request the worker refuses
+  itself (a deadline passed, framing it cannot trust, a body too large, a send budget spent, a head
+  gunicorn's parser refuses): the app shapes it as it shapes its own errors for that path,
+  counts it and logs it.
+- `margin()`: how many more admitted requests this worker holds than its least busy sibling, the
+  signal of connection placement.
+
+Wiring: deploy/gunicorn.conf.py's post_worker_init sets `worker.hooks` (service.web.front.Front over
+the loaded app), before the worker serves; a FrontWorker without hooks refuses to start.
+
+The body of a request the worker read into memory reaches the app whole, not copied, under one
+environ key, BODY_KEY (absent for a chunked or empty body: read wsgi.input then)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Protocol
+
+BODY_KEY = "transport.body"  # environ: the request body, one bytearray or mmap the app may keep
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request the worker answers itself, and what it knows of it."""
+
+    status: int
+    code: str  # the API's error code (bad_framing, timeout, ...)
+    message: str  # for the client
+    method: str = ""  # "" before the request line arrived
+    path: str = ""  # the request target as sent, query included; "" before the request line arrived
+    head: bytes | None = None  # the request line and headers, once they arrived whole
+    started: float = 0.0  # time.monotonic() at the request's first byte; 0.0 if none arrived
+    received: int = 0  # bytes of the request received
+
+
+class Hooks(Protocol):
+    """What the worker needs of the app (see the module docstring)."""
+
+    def refuse(self, refusal: Refusal) -> bytes:
+        """The complete answer to send before closing (answer()), counted and logged as the app's."""
+        ...
+
+    def margin(self) -> int:
+        """Admitted requests this worker holds beyond its least busy sibling (0 when it is alone)."""
+        ...
+
+
+def answer(status: int, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    """A complete HTTP/1.1 answer after which the connection closes: the status line, headers, the
+    body's Content-Length, Connection: close, and the body."""
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", f"Content-Length: {len(body)}"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body

@@ -1,0 +1,69 @@
+"""The app's side of the transport (service.transport.Hooks): what the event-loop worker needs of the
+app, handed to it at start (deploy/gunicorn.conf.py, post_worker_init).
+
+The worker's own refusals (408, 413, 431, 400 bad_framing, ..., and heads gunicorn's parser refuses)
+are in the API's error shapes (the /v2 protocol's under its prefix, else the native), carry the
+headers every answer has, are counted in /metrics and logged in one access line as the app's own
+answers are. Placement reads admission's shared census."""
+
+from __future__ import annotations
+
+import time
+
+from flask import Flask
+
+from schemas import RequestError
+from service import transport, wire
+
+from . import accesslog, errors, http, kserve, metrics
+
+
+def error_answer(refusal: transport.Refusal, request_id: str | None = None) -> bytes:
+    """The bytes of the answer to refusal: its body in the shape of the front door its path is
+    under, nosniff, X-Error-Code, the request's X-Request-Id (a fresh one if it has none),
+    Server-Timing (total: since its first byte), Retry-After on a 503."""
+    status, door = refusal.status, refusal.path.partition("?")[0]
+    prefix = kserve.bp.url_prefix
+    shape = kserve.error_body if door == prefix or door.startswith(f"{prefix}/") else errors.native_body
+    err = RequestError(refusal.code, refusal.message)
+    started = refusal.started
+    headers = [("Content-Type", "application/json"), http.NOSNIFF, *errors.code_headers(err).items()]
+    headers.append(("X-Request-Id", request_id or http.request_id("")))
+    headers.append(("Server-Timing", f"total;dur={(time.monotonic() - started) * 1000 if started else 0.0:.3f}"))
+    if status == 503:
+        headers.append(("Retry-After", "1"))
+    return transport.answer(status, headers, wire.dumps(shape(err, status)))
+
+
+class Front:
+    """service.transport.Hooks over app (a create_app() app)."""
+
+    def __init__(self, app: Flask):
+        self.app = app
+        self.log_format = app.extensions["attention.settings"].log_format
+
+    def refuse(self, refusal: transport.Refusal) -> bytes:
+        endpoint = self._endpoint(refusal.path, refusal.method)
+        metrics.REQUESTS.labels(endpoint, metrics.method_label(refusal.method), str(refusal.status)).inc()
+        metrics.REJECTIONS.labels(endpoint, refusal.code).inc()
+        request_id = accesslog.head_request_id(refusal.head)
+        answer = error_answer(refusal, request_id)
+        sizes = (refusal.received, len(answer))
+        r = refusal
+        accesslog.worker_answer(self.log_format, r.head, r.method, r.path, endpoint, r.code, r.status, sizes, r.started, request_id)
+        return answer
+
+    def margin(self) -> int:
+        gate = self.app.extensions["attention.gate"]
+        return gate.table.busiest_margin(gate.row)
+
+    def _endpoint(self, path: str, method: str) -> str:
+        """The route path is served by, as the app labels it (a bounded label): "unmatched" when
+        no route has it, as for the app's 404 and 405, or before the head is known."""
+        if not path.startswith("/"):
+            return "unmatched"
+        try:
+            rule, _ = self.app.url_map.bind("localhost").match(path.partition("?")[0], method=method or "GET", return_rule=True)
+        except Exception:  # werkzeug's NotFound, MethodNotAllowed, RequestRedirect
+            return "unmatched"
+        return rule.rule
