@@ -41,9 +41,6 @@ def create_app(settings: Settings | None = None) -> Flask:
         spans=tracing.spans_for(settings),
         ready=not settings.warmup,  # else ops.warm_up() readies it
     )
-    # The event-loop worker (worker.py) finds the placement signal here, until the transport is
-    # handed it through its own interface.
-    app.extensions["attention.gate"] = gate
     http.install(app)  # first: it makes each request's context
     tracing.install(app)  # after http (its clock), before the rest: every request has a trace
     accesslog.install(app)

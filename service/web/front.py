@@ -16,6 +16,7 @@ from schemas import RequestError
 from service import transport, wire
 
 from . import accesslog, errors, http, kserve, metrics
+from .context import services
 
 
 def error_answer(refusal: transport.Refusal, request_id: str | None = None) -> bytes:
@@ -39,8 +40,8 @@ class Front:
     """service.transport.Hooks over app (a create_app() app)."""
 
     def __init__(self, app: Flask):
-        self.app = app
-        self.log_format = app.extensions["attention.settings"].log_format
+        self.app, self.gate = app, services(app).gate
+        self.log_format = services(app).settings.log_format
 
     def refuse(self, refusal: transport.Refusal) -> bytes:
         endpoint = self._endpoint(refusal.path, refusal.method)
@@ -54,8 +55,7 @@ class Front:
         return answer
 
     def margin(self) -> int:
-        gate = self.app.extensions["attention.gate"]
-        return gate.table.busiest_margin(gate.row)
+        return self.gate.table.busiest_margin(self.gate.row)
 
     def _endpoint(self, path: str, method: str) -> str:
         """The route path is served by, as the app labels it (a bounded label): "unmatched" when
