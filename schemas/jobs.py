@@ -55,7 +55,7 @@ class Work:
     score_elements: int
     dtype: str
     T: int  # query positions (n for /mha)
-    blocks: int = 1  # the numeric core's blocks (core.block_count)
+    blocks: int = 1  # the numeric core's blocks (core.plan(...).count)
     cost_factor: float = 1.0  # the plain work's time x this (a bias, ALiBi, a mask)
     fitted: bool = True  # the fit may learn from its measured time
     query_elements: int = 0  # the elements of q and out (QUERY_ELEMENT_WEIGHT scores each)
@@ -101,15 +101,15 @@ class _Job:
     @property
     def computed_share(self) -> float:
         """The share of the scores the core computes. Without weights under a causal mask it skips
-        the keys past each block's diagonal (about half; a small problem is one block, which
-        computes them all); with weights it writes the whole (T, S) buffer, and measured here
+        the keys past each block's diagonal (about half; a small problem goes to reference(),
+        which computes them all); with weights it writes the whole (T, S) buffer, and measured here
         saved 0-36%: all is counted. A window's band is what the core
-        computes either way (B*T*min(S, left+right+1) and the block edges: core.score_count), and
+        computes either way (B*T*min(S, left+right+1) and the block edges: core.plan(...).scores), and
         no key past the largest key_lengths is."""
         if self.window is not None:
-            share = core.score_count(self.B, self.T, self.S, self.causal, window=self.window, itemsize=self.itemsize) / self.score_elements
-        else:  # a small problem's one block computes every score, as the weights path does
-            share = 1.0 if self.return_weights or self.blocks == 1 else core.causal_share(self.T, self.S, self.causal)
+            share = self.plan.scores / self.score_elements
+        else:  # the reference path computes every score, as the weights path does
+            share = 1.0 if self.return_weights or self.plan.reference else core.causal_share(self.T, self.S, self.causal)
         # The core computes no key at or past the largest key_lengths (key_lengths of 1: one key a
         # row): exact without a band (causal, window), the lesser count (an upper bound) with one.
         return min(share, self.key_end / self.S) if self.S else share
@@ -130,8 +130,23 @@ class _Job:
         return True
 
     @property
+    def plan(self) -> core.Plan:
+        """The blocks the numeric core computes this job in (core.plan)."""
+        return core.plan(
+            self.B,
+            self.T,
+            self.S,
+            self.head_widths[1],
+            causal=self.causal,
+            window=self.window,
+            groups=self.groups,
+            itemsize=self.itemsize,
+            return_weights=self.return_weights,
+        )
+
+    @property
     def blocks(self) -> int:
-        return core.block_count(self.B, self.T, self.S, self.causal, window=self.window, groups=self.groups, itemsize=self.itemsize)
+        return self.plan.count
 
     @property
     def itemsize(self) -> int:
