@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Executor
+from functools import lru_cache
 
 import numpy as np
 
@@ -74,7 +75,7 @@ def reference(
     if g > 1:  # query head h reads key/value head h // g
         k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)  # (..., Hkv, S, d|dv) -> (..., H, S, d|dv)
 
-    t, s = np.arange(T)[:, None], np.arange(S)[None, :]  # (T, 1), (1, S)
+    s = np.arange(S)  # (S,)
     allowed = visible(T, S, causal, window)  # (T, S)
     if mask is not None:
         allowed = allowed & np.asarray(mask, bool)  # (..., T, S)
@@ -86,15 +87,15 @@ def reference(
         if bias is not None:
             scores += np.asarray(bias)
         if alibi_slopes is not None:
-            distance = np.abs(t + S - T - s).astype(dtype)  # (T, S)
+            distance = np.abs(np.arange(T)[:, None] + S - T - s).astype(dtype)  # (T, S)
             scores -= np.asarray(alibi_slopes, dtype)[..., None, None] * distance
-        scores = np.where(allowed, scores, -np.inf)
+        np.copyto(scores, -np.inf, where=~allowed)  # hidden keys
         row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (..., T, 1); -inf: no key
-        overflow = np.isnan(row_max) | np.isposinf(row_max) | (np.isneginf(row_max) & allowed.any(axis=-1, keepdims=True))
-        if overflow.any():
-            raise ScoreOverflow(dtype)
-        row_max[np.isneginf(row_max)] = 0  # a row with no key: exp(-inf) = 0 for all of it
-        weights = np.exp(scores - row_max)  # (..., T, S); hidden keys exactly 0
+        if not np.isfinite(row_max).all():
+            _check_overflow(row_max, allowed)
+            row_max[np.isneginf(row_max)] = 0  # a row with no key: exp(-inf) = 0 for all of it
+        scores -= row_max
+        weights = np.exp(scores, out=scores)  # (..., T, S); hidden keys exactly 0
         total = weights.sum(axis=-1, keepdims=True)  # (..., T, 1)
         total[total == 0] = 1  # a row with no key keeps weights and output exactly 0
         weights /= total  # normalised before v: sum_s w_s v_s <= max |v| stays finite
@@ -104,6 +105,13 @@ def reference(
     if not return_weights:
         return out, None
     return out, (weights.mean(axis=-3) if average_weights else weights)  # (..., T, S) or without axis -3
+
+
+def _check_overflow(row_max: np.ndarray, allowed: np.ndarray) -> None:
+    """A row maximum of +inf or NaN, or -inf in a row that may see a key, means q kᵀ · scale
+    (plus bias) overflowed."""
+    if (np.isnan(row_max) | np.isposinf(row_max) | (np.isneginf(row_max) & allowed.any(axis=-1, keepdims=True))).any():
+        raise ScoreOverflow(row_max.dtype)
 
 
 def check_finite(what: str, arr: np.ndarray | None) -> None:
@@ -141,14 +149,20 @@ def bounds(T: int, S: int, causal: bool | str, window: tuple[int, int] | None) -
 
 
 def visible(T: int, S: int, causal: bool | str, window: tuple[int, int] | None) -> np.ndarray:
-    """Boolean (T, S), True where query t may see key s by the causal mask and the window."""
-    upper, lower = bounds(T, S, causal, window)
+    """Boolean (T, S), True where query t may see key s by the causal mask and the window.
+    Read-only and cached per shape."""
+    return _visible(T, S, *bounds(T, S, causal, window))
+
+
+@lru_cache(maxsize=16)
+def _visible(T: int, S: int, upper: int | None, lower: int | None) -> np.ndarray:
     t, s = np.arange(T)[:, None], np.arange(S)[None, :]  # (T, 1), (1, S)
     allowed = np.ones((T, S), bool)
     if upper is not None:
         allowed &= s <= t + upper
     if lower is not None:
         allowed &= s >= t + lower
+    allowed.flags.writeable = False  # shared between requests
     return allowed
 
 
