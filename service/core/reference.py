@@ -100,8 +100,7 @@ def reference(
         total[total == 0] = 1  # a row with no key keeps weights and output exactly 0
         weights /= total  # normalised before v: sum_s w_s v_s <= max |v| stays finite
         out = weights @ v  # (..., T, dv)
-    check_finite("out", out)
-    check_finite("weights", weights)
+    check_finite("out", out)  # the weights are finite: each is exp(<= 0) over a sum of at least 1
     if not return_weights:
         return out, None
     return out, (weights.mean(axis=-3) if average_weights else weights)  # (..., T, S) or without axis -3
