@@ -256,10 +256,22 @@ def attention(
         raise ValueError("average_weights needs q of rank >= 3 (the heads axis -3)")
     dtype = np.result_type(q, k, v, np.float16)  # float32 stays float32; integers become float64
     p = plan(B, T, S, dv, causal=causal, window=window, groups=g, itemsize=dtype.itemsize, return_weights=return_weights)
-    options = dict(causal=causal, key_lengths=key_lengths, scale=scale, return_weights=return_weights, enable_gqa=enable_gqa)
-    options.update(window=window, bias=bias, alibi_slopes=alibi_slopes, average_weights=average_weights)
     if p.reference:
-        return reference(q, k, v, mask, **options)
+        return reference(
+            q,
+            k,
+            v,
+            mask,
+            causal=causal,
+            key_lengths=key_lengths,
+            scale=scale,
+            return_weights=return_weights,
+            enable_gqa=enable_gqa,
+            window=window,
+            bias=bias,
+            alibi_slopes=alibi_slopes,
+            average_weights=average_weights,
+        )
     masks = _Masks(lead, g, T, S, mask, key_lengths, p.upper, p.lower, bias, alibi_slopes, dtype)
     ops = _operands(p, q, k, v, masks, dtype, 1.0 / math.sqrt(d) if scale is None else scale, return_weights)
     # A block's scores (with weights: in the weights instead) and, without weights, its row sums.
@@ -317,7 +329,7 @@ def _operands(p: Plan, q, k, v, masks: _Masks, dtype: np.dtype, scale: float, re
         # runs far slower. inf where v_s · v_s overflows.
         v3 = vd[:, 0]  # (Bkv, S, dv)
         v_reach = _reach(np.sqrt(np.einsum("bsd,bsd->bs", v3, v3)), T, p.upper, p.lower)  # (Bkv, T)
-        bound = _small_scores(qd, kt, p.upper, p.lower, masks, v_reach / math.sqrt(max(dv, 1)), v_reach, scale)
+        bound = _bounded_rows(qd, kt, p.upper, p.lower, masks, v_reach / math.sqrt(max(dv, 1)), v_reach, scale)
         big_v = (v_reach * S > np.finfo(dtype).max / 4)[:, None, :, None]  # (Bkv, T) -> (Bkv, 1, T, 1)
     # A bounded row takes exp2, the same softmax in base 2 and as exact, with log2(e) in its scale;
     # any other row scales s - max (<= 0) by log2(e) in its block. A bias or ALiBi, or float16 (no
@@ -459,7 +471,7 @@ def _reach(x: np.ndarray, T: int, upper: int | None, lower: int | None) -> np.nd
     return _range_max(x, t + lower, upper - lower + 1)  # over row t's window
 
 
-def _small_scores(
+def _bounded_rows(
     q: np.ndarray,
     kt: np.ndarray,
     upper: int | None,
@@ -477,8 +489,9 @@ def _small_scores(
     Such a row is exponentiated unshifted and exp(s) v summed before it is normalised, so the
     limit is EXP_SAFE, lowered where the values are large: the sum over S keys of exp(s) |v| must
     stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum; and where they are small:
-    exp(-limit) max|v| must stay above the dtype's smallest normal times UNDERFLOW_MARGIN. v_least <= max |v| <= v_most, (Bkv, T), over the keys row t may see (None: 1).
-    q (Bkv, g, T, d) unscaled: |q_t · scale| is |q_t| |scale|."""
+    exp(-limit) max|v| must stay above the dtype's smallest normal times UNDERFLOW_MARGIN.
+    v_least <= max |v| <= v_most, (Bkv, T), over the keys row t may see (None: 1).
+    q (Bkv, g, T, d) unscaled: |q_t · scale| is |q_t| |scale|; kt (Bkv, 1, d, S)."""
     Bkv, g, T, d = q.shape
     if masks is not None and masks.biased:
         return np.zeros((Bkv, g, T, 1), bool)
@@ -490,7 +503,7 @@ def _small_scores(
     floor = math.log(float(info.tiny) * UNDERFLOW_MARGIN)
     room_below = np.log(np.maximum(least, np.finfo(np.float64).tiny)) - floor  # v of 0: ~-700, never small
     limit = np.minimum(EXP_SAFE.get(q.dtype.type, 0.0), np.minimum(room, room_below))[:, None]  # (Bkv, 1, T); negative: never small
-    q3 = q.reshape(Bkv * g, T, d)
+    q3 = q.reshape(Bkv * g, T, d)  # (Bkv, g, T, d) -> (Bkv * g, T, d)
     q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T) * abs(scale)  # inf if it overflows: no shortcut
     k3 = kt[:, 0]  # (Bkv, d, S)
     k_norm = np.sqrt(np.einsum("bds,bds->bs", k3, k3))  # (Bkv, S)
