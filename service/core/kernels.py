@@ -168,6 +168,7 @@ def _clamped_sum(n: int, S: int) -> int:
 @lru_cache(maxsize=8)
 def _causal_mask(T: int, S: int, align: str) -> np.ndarray:
     offset = causal_offset(T, S, align)
+    assert offset is not None  # align is one of ALIGNMENTS
     mask = np.arange(S)[None, :] <= np.arange(T)[:, None] + offset  # (T, S)
     mask.flags.writeable = False  # shared between requests
     return mask
@@ -297,8 +298,8 @@ class _Operands:
     q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv); out (Bkv, g, T, dv) and
     weights (Bkv, g, T, S) or None; bound (Bkv, g, T, 1) True where a row's scores are provably
     small (no max subtracted); big_v (Bkv, 1, T, 1) True where S * max |v| may overflow (that
-    row's exp(s) is normalised before the matmul); exp np.exp, or np.exp2 where row_scale (a
-    scalar or (Bkv, g, T, 1)) carries log2(e)."""
+    row's exp(s) is normalised before the matmul); exp np.exp, or np.exp2 where row_scale
+    (0-d or (Bkv, g, T, 1)) carries log2(e)."""
 
     q: np.ndarray
     kt: np.ndarray
@@ -309,7 +310,7 @@ class _Operands:
     bound: np.ndarray
     big_v: np.ndarray
     exp: Callable
-    row_scale: np.ndarray | np.floating
+    row_scale: np.ndarray  # 0-d, or (Bkv, g, T, 1)
 
 
 def _operands(p: Plan, q, k, v, masks: _Masks, dtype: np.dtype, scale: float, return_weights: bool) -> _Operands:
@@ -336,9 +337,9 @@ def _operands(p: Plan, q, k, v, masks: _Masks, dtype: np.dtype, scale: float, re
     # row is ever bounded): exp, as the textbook. The scale is folded into each block's rows of q
     # as the block starts (no (B, T, d) copy before the threads share the blocks).
     exp = np.exp if masks.biased or not EXP_SAFE.get(dtype.type) else np.exp2
-    row_scale = dtype.type(scale)
+    row_scale = np.asarray(scale, dtype)
     if exp is np.exp2 and bound.all():
-        row_scale = dtype.type(scale * LOG2_E)
+        row_scale = np.asarray(scale * LOG2_E, dtype)
     elif exp is np.exp2 and bound.any():
         row_scale = np.where(bound, scale * LOG2_E, scale).astype(dtype)  # (Bkv, g, T, 1)
     return _Operands(qd, kt, vd, out, weights, masks, bound, big_v, exp, row_scale)
@@ -371,6 +372,7 @@ def _block(ops: _Operands, scratch: np.ndarray | None, block: Block) -> None:
     if ops.weights is not None:
         _normalise_then_v(s, ops.v[b0:b1, :, lo:hi], o)
     else:
+        assert scratch is not None and st is not None  # without weights the scores are in the scratch
         nb, g, tn = b1 - b0, ops.q.shape[1], t1 - t0
         total = scratch[-nb * g * tn :].reshape(nb, g, tn)
         np.matmul(_ones(ops.kt.shape[-1], s.dtype)[: hi - lo], st, out=total)  # (nb, g, tn) row sums of the key-major scores, a GEMV
@@ -384,10 +386,11 @@ def _scores(ops: _Operands, scratch: np.ndarray | None, block: Block, lo: int, h
     memory and st None."""
     b0, b1, t0, t1 = block
     nb, g, tn = b1 - b0, ops.q.shape[1], t1 - t0
-    row_scale = ops.row_scale if np.ndim(ops.row_scale) == 0 else ops.row_scale[b0:b1, :, t0:t1]
+    row_scale = ops.row_scale if ops.row_scale.ndim == 0 else ops.row_scale[b0:b1, :, t0:t1]
     qs = ops.q[b0:b1, :, t0:t1] * row_scale  # (nb, g, tn, d) scaled
     kt = ops.kt[b0:b1, :, :, lo:hi]  # (nb, 1, d, keys); g shares k
     if ops.weights is None:
+        assert scratch is not None
         st = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, hi - lo, tn)
         np.matmul(np.swapaxes(kt, -1, -2), np.swapaxes(qs, -1, -2), out=st)  # (nb, g, keys, tn)
         s = np.swapaxes(st, -1, -2)  # (nb, g, tn, keys), a view
@@ -656,7 +659,8 @@ def _share(compute: Callable[[Iterator], None], blocks: list, threads: int, pool
     if threads <= 1:
         compute(iter(blocks))
         return
-    lock, queue, errors = threading.Lock(), iter(blocks), []
+    lock, queue = threading.Lock(), iter(blocks)
+    errors: list[BaseException] = []
 
     def todo() -> Iterator:
         while True:
@@ -673,17 +677,16 @@ def _share(compute: Callable[[Iterator], None], blocks: list, threads: int, pool
             with lock:
                 errors.append(exc)
 
-    own = pool is None
-    pool = ThreadPoolExecutor(threads - 1) if own else pool
+    executor = ThreadPoolExecutor(threads - 1) if pool is None else pool
     try:
-        tasks = [pool.submit(task) for _ in range(threads - 1)]
+        tasks = [executor.submit(task) for _ in range(threads - 1)]
         task()
         for t in tasks:
             if not t.cancel():  # one still queued behind another caller's work has nothing left to do
                 t.result()
     finally:
-        if own:
-            pool.shutdown()
+        if pool is None:
+            executor.shutdown()
     if errors:
         raise errors[0]
 
