@@ -466,6 +466,7 @@ def _reach(x: np.ndarray, T: int, upper: int | None, lower: int | None) -> np.nd
         return np.broadcast_to(x.max(axis=-1, keepdims=True), (Bkv, T))
     t = np.arange(T)
     if lower is None:
+        assert upper is not None
         seen_max = np.maximum.accumulate(x, axis=-1)  # (Bkv, S): max x over s' <= s
         return seen_max[:, np.clip(t + upper, 0, S - 1)]  # over the keys up to the last row t may see
     if upper is None:
@@ -622,7 +623,7 @@ class _Masks:
         lo, hi = self.keys(t0, t1, self.S)
         allowed = np.ones((b1 - b0, self.g, t1 - t0, hi - lo), bool)  # keys outside lo:hi are masked for every row
         self.apply(allowed, b0, b1, t0, t1, lo, hi, fill=False)
-        return allowed.any(axis=-1, keepdims=True)
+        return np.asarray(allowed.any(axis=-1, keepdims=True))
 
 
 def _shift(s, bound, masks: _Masks, b0, b1, t0, t1) -> np.ndarray | None:
