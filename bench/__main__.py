@@ -279,8 +279,11 @@ def torch_compute(sizes) -> tuple[dict, str]:
         import torch, torch.nn.functional as F
         torch.set_num_threads(1)
         import importlib.util  # the core alone (numpy only): the service's other imports may be missing here
-        spec = importlib.util.spec_from_file_location("attention_core", {str(ROOT / "service" / "core" / "kernels.py")!r})
+        spec = importlib.util.spec_from_file_location(
+            "attention_core", {str(ROOT / "service" / "core" / "__init__.py")!r}, submodule_search_locations=[{str(ROOT / "service" / "core")!r}]
+        )
         core = importlib.util.module_from_spec(spec)
+        sys.modules["attention_core"] = core  # for its relative imports
         spec.loader.exec_module(core)
         attention = core.attention  # numpy's OpenBLAS: one thread (OPENBLAS_NUM_THREADS)
         res, ours = {{}}, {{}}

@@ -3,7 +3,7 @@ torch's scaled_dot_product_attention, B=1, H=8, d=64, S=T, causal (and at T=4096
 float32 (float64 if asked), each implementation once per repetition in a random order, medians.
 
     python -m bench.core_speed          # ~60-90 s; prints a markdown table
-    python -m bench.core_speed small    # T <= 256 only (the one-block path), ~20 s
+    python -m bench.core_speed small    # T <= 256 only (the reference path), ~20 s
     python -m bench.core_speed small float64    # the same in float64
     python -m bench.core_speed mha      # mha() at n=64, d_model=512, 8 heads, ~5 s
 
@@ -13,7 +13,7 @@ arrays afresh, ~100 us of a T=64 request), threads=1, or threads=2 over a pool o
 of one large request). torch uses its default threads (it ignores ours: no weights), told to
 sleep between calls (OMP_WAIT_POLICY=PASSIVE): by default its OpenMP threads spin after each call,
 on the two cores the next numpy call needs, and slowed whatever ran after torch (T=64 ~1.7x, T=2048
-~1.3x, at random). "before" is `git show main:service/core/kernels.py`, imported as a module of
+~1.3x, at random). "before" is main's service/core (`git archive`), imported as a package of
 its own; `before=REF` takes it from another commit (say the round's start):
 
     python -m bench.core_speed small before=6de42b9
@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from service.core import kernels as after  # noqa: E402
+from service import core as after  # noqa: E402
 
 # (T, weights, causal, repetitions): each repetition runs every implementation once, in a random order
 CASES = [
@@ -59,12 +59,14 @@ BEFORE = next((a.partition("=")[2] for a in sys.argv[1:] if a.startswith("before
 
 
 def load_before():
-    """main's kernels.py (or before=REF's) as a module of its own."""
-    src = subprocess.run(["git", "show", f"{BEFORE}:service/core/kernels.py"], capture_output=True, text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="core-speed-")) / "kernels_main.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("kernels_main", path)
+    """The core at main (or before=REF) as a package of its own, core_before."""
+    root = Path(tempfile.mkdtemp(prefix="core-speed-"))
+    archive = subprocess.run(["git", "archive", BEFORE, "service/core"], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
+    init = root / "service" / "core" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("core_before", init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)
+    sys.modules["core_before"] = module  # for its relative imports
     spec.loader.exec_module(module)
     return module
 

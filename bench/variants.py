@@ -28,7 +28,7 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from service.core import attention, score_count  # noqa: E402
+from service.core import attention, plan  # noqa: E402
 
 H, D = 8, 64
 
@@ -61,9 +61,9 @@ def window_rows(rng, reps: int, budget: float) -> list[str]:
     }
     rows_of = {"T=512 causal": 512, "T=8192 window (256, 0)": 8192, "T=8192 causal": 8192}
     scores_of = {
-        "T=512 causal": score_count(H, 512, 512, True),
-        "T=8192 window (256, 0)": score_count(H, 8192, 8192, window=(256, 0)),
-        "T=8192 causal": score_count(H, 8192, 8192, True),
+        "T=512 causal": plan(H, 512, 512, D, causal=True, return_weights=False).scores,
+        "T=8192 window (256, 0)": plan(H, 8192, 8192, D, window=(256, 0), return_weights=False).scores,
+        "T=8192 causal": plan(H, 8192, 8192, D, causal=True, return_weights=False).scores,
     }
     times = interleaved(cases, reps, budget)
     base = statistics.median(times["T=512 causal"]) / 512

@@ -234,7 +234,7 @@ class AttentionRequest(_Request):
         self._check_width("q", d)
         self._check_width("v", v.shape[-1])
         B, window = math.prod(lead), data["window"]
-        scores = B * T * S if window is None else core.score_count(B, T, S, data["causal"], window=window)
+        scores = B * T * S if window is None else core.plan(B, T, S, v.shape[-1], causal=data["causal"], window=window).scores
         weights = B * T * S // (q.shape[-3] if data["average_weights"] else 1)
         self._check_scores(scores, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}", weights)
         self._check_output(B * T * v.shape[-1], f"{L('q')} {list(q.shape)} with {L('v')} {list(v.shape)}")
@@ -366,7 +366,7 @@ class MhaRequest(_Request):
         self._check_length("x", "n", n, s.max_t, "ATTN_MAX_T")
         self._check_width("x", d)
         B, window = math.prod(x.shape[:-2]) * heads, data["window"]
-        scores = B * n * n if window is None else core.score_count(B, n, n, data["causal"], window=window)
+        scores = B * n * n if window is None else core.plan(B, n, n, dv, causal=data["causal"], window=window).scores
         self._check_scores(scores, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads", B * n * n)
         d_out = heads * dv if wo is None else wo.shape[-1]
         self._check_output(math.prod(x.shape[:-1]) * d_out, f"{L('x')} {list(x.shape)}")  # out (..., n, d_out)

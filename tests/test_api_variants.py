@@ -126,7 +126,7 @@ def test_average_weights_lifts_the_weights_limit(client):
 
 
 def test_the_jobs_count_the_variants():
-    """A window's work is B*T*min(S, left+right+1) and the block edges (the core's score_count);
+    """A window's work is B*T*min(S, left+right+1) and the block edges (the core's plan);
     GQA's blocks are the core's; a bias is a working input; averaged weights are B/H*T*S."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 8, 64, 4)) for _ in range(3))
@@ -134,10 +134,10 @@ def test_the_jobs_count_the_variants():
     full = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "return_weights": False})
     windowed = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "return_weights": False, "window": [7, 0]})
     assert work_of(full).score_elements == 8 * 64 * 64
-    assert work_of(windowed).score_elements == core.score_count(8, 64, 64, window=(7, 0)) < 8 * 64 * 64 / 2
-    assert work_of(windowed).blocks == core.block_count(8, 64, 64, window=(7, 0))
+    assert work_of(windowed).score_elements == core.plan(8, 64, 64, 4, window=(7, 0), return_weights=False).scores < 8 * 64 * 64 / 2
+    assert work_of(windowed).blocks == core.plan(8, 64, 64, 4, window=(7, 0), return_weights=False).count
     gqa = schema.load({"q": q.tolist(), "k": k[:, :2].tolist(), "v": v[:, :2].tolist(), "enable_gqa": True})
-    assert gqa.groups == 4 and work_of(gqa).blocks == core.block_count(8, 64, 64, groups=4)
+    assert gqa.groups == 4 and work_of(gqa).blocks == core.plan(8, 64, 64, 4, groups=4).count
     bias = rng.standard_normal((8, 64, 64))
     biased = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "bias": b64(bias)})
     plain = schema.load({"q": q.tolist(), "k": k.tolist(), "v": v.tolist()})

@@ -217,19 +217,31 @@ def test_cached_masks_are_read_only():
         core._band(3, 3, 0)[0, 0] = True
 
 
+def count_paths(monkeypatch) -> list:
+    """A list that grows by "block" at each block attention() computes and by "reference" at
+    each call of reference()."""
+    calls = []
+    block, ref = core._block, core.reference
+    monkeypatch.setattr(core, "_block", lambda *args: (calls.append("block"), block(*args))[1])
+    monkeypatch.setattr(core, "reference", lambda *args, **kw: (calls.append("reference"), ref(*args, **kw))[1])
+    return calls
+
+
 @pytest.mark.parametrize(
     "B, T, S, causal",
     [(8, 128, 128, True), (8, 2048, 2048, False), (3, 100, 700, "bottom_right"), (1, 5, 3, False)],
     ids=["small causal", "large full", "T < S bottom_right", "tiny"],
 )
-def test_block_count_is_what_attention_computes(monkeypatch, B, T, S, causal):
-    """The cost model counts blocks with block_count(); it must be the number attention() runs."""
-    calls = []
-    real = core._block
-    monkeypatch.setattr(core, "_block", lambda *args: (calls.append(1), real(*args))[1])
+@pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
+def test_the_plan_is_what_attention_computes(monkeypatch, B, T, S, causal, return_weights):
+    """The cost model counts blocks with plan(); its count must be the blocks attention() runs,
+    and a reference plan one call of reference()."""
+    calls = count_paths(monkeypatch)
     q, k, v = (np.ones((B, n, 4), np.float32) for n in (T, S, S))
-    core.attention(q, k, v, causal=causal, return_weights=False)
-    assert len(calls) == core.block_count(B, T, S, causal)
+    core.attention(q, k, v, causal=causal, return_weights=return_weights)
+    p = core.plan(B, T, S, 4, causal=causal, return_weights=return_weights)
+    assert len(calls) == p.count
+    assert set(calls) == {"reference" if p.reference else "block"}
 
 
 @pytest.mark.parametrize(
@@ -245,18 +257,16 @@ def test_block_count_is_what_attention_computes(monkeypatch, B, T, S, causal):
     ids=["causal", "bottom_right key_lengths", "mask", "bias alibi", "gqa", "window"],
 )
 @pytest.mark.parametrize("return_weights", [True, False])
-def test_a_small_problem_is_one_block_as_exact_as_the_blocks(monkeypatch, rng, variant, return_weights):
-    """A small problem runs as one block (key-major scores, every row shifted by its max), the same
-    whatever the threads, and raises ScoreOverflow as the blocks do; it agrees with the blocked path
-    (the oracle tests above run small problems through it too)."""
-    calls = []
-    real = core._block
-    monkeypatch.setattr(core, "_block", lambda *args: (calls.append(1), real(*args))[1])
+def test_a_small_problem_is_the_reference_and_agrees_with_the_blocks(monkeypatch, rng, variant, return_weights):
+    """A small problem is computed by reference(), the same whatever the threads, and raises
+    ScoreOverflow as the blocks do; it agrees with the blocked path (the oracle tests above run
+    small problems through it too)."""
+    calls = count_paths(monkeypatch)
     q = rng.standard_normal((2, 3, 7, 8)).astype(np.float32)
     kv_heads = 1 if variant.get("enable_gqa") else 3
     k, v = (rng.standard_normal((2, kv_heads, 9, 8)).astype(np.float32) for _ in range(2))
     one = attention(q, k, v, return_weights=return_weights, **variant)
-    assert len(calls) == 1 or "window" in variant  # a window's left edge keeps the blocks
+    assert calls == (["block"] if "window" in variant else ["reference"])  # a window's left edge keeps the blocks
     split = attention(q, k, v, return_weights=return_weights, threads=2, **variant)
     for a, b in zip(one, split, strict=True):
         assert (a is None and b is None) or a.tobytes() == b.tobytes()

@@ -1,8 +1,8 @@
-"""The numeric core's small-problem path (kernels._small_block): one block whose rows are first
-exponentiated unshifted and kept only where that is exact; any other row is computed again as the
-textbook softmax. Rows of both kinds in one problem agree with the float64 reference, keep the
-guarantees (masked weights exactly 0, rows summing to 1), and a row's bits never depend on which
-kind its neighbours are."""
+"""The numeric core's small problems: computed by reference(), the textbook softmax (the row
+maximum subtracted). Rows of every range (scores far too large or too small to exponentiate
+unshifted, ordinary ones) agree with the float64 oracle, keep the guarantees (masked weights
+exactly 0, rows summing to 1), a row's bits never depend on its neighbours, and the API answers
+the edges the earlier unshifted path had to check for as the textbook does."""
 
 from __future__ import annotations
 
@@ -15,12 +15,10 @@ from service.core import kernels as core
 from .oracle import reference  # the whole (..., T, S) softmax in float64
 
 
-def count_calls(monkeypatch, name: str = "_block") -> list:
-    """A list that grows by one at each call of kernels.<name>."""
-    calls = []
-    real = getattr(core, name)
-    monkeypatch.setattr(core, name, lambda *args: (calls.append(1), real(*args))[1])
-    return calls
+def is_small(q, k, v, **options) -> bool:
+    """Whether attention() computes this problem as reference() (core.plan)."""
+    *lead, T, d = q.shape
+    return core.plan(int(np.prod(lead)), T, k.shape[-2], v.shape[-1], itemsize=q.dtype.itemsize, **options).reference
 
 
 def mixed_rows(rng, dtype, T=16, H=3, d=4):
@@ -39,11 +37,10 @@ def mixed_rows(rng, dtype, T=16, H=3, d=4):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
-def test_rows_out_of_the_unshifted_range_are_computed_as_the_textbook(monkeypatch, rng, dtype, causal, return_weights):
-    calls, second = count_calls(monkeypatch), count_calls(monkeypatch, "_small_shifted")
+def test_rows_out_of_the_unshifted_range_agree_with_the_oracle(rng, dtype, causal, return_weights):
     q, k, v = mixed_rows(rng, dtype)
+    assert is_small(q, k, v, causal=causal, return_weights=return_weights)
     out, w = attention(q, k, v, causal=causal, return_weights=return_weights)
-    assert len(calls) == 1 and len(second) == 1  # still one block: the second pass is within it
     expect_out, expect_w = reference(q, k, v, causal=causal)
     tol = 1e-5 if dtype == np.float32 else 1e-12
     np.testing.assert_allclose(out, expect_out, atol=tol * 10, rtol=tol * 10)
@@ -56,7 +53,7 @@ def test_rows_out_of_the_unshifted_range_are_computed_as_the_textbook(monkeypatc
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
 def test_an_ordinary_row_keeps_its_bits_whatever_its_neighbours(rng, dtype, return_weights):
-    """The rows that take the second pass change no bit of the rows that do not, and vice versa."""
+    """Rows of scores too large or too small change no bit of the ordinary rows."""
     q, k, v = mixed_rows(rng, dtype)
     plain = q.copy()
     plain[:, [3, 6, 9]] = rng.standard_normal((3, 3, 4)).astype(dtype)  # every row ordinary
@@ -71,9 +68,9 @@ def test_an_ordinary_row_keeps_its_bits_whatever_its_neighbours(rng, dtype, retu
 
 
 @pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
-def test_a_masked_score_that_overflows_is_not_overflow(monkeypatch, rng, return_weights):
+def test_a_masked_score_that_overflows_is_not_overflow(rng, return_weights):
     """Keys that only masked positions see may overflow the scores (to inf, or NaN for inf - inf):
-    the mask sets their weights to exactly 0 after exp, and no row changes."""
+    the mask hides them (-inf, so weights of exactly 0), and no row changes."""
     q, k, v = (rng.standard_normal((2, 8, 4)).astype(np.float32) for _ in range(3))
     q = np.abs(q) + np.float32(1.5)  # every q_t . M overflows; q_t . (M, M, -M, -M): inf or NaN, by the sum's order
     mask = np.ones((8, 8), bool)
@@ -82,12 +79,10 @@ def test_a_masked_score_that_overflows_is_not_overflow(monkeypatch, rng, return_
     k_huge[:, 5] = np.finfo(np.float32).max  # q . k overflows (to inf or -inf)
     k_huge[:, 6, :2], k_huge[:, 6, 2:] = np.finfo(np.float32).max, -np.finfo(np.float32).max
     out, w = attention(q, k, v, mask, return_weights=return_weights)
-    second = count_calls(monkeypatch, "_small_shifted")
     with np.errstate(all="ignore"):
         raw = q @ np.swapaxes(k_huge, -1, -2)
     assert np.isposinf(raw[..., 5]).all() and not np.isfinite(raw[..., 6]).any()
     out_huge, w_huge = attention(q, k_huge, v, mask, return_weights=return_weights)
-    assert not second  # every row stays on the first pass
     np.testing.assert_array_equal(out_huge, out)
     if return_weights:
         np.testing.assert_array_equal(w_huge, w)
@@ -99,13 +94,12 @@ def test_a_masked_score_that_overflows_is_not_overflow(monkeypatch, rng, return_
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("T", [64, 128])
 def test_the_serving_shapes_agree_with_the_float64_reference_and_the_blocks(monkeypatch, rng, dtype, T):
-    """B=1, H=8, d=64 causal (one block up to 2**19 scores): what the blocked path and the
-    float64 reference give, with and without weights, the same bits whatever the threads."""
-    calls = count_calls(monkeypatch)
+    """B=1, H=8, d=64 causal (reference() up to 2**19 scores): what the blocked path and the
+    float64 oracle give, with and without weights, the same bits whatever the threads."""
     q, k, v = (rng.standard_normal((1, 8, T, 64)).astype(dtype) for _ in range(3))
+    assert is_small(q, k, v, causal=True) and is_small(q, k, v, causal=True, return_weights=False)
     out, w = attention(q, k, v, causal=True)
     out_nw, _ = attention(q, k, v, causal=True, return_weights=False, threads=2)
-    assert len(calls) == 2
     expect_out, expect_w = reference(q, k, v, causal=True)
     tol = 2e-6 if dtype == np.float32 else 1e-13
     np.testing.assert_allclose(out, expect_out, atol=tol)
@@ -119,32 +113,32 @@ def test_the_serving_shapes_agree_with_the_float64_reference_and_the_blocks(monk
     np.testing.assert_allclose(w, blocked_w, atol=tol)
 
 
-def test_float16_keeps_the_blocks_path(monkeypatch, rng):
-    """float16 has no room to exponentiate unshifted: its one block subtracts every row's max."""
-    monkeypatch.setattr(core, "_small_block", None)  # would fail if called
+def test_float16_takes_the_reference_too(rng):
+    """float16 has no room to exponentiate unshifted; reference() subtracts every row's max."""
     q, k, v = (rng.standard_normal((2, 6, 4)).astype(np.float16) for _ in range(3))
+    assert is_small(q, k, v, causal=True)
     out, w = attention(q, k, v, causal=True)
+    assert out.dtype == w.dtype == np.float16
     np.testing.assert_allclose(out, reference(q, k, v, causal=True)[0], atol=2e-3)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_a_small_problem_is_one_block_while_its_scores_fit_2_mib(monkeypatch, dtype):
-    """8 heads at T=256 causal: 2**19 scores are one block in float32 (2 MiB) and 16-row blocks in
-    float64 (4 MiB), as block_count says when told the itemsize."""
-    calls = count_calls(monkeypatch)
-    q = np.ones((8, 256, 4), dtype)
-    attention(q, q, q, causal=True, return_weights=False)
+def test_a_small_problem_is_the_reference_while_its_scores_fit_2_mib(dtype):
+    """8 heads at T=256 causal: 2**19 scores are the reference in float32 (2 MiB) and 16-row
+    blocks in float64 (4 MiB), as plan() says when told the itemsize."""
     itemsize = np.dtype(dtype).itemsize
-    assert len(calls) == core.block_count(8, 256, 256, True, itemsize=itemsize) == (1 if itemsize == 4 else 16)
-    assert core.score_count(8, 256, 256, True, itemsize=itemsize) == (8 * 256 * 256 if itemsize == 4 else 8 * 16 * 16 * 136)
+    p = core.plan(8, 256, 256, 4, causal=True, itemsize=itemsize, return_weights=False)
+    assert p.reference == (itemsize == 4)
+    assert p.count == (1 if itemsize == 4 else 16)
+    assert p.scores == (8 * 256 * 256 if itemsize == 4 else 8 * 16 * 16 * 136)
 
 
 @pytest.mark.parametrize("dtype, score, value", [(np.float32, -50.0, 1e-25), (np.float64, -600.0, 1e-65)])
 @pytest.mark.parametrize("return_weights", [True, False], ids=["weights", "no weights"])
 def test_tiny_values_under_a_small_row_sum_keep_their_precision(dtype, score, value, return_weights):
-    """A row whose scores are all far below 0 sums to ~exp(score), above SUM_FLOOR: unshifted, each
-    exp(s) v of values ~1e-25 (float64: 1e-65) underflowed (to 0, or a denormal of a few bits)
-    before the division, so out came back 0 or percents off where the textbook gives v exactly."""
+    """A row whose scores are all far below 0: exponentiated unshifted, each exp(s) v of values
+    ~1e-25 (float64: 1e-65) would underflow (to 0, or a denormal of a few bits) before the
+    division; the textbook subtracts the row's max and gives v to its precision."""
     T = 4
     q = np.full((2, T, 1), score, dtype)  # every score of every row is `score` (k = 1, scale 1)
     k = np.ones((2, T, 1), dtype)
@@ -156,8 +150,7 @@ def test_tiny_values_under_a_small_row_sum_keep_their_precision(dtype, score, va
 
 
 def test_values_of_no_width_under_a_small_row_sum():
-    """v (..., S, 0): out (..., T, 0), as before the check of a small sum's exp(s) v (which
-    reshaped out with -1: a ValueError for an empty out)."""
+    """v (..., S, 0): out (..., T, 0), and the weights of a row of equal scores."""
     q = np.full((1, 2, 1), -50.0, np.float32)
     k = np.ones((1, 2, 1), np.float32)
     out, w = attention(q, k, np.ones((1, 2, 0), np.float32), scale=1.0)
@@ -165,17 +158,16 @@ def test_values_of_no_width_under_a_small_row_sum():
     np.testing.assert_allclose(w, 0.5)
 
 
-@pytest.mark.parametrize("keys", [2, 65], ids=["k's scaled copy", "q's scaled copy"])
+@pytest.mark.parametrize("keys", [2, 65])
 def test_a_scaled_query_that_overflows_raises_whatever_the_other_rows(monkeypatch, keys):
     """q · scale past float32's range (q = 1e30, scale = 1e10) against keys of 1e-40: the textbook
-    scales q first and overflows; up to COPY_KEYS keys the one block scaled k instead (1.4e-30)
-    and answered, unless some other row took the second pass, which then raised: whether a
-    request failed depended on the other rows, and on S."""
+    scales q first and overflows (scaling k instead would answer), on either path and whatever
+    S and the other rows."""
     q = np.ones((2, 2, 1), np.float32)
     q[0, 0] = 1e30
     k = np.full((2, keys, 1), 1e-40, np.float32)
     v = np.ones((2, keys, 1), np.float32)
-    for share in (1, 2**62):  # the one block, and the blocks
+    for share in (1, 2**62):  # the reference, and the blocks
         monkeypatch.setattr(core, "SMALL_SHARE", share)
         with pytest.raises(ScoreOverflow):
             attention(q, k, v, scale=1e10)

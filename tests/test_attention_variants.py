@@ -405,11 +405,11 @@ def counting_blocks(monkeypatch):
     scores = []
     real = core._block
 
-    def block(qs, kt, vb, out, weights, scratch, masks, *rest):  # rest: bound, big_v, b0, b1, t0, t1
-        b0, b1, t0, t1 = rest[-4:]
-        lo, hi = masks.keys(t0, t1, kt.shape[-1])
-        scores.append((b1 - b0) * qs.shape[1] * (t1 - t0) * (hi - lo))
-        return real(qs, kt, vb, out, weights, scratch, masks, *rest)
+    def block(ops, scratch, block):
+        b0, b1, t0, t1 = block
+        lo, hi = ops.masks.keys(t0, t1, ops.kt.shape[-1])
+        scores.append((b1 - b0) * ops.q.shape[1] * (t1 - t0) * (hi - lo))
+        return real(ops, scratch, block)
 
     monkeypatch.setattr(core, "_block", block)
     return scores
@@ -439,25 +439,26 @@ def counting_blocks(monkeypatch):
     ],
 )
 def test_block_and_score_counts_are_what_attention_computes(monkeypatch, B, T, S, causal, window, groups):
-    """The cost model counts blocks and scores with block_count() and score_count(); they must be
-    what attention() runs."""
+    """The cost model counts blocks and scores with plan(); they must be what attention() runs."""
     scores = counting_blocks(monkeypatch)
     q = np.ones((B, T, 4), np.float32).reshape(B // groups, groups, T, 4)
     k = np.ones((B // groups, 1, S, 4), np.float32)
     attention(q, k, k, causal=causal, window=window, enable_gqa=True, return_weights=False)
-    assert len(scores) == core.block_count(B, T, S, causal, window=window, groups=groups)
-    assert sum(scores) == core.score_count(B, T, S, causal, window=window)
+    p = core.plan(B, T, S, 4, causal=causal, window=window, groups=groups, return_weights=False)
+    assert not p.reference
+    assert len(scores) == p.count
+    assert sum(scores) == p.scores
 
 
 def test_a_window_costs_t_times_w_not_t_squared():
     """T = 8192 under window (256, 0): each row sees 257 keys; the blocks compute under 1.3x that,
     not the 8192 * 8193 / 2 of a causal mask."""
     T, seen = 8192, 257
-    computed = core.score_count(1, T, T, True, window=(256, 0))
+    computed = core.plan(1, T, T, 64, causal=True, window=(256, 0)).scores
     assert T * seen <= computed < 1.3 * T * seen
-    assert core.score_count(1, T, T, True) > 10 * computed  # T / 2 / 257 = 16 at best
-    assert core.score_count(1, T, T, False, window=(256, 0)) == computed  # right 0 is causal already
-    assert core.score_count(2, T, T, window=(-1, -1)) == 2 * T * T  # no window
+    assert core.plan(1, T, T, 64, causal=True).scores > 10 * computed  # T / 2 / 257 = 16 at best
+    assert core.plan(1, T, T, 64, window=(256, 0)).scores == computed  # right 0 is causal already
+    assert core.plan(2, T, T, 64, window=(-1, -1)).scores == 2 * T * T  # no window
 
 
 def test_bias_is_not_broadcast_to_every_item():

@@ -1,17 +1,21 @@
 """The numeric core: attention and the GPT block's multi-head attention, numpy only.
 
-Nothing here knows of HTTP, JSON or schemas; every function is a pure function of arrays."""
+Read reference.py first: the textbook algorithm, every variant, in a page; attention() computes
+exactly that, in blocks where a problem is large (kernels.py). Nothing here knows of HTTP, JSON
+or schemas; every function is a pure function of arrays."""
 
-from .kernels import ResultOverflow, ScoreOverflow, attention, block_count, causal_mask, causal_offset, causal_share, mha, score_count
+from .kernels import Plan, attention, causal_mask, causal_share, mha, plan
+from .reference import ResultOverflow, ScoreOverflow, causal_offset, reference
 
 __all__ = [
+    "Plan",
     "ResultOverflow",
     "ScoreOverflow",
     "attention",
-    "block_count",
     "causal_mask",
     "causal_offset",
     "causal_share",
     "mha",
-    "score_count",
+    "plan",
+    "reference",
 ]

@@ -1,22 +1,14 @@
-"""The numeric core: causal masks, scaled dot-product attention and the GPT block's multi-head
-attention. numpy only: no Flask, no I/O. Pure functions of arrays; the dtype is the caller's.
+"""The blocked attention: what reference() computes, in blocks of query rows, for large problems.
 
-Shape legend: ... leading (batch, heads) axes, B their product, T queries, S keys, d query/key
-width, dv value width, n sequence length, h heads; g query heads per key/value head (1 unless
-enable_gqa), Bkv = B / g key/value items; a block is (nb key/value items, their g query heads,
-tn query rows) over the keys lo:hi some row of it may see.
-
-attention() works in blocks of query rows, so that every pass of the softmax runs over a
-buffer that stays in the core's cache: the scores of a block are written by one matmul (into the
-weights when they are returned, else into a small scratch buffer), masked, exponentiated and
-summed in place, and multiplied by v. Under a causal mask a block only computes the keys up to
-its last row's diagonal, which skips about half the work; under a sliding window it also skips the
-keys before its first row's window, so a window of W keys costs O(T * W), not O(T * S). Without
-weights the memory beyond the inputs and the output is O(block), not O(T * S), and the output is
-normalised instead of the weights (T * dv divisions, not T * S). A small problem (at most
-2**19 scores, e.g. T=64-256 over 8 heads) is one block of every item and row: numpy's cost per
-call, not its arithmetic, is then what a request pays, so it runs the fewest calls, every row
-exponentiated unshifted and checked after (_small_block).
+attention() is the core's entry point. A small problem (plan(...).reference) is computed by
+reference(), the textbook; any other is cut into blocks (plan()), so that every pass of the
+softmax runs over a buffer that stays in the core's cache: the scores of a block are written by
+one matmul (into the weights when they are returned, else into a small scratch buffer), masked,
+exponentiated and summed in place, and multiplied by v. Under a causal mask a block only computes
+the keys up to its last row's diagonal, which skips about half the work; under a sliding window
+it also skips the keys before its first row's window, so a window of W keys costs O(T * W), not
+O(T * S). Without weights the memory beyond the inputs and the output is O(block), not O(T * S),
+and the output is normalised instead of the weights (T * dv divisions, not T * S).
 
 The blocks write disjoint parts of the outputs, so one computation can be shared between threads
 (threads=, pool=; numpy releases the GIL in its matmuls and ufuncs): each thread takes the next
@@ -24,9 +16,13 @@ block from one queue and computes it exactly as one thread would, so the result 
 the bit. The caller decides when that pays (the web layer: a large request alone on the server).
 
 The variants of PyTorch's SDPA (enable_gqa, a float bias) and of FlashAttention (window_size,
-alibi_slopes) are computed per block too, with those references' semantics exactly: grouped query
-heads share their key/value head through a broadcast matmul (no repeat), and no (..., T, S) mask
-or bias is ever built.
+alibi_slopes) are computed per block too, with reference()'s semantics: grouped query heads share
+their key/value head through a broadcast matmul (no repeat), and no (..., T, S) mask or bias is
+ever built.
+
+Shape legend as in reference.py, and: B the product of the leading axes, Bkv = B / g key/value
+items; a block is (nb key/value items, their g query heads, tn query rows) over the keys lo:hi
+some row of it may see.
 """
 
 from __future__ import annotations
@@ -35,72 +31,144 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 
-ALIGNMENTS = ("top_left", "bottom_right")
+from .reference import ALIGNMENTS, ScoreOverflow, bounds, causal_offset, check_finite, groups, reference
 
-# Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache here. Measured on
-# the 2-core benchmark machine (bench/core_speed.py and its README section): at T=4096 (causal)
-# larger blocks have more rows (2**18: 64, 2**19: 128, 2**20: 256), whose matmuls run nearer BLAS's
-# peak: ~0.89x and ~0.84x 2**18's time; T=1024 and 2048 are within noise. 2**19 keeps a thread's
-# scratch within schemas.jobs.SCRATCH_BYTES (4 MiB) in float32; 2**16 pays for Python per block.
+# Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache on the machines
+# this serves; larger blocks run their matmuls nearer BLAS's peak, smaller ones pay for Python
+# per block. It keeps a thread's scratch within schemas.jobs.SCRATCH_BYTES in float32.
 BLOCK_ELEMENTS = 2**19
 MIN_ROWS = 16  # fewer query rows per matmul than this and BLAS runs far below its peak
 CAUSAL_BLOCKS = 16  # under a causal mask, at least this many row blocks: each skips the keys past its diagonal
-# A problem of at most BLOCK_ELEMENTS // SMALL_SHARE scores is one block: all its items and rows in a
-# few batched numpy calls (_small_block), the same whatever the threads. Below this size numpy's
-# cost per call outweighs the keys a causal mask lets the blocks skip: 8 heads causal, float32, one
-# block against 16-row blocks, ~0.6x the time at T=128 and ~0.6-0.9x at T=256 (2**19 scores; in
-# float64 bytes count: 2**18 scores); was 8 (2**16 scores, T=64) before the one block ran unshifted.
-# Not under a window's left edge: there the blocks keep its O(T * W) (and the admission's count).
+# A problem of at most BLOCK_ELEMENTS // SMALL_SHARE float32 scores' bytes goes to reference(): there
+# numpy's cost per call outweighs the keys a causal mask lets the blocks skip. Not under a window's
+# left edge: there the blocks keep its O(T * W) (and the admission's count). Tests raise it to send
+# small problems through the blocks.
 SMALL_SHARE = 1
 LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
-COPY_KEYS = 64  # up to this many keys, a small problem's q kᵀ reads a scaled copy of kᵀ (NN): see _small_block
-# A small problem's rows are exponentiated unshifted, then checked: a row whose sum of exp lies in
-# [floor, finite) and whose output is finite keeps that result. Above the floor the terms that
-# underflowed (each off by at most the dtype's smallest normal) move the sum of up to 2**20 keys
-# by under 2**-20 of an ulp. float16 (no room at all) keeps the blocks' path.
-SUM_FLOOR = {np.float32: np.finfo(np.float32).tiny * 2.0**40, np.float64: np.finfo(np.float64).tiny * 2.0**40}
-# A row summing below this also has its exp(s) v checked (_faint): unshifted, those products lie
-# below v by the sum's factor, so values of ~1e-25 underflowed before the division (out 0 where the
-# textbook gives v). Above it, a product can underflow only where |v| is below ~1e-24 (float32;
-# float64: ~1e-290), and then by under 2**-30 of v (its relative error: S * the smallest
-# denormal / (sum * max |v|)). Not 1: a causal row 0 sums below 1 about half the time, and the
-# check cost ~5-15% of a T=64 problem there; rows summing below 2**-20 (all scores under ~-14) are rare.
-FAINT_SUM = 2.0**-20
+# A bounded row's products exp(s) v must stay above the dtype's smallest normal times this, or
+# they underflow before the division (values of 1e-25 under scores of -50: out 0).
+UNDERFLOW_MARGIN = 2.0**40
+
+Block = tuple[int, int, int, int]  # (b0, b1, t0, t1): key/value items b0:b1, query rows t0:t1
 
 
-class ScoreOverflow(ArithmeticError):
-    """q kᵀ · scale left the dtype's finite range, so the softmax would be meaningless."""
+@dataclass(frozen=True)
+class Plan:
+    """How attention() cuts one problem: shapes only, no arrays. The cost model reads the same
+    plan (count, scores) that the computation runs.
 
-    def __init__(self, dtype: np.dtype):
-        super().__init__(f"q kᵀ · scale overflows {dtype}")
-        self.dtype = dtype
+    Bkv key/value items of groups query heads each, T queries, S keys; blocks of `rows` query rows
+    and `items` key/value items; query t may see key s iff t + lower <= s <= t + upper (None:
+    that side open). reference: the whole problem is one call of reference(), no blocks."""
+
+    Bkv: int
+    groups: int
+    T: int
+    S: int
+    rows: int
+    items: int
+    upper: int | None
+    lower: int | None
+    reference: bool
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Every block, items outer, rows inner: the order the threads take them in."""
+        return [
+            (b0, min(self.Bkv, b0 + self.items), t0, min(self.T, t0 + self.rows))
+            for b0 in range(0, self.Bkv, max(self.items, 1))
+            for t0 in range(0, self.T, max(self.rows, 1))
+        ]
+
+    @property
+    def count(self) -> int:
+        """How many blocks there are (the reference path: one); each costs a few numpy calls
+        beyond its arithmetic, which the cost model counts."""
+        return -(-self.Bkv // max(self.items, 1)) * -(-self.T // max(self.rows, 1))
+
+    @property
+    def scores(self) -> int:
+        """How many scores are computed (and exponentiated): B * T * S on the reference path;
+        in blocks about half under a causal mask and about B * T * min(S, left + right + 1) under
+        a window (plus the block edges)."""
+        if self.reference:
+            return self.Bkv * self.groups * self.T * self.S
+        per_item = 0
+        for t0 in range(0, self.T, max(self.rows, 1)):
+            t1 = min(self.T, t0 + self.rows)
+            lo, hi = _key_range(t0, t1, self.S, self.upper, self.lower)
+            per_item += (t1 - t0) * (hi - lo)
+        return self.Bkv * self.groups * per_item
 
 
-class ResultOverflow(ArithmeticError):
-    """The output (or the weights) holds a value that is not finite in the dtype: a caller must
-    never answer with it. The last line of defence; the core avoids every overflow it can."""
+def plan(
+    B: int,
+    T: int,
+    S: int,
+    dv: int,
+    *,
+    causal: bool | str = False,
+    window: tuple[int, int] | None = None,
+    groups: int = 1,
+    itemsize: int = 4,
+    return_weights: bool = True,
+) -> Plan:
+    """The blocks attention() computes for B items (the product of q's leading axes, heads
+    included) of T queries over S keys, values dv wide, groups query heads per key/value head,
+    in a dtype of itemsize bytes.
 
-    def __init__(self, what: str, dtype: np.dtype):
-        super().__init__(f"{what} is not finite in {dtype}")
-        self.what, self.dtype = what, dtype
+    The rows do not shrink with groups: g matmuls of tn rows each run faster than as many of
+    tn / g rows, even when the block then outgrows the cache. Without weights a block's row also
+    makes dv outputs and a sum, so where v is wider than k is long the rows are counted by dv + 1,
+    and a block's outputs stay O(block) too. A small problem goes to reference() while its scores
+    fit in BLOCK_ELEMENTS float32s' bytes (float64 counts its own bytes: past the cache, one pass
+    runs slower than the blocks)."""
+    upper, lower = bounds(T, S, causal, window)
+    Bkv = B // groups
+    row_out = dv + 1 if dv and not return_weights else 0  # a row's outputs and its sum
+    if lower is None and B * T * max(S, row_out) * max(itemsize, 4) <= 4 * BLOCK_ELEMENTS // SMALL_SHARE:
+        return Plan(Bkv, groups, T, S, T, Bkv, upper, lower, reference=True)
+    tn = BLOCK_ELEMENTS // max(S, row_out, 1)
+    if upper is not None or lower is not None:
+        tn = min(tn, T // CAUSAL_BLOCKS)
+    if upper is not None and lower is not None:
+        tn = min(tn, (upper - lower + 1) // 4)  # a band: a block computes at most ~1.25x the keys its rows see
+    tn = min(T, max(MIN_ROWS, tn))  # query rows per block
+    width = S if upper is None or lower is None else min(S, max(1, tn + upper - lower))  # keys per block, at most
+    nb = min(Bkv, max(1, BLOCK_ELEMENTS // (max(tn, 1) * groups * max(width, row_out, 1))))  # key/value items per block
+    return Plan(Bkv, groups, T, S, tn, nb, upper, lower, reference=False)
 
 
-def _check_finite(what: str, arr: np.ndarray | None) -> None:
-    """Raise ResultOverflow unless every value of arr is finite (one pass, no copy kept)."""
-    if arr is not None and arr.size and not np.isfinite(arr).all():
-        raise ResultOverflow(what, arr.dtype)
+def causal_share(T: int, S: int, causal: bool | str) -> float:
+    """The share of the (T, S) scores a causal mask allows: 1 without one, ~1/2 for T = S."""
+    offset = causal_offset(T, S, causal)
+    if offset is None:
+        return 1.0
+    # Row t sees min(max(t + offset + 1, 0), S) keys; summed in closed form (no arrays: this runs
+    # for every request).
+    return (_clamped_sum(offset + T, S) - _clamped_sum(offset, S)) / (T * S)
+
+
+def _clamped_sum(n: int, S: int) -> int:
+    """sum(min(x, S) for x in 1..n), 0 for n <= 0."""
+    if n <= 0:
+        return 0
+    m = min(n, S)
+    return m * (m + 1) // 2 + (n - m) * S
 
 
 @lru_cache(maxsize=8)
 def _causal_mask(T: int, S: int, align: str) -> np.ndarray:
     offset = causal_offset(T, S, align)
+    assert offset is not None  # align is one of ALIGNMENTS
     mask = np.arange(S)[None, :] <= np.arange(T)[:, None] + offset  # (T, S)
     mask.flags.writeable = False  # shared between requests
     return mask
@@ -116,106 +184,18 @@ def causal_mask(T: int, S: int | None = None, align: str = "top_left") -> np.nda
     return _causal_mask(int(T), int(T if S is None else S), align)
 
 
-def causal_offset(T: int, S: int, causal: bool | str) -> int | None:
-    """Query t may see key s iff s <= t + offset; None when there is no causal mask.
-
-    causal False | True ("top_left": offset 0) | "bottom_right" (offset S - T)."""
-    if not causal:
-        return None
-    align = "top_left" if causal is True else causal
-    if align not in ALIGNMENTS:
-        raise ValueError(f"causal must be False, True or one of {ALIGNMENTS}, not {causal!r}")
-    return 0 if align == "top_left" else S - T
-
-
-def causal_share(T: int, S: int, causal: bool | str) -> float:
-    """The share of the (T, S) scores a causal mask allows: 1 without one, ~1/2 for T = S."""
-    offset = causal_offset(T, S, causal)
-    if offset is None:
-        return 1.0
-    # Row t sees min(max(t + offset + 1, 0), S) keys; summed in closed form (no arrays: this runs
-    # for every request, and numpy's clip over T rows cost ~20 us of a small one).
-    return (_clamped_sum(offset + T, S) - _clamped_sum(offset, S)) / (T * S)
-
-
-def _clamped_sum(n: int, S: int) -> int:
-    """sum(min(x, S) for x in 1..n), 0 for n <= 0."""
-    if n <= 0:
-        return 0
-    m = min(n, S)
-    return m * (m + 1) // 2 + (n - m) * S
-
-
-def _window(window) -> tuple[int, int]:
-    """(left, right) as ints >= -1 (FlashAttention's window_size; -1 leaves that side open)."""
-    try:
-        left, right = window
-    except (TypeError, ValueError):
-        raise ValueError(f"window must be a pair (left, right), not {window!r}") from None
-    if any(isinstance(n, bool) or int(n) != n or n < -1 for n in (left, right)):
-        raise ValueError(f"window values must be integers >= -1, not {window!r}")
-    return int(left), int(right)
-
-
-def _bounds(T: int, S: int, causal: bool | str, window) -> tuple[int | None, int | None]:
-    """(upper, lower): query t may see key s iff t + lower <= s <= t + upper; None leaves a side open.
-
-    causal and window are ANDed. The window is bottom-right aligned as FlashAttention's window_size:
-    t + S - T - left <= s <= t + S - T + right. A side that no row can reach (left >= S - 1,
-    right >= T - 1) is left open, as FlashAttention does, so it costs nothing."""
-    upper, lower = causal_offset(T, S, causal), None
-    if window is not None:
-        left, right = _window(window)
-        if 0 <= right < T - 1:
-            upper = S - T + right if upper is None else min(upper, S - T + right)
-        if 0 <= left < S - 1:
-            lower = S - T - left
-    return upper, lower
-
-
-def _groups(q_shape: tuple, k_shape: tuple, v_shape: tuple, enable_gqa: bool) -> int:
-    """g, the query heads per key/value head: 1, or H / Hkv under enable_gqa (PyTorch's SDPA:
-    query head h reads key/value head h // g)."""
-    if k_shape[:-1] != v_shape[:-1]:
-        raise ValueError(f"k {k_shape} and v {v_shape} must agree but for their last axis")
-    if not enable_gqa:
-        if k_shape[:-2] != q_shape[:-2]:
-            raise ValueError(
-                f"q {q_shape} and k {k_shape} have different leading axes (fewer key/value heads than query heads need enable_gqa)"
-            )
-        return 1
-    if len(q_shape) < 3 or len(k_shape) != len(q_shape) or k_shape[:-3] != q_shape[:-3]:
-        raise ValueError(f"enable_gqa needs q {q_shape} and k {k_shape} of rank >= 3 and equal but for the heads axis -3")
-    H, Hkv = q_shape[-3], k_shape[-3]
-    if Hkv < 1 or H % Hkv:
-        raise ValueError(f"enable_gqa: {Hkv} key/value heads must divide {H} query heads")
-    return max(1, H // Hkv)
-
-
 @lru_cache(maxsize=64)
 def _band(rows: int, cols: int, shift: int, below: bool = False, key_major: bool = False) -> np.ndarray:
     """Boolean (rows, cols), True where column c lies past row r's diagonal: c > r + shift (or,
     below, before it: c < r + shift). The causal mask or window edge of one block's partly
     visible keys; a handful of shapes per request size. key_major: stored (cols, rows), the layout
-    of key-major scores (np.copyto runs ~1.5x faster when the mask's layout is the scores')."""
+    of key-major scores (np.copyto runs faster when the mask's layout is the scores')."""
     c, r = np.arange(cols)[None, :], np.arange(rows)[:, None] + shift
     band = c < r if below else c > r  # (rows, cols)
     if key_major:
         band = np.ascontiguousarray(band.T).T  # (rows, cols), a view of (cols, rows)
     band.flags.writeable = False
     return band
-
-
-@lru_cache(maxsize=16)
-def _keep(rows: int, cols: int, shift: int, dtype: np.dtype) -> np.ndarray:
-    """(rows, cols) in dtype: 0 where column c lies past row r's diagonal (c > r + shift), +inf
-    elsewhere. np.fmin(e, keep) sets the masked entries of exp'd scores to exactly 0, whatever
-    they held (inf and NaN included), and keeps the others: one contiguous pass over whole rows,
-    ~0.4-0.9x the time of np.copyto with the boolean band (T=64-256, float32 and float64). A whole
-    small problem's (T, S), at most 2 MiB: fewer cached than the blocks' bands."""
-    keep = np.where(np.arange(cols)[None, :] > np.arange(rows)[:, None] + shift, 0, np.inf).astype(dtype)
-    keep.flags.writeable = False
-    return keep
 
 
 @lru_cache(maxsize=8)
@@ -272,178 +252,191 @@ def attention(
     *lead, T, d = q.shape
     S, dv = k.shape[-2], v.shape[-1]
     B = math.prod(lead)
-    g = _groups(q.shape, k.shape, v.shape, enable_gqa)
+    g = groups(q.shape, k.shape, v.shape, enable_gqa)
     if average_weights and q.ndim < 3:
         raise ValueError("average_weights needs q of rank >= 3 (the heads axis -3)")
     dtype = np.result_type(q, k, v, np.float16)  # float32 stays float32; integers become float64
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    upper, lower = _bounds(T, S, causal, window)
+    p = plan(B, T, S, dv, causal=causal, window=window, groups=g, itemsize=dtype.itemsize, return_weights=return_weights)
+    if p.reference:
+        return reference(
+            q,
+            k,
+            v,
+            mask,
+            causal=causal,
+            key_lengths=key_lengths,
+            scale=scale,
+            return_weights=return_weights,
+            enable_gqa=enable_gqa,
+            window=window,
+            bias=bias,
+            alibi_slopes=alibi_slopes,
+            average_weights=average_weights,
+        )
+    masks = _Masks(lead, g, T, S, mask, key_lengths, p.upper, p.lower, bias, alibi_slopes, dtype)
+    ops = _operands(p, q, k, v, masks, dtype, 1.0 / math.sqrt(d) if scale is None else scale, return_weights)
+    # A block's scores (with weights: in the weights instead) and, without weights, its row sums.
+    scratch_size = 0 if return_weights else p.items * g * p.rows * (masks.widest(p.rows) + 1)
 
-    qd = np.asarray(q, dtype).reshape(B // g, g, T, d)  # (Bkv, g, T, d), q itself where it is in dtype
-    kt = np.swapaxes(np.asarray(k, dtype).reshape(B // g, 1, S, d), -1, -2)  # (Bkv, 1, d, S), a view
-    masks = _Masks(lead, g, T, S, mask, key_lengths, upper, lower, bias, alibi_slopes, dtype)
-    vd = np.ascontiguousarray(v, dtype).reshape(B // g, 1, S, dv)  # (Bkv, 1, S, dv): v itself where it is contiguous
-
-    out = np.empty((B // g, g, T, dv), dtype)
-    weights = np.empty((B // g, g, T, S), dtype) if return_weights else None
-    tn, nb = _plan(
-        B // g, T, S, upper, lower, g, 0 if return_weights else dv, dtype.itemsize
-    )  # without weights a row also makes dv outputs
-    if tn == T and nb == B // g and B * T and dtype.type in SUM_FLOOR:  # a small problem: one block, tried unshifted
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # what overflows is found per row
-            _block(qd, kt, vd, out, weights, None, masks, None, None, None, dtype.type(scale), 0, B // g, 0, T)
-        return _shaped(out, weights, lead, average_weights)
-    blocks = [(b0, min(B // g, b0 + nb), t0, min(T, t0 + tn)) for b0 in range(0, B // g, nb) for t0 in range(0, T, tn)]
-    one = len(blocks) == 1  # a small float16 problem: its scores are in the scratch, key-major, even with weights
-    # A block row's scores (with weights and several blocks: in the weights instead) and, without weights, its sum.
-    scratch_size = nb * g * tn * ((masks.widest(tn) if one or not return_weights else 0) + (0 if return_weights else 1))
-
-    with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
-        # Each row's largest |v_s| over the keys it may see (the causal band, the window), bounded by
-        # |v_s| (the 2-norm: max |v_s| <= |v_s| <= sqrt(dv) max |v_s|): what a row's choices below depend
-        # on, so that values past its diagonal change none of its bits. A norm by einsum, as k's: a max
-        # along v's short last axis ran ~15x slower (T=512: 1.25 ms). inf where v_s · v_s overflows.
-        v3 = vd[:, 0]  # (Bkv, S, dv)
-        v_key = np.sqrt(np.einsum("bsd,bsd->bs", v3, v3))  # (Bkv, S)
-        v_reach = _reach(v_key, T, upper, lower)  # (Bkv, T)
-        # One block (a small float16 problem): every row subtracts its maximum; bounding the scores would
-        # cost more numpy calls than the two passes over the block it can save.
-        bound = None if one else _small_scores(qd, kt, upper, lower, masks, v_reach / math.sqrt(max(dv, 1)), v_reach, scale)
-        # Beyond this, S * max|v| may overflow: such a row's exp(s - max) must be normalised before the sum.
-        big_v = (v_reach * S > np.finfo(dtype).max / 4)[:, None, :, None]  # (Bkv, 1, T, 1)
-    # The blocks take exp2, the same softmax in base 2 (numpy's exp2 runs ~0.6x exp's time, float32
-    # and float64 alike, as exact): a row whose scores are provably small carries log2(e) in its
-    # scale; any other row keeps its scores, ScoreOverflow included, and scales s - max (<= 0) by
-    # log2(e) in its block. Each row's choice is its own (the past keeps its bits whatever the
-    # future holds). One block, a bias or ALiBi, or float16 (no row is ever bounded): exp, as the textbook.
-    exp = np.exp if bound is None or masks.biased or not EXP_SAFE.get(dtype.type) else np.exp2
-    # The scale is folded into each block's rows of q as the block starts (no (B, T, d) copy in the
-    # setup, which runs before the threads share the blocks): a scalar, or (Bkv, g, T, 1) where
-    # the rows differ.
-    row_scale = dtype.type(scale)
-    if exp is np.exp2 and bound.all():
-        row_scale = dtype.type(scale * LOG2_E)
-    elif exp is np.exp2 and bound.any():
-        row_scale = np.where(bound, scale * LOG2_E, scale).astype(dtype)
-
-    def compute(todo) -> None:  # the blocks todo yields, with this thread's own scratch
+    def compute(todo: Iterator[Block]) -> None:  # the blocks todo yields, with this thread's own scratch
         scratch = np.empty(scratch_size, dtype) if scratch_size else None
         with np.errstate(over="ignore", invalid="ignore"):  # per thread: numpy's error state is not inherited
-            for b0, b1, t0, t1 in todo:
-                _block(qd, kt, vd, out, weights, scratch, masks, bound, big_v, exp, row_scale, b0, b1, t0, t1)
-                # Checked while the block is in the cache: one pass over all the weights afterwards
-                # took ~15% of T=1024's compute, on one thread however many computed the blocks.
-                _check_finite("out", out[b0:b1, :, t0:t1])
-                _check_finite("weights", None if weights is None else weights[b0:b1, :, t0:t1])
+            for block in todo:
+                _block(ops, scratch, block)
+                b0, b1, t0, t1 = block  # checked while the block is in the cache
+                check_finite("out", ops.out[b0:b1, :, t0:t1])
+                check_finite("weights", None if ops.weights is None else ops.weights[b0:b1, :, t0:t1])
 
-    _share(compute, blocks, threads, pool)
-    return _shaped(out, weights, lead, average_weights)
+    _share(compute, p.blocks, threads, pool)
+    return _shaped(ops.out, ops.weights, lead, average_weights)
+
+
+@dataclass(frozen=True)
+class _Operands:
+    """What every block of one call reads and writes, made once before the blocks are shared.
+
+    q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv); out (Bkv, g, T, dv) and
+    weights (Bkv, g, T, S) or None; bound (Bkv, g, T, 1) True where a row's scores are provably
+    small (no max subtracted); big_v (Bkv, 1, T, 1) True where S * max |v| may overflow (that
+    row's exp(s) is normalised before the matmul); exp np.exp, or np.exp2 where row_scale
+    (0-d or (Bkv, g, T, 1)) carries log2(e)."""
+
+    q: np.ndarray
+    kt: np.ndarray
+    v: np.ndarray
+    out: np.ndarray
+    weights: np.ndarray | None
+    masks: _Masks
+    bound: np.ndarray
+    big_v: np.ndarray
+    exp: Callable
+    row_scale: np.ndarray  # 0-d, or (Bkv, g, T, 1)
+
+
+def _operands(p: Plan, q, k, v, masks: _Masks, dtype: np.dtype, scale: float, return_weights: bool) -> _Operands:
+    """The inputs in the blocks' layout, the outputs, and each row's choices (bound, big_v, its
+    scale). Every choice is made per row from that row's own inputs over the keys it may see, so
+    that values past its diagonal change none of its bits."""
+    Bkv, g, T, S = p.Bkv, p.groups, p.T, p.S
+    d, dv = q.shape[-1], v.shape[-1]
+    qd = np.asarray(q, dtype).reshape(Bkv, g, T, d)  # (..., T, d) -> (Bkv, g, T, d), q itself where it is in dtype
+    kt = np.swapaxes(np.asarray(k, dtype).reshape(Bkv, 1, S, d), -1, -2)  # (..., S, d) -> (Bkv, 1, d, S), a view
+    vd = np.ascontiguousarray(v, dtype).reshape(Bkv, 1, S, dv)  # (..., S, dv) -> (Bkv, 1, S, dv)
+    out = np.empty((Bkv, g, T, dv), dtype)
+    weights = np.empty((Bkv, g, T, S), dtype) if return_weights else None
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
+        # Each row's largest |v_s| over the keys it may see, bounded by |v_s| (the 2-norm:
+        # max |v_s| <= |v_s| <= sqrt(dv) max |v_s|), by einsum: a max along v's short last axis
+        # runs far slower. inf where v_s · v_s overflows.
+        v3 = vd[:, 0]  # (Bkv, S, dv)
+        v_reach = _reach(np.sqrt(np.einsum("bsd,bsd->bs", v3, v3)), T, p.upper, p.lower)  # (Bkv, T)
+        bound = _bounded_rows(qd, kt, p.upper, p.lower, masks, v_reach / math.sqrt(max(dv, 1)), v_reach, scale)
+        big_v = (v_reach * S > np.finfo(dtype).max / 4)[:, None, :, None]  # (Bkv, T) -> (Bkv, 1, T, 1)
+    # A bounded row takes exp2, the same softmax in base 2 and as exact, with log2(e) in its scale;
+    # any other row scales s - max (<= 0) by log2(e) in its block. A bias or ALiBi, or float16 (no
+    # row is ever bounded): exp, as the textbook. The scale is folded into each block's rows of q
+    # as the block starts (no (B, T, d) copy before the threads share the blocks).
+    exp = np.exp if masks.biased or not EXP_SAFE.get(dtype.type) else np.exp2
+    row_scale = np.asarray(scale, dtype)
+    if exp is np.exp2 and bound.all():
+        row_scale = np.asarray(scale * LOG2_E, dtype)
+    elif exp is np.exp2 and bound.any():
+        row_scale = np.where(bound, scale * LOG2_E, scale).astype(dtype)  # (Bkv, g, T, 1)
+    return _Operands(qd, kt, vd, out, weights, masks, bound, big_v, exp, row_scale)
 
 
 def _shaped(out: np.ndarray, weights: np.ndarray | None, lead: list, average_weights: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """out (Bkv, g, T, dv) and weights (Bkv, g, T, S) as (..., T, dv) and (..., T, S), or the
     weights' mean over the heads axis -3 when average_weights."""
-    out = out.reshape(*lead, *out.shape[-2:])
+    out = out.reshape(*lead, *out.shape[-2:])  # (Bkv, g, T, dv) -> (..., T, dv)
     if weights is None:
         return out, None
-    weights = weights.reshape(*lead, *weights.shape[-2:])
+    weights = weights.reshape(*lead, *weights.shape[-2:])  # (Bkv, g, T, S) -> (..., T, S)
     return out, (weights.mean(axis=-3) if average_weights else weights)
 
 
-def _share(compute: Callable[[Iterator], None], blocks: list, threads: int, pool: Executor | None) -> None:
-    """compute(todo) over every block, on up to `threads` threads at once: the caller's and
-    threads - 1 tasks on pool. Each thread takes the next block from one shared queue, in order,
-    so a causal mask's heavier late rows are balanced as they come; blocks write disjoint parts
-    of the outputs, and each is computed exactly as on one thread. The first error stops the
-    others at their next block and is raised here."""
-    threads = min(threads, len(blocks))
-    if threads <= 1:
-        compute(iter(blocks))
+def _block(ops: _Operands, scratch: np.ndarray | None, block: Block) -> None:
+    """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
+    written into ops.out (and ops.weights); scratch holds the scores without weights."""
+    b0, b1, t0, t1 = block
+    lo, hi = ops.masks.keys(t0, t1, ops.kt.shape[-1])
+    o = ops.out[b0:b1, :, t0:t1]  # (nb, g, tn, dv), a view
+    if ops.weights is not None:
+        ops.weights[b0:b1, :, t0:t1, :lo] = 0
+        ops.weights[b0:b1, :, t0:t1, hi:] = 0
+    if hi == lo:  # no row of this block may see any key
+        o[...] = 0
         return
-    lock, queue, errors = threading.Lock(), iter(blocks), []
-
-    def todo() -> Iterator:
-        while True:
-            with lock:
-                block = None if errors else next(queue, None)
-            if block is None:
-                return
-            yield block
-
-    def task() -> None:
-        try:
-            compute(todo())
-        except BaseException as exc:  # raised again below, in the caller's thread
-            with lock:
-                errors.append(exc)
-
-    own = pool is None
-    pool = ThreadPoolExecutor(threads - 1) if own else pool
-    try:
-        tasks = [pool.submit(task) for _ in range(threads - 1)]
-        task()
-        for t in tasks:
-            if not t.cancel():  # one still queued behind another caller's work has nothing left to do
-                t.result()
-    finally:
-        if own:
-            pool.shutdown()
-    if errors:
-        raise errors[0]
+    s, st = _scores(ops, scratch, block, lo, hi)
+    _exponentiate(ops, s, block, lo, hi)
+    if ops.weights is not None:
+        _normalise_then_v(s, ops.v[b0:b1, :, lo:hi], o)
+    else:
+        assert scratch is not None and st is not None  # without weights the scores are in the scratch
+        nb, g, tn = b1 - b0, ops.q.shape[1], t1 - t0
+        total = scratch[-nb * g * tn :].reshape(nb, g, tn)
+        np.matmul(_ones(ops.kt.shape[-1], s.dtype)[: hi - lo], st, out=total)  # (nb, g, tn) row sums of the key-major scores, a GEMV
+        _v_then_normalise(s, total[..., None], ops.v[b0:b1, :, lo:hi], ops.big_v[b0:b1, :, t0:t1], o)
 
 
-def _plan(
-    Bkv: int, T: int, S: int, upper: int | None, lower: int | None = None, g: int = 1, dv: int = 0, itemsize: int = 4
-) -> tuple[int, int]:
-    """(tn, nb): the query rows and key/value items (of g query heads each) of one block.
-
-    The rows do not shrink with g: g matmuls of tn rows each run faster than 4x as many of tn / 4
-    rows (measured at T=4096, g=4: 0.8x the time), even when the block then outgrows the cache.
-    dv (the no-weights path only): a block's row also makes dv outputs and a sum, so where v is
-    wider than k is long the rows are counted by dv + 1, and a block's outputs stay O(block) too
-    (S=1, dv=2048: sized by S alone, one block was the whole (B, T, dv) output). A small problem
-    is one block while its scores fit in BLOCK_ELEMENTS float32s' bytes (itemsize, the dtype's):
-    float64 at T=256 over 8 heads (4 MiB, past the L2 cache) ran ~1.2x slower as one block than
-    as 16-row blocks without weights."""
-    row_out = dv + 1 if dv else 0  # a row's outputs and its sum
-    if lower is None and Bkv * g * T * max(S, row_out) * max(itemsize, 4) <= 4 * BLOCK_ELEMENTS // SMALL_SHARE:
-        return T, Bkv  # small: one block
-    tn = BLOCK_ELEMENTS // max(S, row_out)
-    if upper is not None or lower is not None:
-        tn = min(tn, T // CAUSAL_BLOCKS)
-    if upper is not None and lower is not None:
-        tn = min(tn, (upper - lower + 1) // 4)  # a band: a block computes at most ~1.25x the keys its rows see
-    tn = min(T, max(MIN_ROWS, tn))  # query rows per block
-    width = S if upper is None or lower is None else min(S, max(1, tn + upper - lower))  # keys per block, at most
-    nb = min(Bkv, max(1, BLOCK_ELEMENTS // (tn * g * max(width, row_out))))  # key/value items per block
-    return tn, nb
+def _scores(ops: _Operands, scratch: np.ndarray | None, block: Block, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The block's scaled scores s (nb, g, tn, keys), and st, the same memory key-major
+    (nb, g, keys, tn), when they are in the scratch (no weights): there OpenBLAS computes k qᵀ
+    faster than q kᵀ, and the row sums are one GEMV over it. With weights, s is the weights' own
+    memory and st None."""
+    b0, b1, t0, t1 = block
+    nb, g, tn = b1 - b0, ops.q.shape[1], t1 - t0
+    row_scale = ops.row_scale if ops.row_scale.ndim == 0 else ops.row_scale[b0:b1, :, t0:t1]
+    qs = ops.q[b0:b1, :, t0:t1] * row_scale  # (nb, g, tn, d) scaled
+    kt = ops.kt[b0:b1, :, :, lo:hi]  # (nb, 1, d, keys); g shares k
+    if ops.weights is None:
+        assert scratch is not None
+        st = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, hi - lo, tn)
+        np.matmul(np.swapaxes(kt, -1, -2), np.swapaxes(qs, -1, -2), out=st)  # (nb, g, keys, tn)
+        s = np.swapaxes(st, -1, -2)  # (nb, g, tn, keys), a view
+    else:
+        st, s = None, ops.weights[b0:b1, :, t0:t1, lo:hi]  # (nb, g, tn, keys)
+        np.matmul(qs, kt, out=s)
+    ops.masks.add(s, b0, b1, t0, t1, lo, hi)  # bias and ALiBi, if any
+    ops.masks.apply(s, b0, b1, t0, t1, lo, hi)
+    return s, st
 
 
-def block_count(
-    B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, groups: int = 1, itemsize: int = 4
-) -> int:
-    """How many blocks attention() computes for B batch items (the product of the leading axes),
-    groups query heads per key/value head: each costs a few numpy calls beyond its arithmetic,
-    which the cost model counts. (Counted for the weights path: without weights and with v wider
-    than S, the core runs more, smaller blocks; the cost model was fitted with this count.)
-    itemsize: the compute dtype's (float64: 8), which bounds a small problem's one block."""
-    upper, lower = _bounds(T, S, causal, window)
-    tn, nb = _plan(B // groups, T, S, upper, lower, groups, itemsize=itemsize)
-    return math.ceil(B // groups / nb) * math.ceil(T / tn)
+def _exponentiate(ops: _Operands, s: np.ndarray, block: Block, lo: int, hi: int) -> None:
+    """s (nb, g, tn, keys) -> exp(s - shift) in place, shift the row's max or, for a bounded
+    row, 0; in base 2 where ops.exp is exp2 (a bounded row's scale already carries log2(e))."""
+    b0, b1, t0, t1 = block
+    bound = ops.bound[b0:b1, :, t0:t1]  # (nb, g, tn, 1)
+    shift = _shift(s, bound, ops.masks, b0, b1, t0, t1)
+    if shift is not None:
+        np.subtract(s, shift, out=s)
+        if ops.exp is np.exp2:  # the shifted rows to base 2; a bounded row is already (times 1, exact)
+            np.multiply(s, np.where(bound, 1, LOG2_E).astype(s.dtype), out=s)
+    ops.exp(s, out=s)  # exp(-inf) = exp2(-inf) = 0 exactly: masked weights are 0
 
 
-def score_count(B: int, T: int, S: int, causal: bool | str = False, *, window: tuple[int, int] | None = None, itemsize: int = 4) -> int:
-    """How many scores attention() computes (and exponentiates) for B batch items: B * T * S
-    without a mask, about half under a causal mask, about B * T * min(S, left + right + 1) under
-    a window (plus the block edges). The work the cost model can count. itemsize as in block_count."""
-    upper, lower = _bounds(T, S, causal, window)
-    tn, _ = _plan(B, T, S, upper, lower, itemsize=itemsize)
-    total = 0
-    for t0 in range(0, T, tn):
-        t1 = min(T, t0 + tn)
-        lo, hi = _key_range(t0, t1, S, upper, lower)
-        total += (t1 - t0) * (hi - lo)
-    return B * total
+def _normalise_then_v(e: np.ndarray, v: np.ndarray, o: np.ndarray) -> None:
+    """e (nb, g, tn, keys) exp'd scores, in the weights: weights = e / its row sums, in place,
+    then o (nb, g, tn, dv) = weights v, v (nb, 1, keys, dv). Normalised first, so
+    sum_s w_s v_s <= max |v| stays finite."""
+    total = e.sum(axis=-1, keepdims=True)  # (nb, g, tn, 1), pairwise: rows sum to 1 within an ulp or two
+    total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
+    np.divide(e, total, out=e)
+    np.matmul(e, v, out=o)
+
+
+def _v_then_normalise(e: np.ndarray, total: np.ndarray, v: np.ndarray, big: np.ndarray, o: np.ndarray) -> None:
+    """o (nb, g, tn, dv) = (e v) / total: e (nb, g, tn, keys) exp'd scores, total (nb, g, tn, 1)
+    their row sums, v (nb, 1, keys, dv); T * dv divisions, not T * S. A row that big
+    (nb, 1, tn, 1) marks, whose S * max |v| may overflow, is normalised first instead."""
+    total[total == 0] = 1  # a row with no allowed key: its output stays exactly 0
+    if big.any():  # each row its own way
+        np.divide(e, np.where(big, total, 1), out=e)
+        np.matmul(e, v, out=o)
+        np.divide(o, np.where(big, 1, total), out=o)
+        return
+    np.matmul(e, v, out=o)  # (nb, g, tn, dv)
+    np.divide(o, total, out=o)
 
 
 def _range_max(x: np.ndarray, start: np.ndarray, width: int) -> np.ndarray:
@@ -473,6 +466,7 @@ def _reach(x: np.ndarray, T: int, upper: int | None, lower: int | None) -> np.nd
         return np.broadcast_to(x.max(axis=-1, keepdims=True), (Bkv, T))
     t = np.arange(T)
     if lower is None:
+        assert upper is not None
         seen_max = np.maximum.accumulate(x, axis=-1)  # (Bkv, S): max x over s' <= s
         return seen_max[:, np.clip(t + upper, 0, S - 1)]  # over the keys up to the last row t may see
     if upper is None:
@@ -481,7 +475,7 @@ def _reach(x: np.ndarray, T: int, upper: int | None, lower: int | None) -> np.nd
     return _range_max(x, t + lower, upper - lower + 1)  # over row t's window
 
 
-def _small_scores(
+def _bounded_rows(
     q: np.ndarray,
     kt: np.ndarray,
     upper: int | None,
@@ -499,10 +493,9 @@ def _small_scores(
     Such a row is exponentiated unshifted and exp(s) v summed before it is normalised, so the
     limit is EXP_SAFE, lowered where the values are large: the sum over S keys of exp(s) |v| must
     stay finite, e**limit * S * max(1, max|v|) < the dtype's maximum; and where they are small:
-    exp(-limit) max|v| must stay above the dtype's smallest normal times 2**40 (as SUM_FLOOR), or
-    the products exp(s) v underflow before the division (values of 1e-25 under scores of -50:
-    out 0). v_least <= max |v| <= v_most, (Bkv, T), over the keys row t may see (None: 1).
-    q (Bkv, g, T, d) unscaled: |q_t · scale| is |q_t| |scale|."""
+    exp(-limit) max|v| must stay above the dtype's smallest normal times UNDERFLOW_MARGIN.
+    v_least <= max |v| <= v_most, (Bkv, T), over the keys row t may see (None: 1).
+    q (Bkv, g, T, d) unscaled: |q_t · scale| is |q_t| |scale|; kt (Bkv, 1, d, S)."""
     Bkv, g, T, d = q.shape
     if masks is not None and masks.biased:
         return np.zeros((Bkv, g, T, 1), bool)
@@ -511,10 +504,10 @@ def _small_scores(
     most = np.ones((Bkv, T)) if v_most is None else v_most.astype(np.float64)  # (Bkv, T)
     least = np.ones((Bkv, T)) if v_least is None else v_least.astype(np.float64)
     room = math.log(float(info.max)) - 1.0 - np.log(max(S, 1) * np.maximum(most, 1.0))
-    floor = math.log(float(info.tiny) * 2.0**40)
+    floor = math.log(float(info.tiny) * UNDERFLOW_MARGIN)
     room_below = np.log(np.maximum(least, np.finfo(np.float64).tiny)) - floor  # v of 0: ~-700, never small
     limit = np.minimum(EXP_SAFE.get(q.dtype.type, 0.0), np.minimum(room, room_below))[:, None]  # (Bkv, 1, T); negative: never small
-    q3 = q.reshape(Bkv * g, T, d)
+    q3 = q.reshape(Bkv * g, T, d)  # (Bkv, g, T, d) -> (Bkv * g, T, d)
     q_norm = np.sqrt(np.einsum("btd,btd->bt", q3, q3)).reshape(Bkv, g, T) * abs(scale)  # inf if it overflows: no shortcut
     k3 = kt[:, 0]  # (Bkv, d, S)
     k_norm = np.sqrt(np.einsum("bds,bds->bs", k3, k3))  # (Bkv, S)
@@ -612,9 +605,7 @@ class _Masks:
         key_major = scores.ndim > 1 and scores.strides[-1] > scores.strides[-2]  # (..., tn, keys) viewing (..., keys, tn)
         if self.upper is not None:  # keys from t0 + upper + 1 on are past some row's diagonal
             start = max(lo, t0 + self.upper + 1)
-            if start < hi and fill == 0 and scores.dtype.kind == "f" and not key_major:  # exp'd scores (the small path)
-                np.fmin(scores, _keep(rows, hi - lo, t0 + self.upper - lo, scores.dtype), out=scores)  # whole rows: one contiguous pass
-            elif start < hi:
+            if start < hi:
                 band = _band(rows, hi - start, t0 + self.upper - start, key_major=key_major)
                 np.copyto(scores[..., start - lo :], fill, where=band)
         if self.lower is not None:  # keys before t1 - 1 + lower are before some row's window
@@ -632,172 +623,7 @@ class _Masks:
         lo, hi = self.keys(t0, t1, self.S)
         allowed = np.ones((b1 - b0, self.g, t1 - t0, hi - lo), bool)  # keys outside lo:hi are masked for every row
         self.apply(allowed, b0, b1, t0, t1, lo, hi, fill=False)
-        return allowed.any(axis=-1, keepdims=True)
-
-
-def _block(q, kt, v, out, weights, scratch, masks: _Masks, bound, big_v, exp, row_scale, b0, b1, t0, t1) -> None:
-    """Attention for key/value items b0:b1 (all their g query heads) and query rows t0:t1,
-    written into out (and weights). q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv);
-    big_v (Bkv, 1, T, 1) True where S * max |v| may overflow (then that row's exp(s) is normalised before the matmul);
-    exp np.exp, or np.exp2 where row_scale (a scalar or (Bkv, g, T, 1)) carries log2(e); or None
-    for a small problem's one block (all items and rows; row_scale the scale): _small_block. Every
-    block, that one too, is one call of this function (the cost model counts them: block_count)."""
-    if exp is None:  # a small problem's one block: attention() passes the scale as row_scale
-        _small_block(q, kt, v, out, weights, masks, row_scale)
-        return
-    S = kt.shape[-1]
-    lo, hi = masks.keys(t0, t1, S)
-    o = out[b0:b1, :, t0:t1]  # (nb, g, tn, dv), a view
-    if hi == lo:  # no row of this block may see any key
-        o[...] = 0
-        if weights is not None:
-            weights[b0:b1, :, t0:t1] = 0
-        return
-    nb, g, tn = b1 - b0, q.shape[1], t1 - t0
-    qs = q[b0:b1, :, t0:t1] * (row_scale if np.ndim(row_scale) == 0 else row_scale[b0:b1, :, t0:t1])  # (nb, g, tn, d) scaled
-    if weights is not None:
-        weights[b0:b1, :, t0:t1, :lo] = 0
-        weights[b0:b1, :, t0:t1, hi:] = 0
-    if bound is None or weights is None:  # the scores in the scratch are stored key-major, (nb, g, keys, tn)
-        # One block (float16; float32 and 64 take _small_block): numpy's max (and sum) along a short axis runs ~3x slower than
-        # across rows (T=64: ~60 us of the block's ~250); stored transposed, the max of a row is a
-        # reduction across rows. Large blocks: OpenBLAS computes k qᵀ, (keys, tn), ~0.85x the time
-        # of q kᵀ (tn, keys), and reads the transposed operands in place (bench/README.md).
-        st = scratch[: nb * g * tn * (hi - lo)].reshape(nb, g, hi - lo, tn)
-        np.matmul(np.swapaxes(kt[b0:b1, :, :, lo:hi], -1, -2), np.swapaxes(qs, -1, -2), out=st)
-        s = np.swapaxes(st, -1, -2)  # (nb, g, tn, keys) scaled scores, a view
-    else:
-        s = weights[b0:b1, :, t0:t1, lo:hi]  # (nb, g, tn, keys): the weights' own memory is the buffer
-        np.matmul(qs, kt[b0:b1, :, :, lo:hi], out=s)  # (nb, g, tn, keys) scaled scores; g shares k
-    masks.add(s, b0, b1, t0, t1, lo, hi)  # bias and ALiBi, if any
-    masks.apply(s, b0, b1, t0, t1, lo, hi)
-    shift = _shift(s, None if bound is None else bound[b0:b1, :, t0:t1], masks, b0, b1, t0, t1)
-    if shift is not None:
-        np.subtract(s, shift, out=s)
-        if exp is np.exp2:  # the shifted rows to base 2; a bounded row is already (times 1, exact)
-            np.multiply(s, np.where(bound[b0:b1, :, t0:t1], 1, LOG2_E).astype(s.dtype), out=s)
-    exp(s, out=s)  # exp(-inf) = exp2(-inf) = 0 exactly: masked weights are 0
-    if weights is not None:  # normalise first: sum_s w_s v_s <= max |v| stays finite
-        total = s.sum(axis=-1, keepdims=True)  # (nb, g, tn, 1), pairwise: rows sum to 1 within an ulp or two
-        total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
-        w = s if weights is None else weights[b0:b1, :, t0:t1, lo:hi]  # the same memory but for one block
-        np.divide(s, total, out=w)
-        np.matmul(w, v[b0:b1, :, lo:hi], out=o)
-    else:  # exp(s) v into out, then each row divided by its sum
-        # A column of ones beside v gave the sums in the same matmul, but BLAS runs dv + 1 = 65
-        # columns ~10-15% slower than 64: the sums as 1 @ exp(sᵀ) (a GEMV) cost less, and v needs no copy.
-        total = scratch[-nb * g * tn :].reshape(nb, g, tn)
-        np.matmul(_ones(S, s.dtype)[: hi - lo], st, out=total)  # (nb, g, tn) row sums of the key-major scores
-        total = total[..., None]  # (nb, g, tn, 1)
-        total[total == 0] = 1
-        big = big_v[b0:b1, :, t0:t1]  # (nb, 1, tn, 1): rows whose S * max |v| may overflow
-        if big.any():  # those rows normalised first (sum_s w_s v_s <= max |v| stays finite), each row its own way
-            np.divide(s, np.where(big, total, 1), out=s)
-            np.matmul(s, v[b0:b1, :, lo:hi], out=o)
-            np.divide(o, np.where(big, 1, total), out=o)
-            return
-        np.matmul(s, v[b0:b1, :, lo:hi], out=o)  # (nb, g, tn, dv)
-        np.divide(o, total, out=o)
-
-
-def _small_block(q, kt, v, out, weights, masks: _Masks, scale) -> None:
-    """A small problem's one block: every item and row of q (Bkv, g, T, d), kt (Bkv, 1, d, S),
-    v (Bkv, 1, S, dv) into out (Bkv, g, T, dv) and weights (Bkv, g, T, S) or None, in the fewest
-    numpy calls (the caller's errstate ignores over, invalid and divide).
-
-    Every row is first exponentiated unshifted (numpy's cost per call, not arithmetic, is what a
-    small problem pays; the max and its subtraction were two of its passes): scores row-major,
-    q kᵀ (k qᵀ key-major made p v a TN product, ~2x slower at 64x64), over a scaled copy of kᵀ up to
-    COPY_KEYS keys (OpenBLAS's NN product, ~0.8x the NT one at 64 keys, more than pays for the copy;
-    from 128 keys on, not), else over q's scaled copy; base 2 with log2(e) folded into q's scale (exp2 runs ~0.6x exp's time; a bias or ALiBi keeps
-    base e); the mask applied after exp as exact zeros (exp of -inf runs ~3-5x slower than of a
-    finite score); the row sums by a GEMV. A row keeps that result when its sum lies in
-    [SUM_FLOOR, finite), its output is finite and, where the sum is below FAINT_SUM, its exp(s) v
-    (out times the sum) is above SUM_FLOOR at its largest: then no term overflowed and the terms (and
-    products exp(s) v) that underflowed cannot matter. Any other row (scores too large or too small, values that
-    overflow, no key at all) is computed again as the textbook does, in _small_shifted; the
-    choice depends on the row's own inputs only, so a row keeps its bits whatever the others hold."""
-    Bkv, g, T, _ = q.shape
-    lo, hi = masks.keys(0, T, kt.shape[-1])  # lo is 0: a small problem has no window left edge
-    if weights is not None:
-        weights[..., :lo] = 0
-        weights[..., hi:] = 0
-    if hi == lo:  # no row may see any key
-        out[...] = 0
-        return
-    dtype = q.dtype
-    c = scale if masks.biased else dtype.type(scale * LOG2_E)
-    s = np.empty((Bkv, g, T, hi - lo), dtype) if weights is None else weights[..., lo:hi]
-    overflows = None  # (Bkv, g, T, 1): rows whose q · scale overflows, where the textbook (scaling q first) raises
-    if hi - lo <= min(T, COPY_KEYS):  # k's scaled copy, no larger than q's, and an NN product
-        np.matmul(q, np.multiply(kt[..., lo:hi], c, out=np.empty(kt[..., lo:hi].shape, dtype)), out=s)
-        if abs(scale) > 1:  # (never with scale <= 1)
-            overflows = ~np.isfinite(q * scale).all(axis=-1, keepdims=True)
-    else:
-        np.matmul(q * c, kt[..., lo:hi], out=s)  # (Bkv, g, T, keys) scaled scores; g shares k
-    masks.add(s, 0, Bkv, 0, T, lo, hi)  # bias and ALiBi, if any
-    (np.exp if masks.biased else np.exp2)(s, out=s)
-    masks.apply(s, 0, Bkv, 0, T, lo, hi, fill=0)  # masked weights exactly 0, whatever their score was
-    total = np.matmul(s, _ones(hi - lo, dtype))[..., None]  # (Bkv, g, T, 1) row sums
-    # exp(s) v before the division, also with weights: a row whose sum of exp(s) |v| would overflow
-    # (values near the dtype's limit) is then found here and takes the textbook path below
-    np.matmul(s, v[..., lo:hi, :], out=out)
-    np.divide(out, total, out=out)
-    if weights is not None:
-        np.divide(s, total, out=s)
-    floor = SUM_FLOOR[dtype.type]
-    least = total.min()  # NaN where some row's is: NaN fails every test
-    # Below FAINT_SUM, exp(s) v lies far below v: products of tiny values (1e-25) may have underflowed
-    faint = _faint(out, total, floor) if least < FAINT_SUM else None  # (Bkv, g, T, 1) or None
-    if least >= floor and total.max() < np.inf and np.isfinite(out).all() and faint is None and (overflows is None or not overflows.any()):
-        return
-    bad = ~((total >= floor) & (total < np.inf) & np.isfinite(out).all(axis=-1, keepdims=True))  # (Bkv, g, T, 1)
-    for more in (faint, overflows):  # the textbook's pass raises ScoreOverflow for a row of overflows that sees a key
-        if more is not None:
-            bad |= more
-    _small_shifted(q, kt, v, out, weights, masks, scale, bad, None if weights is not None else s, lo, hi)
-
-
-def _faint(out: np.ndarray, total: np.ndarray, floor) -> np.ndarray | None:
-    """Boolean (Bkv, g, T, 1), or None for none: the rows summing below FAINT_SUM whose exp(s) v,
-    out (Bkv, g, T, dv) times total (Bkv, g, T, 1), is below floor at its largest: there its
-    products may have underflowed (all to 0 at worst). Reads those rows only (a few, often none):
-    a pass over all of out along its short axis cost ~40% of a T=64 problem. The row's own result
-    alone decides."""
-    low = np.flatnonzero(total < FAINT_SUM)  # flat rows
-    rows = out.reshape(total.size, out.shape[-1])[low]  # (len(low), dv), a copy of those rows (dv may be 0)
-    faint = low[np.abs(rows).max(axis=-1, initial=0) * total.reshape(-1)[low] < floor]
-    if not faint.size:
-        return None
-    marked = np.zeros(total.shape, bool)
-    marked.reshape(-1)[faint] = True
-    return marked
-
-
-def _small_shifted(q, kt, v, out, weights, masks: _Masks, scale, bad, scratch, lo, hi) -> None:
-    """The rows of a small problem that bad (Bkv, g, T, 1) marks, computed again as the textbook
-    softmax (scale, mask, subtract the row maximum, exp, normalise, then p v) and written over
-    their first result; scratch (or None) is a buffer to reuse. Raises ScoreOverflow and
-    ResultOverflow as the blocks do."""
-    Bkv, g, T, _ = q.shape
-    s = np.empty((Bkv, g, T, hi - lo), q.dtype) if scratch is None else scratch
-    np.matmul(q * scale, kt[..., lo:hi], out=s)
-    masks.add(s, 0, Bkv, 0, T, lo, hi)
-    masks.apply(s, 0, Bkv, 0, T, lo, hi)
-    row_max = s.max(axis=-1, keepdims=True)  # (Bkv, g, T, 1); -inf where a row sees no key
-    if not np.isfinite(row_max).all():
-        _check_overflow(row_max, masks.has_key(0, Bkv, 0, T))
-        row_max[np.isneginf(row_max)] = 0
-    np.subtract(s, row_max, out=s)
-    np.exp(s, out=s)
-    total = s.sum(axis=-1, keepdims=True)
-    total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
-    np.divide(s, total, out=s)  # normalised first: sum_s w_s v_s <= max |v| stays finite
-    np.copyto(out, np.matmul(s, v[..., lo:hi, :]), where=bad)
-    if weights is not None:
-        np.copyto(weights[..., lo:hi], s, where=bad)
-    _check_finite("out", out)
-    _check_finite("weights", weights)
+        return np.asarray(allowed.any(axis=-1, keepdims=True))
 
 
 def _shift(s, bound, masks: _Masks, b0, b1, t0, t1) -> np.ndarray | None:
@@ -822,6 +648,48 @@ def _check_overflow(row_max: np.ndarray, has_key: np.ndarray) -> None:
     """A row maximum of +inf or NaN, or -inf in a row that has an allowed key, means overflow."""
     if (np.isnan(row_max) | np.isposinf(row_max) | (np.isneginf(row_max) & has_key)).any():
         raise ScoreOverflow(row_max.dtype)
+
+
+def _share(compute: Callable[[Iterator], None], blocks: list, threads: int, pool: Executor | None) -> None:
+    """compute(todo) over every block, on up to `threads` threads at once: the caller's and
+    threads - 1 tasks on pool. Each thread takes the next block from one shared queue, in order,
+    so a causal mask's heavier late rows are balanced as they come; blocks write disjoint parts
+    of the outputs, and each is computed exactly as on one thread. The first error stops the
+    others at their next block and is raised here."""
+    threads = min(threads, len(blocks))
+    if threads <= 1:
+        compute(iter(blocks))
+        return
+    lock, queue = threading.Lock(), iter(blocks)
+    errors: list[BaseException] = []
+
+    def todo() -> Iterator:
+        while True:
+            with lock:
+                block = None if errors else next(queue, None)
+            if block is None:
+                return
+            yield block
+
+    def task() -> None:
+        try:
+            compute(todo())
+        except BaseException as exc:  # raised again below, in the caller's thread
+            with lock:
+                errors.append(exc)
+
+    executor = ThreadPoolExecutor(threads - 1) if pool is None else pool
+    try:
+        tasks = [executor.submit(task) for _ in range(threads - 1)]
+        task()
+        for t in tasks:
+            if not t.cancel():  # one still queued behind another caller's work has nothing left to do
+                t.result()
+    finally:
+        if pool is None:
+            executor.shutdown()
+    if errors:
+        raise errors[0]
 
 
 def mha(
@@ -877,5 +745,5 @@ def mha(
     if wo is not None:
         with np.errstate(over="ignore", invalid="ignore"):
             out = out @ wo
-        _check_finite("out", out)  # the output projection can overflow where attention did not
+        check_finite("out", out)  # the output projection can overflow where attention did not
     return out, weights

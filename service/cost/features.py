@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from service import core
+
 from . import plan
 from .plan import Job
 
@@ -39,7 +41,7 @@ class Work:
     score_elements: int
     dtype: str
     T: int  # query positions (n for /mha)
-    blocks: int = 1  # the numeric core's blocks (plan.blocks)
+    blocks: int = 1  # the numeric core's blocks (its plan's count)
     cost_factor: float = 1.0  # the plain work's time x this (a bias, ALiBi, a mask)
     fitted: bool = True  # the fit may learn from its measured time
     query_elements: int = 0  # the elements of q and out (QUERY_ELEMENT_WEIGHT scores each)
@@ -58,16 +60,15 @@ def cost_factor(job: Job) -> float:
     return 1.0 + sum(extra, 0.0)
 
 
-def computed_share(job: Job, blocks: int) -> float:
-    """The share of the scores the core computes. Without weights under a causal mask it skips
-    the keys past each block's diagonal (about half; a small problem is one block, which computes
-    them all); with weights it writes the whole (T, S) buffer, and all is counted. A window's band
-    is what the core computes either way (plan.window_scores), and no key past the largest
-    key_lengths is."""
+def computed_share(job: Job, planned: core.Plan) -> float:
+    """The share of the scores the core computes. Without weights under a causal mask the blocks
+    skip the keys past each block's diagonal (about half); the reference path, and the weights
+    path, compute the whole (T, S), and all is counted. A window's band is what the core computes
+    either way (the plan's scores), and no key past the largest key_lengths is."""
     if job.window is not None:
-        share = plan.window_scores(job) / job.score_elements
-    else:  # a small problem's one block computes every score, as the weights path does
-        share = 1.0 if job.return_weights or blocks == 1 else plan.causal_share(job)
+        share = planned.scores / job.score_elements
+    else:
+        share = 1.0 if job.return_weights or planned.reference else plan.causal_share(job)
     # The core computes no key at or past the largest key_lengths (key_lengths of 1: one key a
     # row): exact without a band (causal, window), the lesser count (an upper bound) with one.
     return min(share, job.key_end / job.S) if job.S else share
@@ -78,8 +79,9 @@ def work_of(job: Job) -> Work:
     miss (cost_factor; fitted False with a bias, ALiBi, a mask or key_lengths: their cost is
     estimated, not what calibration timed, and a stream of them fed to the fit would move every
     plain request's prediction)."""
-    blocks = plan.blocks(job)
-    share = computed_share(job, blocks)
+    planned = plan.of(job)
+    blocks = planned.count
+    share = computed_share(job, planned)
     factor = cost_factor(job)
     attention_flops = job.flops - job.other_flops
     flops = job.other_flops + share * attention_flops

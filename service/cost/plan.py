@@ -1,6 +1,6 @@
-"""What the numeric core does for a job, as the cost model counts it: its blocks and the scores
-it computes. The one place the cost package asks the core (core.block_count, core.score_count,
-core.causal_share), so that a change in how the core plans its blocks is followed here once."""
+"""What the numeric core does for a job, as the cost model counts it: the core's own plan of
+blocks (core.plan, the one the computation runs). The one place the cost package asks the core, so
+that a change in how the core plans its blocks is followed here once."""
 
 from __future__ import annotations
 
@@ -10,14 +10,20 @@ from service import core
 Job = AttentionJob | MhaJob
 
 
-def blocks(job: Job) -> int:
-    """The blocks the core computes the job in (a request is at least one)."""
-    return core.block_count(job.B, job.T, job.S, job.causal, window=job.window, groups=job.groups, itemsize=job.itemsize)
-
-
-def window_scores(job: Job) -> int:
-    """The scores the core computes under the job's window: its band and the block edges."""
-    return core.score_count(job.B, job.T, job.S, job.causal, window=job.window, itemsize=job.itemsize)
+def of(job: Job) -> core.Plan:
+    """The core's plan for the job: its blocks, their count, the scores computed, and whether it
+    takes the reference path."""
+    return core.plan(
+        job.B,
+        job.T,
+        job.S,
+        job.head_widths[1],
+        causal=job.causal,
+        window=job.window,
+        groups=job.groups,
+        itemsize=job.itemsize,
+        return_weights=job.return_weights,
+    )
 
 
 def causal_share(job: Job) -> float:
