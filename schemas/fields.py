@@ -20,13 +20,13 @@ from .errors import RequestError
 class _Coded:
     """Mixin: marshmallow's ValidationErrors become RequestErrors with a code and the field's name."""
 
-    name: str  # marshmallow's Field sets it when the schema binds the field
+    name: str | None  # marshmallow's Field sets it when the schema binds the field
     _label: str | None = None
 
     @property
     def label(self) -> str:
         """What messages call the field: set by the schema when it binds it, else its name."""
-        return self._label or self.name
+        return self._label or self.name or ""
 
     @label.setter
     def label(self, text: str) -> None:

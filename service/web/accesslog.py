@@ -94,7 +94,7 @@ def install(app: Flask) -> None:
 
     @app.after_request
     def _log(resp: Response):
-        req, ctx = request._get_current_object(), context()  # the request once through its proxy (each access costs a lookup)
+        req, ctx = request._get_current_object(), context()  # type: ignore[attr-defined]  # the request once through its proxy (each access costs a lookup)
         t0, trace, rule, method = ctx.t0, ctx.trace, req.url_rule, req.method
         record = {
             "ts": None,  # when sent: below

@@ -80,9 +80,9 @@ class Table:
                     if owner and owner != pid and not _alive(owner):
                         self._zero(row)
             owners = cells[PID::FIELDS].tolist()
-            row = owners.index(pid) if pid in owners else owners.index(0) if 0 in owners else None
-            if row is None:
+            if pid not in owners and 0 not in owners:
                 return None
+            row = owners.index(pid) if pid in owners else owners.index(0)
             self._zero(row)
             cells[row * FIELDS + CAPACITY] = capacity
             cells[row * FIELDS + PID] = pid

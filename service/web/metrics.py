@@ -179,7 +179,7 @@ def when_sent(resp: Response, done: Callable[[], None]) -> None:
     if callbacks is not None:
         callbacks.append(done)
         return
-    callbacks = resp._when_sent = [done]
+    callbacks = resp.__dict__["_when_sent"] = [done]
     once = threading.Lock()
 
     def finish():
