@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-PEERS = ("kserve", "mlserver")
+PEERS = ("kserve", "mlserver", "litserve", "rayserve", "bentoml")
 
 
 def peers_dir() -> Path:
