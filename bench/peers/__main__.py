@@ -31,7 +31,8 @@ causal:
   (after 3) once it has taken --cell-budget seconds, so that a slow peer cannot stretch the run;
 - throughput at T = 64 without weights: --clients threads, each with its own client, for
   --duration seconds per server, --rounds rounds alternating, median of the rounds' req/s, and
-  the server's CPU time per request over each round (utime + stime of all its processes, /proc).
+  the server's CPU time per request over each round (utime + stime of all its processes, /proc),
+  and the clients' (this process's).
 
 Every server's outputs are checked against the core computed here before anything is timed.
 Writes the tables to bench/out/peers.md.
@@ -188,6 +189,7 @@ class Target:
     latency: dict = field(default_factory=dict)  # (T, weights) -> [ms]
     rounds: list = field(default_factory=list)  # req/s per throughput round
     cpu_ms: list = field(default_factory=list)  # the server's CPU ms per request, per round
+    client_cpu_ms: list = field(default_factory=list)  # this process's (the clients'), likewise
     errors: int = 0  # failed requests in the throughput rounds
     first_error: str = ""
 
@@ -335,7 +337,7 @@ def latency(targets: list[Target], clients: dict, lengths: list[int], runs: int,
 
 def throughput(target: Target, clients: int, duration: float) -> None:
     """One round: `clients` threads, each with its own client, T=64 without weights, for
-    `duration` s; appends the round's req/s and the server's CPU ms per request to the target.
+    `duration` s; appends the round's req/s and the server's and the clients' CPU ms per request.
     Each thread makes its client and connects (one request) before the clock starts: a
     tritonclient.http client belongs to the thread that made it (gevent's hub is per thread)."""
     qkv = arrays(64)
@@ -365,13 +367,15 @@ def throughput(target: Target, clients: int, duration: float) -> None:
         th.start()
     deadline[0] = time.perf_counter() + duration + 3600  # until the gate opens: nobody stops early
     gate.wait()
-    cpu, began = target.server.cpu_seconds(), time.perf_counter()
+    cpu, client_cpu, began = target.server.cpu_seconds(), time.process_time(), time.perf_counter()
     deadline[0] = began + duration
     for th in threads:
         th.join()
-    elapsed, cpu = time.perf_counter() - began, target.server.cpu_seconds() - cpu
+    elapsed, cpu, client_cpu = time.perf_counter() - began, target.server.cpu_seconds() - cpu, time.process_time() - client_cpu
+    done = max(1, sum(counts))
     target.rounds.append(sum(counts) / elapsed)
-    target.cpu_ms.append(cpu * 1000 / max(1, sum(counts)))
+    target.cpu_ms.append(cpu * 1000 / done)
+    target.client_cpu_ms.append(client_cpu * 1000 / done)
 
 
 def report(targets: list[Target], args, lengths: list[int], sockets: int) -> str:
@@ -415,6 +419,7 @@ def report(targets: list[Target], args, lengths: list[int], sockets: int) -> str
         cells = ("" if t is base else f"{lead / statistics.median(t.rounds):.2f}x" for t in targets)
         lines.append("| the native door's lead | " + " | ".join(cells) + " |")
     lines.append("| server CPU ms per request | " + " | ".join(f"{statistics.median(t.cpu_ms):.2f}" for t in targets) + " |")
+    lines.append("| client CPU ms per request | " + " | ".join(f"{statistics.median(t.client_cpu_ms):.2f}" for t in targets) + " |")
     lines.append("| failed requests | " + " | ".join(str(t.errors) for t in targets) + " |")
     lines += [f"\nFirst failure ({t.name}): {t.first_error}" for t in targets if t.first_error]
     return "\n".join(lines) + "\n"
