@@ -1,7 +1,7 @@
 """This service against the servers a user would pick instead, serving the same attention.
 
-    make bench-peers                                   # = python -m bench.peers (a few minutes)
-    python -m bench.peers --lengths 64 --runs 9        # latency at T=64 only: a quicker run
+    make bench-peers                                   # = python -m bench.peers (about 5 minutes)
+    python -m bench.peers --lengths 64,256,1024 --runs 15   # more cells, more repetitions
     python -m bench.peers --only ours,bentoml          # a subset
 
 Starts the servers on free loopback ports, each as its users would run it:
@@ -68,7 +68,7 @@ from service import core
 HERE = Path(__file__).resolve().parent
 OUT = ROOT / "bench" / "out" / "peers.md"
 B, H, D = 1, 8, 64
-LENGTHS = (64, 256, 1024)
+LENGTHS = (64, 1024)
 SERVERS = ("ours", "kserve", "mlserver", "litserve", "rayserve", "bentoml")
 BLAS_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 NATIVE, V2_BINARY, V2_JSON = "native", "v2 binary", "v2 JSON"
@@ -429,8 +429,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=",".join(SERVERS), help=f"comma-separated: {', '.join(SERVERS)}")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="the T of the latency cells, comma-separated")
-    p.add_argument("--runs", type=int, default=15, help="timed repetitions at T=64 (3/5 of them at 256, 1/3 beyond, at least 3)")
-    p.add_argument("--cell-budget", type=float, default=45.0, help="seconds after which a latency cell stops repeating (at least 3 runs)")
+    p.add_argument("--runs", type=int, default=9, help="timed repetitions at T=64 (3/5 of them at 256, 1/3 beyond, at least 3)")
+    p.add_argument("--cell-budget", type=float, default=30.0, help="seconds after which a latency cell stops repeating (at least 3 runs)")
     p.add_argument("--duration", type=float, default=4.0, help="seconds per throughput round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--clients", type=int, default=8)
