@@ -408,7 +408,7 @@ def report(targets: list[Target], args, lengths: list[int], sockets: int) -> str
             lines.append(f"| {T} | {'yes' if weights else 'no'} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        f"Throughput, T=64 without weights, {args.clients} client threads (median of {args.rounds} rounds of {args.duration:g} s):",
+        f"Throughput, T=64 without weights, {args.clients} client threads (median of {args.rounds} passes of {args.duration:g} s):",
         "",
     ]
     lines.append("| | " + " | ".join(names) + " |")
