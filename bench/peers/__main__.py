@@ -79,10 +79,23 @@ WIRES = {
 }
 
 
+def process_table() -> dict[int, tuple[int, int, int, int]]:
+    """{pid: (parent pid, session, CPU clock ticks so far (utime + stime), start time)} from /proc."""
+    table = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            f = stat[stat.rindex(")") + 2 :].split()  # fields 3 (state) on: f[i] is field i + 3
+            table[int(entry.name)] = (int(f[1]), int(f[3]), int(f[11]) + int(f[12]), int(f[19]))
+    return table
+
+
 class Peer(Server):
     """A server of this benchmark, ready when `ready_path` answers 200; a failure to start says so
-    with the tail of its log. Its processes are the leader's session and descendants (Ray's
-    daemons leave the leader's process group)."""
+    with the tail of its log. Its processes are the leader's descendants and its session's."""
 
     def __init__(self, name: str, argv: list[str], ready_path: str = "/v2/health/ready", **kwargs):
         super().__init__(name, argv, **kwargs)
@@ -91,38 +104,32 @@ class Peer(Server):
     def wait_ready(self, timeout: float = 180, in_a_row: int = 4, path: str | None = None) -> None:
         super().wait_ready(timeout, in_a_row, path or self.ready_path)
 
-    def processes(self) -> dict[int, int]:
-        """{pid: CPU clock ticks so far (utime + stime)} of every process of this server."""
-        table = {}
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                except OSError:
-                    continue
-                fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on
-                table[int(entry.name)] = (int(fields[1]), int(fields[3]), int(fields[11]) + int(fields[12]))
-        leader, members = self.proc.pid, {self.proc.pid}
-        grew = True
+    def processes(self) -> dict[int, tuple[int, int, int, int]]:
+        """process_table()'s rows of this server's processes."""
+        table, leader = process_table(), self.proc.pid
+        members, grew = {leader}, True
         while grew:
-            more = {pid for pid, (ppid, session, _) in table.items() if ppid in members or session == leader} - members
+            more = {pid for pid, (ppid, session, _, _) in table.items() if ppid in members or session == leader} - members
             members |= more
             grew = bool(more)
-        return {pid: table[pid][2] for pid in members if pid in table}
+        return {pid: table[pid] for pid in members if pid in table}
 
     def cpu_seconds(self) -> float:
-        return sum(self.processes().values()) / os.sysconf("SC_CLK_TCK")
+        return sum(row[2] for row in self.processes().values()) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
-        """SIGTERM and wait (Server.stop), then SIGKILL whatever is left of its processes: no
-        worker or daemon outlives the run."""
-        pids = self.processes()
+        """SIGTERM and wait (Server.stop), then SIGKILL whatever is left of its processes (the same
+        pid and start time: never a process that took a pid freed meanwhile): no worker or
+        daemon outlives the run."""
+        started = {pid: row[3] for pid, row in self.processes().items()}
         super().stop()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        now = process_table()
+        for pid, start in started.items():
+            if pid in now and now[pid][3] == start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
 
 class V2Client:
