@@ -7,8 +7,9 @@ with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only
 
 Starts a one-node Ray cluster of its own (no dashboard, 2 CPUs), Serve's HTTP proxy on
 127.0.0.1:PORT, and two replicas of the deployment (two Ray worker processes); GET /attention
-answers once they are up. Every Ray process binds to 127.0.0.1 (the node's address given as
-such); RAY_USAGE_STATS_ENABLED=0 in the environment turns its usage reporting off.
+answers once they are up. The environment it is run with keeps Ray on loopback and quiet:
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes the node's address 127.0.0.1, which every Ray process
+binds to, and RAY_USAGE_STATS_ENABLED=0 turns its usage reporting off.
 """
 
 from __future__ import annotations
