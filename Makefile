@@ -40,8 +40,8 @@ lint: $(VENV)/.dev-stamp
 bench: $(VENV)/.dev-stamp
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench
 
-# This service against KServe's Python model server and MLServer, the same attention model on each,
-# side by side in one run (~4 min): bench/out/peers.md. Not part of `make test`. The peers' venvs
+# This service against KServe, MLServer, LitServe, Ray Serve and BentoML, the same attention model on
+# each, side by side in one run (~5 min): bench/out/peers.md. Not part of `make test`. The peers' venvs
 # are built on first use (PyPI, a few minutes) in .peers/, or $BENCH_PEERS_DIR if set.
 .PHONY: bench-peers
 bench-peers: $(VENV)/.dev-stamp

@@ -6,6 +6,8 @@ runs, and KServe's own flags on the command line:
 
     python bench/peers/kserve_model.py --http_port 8080 --workers 2 --enable_grpc false
 
+bound to 127.0.0.1 (KServe itself binds its REST server to every interface: see _on_loopback).
+
 Inputs q (B, H, T, d), k (B, H, S, d), v (B, H, S, dv), FP32, as JSON data or binary
 (KServe speaks the binary tensor extension); request parameter `causal` (bool, default false);
 outputs `out` (B, H, T, dv) and `weights` (B, H, T, S), both unless the request names its outputs
@@ -21,9 +23,21 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import kserve  # noqa: E402  (after the BLAS setting)
+import uvicorn  # noqa: E402
 from kserve import InferOutput, InferRequest, InferResponse  # noqa: E402
 
 from service import core  # noqa: E402
+
+_uvicorn_config = uvicorn.Config.__init__
+
+
+def _on_loopback(self, *args, **kwargs) -> None:
+    """KServe 0.21's REST server passes uvicorn host="0.0.0.0" and has no flag for it: every
+    interface. The benchmark keeps every socket on loopback, so the host is replaced here."""
+    _uvicorn_config(self, *args, **{**kwargs, "host": "127.0.0.1"})
+
+
+uvicorn.Config.__init__ = _on_loopback
 
 OUTPUTS = ("out", "weights")
 

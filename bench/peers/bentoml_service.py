@@ -1,0 +1,32 @@
+"""The attention model as a BentoML service (@bentoml.service), POST /attention with the native
+b64 body: the body's fields are the API method's parameters, so BentoML reads it as it is.
+
+Served by `python -m bench.peers` in the BentoML virtual environment (requirements-bentoml.txt),
+with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
+
+    bentoml serve bentoml_service:Attention --host 127.0.0.1 --port PORT   # from bench/peers
+
+Two worker processes (workers=2) behind BentoML's process manager; BENTOML_DO_NOT_TRACK=1 in the
+environment turns its usage tracking off.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per worker process, as this service's workers have (set before numpy loads).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import bentoml  # noqa: E402  (after the BLAS setting)
+
+from bench.peers import b64_body  # noqa: E402
+
+
+@bentoml.service(workers=2, traffic={"timeout": 600})
+class Attention:
+    """Scaled dot-product attention, computed by this service's numeric core."""
+
+    @bentoml.api
+    def attention(self, q: dict, k: dict, v: dict, causal: bool = False, return_weights: bool = True) -> dict:
+        return b64_body.answer({"q": q, "k": k, "v": v, "causal": causal, "return_weights": return_weights})

@@ -1,0 +1,45 @@
+"""The attention model on LitServe (a litserve.LitAPI), POST /attention with the native b64 body.
+
+Run by `python -m bench.peers` in the LitServe virtual environment (requirements-litserve.txt),
+with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
+
+    python bench/peers/litserve_model.py PORT
+
+One API server process (uvicorn) hands each request to one of two inference worker processes
+(workers_per_device=2 on the CPU). LitServe sends no usage data; it is bound to 127.0.0.1 here
+(its default is 0.0.0.0), and writes no client.py (generate_client_file=False).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# One BLAS thread per worker process, as this service's workers have (set before numpy loads).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import litserve as ls  # noqa: E402  (after the BLAS setting)
+
+from bench.peers import b64_body  # noqa: E402
+
+
+class AttentionAPI(ls.LitAPI):
+    """Scaled dot-product attention, computed by this service's numeric core."""
+
+    def setup(self, device: str) -> None:
+        pass  # nothing to load: the model is a function
+
+    def decode_request(self, request: dict) -> dict:
+        return request  # the parsed JSON body
+
+    def predict(self, body: dict) -> dict:
+        return b64_body.answer(body)
+
+    def encode_response(self, output: dict) -> dict:
+        return output
+
+
+if __name__ == "__main__":
+    server = ls.LitServer(AttentionAPI(api_path="/attention"), accelerator="cpu", workers_per_device=2, timeout=600)
+    server.run(host="127.0.0.1", port=int(sys.argv[1]), num_api_servers=1, generate_client_file=False)

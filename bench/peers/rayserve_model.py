@@ -1,0 +1,47 @@
+"""The attention model on Ray Serve (a serve.deployment), POST /attention with the native b64 body.
+
+Run by `python -m bench.peers` in the Ray Serve virtual environment (requirements-rayserve.txt),
+with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
+
+    python bench/peers/rayserve_model.py PORT
+
+Starts a one-node Ray cluster of its own (no dashboard, 2 CPUs), Serve's HTTP proxy on
+127.0.0.1:PORT, and two replicas of the deployment (two Ray worker processes); GET /attention
+answers once they are up. The environment it is run with keeps Ray on loopback and quiet:
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes the node's address 127.0.0.1, which every Ray process
+binds to, and RAY_USAGE_STATS_ENABLED=0 turns its usage reporting off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+# One BLAS thread per worker process, as this service's workers have (set before numpy loads;
+# Ray's worker processes inherit the driver's environment).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import ray  # noqa: E402  (after the BLAS setting)
+from ray import serve  # noqa: E402
+from starlette.requests import Request  # noqa: E402
+
+from bench.peers import b64_body  # noqa: E402
+
+
+@serve.deployment(num_replicas=2)
+class Attention:
+    """Scaled dot-product attention, computed by this service's numeric core."""
+
+    async def __call__(self, request: Request) -> dict | str:
+        if request.method == "GET":
+            return "ready"
+        return b64_body.answer(await request.json())
+
+
+if __name__ == "__main__":
+    ray.init(num_cpus=2, include_dashboard=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": int(sys.argv[1])})
+    serve.run(Attention.bind(), route_prefix="/attention")
+    threading.Event().wait()  # serve until stopped
