@@ -641,9 +641,10 @@ def _v2_schemas(native: dict) -> dict:
             }
         ),
         "model_config_response": _model_config_schema(model_name),
-        "tensor_data": {
+        "tensor_data": {  # recursive, as the protocol's own (unrolled to each rank, it is too deep for the fuzzer's generator)
             "description": "the values, flat or nested as the shape, row-major: numbers (booleans, or 0 and 1, for BOOL)",
-            **_one_of([_nested(element, rank) for rank in range(1, MAX_NESTING + 1)]),
+            "type": "array",
+            "items": {"oneOf": [*element["oneOf"], _ref("tensor_data")]},
         },
         "request_input": _obj(
             {
@@ -793,7 +794,11 @@ def _request_parameters(native: dict) -> dict:
         "description": "binary tensor data extension: every output as raw bytes after the JSON header, unless the output says otherwise",
     }
     for name in sorted(kserve.IGNORED_PARAMETERS):
-        props[name] = {"description": "a scheduling hint Triton's client may send: accepted, no effect here"}
+        props[name] = {
+            "type": "integer",
+            "minimum": 0,
+            "description": "a scheduling hint Triton's client may send: accepted, no effect here",
+        }
     return _obj(props, [], additionalProperties=False, description="the model's options (see its metadata) and the protocol's own")
 
 
