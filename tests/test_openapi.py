@@ -12,6 +12,7 @@ from urllib.parse import urljoin, urlsplit
 import jsonschema
 import numpy as np
 import pytest
+import requests
 from schemathesis.specs.openapi.definitions import OPENAPI_30
 from swagger_ui_bundle import swagger_ui_path
 
@@ -22,6 +23,7 @@ from service.web import create_app, kserve
 from .helpers import WORKED_OUT, WORKED_WEIGHTS
 from .helpers import Q as WORKED_Q
 from .helpers import V as WORKED_V
+from .test_playground import TIMEOUT_MS, browser  # noqa: F401 - browser: the playground's headless Chromium fixture
 
 
 @pytest.fixture
@@ -405,3 +407,41 @@ def test_json_answers_are_not_sniffed(client, path):
     resp = client.get(path)
     assert resp.mimetype == "application/json" and resp.headers["X-Content-Type-Options"] == "nosniff"
     assert "Content-Security-Policy" not in resp.headers
+
+
+# --- /docs in a browser (headless Chromium, as the playground's tests drive it) ----------------
+
+
+@pytest.mark.live
+def test_docs_page_lists_every_operation_and_runs_the_v2_worked_example(browser, live_server):  # noqa: F811 - the fixture
+    """Swagger UI renders the document: every operation under its tag, the /v2 ones under the
+    protocol's; "Try it out" on the infer operation sends its first example and is answered 200."""
+    doc = requests.get(f"{live_server}/openapi.json", timeout=30).json()
+    context = browser.new_context()
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    urls, problems = [], []
+    page.on("request", lambda r: urls.append(r.url))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto(f"{live_server}/docs")
+    page.wait_for_selector(".opblock")
+    shown = page.eval_on_selector_all(
+        ".opblock",
+        "els => els.map(e => [e.querySelector('.opblock-summary-method').textContent.toLowerCase(),"
+        " e.querySelector('.opblock-summary-path').dataset.path, e.closest('.opblock-tag-section').querySelector('.opblock-tag').dataset.tag])",
+    )
+    assert sorted((m, p) for m, p, _ in shown) == sorted(operations(doc))
+    assert {(m, p) for m, p, tag in shown if tag == "Open Inference Protocol"} == V2_OPERATIONS
+
+    infer = page.locator(".opblock", has=page.locator(".opblock-summary-path[data-path='/v2/models/{name}/infer']"))
+    infer.locator(".opblock-summary").click()
+    infer.locator("button.try-out__btn").click()
+    options = infer.locator("select.examples-select-element option").all_inner_texts()
+    assert options == [e["summary"] for e in v2_examples(doc).values()]
+    with page.expect_response(lambda r: r.url.endswith("/v2/models/attention/infer")) as sent:
+        infer.locator("button.execute").click()
+    assert sent.value.status == 200, sent.value.text()
+    assert sent.value.request.post_data_json == v2_examples(doc)["attention_worked_example"]["value"]
+    context.close()
+    assert all(u.startswith(live_server + "/") for u in urls), [u for u in urls if not u.startswith(live_server)]
+    assert not problems, problems
