@@ -5,17 +5,25 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
+import json
 import re
 from urllib.parse import urljoin, urlsplit
 
 import jsonschema
+import numpy as np
 import pytest
+import requests
 from schemathesis.specs.openapi.definitions import OPENAPI_30
 from swagger_ui_bundle import swagger_ui_path
 
 from schemas import AttentionRequest, MhaRequest
 from service.config import Settings
-from service.web import create_app
+from service.web import create_app, kserve
+
+from .helpers import WORKED_OUT, WORKED_WEIGHTS
+from .helpers import Q as WORKED_Q
+from .helpers import V as WORKED_V
+from .test_playground import TIMEOUT_MS, browser  # noqa: F401 - browser: the playground's headless Chromium fixture
 
 
 @pytest.fixture
@@ -48,17 +56,197 @@ def test_document_is_valid_openapi_3(doc):
     assert not errors, [f"{list(e.path)}: {e.message}" for e in errors[:5]]
 
 
+V2_OPERATIONS = {
+    ("get", "/v2"),
+    ("get", "/v2/health/live"),
+    ("get", "/v2/health/ready"),
+    *(("get", f"/v2/models/{{name}}{version}{what}") for version in ("", "/versions/{version}") for what in ("", "/ready", "/config")),
+    ("post", "/v2/models/{name}/infer"),
+    ("post", "/v2/models/{name}/versions/{version}/infer"),
+}
+
+
+def operations(doc: dict, prefix: str = "/") -> set[tuple[str, str]]:
+    return {(method, path) for path, item in doc["paths"].items() if path.startswith(prefix) for method in item}
+
+
 def test_document_lists_the_served_operations(app, doc):
     served = {rule.rule for rule in app.url_map.iter_rules()}
     ops = {path for path in ("/healthz", "/readyz", "/limits", "/metrics") if path in served}  # /metrics: once ops lands
     assert {"/healthz", "/readyz", "/limits"} <= ops
-    assert set(doc["paths"]) == {"/attention", "/mha"} | ops
+    assert set(doc["paths"]) == {"/attention", "/mha"} | ops | {path for _, path in V2_OPERATIONS}
     for path in ("/attention", "/mha"):
         op = doc["paths"][path]["post"]
         assert set(op["responses"]) == {"200", "400", "413", "415", "422", "503", "504"}
         assert op["responses"]["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ComputeResponse"}
         assert op["responses"]["422"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Error"}
         assert op["responses"]["503"]["headers"]["Retry-After"]["required"] is True
+
+
+def test_v2_operations_are_the_routes_served(app, client, doc):
+    """Every /v2 route the app serves is documented with its methods, and each documented one answers."""
+    served = {
+        (method.lower(), re.sub(r"<([^>]+)>", r"{\1}", rule.rule))
+        for rule in app.url_map.iter_rules()
+        if rule.rule.startswith("/v2")
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
+    assert served == V2_OPERATIONS == operations(doc, "/v2")
+    for method, path in V2_OPERATIONS:
+        op = doc["paths"][path][method]
+        assert op["tags"] == ["Open Inference Protocol"] and op["summary"] and op["description"]
+        params = {p["name"]: p["schema"]["enum"] for p in op.get("parameters", []) if p["in"] == "path"}
+        assert set(params) == set(re.findall(r"{([^}]+)}", path))
+        url = path.format(**{name: values[0] for name, values in params.items()})
+        resp = client.open(url, method=method.upper(), json={"inputs": []} if method == "post" else None)
+        assert resp.status_code not in (404, 405), (method, url)
+        assert str(resp.status_code) in op["responses"], (method, url, resp.status_code)
+
+
+def test_every_operation_is_tagged(doc):
+    tags = [tag["name"] for tag in doc["tags"]]
+    assert tags == ["Attention", "Operations", "Open Inference Protocol"]
+    assert all(op["tags"][0] in tags for item in doc["paths"].values() for op in item.values())
+
+
+def test_no_lab_vocabulary(client):
+    """The document speaks to a reader, not of how it was made."""
+    text = client.get("/openapi.json").get_data(as_text=True).lower()
+    assert not re.search(r"\b(seed|rounds?|load averages?)\b", text)
+
+
+@pytest.mark.parametrize("name", ["attention", "mha"])
+@pytest.mark.parametrize(
+    ("path", "schema"),
+    [
+        ("/v2", "metadata_server_response"),
+        ("/v2/health/live", "server_live_response"),
+        ("/v2/health/ready", "server_ready_response"),
+        ("/v2/models/{name}", "metadata_model_response"),
+        ("/v2/models/{name}/versions/1", "metadata_model_response"),
+        ("/v2/models/{name}/ready", "model_ready_response"),
+        ("/v2/models/{name}/config", "model_config_response"),
+        ("/v2/models/{name}/versions/1/config", "model_config_response"),
+    ],
+)
+def test_v2_answers_match_their_schemas(client, doc, path, schema, name):
+    resp = client.get(path.format(name=name))
+    assert resp.status_code == 200
+    jsonschema.Draft4Validator(json_schema(doc, schema)).validate(resp.get_json())
+
+
+def test_v2_metadata_schema_comes_from_the_model_table(doc):
+    """Names, datatypes and parameters are those of kserve.py's models, not a copy that can drift."""
+    schemas = doc["components"]["schemas"]
+    assert schemas["metadata_model_response"]["properties"]["name"]["enum"] == list(kserve.MODELS)
+    inputs = schemas["request_input"]["properties"]["name"]["enum"]
+    assert set(inputs) == {n for m in kserve.MODELS.values() for n in m.inputs}
+    assert set(schemas["request_parameters"]["properties"]) == {p for m in kserve.MODELS.values() for p in m.parameters} | {
+        "binary_data_output",
+        *kserve.IGNORED_PARAMETERS,
+    }
+    assert schemas["model_config_response"]["properties"]["input"]["items"]["properties"]["data_type"]["enum"] == [
+        f"TYPE_{d}" for d in kserve.DATATYPES
+    ]
+    for model in kserve.MODELS.values():
+        assert all(f"{n} (optional)" in doc["paths"]["/v2/models/{name}"]["get"]["description"] for n in model.optional)
+
+
+def v2_examples(doc: dict, path: str = "/v2/models/{name}/infer") -> dict:
+    return doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["examples"]
+
+
+@pytest.mark.parametrize("path", ["/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"])
+def test_v2_examples_answer_200_as_documented(client, doc, path):
+    """Each example, sent to the model its key names, is answered 200 with a valid inference_response."""
+    validator = jsonschema.Draft4Validator(json_schema(doc, "inference_response"))
+    assert {key.split("_")[0] for key in v2_examples(doc, path)} == set(kserve.MODELS)
+    for key, example in v2_examples(doc, path).items():
+        model = key.split("_")[0]
+        jsonschema.Draft4Validator(json_schema(doc, "inference_request")).validate(example["value"])
+        resp = client.post(path.format(name=model, version="1"), json=example["value"])
+        assert resp.status_code == 200, (key, resp.get_json())
+        validator.validate(resp.get_json())
+        assert resp.get_json()["model_name"] == model
+
+
+def test_worked_example_answers_its_known_values(client, doc):
+    body = v2_examples(doc)["attention_worked_example"]["value"]
+    outputs = {o["name"]: o for o in client.post("/v2/models/attention/infer", json=body).get_json()["outputs"]}
+    assert outputs["out"]["shape"] == [3, 2] and outputs["weights"]["shape"] == [3, 3]
+    assert [round(x, 2) for x in outputs["weights"]["data"]] == [w for row in WORKED_WEIGHTS for w in row]
+    assert [round(x, 2) for x in outputs["out"]["data"]] == [o for row in WORKED_OUT for o in row]
+
+
+def test_v2_binary_extension_as_documented(client, doc):
+    """The binary tensor data extension as the document describes it: binary_data_size inputs whose
+    bytes follow the JSON header, Inference-Header-Content-Length, binary_data_output; the answer is
+    application/octet-stream, its JSON header a valid inference_response."""
+    op = doc["paths"]["/v2/models/{name}/infer"]["post"]
+    assert "application/octet-stream" in op["requestBody"]["content"]
+    assert "application/octet-stream" in op["responses"]["200"]["content"]
+    assert "Inference-Header-Content-Length" in {p["name"] for p in op["parameters"]}
+    assert "Inference-Header-Content-Length" in op["responses"]["200"]["headers"]
+    tensors = {n: np.asarray(t, dtype="<f4") for n, t in (("q", WORKED_Q), ("k", WORKED_Q), ("v", WORKED_V))}
+    inputs = [
+        {"name": n, "datatype": "FP32", "shape": list(t.shape), "parameters": {"binary_data_size": t.nbytes}} for n, t in tensors.items()
+    ]
+    header = json.dumps({"inputs": inputs, "parameters": {"causal": True, "binary_data_output": True}}).encode()
+    jsonschema.Draft4Validator(json_schema(doc, "inference_request")).validate(json.loads(header))
+    resp = client.post(
+        "/v2/models/attention/infer",
+        data=header + b"".join(t.tobytes() for t in tensors.values()),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+        content_type="application/octet-stream",
+    )
+    assert resp.status_code == 200 and resp.mimetype == "application/octet-stream"
+    size = int(resp.headers["Inference-Header-Content-Length"])
+    head = json.loads(resp.data[:size])
+    jsonschema.Draft4Validator(json_schema(doc, "inference_response")).validate(head)
+    out, weights = head["outputs"]
+    assert out["parameters"]["binary_data_size"] + weights["parameters"]["binary_data_size"] == len(resp.data) - size
+    got = np.frombuffer(resp.data[size : size + out["parameters"]["binary_data_size"]], "<f4").reshape(out["shape"])
+    np.testing.assert_allclose(got, WORKED_OUT, atol=0.01)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "valid"),
+    [
+        ({"window": "1,0"}, True),
+        ({"window": [1, 0]}, True),
+        ({"window": "1;0"}, False),
+        ({"causal": "top_left"}, True),
+        ({"causal": 1}, False),
+        ({"priority": 3}, True),
+        ({"nope": 1}, False),
+    ],
+    ids=["window-text", "window-list", "window-bad-text", "causal-top-left", "causal-1", "priority", "unknown"],
+)
+def test_v2_parameter_schemas_agree_with_the_server(client, doc, parameters, valid):
+    body = {**v2_examples(doc)["attention_worked_example"]["value"], "parameters": parameters}
+    assert jsonschema.Draft4Validator(json_schema(doc, "inference_request")).is_valid(body) == valid
+    assert (client.post("/v2/models/attention/infer", json=body).status_code == 200) == valid
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v2/models/nope/infer", {"inputs": []}, 404),
+        ("/v2/models/attention/versions/2", None, 404),
+        ("/v2/models/attention/infer", b"nope", 400),
+        ("/v2/models/attention/infer", {"inputs": [{"name": "q"}]}, 422),
+    ],
+    ids=["no-model", "no-version", "not-json", "invalid"],
+)
+def test_v2_errors_match_the_protocol_error_schema(client, doc, path, body, status):
+    validator = jsonschema.Draft4Validator(json_schema(doc, "inference_error_response"))
+    method = "post" if path.endswith("infer") else "get"
+    resp = client.open(path, method=method.upper(), **({"data": body} if isinstance(body, bytes) else {"json": body}))
+    assert resp.status_code == status
+    validator.validate(resp.get_json())
+    template = re.sub(r"/models/[^/]+", "/models/{name}", path).replace("/versions/2", "/versions/{version}")
+    assert str(status) in doc["paths"][template][method]["responses"]
+    assert resp.headers["X-Error-Code"]
 
 
 @pytest.mark.parametrize(("name", "schema_cls"), [("AttentionRequest", AttentionRequest), ("MhaRequest", MhaRequest)])
@@ -149,6 +337,8 @@ def test_api_keys_add_a_security_scheme():
     doc = app.test_client().get("/openapi.json").get_json()
     assert doc["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
     assert doc["security"] == [{"bearer": []}]
+    assert "401" in doc["paths"]["/v2/models/{name}/infer"]["post"]["responses"]
+    assert "401" not in doc["paths"]["/v2/models/{name}"]["get"]["responses"]  # metadata needs no key
 
 
 def asset_urls(html: str) -> list[str]:
@@ -196,7 +386,7 @@ def _csp(resp) -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("path", ["/", "/docs", "/playground"])
 def test_html_pages_carry_a_content_security_policy(client, path):
-    """The HTML pages came with no security header at all (attack round three): any page could be
+    """The HTML pages once came with no security header at all: any page could be
     framed (clickjacking the docs' "Try it out"), and nothing stopped a script injected into one
     from running or loading from elsewhere. Now: scripts from the service only (plus, by hash, the
     page's own inline script), no plugins, no framing, and nosniff."""
@@ -217,3 +407,41 @@ def test_json_answers_are_not_sniffed(client, path):
     resp = client.get(path)
     assert resp.mimetype == "application/json" and resp.headers["X-Content-Type-Options"] == "nosniff"
     assert "Content-Security-Policy" not in resp.headers
+
+
+# --- /docs in a browser (headless Chromium, as the playground's tests drive it) ----------------
+
+
+@pytest.mark.live
+def test_docs_page_lists_every_operation_and_runs_the_v2_worked_example(browser, live_server):  # noqa: F811 - the fixture
+    """Swagger UI renders the document: every operation under its tag, the /v2 ones under the
+    protocol's; "Try it out" on the infer operation sends its first example and is answered 200."""
+    doc = requests.get(f"{live_server}/openapi.json", timeout=30).json()
+    context = browser.new_context()
+    context.set_default_timeout(TIMEOUT_MS)
+    page = context.new_page()
+    urls, problems = [], []
+    page.on("request", lambda r: urls.append(r.url))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto(f"{live_server}/docs")
+    page.wait_for_selector(".opblock")
+    shown = page.eval_on_selector_all(
+        ".opblock",
+        "els => els.map(e => [e.querySelector('.opblock-summary-method').textContent.toLowerCase(),"
+        " e.querySelector('.opblock-summary-path').dataset.path, e.closest('.opblock-tag-section').querySelector('.opblock-tag').dataset.tag])",
+    )
+    assert sorted((m, p) for m, p, _ in shown) == sorted(operations(doc))
+    assert {(m, p) for m, p, tag in shown if tag == "Open Inference Protocol"} == V2_OPERATIONS
+
+    infer = page.locator(".opblock", has=page.locator(".opblock-summary-path[data-path='/v2/models/{name}/infer']"))
+    infer.locator(".opblock-summary").click()
+    infer.locator("button.try-out__btn").click()
+    options = infer.locator("select.examples-select-element option").all_inner_texts()
+    assert options == [e["summary"] for e in v2_examples(doc).values()]
+    with page.expect_response(lambda r: r.url.endswith("/v2/models/attention/infer")) as sent:
+        infer.locator("button.execute").click()
+    assert sent.value.status == 200, sent.value.text()
+    assert sent.value.request.post_data_json == v2_examples(doc)["attention_worked_example"]["value"]
+    context.close()
+    assert all(u.startswith(live_server + "/") for u in urls), [u for u in urls if not u.startswith(live_server)]
+    assert not problems, problems

@@ -4,11 +4,14 @@ come from the swagger-ui-bundle package and are served by this service (no CDN: 
 offline); and a small landing page at GET /.
 
 The document is built once per app from the routes actually registered, so an endpoint appears
-in it exactly when the service serves it."""
+in it exactly when the service serves it: the native API, the operations endpoints and, under its
+own tag, the Open Inference Protocol (/v2), whose schemas are named as in the protocol's own
+OpenAPI document (open_inference_rest.yaml) and derived from kserve.py's model table."""
 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import fields as dataclass_fields
 
 from apispec import APISpec
@@ -22,6 +25,7 @@ from schemas.fields import Tensor, Window
 from service.config import VERSION, Settings
 from service.wire import WIRE_DTYPES
 
+from . import kserve
 from .context import services
 from .http import MAX_REQUEST_ID, html_policy, json_response
 
@@ -221,6 +225,23 @@ DEADLINE_NOTE = (
 )
 
 
+NATIVE_TAG, OPS_TAG, V2_TAG = "Attention", "Operations", "Open Inference Protocol"
+TAGS = [
+    {
+        "name": NATIVE_TAG,
+        "description": "The native API: tensors in any of three encodings, errors as {error: {status, code, message, field}}",
+    },
+    {"name": OPS_TAG, "description": "Health, readiness, limits and metrics"},
+    {
+        "name": V2_TAG,
+        "description": "The same computations under the Open Inference Protocol (KServe v2, as Triton speaks it): "
+        "models attention and mha, inputs named as the native fields, options as request parameters, the binary "
+        "tensor data extension, errors as {error: message}",
+        "externalDocs": {"url": "https://github.com/kserve/open-inference-protocol"},
+    },
+]
+
+
 def build(app: Flask) -> dict:
     """The OpenAPI 3.0 document of the routes registered on app."""
     settings: Settings = services(app).settings
@@ -229,8 +250,14 @@ def build(app: Flask) -> dict:
     _compute_paths(spec, settings, served)
     _ops_paths(spec, served)
     doc = spec.to_dict()
+    schemas = doc["components"]["schemas"]
     for name in ("AttentionRequest", "MhaRequest"):
-        doc["components"]["schemas"][name]["additionalProperties"] = False  # unknown fields are refused
+        schemas[name]["additionalProperties"] = False  # unknown fields are refused
+    v2_rules = [rule for rule in app.url_map.iter_rules() if rule.endpoint.startswith(f"{kserve.bp.name}.")]
+    if v2_rules:
+        schemas.update(_v2_schemas(schemas))
+        doc["paths"].update(_v2_paths(settings, v2_rules, app.view_functions))
+    doc["tags"] = [tag for tag in TAGS if tag["name"] != V2_TAG or v2_rules]
     if settings.api_keys:
         doc["security"] = [{"bearer": []}]
     return doc
@@ -245,8 +272,8 @@ def _spec(settings: Settings) -> APISpec:
         openapi_version="3.0.3",
         plugins=[plugin],
         info={
-            "description": "Scaled dot-product attention and multi-head attention over HTTP. The same "
-            "computations are served under the Open Inference Protocol (KServe v2) at /v2; see its own specification."
+            "description": "Scaled dot-product attention and multi-head attention over HTTP, natively and "
+            "under the Open Inference Protocol (KServe v2) at /v2."
         },
     )
     plugin.converter.add_attribute_function(_tensor_property)
@@ -268,7 +295,11 @@ def _spec(settings: Settings) -> APISpec:
 
 # On every error answer of both doors (the /v2 protocol's body carries only a message).
 ERROR_HEADERS = {
-    "X-Error-Code": {"required": True, "schema": {"type": "string"}, "description": "the error's code, as in the body's error.code"},
+    "X-Error-Code": {
+        "required": True,
+        "schema": {"type": "string"},
+        "description": "the error's code (in the native body too, as error.code; the /v2 body is only a message)",
+    },
     "X-Error-Field": {
         "schema": {"type": "string"},
         "description": "the request field the error names, when it names one: percent-encoded (UTF-8) but for printable ASCII other than %, and left out past 256 characters",
@@ -276,21 +307,28 @@ ERROR_HEADERS = {
 }
 
 
-def _errors(settings: Settings, *statuses: int) -> dict:
-    """The error responses of an operation (401 too when API keys are in force)."""
-    if settings.api_keys:
-        statuses = (*statuses, 401)
+def _errors(*statuses: int, body: str = "Error", descriptions: dict[int, str] = ERROR_DESCRIPTIONS) -> dict:
+    """The error responses of an operation, each with its door's body and the error headers."""
     out = {}
     for status in sorted(set(statuses)):
         headers = dict(ERROR_HEADERS)
         if status == 503:
             headers["Retry-After"] = {"required": True, "schema": {"type": "integer"}, "description": "seconds"}
         out[str(status)] = {
-            "description": ERROR_DESCRIPTIONS[status],
-            "content": {"application/json": {"schema": "Error"}},
+            "description": descriptions[status],
+            "content": {"application/json": {"schema": _ref(body)}},
             "headers": headers,
         }
     return out
+
+
+def _auth(settings: Settings) -> tuple[int, ...]:
+    """401 too on a compute operation when API keys are in force."""
+    return (401,) if settings.api_keys else ()
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
 
 
 def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
@@ -318,6 +356,7 @@ def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
             operations={
                 "post": {
                     "operationId": op_id,
+                    "tags": [NATIVE_TAG],
                     "summary": summary,
                     "description": description + DEADLINE_NOTE,
                     "parameters": COMPUTE_PARAMETERS,
@@ -328,7 +367,7 @@ def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
                             "headers": TIMING_HEADERS,
                             "content": {"application/json": {"schema": "ComputeResponse"}},
                         },
-                        **_errors(settings, 400, 413, 415, 422, 503, 504),
+                        **_errors(400, 413, 415, 422, 503, 504, *_auth(settings)),
                     },
                 }
             },
@@ -356,11 +395,11 @@ def _ops_paths(spec: APISpec, served: set[str]) -> None:
     }
     for path, (op_id, summary, responses) in ops.items():
         if path in served:
-            spec.path(path=path, operations={"get": {"operationId": op_id, "summary": summary, "responses": responses}})
+            spec.path(path=path, operations={"get": {"operationId": op_id, "tags": [OPS_TAG], "summary": summary, "responses": responses}})
 
 
 def _json(description: str, schema: str) -> dict:
-    return {"description": description, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
+    return {"description": description, "content": {"application/json": {"schema": _ref(schema)}}}
 
 
 def _limits_schema(settings: Settings) -> dict:
@@ -375,10 +414,17 @@ def _limits_schema(settings: Settings) -> dict:
     return {"type": "object", "required": sorted(props), "properties": props}
 
 
+# The worked example: three tokens, d = 2; query 0 sees only key 0 under causal, query 2 all three.
+WORKED_Q = [[1, 0], [0, 1], [1, 1]]
+WORKED_V = [[1, 0], [0, 10], [5, 5]]
+MHA_X = [[1, 0, 0, 1], [0, 1, 1, 0], [1, 1, 0, 0]]
+EYE4 = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+
+
 def _attention_examples() -> dict:
-    seed = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": True}
+    worked = {"q": WORKED_Q, "k": WORKED_Q, "v": WORKED_V, "causal": True}
     return {
-        "worked_example": {"summary": "the seed's worked example, causal", "value": seed},
+        "worked_example": {"summary": "the worked example, causal", "value": worked},
         "flat_batched": {
             "summary": "flat encoding, batch of 2, key padding",
             "value": {
@@ -403,13 +449,390 @@ def _attention_examples() -> dict:
 
 
 def _mha_examples() -> dict:
-    eye = [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
-    x = [[1, 0, 0, 1], [0, 1, 1, 0], [1, 1, 0, 0]]
     return {
         "identity_projections": {
             "summary": "identity projections, 2 heads",
-            "value": {"x": x, "wq": eye, "wk": eye, "wv": eye, "wo": eye, "heads": 2},
+            "value": {"x": MHA_X, "wq": EYE4, "wk": EYE4, "wv": EYE4, "wo": EYE4, "heads": 2},
         }
+    }
+
+
+# --- the Open Inference Protocol (/v2) ------------------------------------------------------------
+# Schema names as in the protocol's own document (open_inference_rest.yaml) where it has one; what
+# they hold comes from kserve.py's model table, so the document says what the views answer.
+
+V2_ERROR_DESCRIPTIONS = {
+    **ERROR_DESCRIPTIONS,
+    400: "the body (or its JSON header) is not strict JSON, or Inference-Header-Content-Length is not the header's length",
+    404: "no such model, or no such version of it",
+    415: "a Content-Encoding other than identity (the Content-Type is not checked: the protocol's clients send none)",
+    422: "JSON but not a valid infer request for this model",
+}
+# The protocol's summary of each view of kserve.bp: a /v2 route added without one fails the build.
+V2_SUMMARIES = {
+    "server_metadata": "Server Metadata",
+    "live": "Server Live",
+    "ready": "Server Ready",
+    "model_metadata": "Model Metadata",
+    "model_config": "Model Configuration (Triton's extension)",
+    "model_ready": "Model Ready",
+    "infer": "Inference",
+}
+BINARY_NOTE = (
+    " The binary tensor data extension: an input may carry parameters.binary_data_size (bytes) instead of data; "
+    "its raw little-endian row-major bytes then follow the JSON header, in input order, and the header "
+    "Inference-Header-Content-Length gives the JSON header's length (any Content-Type; application/octet-stream is "
+    "usual). Outputs come as raw bytes too with parameters.binary_data_output: true, or per output with "
+    "outputs[].parameters.binary_data: the answer is then application/octet-stream, the JSON header (each binary "
+    "output with parameters.binary_data_size in place of data) followed by the outputs' bytes in order, its length "
+    "in Inference-Header-Content-Length."
+)
+
+
+def _v2_paths(settings: Settings, rules: list, views: dict) -> dict:
+    """The /v2 operations, one per route of kserve.bp (Flask's <name> becomes OpenAPI's {name}),
+    each view's unversioned route before its versioned one."""
+    order = list(dict.fromkeys(rule.endpoint for rule in rules))
+    paths = {}
+    for rule in sorted(rules, key=lambda r: (order.index(r.endpoint), "version" in r.arguments)):
+        endpoint = rule.endpoint.removeprefix(f"{kserve.bp.name}.")
+        path = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
+        versioned = "version" in rule.arguments
+        op = {
+            "operationId": f"v2_{endpoint}{'_version' if versioned else ''}",
+            "tags": [V2_TAG],
+            "summary": V2_SUMMARIES[endpoint],
+            "description": " ".join((views[rule.endpoint].__doc__ or "").split()),  # the view's docstring: said once
+            "responses": _v2_responses(settings, endpoint),
+        }
+        params = [_V2_PATH_PARAMETERS[name] for name in re.findall(r"{([^}]+)}", path)]
+        if endpoint == "model_metadata":
+            op["description"] += " " + _models_summary()
+        if endpoint == "infer":
+            op["description"] += BINARY_NOTE + DEADLINE_NOTE
+            params += [*COMPUTE_PARAMETERS, INFERENCE_HEADER_PARAMETER]
+            op["requestBody"] = {
+                "required": True,
+                "description": "JSON; or, with binary inputs, the JSON header and then the inputs' bytes (any Content-Type)",
+                "content": {
+                    "application/json": {"schema": _ref("inference_request"), "examples": _v2_infer_examples()},
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                },
+            }
+        if params:
+            op["parameters"] = params
+        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+            paths.setdefault(path, {})[method.lower()] = op
+    return paths
+
+
+_V2_PATH_PARAMETERS = {
+    "name": {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "enum": list(kserve.MODELS)}},
+    "version": {
+        "name": "version",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "enum": [kserve.MODEL_VERSION]},
+        "description": "the only version of each model",
+    },
+}
+INFERENCE_HEADER_PARAMETER = {
+    "name": "Inference-Header-Content-Length",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "integer", "minimum": 0},
+    "description": "binary tensor data extension: the byte length of the JSON header, the inputs' bytes after it",
+}
+
+
+def _v2_responses(settings: Settings, endpoint: str) -> dict:
+    errors = {"body": "inference_error_response", "descriptions": V2_ERROR_DESCRIPTIONS}
+    model = (404,) if endpoint.startswith("model_") else ()
+    if endpoint in ("ready", "model_ready"):
+        body = "server_ready_response" if endpoint == "ready" else "model_ready_response"
+        return {"200": _json("ready", body), "503": _json("starting or draining", body), **_errors(*model, **errors)}
+    if endpoint == "infer":
+        binary_header = {
+            "Inference-Header-Content-Length": {
+                "schema": {"type": "integer"},
+                "description": "on an application/octet-stream answer: the JSON header's byte length",
+            }
+        }
+        return {
+            "200": {
+                "description": "the outputs: JSON, or the JSON header and the outputs' bytes (binary tensor data extension)",
+                "headers": {**TIMING_HEADERS, **binary_header},
+                "content": {
+                    "application/json": {"schema": _ref("inference_response")},
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                },
+            },
+            **_errors(400, 404, 413, 415, 422, 503, 504, *_auth(settings), **errors),
+        }
+    body = {"server_metadata": "metadata_server_response", "live": "server_live_response"}.get(endpoint)
+    body = body or {"model_metadata": "metadata_model_response", "model_config": "model_config_response"}[endpoint]
+    return {"200": _json("OK", body), **_errors(*model, **errors)}
+
+
+def _models_summary() -> str:
+    """Each model's inputs, outputs and parameters, from the model table."""
+    parts = []
+    for model in kserve.MODELS.values():
+        inputs = ", ".join(f"{n} (optional)" if n in model.optional else n for n in model.inputs)
+        parts.append(f"{model.name}: inputs {inputs}; outputs {', '.join(model.outputs)}; parameters {', '.join(model.parameters)}.")
+    return "The models: " + " ".join(parts)
+
+
+def _obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
+    """An object of these properties, all of them required unless `required` says which."""
+    required = list(properties) if required is None else required
+    return {"type": "object", **({"required": required} if required else {}), "properties": properties, **extra}
+
+
+def _any_of(options: list[dict]) -> dict:
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def _v2_schemas(native: dict) -> dict:
+    """The /v2 component schemas; native: the native components, whose option schemas the
+    protocol's request parameters share (the same schema loads both)."""
+    models = kserve.MODELS
+    boolean, string = {"type": "boolean"}, {"type": "string"}
+    model_name = {"type": "string", "enum": list(models)}
+    version = {"type": "string", "enum": [kserve.MODEL_VERSION]}
+    dims = {"type": "array", "items": {"type": "integer", "minimum": -1}, "description": "-1: any length"}
+    tensor_names = list(dict.fromkeys([*(n for m in models.values() for n in m.inputs), *kserve.OUTPUTS]))
+    input_names = ", ".join(f"{m.name}: {', '.join(m.inputs)}" for m in models.values())
+    datatypes = {n: ", ".join(types) for m in models.values() for n, (types, *_) in m.inputs.items()}
+    element = {"oneOf": [{"type": "number"}, boolean]}
+    return {
+        "metadata_server_response": _obj(
+            {"name": string, "version": string, "extensions": {"type": "array", "items": {"type": "string", "enum": kserve.EXTENSIONS}}}
+        ),
+        "server_live_response": _obj({"live": boolean}),
+        "server_ready_response": _obj({"ready": boolean}),
+        "model_ready_response": _obj({"name": model_name, "ready": boolean}),
+        "metadata_tensor": _obj(
+            {
+                "name": {"type": "string", "enum": tensor_names},
+                "datatype": {"type": "string", "enum": list(kserve.DATATYPES), "description": "the one advertised"},
+                "shape": dims,
+                "parameters": _obj(
+                    {
+                        "datatypes": {"type": "string", "description": "every datatype accepted, comma-separated"},
+                        "optional": {**boolean, "description": "inputs only"},
+                        "description": string,
+                    },
+                    ["datatypes", "description"],
+                ),
+            }
+        ),
+        "metadata_model_response": _obj(
+            {
+                "name": model_name,
+                "versions": {"type": "array", "items": version},
+                "platform": {"type": "string", "enum": [kserve.PLATFORM]},
+                "inputs": {"type": "array", "items": _ref("metadata_tensor")},
+                "outputs": {"type": "array", "items": _ref("metadata_tensor")},
+                "parameters": {
+                    "type": "object",
+                    "additionalProperties": string,
+                    "description": "the request parameters the model takes (beyond the protocol's own), each with what it takes",
+                },
+            }
+        ),
+        "model_config_response": _model_config_schema(model_name),
+        "tensor_data": {  # recursive, as the protocol's own (unrolled to each rank, it is too deep for the fuzzer's generator)
+            "description": "the values, flat or nested as the shape, row-major: numbers (booleans, or 0 and 1, for BOOL)",
+            "type": "array",
+            "items": {"oneOf": [*element["oneOf"], _ref("tensor_data")]},
+        },
+        "request_input": _obj(
+            {
+                "name": {
+                    "type": "string",
+                    "enum": list(dict.fromkeys(n for m in models.values() for n in m.inputs)),
+                    "description": input_names,
+                },
+                "datatype": {
+                    "type": "string",
+                    "enum": list(kserve.DATATYPES),
+                    "description": "; ".join(f"{n}: {types}" for n, types in datatypes.items()),
+                },
+                "shape": _SHAPE,
+                "parameters": _obj(
+                    {
+                        "binary_data_size": {
+                            "type": "integer",
+                            "minimum": 0,
+                            "description": "binary tensor data extension: the tensor's bytes follow the JSON header (no data then)",
+                        }
+                    },
+                    [],
+                    additionalProperties=False,
+                ),
+                "data": _ref("tensor_data"),
+            },
+            ["name", "datatype", "shape"],
+            additionalProperties=False,
+        ),
+        "request_output": _obj(
+            {
+                "name": {"type": "string", "enum": list(kserve.OUTPUTS)},
+                "parameters": _obj(
+                    {"binary_data": {**boolean, "description": "binary tensor data extension: this output as raw bytes"}},
+                    [],
+                    additionalProperties=False,
+                ),
+            },
+            ["name"],
+            additionalProperties=False,
+        ),
+        "request_parameters": _request_parameters(native),
+        "inference_request": _obj(
+            {
+                "id": {**string, "description": "echoed in the response"},
+                "parameters": _ref("request_parameters"),
+                "inputs": {"type": "array", "minItems": 1, "items": _ref("request_input")},
+                "outputs": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": _ref("request_output"),
+                    "description": "the outputs wanted, in order; default out, and weights unless return_weights is false",
+                },
+            },
+            ["inputs"],
+            additionalProperties=False,
+        ),
+        "response_output": _obj(
+            {
+                "name": {"type": "string", "enum": list(kserve.OUTPUTS)},
+                "datatype": {"type": "string", "enum": list(dict.fromkeys(kserve.OUTPUT_DATATYPES.values()))},
+                "shape": _SHAPE,
+                "parameters": _obj({"binary_data_size": {"type": "integer", "minimum": 0}}, []),
+                "data": {
+                    "type": "array",
+                    "items": {"type": "number"},
+                    "description": "flat, row-major; absent when the output is sent as binary data",
+                },
+            },
+            ["name", "datatype", "shape"],
+        ),
+        "inference_response": _obj(
+            {
+                "model_name": model_name,
+                "model_version": version,
+                "id": {**string, "description": "the request's id, when it gave one"},
+                "parameters": _obj(
+                    copy.deepcopy(native["Cost"]["properties"]),
+                    list(native["Cost"]["required"]),
+                    additionalProperties={"type": "number"},
+                    description="the cost, and the milliseconds per phase so far: decode_ms, validate_ms, compute_ms",
+                ),
+                "outputs": {"type": "array", "items": _ref("response_output")},
+            },
+            ["model_name", "model_version", "parameters", "outputs"],
+        ),
+        "inference_error_response": _obj(
+            {"error": {**string, "description": "one sentence naming the input or parameter and what is wrong"}}
+        ),
+    }
+
+
+def _model_config_schema(model_name: dict) -> dict:
+    """Triton's model_config.proto as JSON, as kserve.model_config writes it."""
+    data_type = {"type": "string", "enum": [f"TYPE_{d}" for d in kserve.DATATYPES]}
+    dims = {"type": "array", "items": {"type": "integer", "minimum": -1}, "description": "-1: any length"}
+    boolean, string = {"type": "boolean"}, {"type": "string"}
+    platform = {"type": "string", "enum": [kserve.PLATFORM]}
+    versions = {"type": "array", "items": {"type": "integer"}}
+    return _obj(
+        {
+            "name": model_name,
+            "platform": platform,
+            "backend": platform,
+            "version_policy": _obj({"specific": _obj({"versions": versions})}),
+            "max_batch_size": {"type": "integer", "description": "0: no batching, each request is one call"},
+            "input": {
+                "type": "array",
+                "items": _obj(
+                    {
+                        "name": string,
+                        "data_type": data_type,
+                        "format": string,
+                        "dims": dims,
+                        "is_shape_tensor": boolean,
+                        "allow_ragged_batch": boolean,
+                        "optional": boolean,
+                    }
+                ),
+            },
+            "output": {
+                "type": "array",
+                "items": _obj({"name": string, "data_type": data_type, "dims": dims, "label_filename": string, "is_shape_tensor": boolean}),
+            },
+        }
+    )
+
+
+def _request_parameters(native: dict) -> dict:
+    """The infer request's parameters: each model's options, typed as its native field (a window
+    may also be the string "left,right"), and the protocol's own."""
+    options: dict[str, tuple[list[dict], list[tuple[str, str]]]] = {}
+    for model in kserve.MODELS.values():
+        fields_ = native[model.schema.__name__]["properties"]
+        for name, what in model.parameters.items():
+            schema = {k: v for k, v in fields_[name].items() if k not in ("description", "default")}
+            if name == "window":
+                schema = {"oneOf": [schema, {"type": "string", "pattern": f"^{kserve.WINDOW_TEXT.pattern}$"}]}
+            schemas, whats = options.setdefault(name, ([], []))
+            if schema not in schemas:
+                schemas.append(schema)
+            whats.append((model.name, what))
+    props = {name: {**_any_of(schemas), "description": _per_model(whats)} for name, (schemas, whats) in options.items()}
+    props["binary_data_output"] = {
+        "type": "boolean",
+        "description": "binary tensor data extension: every output as raw bytes after the JSON header, unless the output says otherwise",
+    }
+    for name in sorted(kserve.IGNORED_PARAMETERS):
+        props[name] = {
+            "type": "integer",
+            "minimum": 0,
+            "description": "a scheduling hint Triton's client may send: accepted, no effect here",
+        }
+    return _obj(props, [], additionalProperties=False, description="the model's options (see its metadata) and the protocol's own")
+
+
+def _per_model(whats: list[tuple[str, str]]) -> str:
+    """One text if every model says the same, else each model's."""
+    if len({what for _, what in whats}) == 1:
+        return whats[0][1]
+    return "; ".join(f"{model}: {what}" for model, what in whats)
+
+
+def _v2_input(name: str, data: list, datatype: str = "FP32") -> dict:
+    shape = [len(data), len(data[0])] if isinstance(data[0], list) else [len(data)]
+    return {"name": name, "datatype": datatype, "shape": shape, "data": data}
+
+
+def _v2_infer_examples() -> dict:
+    """Keyed model_..., so that each is sent to its model."""
+    worked = [_v2_input("q", WORKED_Q), _v2_input("k", WORKED_Q), _v2_input("v", WORKED_V)]
+    flat = [{**i, "data": [x for row in i["data"] for x in row]} for i in worked]
+    mha = [_v2_input(n, m) for n, m in (("x", MHA_X), ("wq", EYE4), ("wk", EYE4), ("wv", EYE4), ("wo", EYE4))]
+    return {
+        "attention_worked_example": {
+            "summary": "attention: the worked example, causal",
+            "value": {"inputs": worked, "parameters": {"causal": True}},
+        },
+        "attention_flat_out_only": {
+            "summary": "attention: flat data, float64, only the out output",
+            "value": {"id": "flat-1", "inputs": flat, "outputs": [{"name": "out"}], "parameters": {"causal": True, "dtype": "float64"}},
+        },
+        "mha_identity_projections": {
+            "summary": "mha: identity projections, 2 heads (name: mha)",
+            "value": {"inputs": mha, "parameters": {"heads": 2}},
+        },
     }
 
 

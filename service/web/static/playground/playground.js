@@ -12,7 +12,7 @@ const WORKED = {q: [[1, 0], [0, 1], [1, 1]], k: [[1, 0], [0, 1], [1, 1]], v: [[1
 const MHA_N = 6, MHA_D = 8;
 
 const PRESETS = {
-  worked: {causal: "top_left", note: "The seed's worked example: q = k = [[1,0],[0,1],[1,1]], v = [[1,0],[0,10],[5,5]]. Query 0 sees only key 0; query 2 sees all three."},
+  worked: {causal: "top_left", note: "The worked example: q = k = [[1,0],[0,1],[1,1]], v = [[1,0],[0,10],[5,5]]. Query 0 sees only key 0; query 2 sees all three."},
   lookup: {causal: "false", note: "Each query is one of the keys, scaled by s. Move the slider: the weights sharpen from uniform to one-hot."},
   mha: {causal: "top_left", note: "A random causal multi-head case: x Wq, x Wk, x Wv split into heads. Pick a head to see its weights."},
   custom: {causal: "top_left", note: "Edit q, k, v; the request is sent when a field loses focus, or with the button."},
