@@ -120,6 +120,15 @@ def test_plain_format(settings, capfd):
     assert " 422 POST /attention " in line and "code=shape_mismatch field=k" in line and "id=plain-1" in line
 
 
+def test_plain_format_shows_no_body_as_a_dash(settings, capfd):
+    """A GET has no body: its plain line says in=-, never in=None."""
+    app = create_app(dataclasses.replace(settings, log_format="plain"))
+    r = app.test_client().get("/healthz")
+    r.get_data()
+    (line,) = capfd.readouterr().out.splitlines()
+    assert r.status_code == 200 and " in=- " in line and "None" not in line
+
+
 def test_plain_format_escapes_control_characters():
     line = accesslog._plain(
         {"ts": "t", "status": 404, "method": "GET", "route": "unmatched", "path": "/a\nfake line", "duration_ms": 1.0}
