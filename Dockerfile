@@ -5,9 +5,9 @@
 #
 # The base is pinned by tag only. Where a registry is reachable, pin the digest as well
 # (FROM python:3.11-slim@sha256:...); this project's machines reach no container registry, so
-# the digest cannot be looked up here. On them, ../shared/tools/container-sandbox builds a local
-# stand-in tagged python:3.11-slim from Debian bookworm's python3 (3.11, at /usr/bin rather than
-# /usr/local/bin, both on PATH), and `podman build --pull=never` uses that.
+# the digest cannot be looked up there. On such a machine a local stand-in tagged python:3.11-slim,
+# built from Debian bookworm's python3 (3.11, at /usr/bin rather than /usr/local/bin, both on
+# PATH), serves, and `podman build --pull=never` uses it.
 FROM python:3.11-slim
 
 ENV PYTHONUNBUFFERED=1 \

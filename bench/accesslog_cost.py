@@ -4,7 +4,7 @@ Two measures, side by side in one run:
 
 - the line alone: building a /attention 200's record, one orjson.dumps and one write(2) to
   /dev/null (json and plain), and tracing.start() for a request with and without a traceparent;
-- a whole request through the Flask test client (GET /healthz and the seed's POST /attention,
+- a whole request through the Flask test client (GET /healthz and the worked example's POST /attention,
   stdout sent to /dev/null), with the access log and trace context installed and without them,
   alternating blocks, in CPU time; the difference of the medians is the cost per request.
 

@@ -14,7 +14,7 @@ of one large request). torch uses its default threads (it ignores ours: no weigh
 sleep between calls (OMP_WAIT_POLICY=PASSIVE): by default its OpenMP threads spin after each call,
 on the two cores the next numpy call needs, and slowed whatever ran after torch (T=64 ~1.7x, T=2048
 ~1.3x, at random). "before" is main's service/core (`git archive`), imported as a package of
-its own; `before=REF` takes it from another commit (say the round's start):
+its own; `before=REF` takes it from another commit (say the one a change starts from):
 
     python -m bench.core_speed small before=6de42b9
 """

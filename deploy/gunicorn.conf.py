@@ -126,7 +126,7 @@ control_socket_disable = True
 # a thread to a connection at its first byte, and the thread then waits on the socket without a
 # deadline: 100 stalled uploads took every thread.
 # Idle connections cost a file descriptor and no thread; worker_connections bounds them per worker
-# (the worker raises its soft open-files limit to fit). README: "Slow and stalled clients".
+# (the worker raises its soft open-files limit to fit). docs/operations.md: "Slow and stalled clients".
 worker_class = "service.transport.worker.FrontWorker"
 # Admission bounds the whole server (service/web/census.py): one worker may hold every admitted
 # request while its siblings idle, so its threads fit all of them, and 16 more.
