@@ -76,7 +76,13 @@ def _plain(r: dict) -> bytes:
         parts.append(f"code={r['code']}" + (f" field={_printable(r['field'])}" if r.get("field") else ""))
     parts += [f"{k}={r[k]}" for k in ("B", "H", "T", "S", "d", "predicted_ms", "compute_ms") if k in r]
     bytes_in = r.get("bytes_in")  # None without a body (a GET)
-    parts += [f"in={'-' if bytes_in is None else bytes_in}", f"out={r['bytes_out']}", f"id={r['request_id']}", f"trace={r['trace_id']}", f"pid={r['pid']}"]
+    parts += [
+        f"in={'-' if bytes_in is None else bytes_in}",
+        f"out={r['bytes_out']}",
+        f"id={r['request_id']}",
+        f"trace={r['trace_id']}",
+        f"pid={r['pid']}",
+    ]
     return (" ".join(parts) + "\n").encode()
 
 
