@@ -11,8 +11,8 @@ coding at most: `gzip, gzip` (and any list of two) is 415, said so, rather than 
 one gzip member (a second one is bytes after the end). deflate is zlib's format (RFC 9110, and
 what tritonclient sends) or, as browsers and servers accept it, raw deflate.
 
-Answers: compressed when Accept-Encoding asks for gzip or deflate (q-values respected; identity
-preferred on a tie, gzip over deflate) and the answer is at least ATTN_COMPRESS_MIN_BYTES (an answer
+Answers: compressed when Accept-Encoding asks for gzip or deflate (q-values respected; a coding
+over identity on a tie, gzip over deflate) and the answer is at least ATTN_COMPRESS_MIN_BYTES (an answer
 of unknown length, a large nested tensor streamed in chunks, always), at ATTN_COMPRESS_LEVEL, as it
 streams: each chunk the wire's encoder yields is compressed on its way out. Every answer that could
 be compressed says Vary: Accept-Encoding. When identity is refused (`identity;q=0`, or `*;q=0`
@@ -124,17 +124,20 @@ def _qualities(header: str) -> dict[str, float]:
 
 
 def answer_coding(header: str | None) -> tuple[str | None, bool]:
-    """(the coding to compress an answer with, or None; whether identity is refused)."""
+    """(the coding to compress an answer with, or None; whether identity is refused). identity
+    competes by its own q (or that of "*") only when one is given: unlisted, it is acceptable but
+    asked for least, so that `gzip;q=0.8` compresses."""
     if not header:
         return None, False  # no Accept-Encoding, or an empty one: identity (RFC 9110 12.5.3)
     q = _qualities(header)
     star = q.get("*")
-    identity = q.get("identity", star if star is not None else 1.0)
+    identity = q.get("identity", star)
     best = max(CODINGS, key=lambda c: q.get(c, star or 0.0))  # max keeps the first of equals: gzip
     best_q = q.get(best, star or 0.0)
-    if best_q <= 0 or best_q < identity:
-        return None, identity <= 0
-    return best, identity <= 0
+    refused = identity is not None and identity <= 0
+    if best_q <= 0 or (identity is not None and best_q < identity):
+        return None, refused
+    return best, refused
 
 
 def compressed(chunks: Iterable[Buffer], coding: str, level: int) -> Iterator[bytes]:
