@@ -29,8 +29,6 @@ from flask import Flask, Response, request
 
 from schemas import RequestError
 
-from .errors import body_too_large
-
 CODINGS = ("gzip", "deflate")  # in order of preference on a tie
 ALIASES = {"x-gzip": "gzip"}  # RFC 9110 8.4.1.3: x-gzip is gzip
 STEP = 1 << 20  # inflated bytes per step at most: the granularity of the limit and of the charge
@@ -88,7 +86,10 @@ def inflate(body: Buffer, coding: str, limit: int, charge: Callable[[int], None]
             piece = inflater.decompress(data, min(STEP, limit + 1 - len(out)))  # one byte past the limit says it is over
             out += piece
             if len(out) > limit:
-                raise RequestError("body_too_large", body_too_large(limit) + " (counted inflated)")
+                raise RequestError(
+                    "body_too_large",
+                    f"The request body inflates past the limit of {limit} bytes (ATTN_MAX_BODY_BYTES); it was refused there.",
+                )
             if charge is not None and piece:
                 charge(len(out))
             if not piece and not data:
