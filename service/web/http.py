@@ -1,7 +1,7 @@
 """Request and response plumbing shared by every blueprint: reading a JSON body (media type,
-size and strictness checks; a compressed one inflated, compression.py), writing JSON, the per-phase clock behind Server-Timing and
-timing_ms, the request id, and the security headers (nosniff; on HTML pages a
-Content-Security-Policy and no framing)."""
+size and strictness checks; a compressed one inflated, compression.py), writing JSON, the
+per-phase clock behind Server-Timing and timing_ms, the request id, and the security headers
+(nosniff; on HTML pages a Content-Security-Policy and no framing)."""
 
 from __future__ import annotations
 
