@@ -70,6 +70,7 @@ def triton_path(url: str) -> Path:
 
 def requests_path(url: str) -> Path:
     session = requests.Session()
+    session.headers["Accept-Encoding"] = "identity"  # as the client and tritonclient ask: no compressed answers
 
     def enc(a):
         return {"shape": list(a.shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode("ascii")}
@@ -91,6 +92,7 @@ def requests_binary_path(url: str) -> Path:
     """The client's binary wire (its own request and response codecs) over a requests.Session
     instead of its sockets: what the HTTP layer alone is worth."""
     session = requests.Session()
+    session.headers["Accept-Encoding"] = "identity"  # as the client and tritonclient ask: no compressed answers
 
     def call(q, k, v):
         parts = _wire.v2_request({"q": q, "k": k, "v": v}, {"causal": True}, ["out", "weights"])

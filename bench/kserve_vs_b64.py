@@ -93,6 +93,8 @@ def main() -> None:
         q, k, v = (rng.standard_normal((args.B, args.H, args.T, args.d), dtype=np.float32) for _ in range(3))
         paths = {"b64 JSON (POST /attention)": b64_request, "KServe binary (POST /v2/.../infer)": binary_request}
         sessions = {name: requests.Session() for name in paths}
+        for session in sessions.values():
+            session.headers["Accept-Encoding"] = "identity"  # requests asks for gzip by default; the answers are measured uncompressed
         times = {name: [] for name in paths}
         phases = {name: [] for name in paths}
         wire = {}

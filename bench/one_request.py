@@ -123,6 +123,8 @@ def latency(servers: dict, reps: int) -> None:
     )
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     sessions = {name: requests.Session() for name in servers}
+    for session in sessions.values():
+        session.headers["Accept-Encoding"] = "identity"  # requests asks for gzip by default; the answers are measured uncompressed
     with ThreadPoolExecutor(1) as pool:
         for T, weights in ((1024, True), (4096, False)):
             m = _latency_row(servers, sessions, tensors(T), weights, pool, torch if not weights else None, reps)

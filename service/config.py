@@ -43,6 +43,8 @@ RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
     "send_timeout_s": ("ATTN_SEND_TIMEOUT_S", 1, DAY_S),
     "send_buffer_bytes": ("ATTN_SEND_BUFFER_BYTES", 1, 2**62),
     "split_threads": ("ATTN_SPLIT_THREADS", 1, 256),
+    "compress_level": ("ATTN_COMPRESS_LEVEL", 1, 9),  # zlib's levels (0 would send stored blocks: larger than identity)
+    "compress_min_bytes": ("ATTN_COMPRESS_MIN_BYTES", 0, 2**62),
 }
 DEFAULT_DTYPES = ("float32", "float64")  # as schemas.COMPUTE_DTYPES (config imports nothing of the layers)
 
@@ -167,6 +169,11 @@ class Settings:
     # One large request alone on the server is computed on this many threads (service/cost/split.py);
     # under load every request keeps one. Default: the cores; 1 turns splitting off.
     split_threads: int = field(default_factory=_cores)
+    # Answers compressed when Accept-Encoding asks (service/web/compression.py): zlib's level (1 is
+    # the fastest; tensors of random floats gain little from more), and the size below which an
+    # answer goes uncompressed (a gzip member costs 18 bytes and the client a decompression).
+    compress_level: int = 1
+    compress_min_bytes: int = 1024
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -197,6 +204,8 @@ class Settings:
                 log_format=_env("ATTN_LOG_FORMAT", d.log_format, log_format),
                 otel_trace_exporters=_otel_trace_exporters(),
                 split_threads=_env("ATTN_SPLIT_THREADS", d.split_threads, int),
+                compress_level=_env("ATTN_COMPRESS_LEVEL", d.compress_level, int),
+                compress_min_bytes=_env("ATTN_COMPRESS_MIN_BYTES", d.compress_min_bytes, int),
             )
         )
 

@@ -160,6 +160,24 @@ class Ticket:
             gate.pending_ms += predicted_ms
             self.predicted_ms = predicted_ms
 
+    def charge_body(self, nbytes: int) -> None:
+        """The body is nbytes now (a compressed one, as it is inflated: http.read_body): charge
+        what it and its parse take beyond what was charged for its Content-Length, or 503 if that
+        does not fit beside the others' bytes."""
+        gate = self.gate
+        with gate._lock:
+            grown = nbytes - (self.bytes - self.parse_bytes)
+            if grown <= 0:
+                return
+            change = grown * (1 + PARSE_FACTOR)
+            if gate.bytes - self.bytes and gate.bytes + change > gate.max_bytes:
+                raise gate._overloaded(
+                    f"its body inflates to {nbytes} bytes, which with its parse would take this worker past {gate.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)"
+                )
+            gate._add_bytes(change)
+            self.bytes += change
+            self.parse_bytes += grown * PARSE_FACTOR
+
     def take_slot(self) -> bool:
         """A compute slot if one is free now."""
         return self._got(self.gate._slots.acquire(blocking=False))

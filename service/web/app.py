@@ -10,7 +10,7 @@ from service import wire
 from service.config import Settings
 from service.cost import CostModel
 
-from . import accesslog, admission, api, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
+from . import accesslog, admission, api, compression, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
 from .context import EXTENSION, Services
 
 
@@ -46,7 +46,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     accesslog.install(app)
     metrics.install(app)  # before admission: its refusals are counted too
     admission.install(app)
-    errors.register(app, shapes={kserve.bp: kserve.error_body})
+    compression.install(app, settings.compress_level, settings.compress_min_bytes)  # last: its hook runs first (compression.install)
+    errors.register(app, doors={kserve.bp: errors.Door(kserve.error_body, errors.PROTOCOL_STATUS)})
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(kserve.bp)

@@ -1,12 +1,14 @@
 """The one place where errors become HTTP: every refusal, from any layer, is a RequestError
 (code, message, field); STATUS maps its code to a status, and the front door that served the
-request (its blueprint) picks the body's shape. No traceback ever leaves the process: unexpected
-exceptions are logged here and answered with a plain 500."""
+request (its blueprint, a Door) picks the body's shape and may remap statuses: the Open Inference
+Protocol's door answers 400 where the native one answers 422 (PROTOCOL_STATUS). No traceback ever
+leaves the process: unexpected exceptions are logged here and answered with a plain 500."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from urllib.parse import quote
 
 from flask import Blueprint, Flask, Response, request
@@ -23,6 +25,7 @@ STATUS = {
     "bad_json": 400,
     "bad_request": 400,
     "bad_framing": 400,
+    "bad_compression": 400,
     "incomplete_request": 400,
     "unauthorized": 401,
     "not_found": 404,
@@ -53,6 +56,21 @@ _HTTP_CODES = {
 }
 
 Shape = Callable[[RequestError, int], dict]
+
+# The Open Inference Protocol documents 400 for a request it cannot serve, and Triton answers 400
+# for every invalid or malformed one: at that door, what the native door answers 422 (the body is
+# JSON but not a valid request) is 400, its code still in X-Error-Code. Every other status keeps
+# its meaning there (404, 413, 415, 503, 504, ...).
+PROTOCOL_STATUS = {422: 400}
+
+
+@dataclass(frozen=True)
+class Door:
+    """A front door's error answers: the body's shape, and the statuses it answers differently
+    from the native door (status -> its own)."""
+
+    shape: Shape
+    statuses: dict[int, int] = field(default_factory=dict)
 
 
 class ApiError(RequestError):
@@ -103,6 +121,9 @@ def native_body(err: RequestError, status: int) -> dict:
     return {"error": {"status": status, "code": err.code, "message": err.message, "field": err.field}}
 
 
+NATIVE = Door(native_body)
+
+
 def _from_http(exc: HTTPException) -> ApiError:
     status = exc.code or 500
     code = _HTTP_CODES.get(status, "http_error")
@@ -119,36 +140,38 @@ def _from_http(exc: HTTPException) -> ApiError:
 
 
 class Responder:
-    """Renders a RequestError in the shape of the front door that served the request."""
+    """Renders a RequestError as the front door that served the request answers it."""
 
-    def __init__(self, shapes: dict[Blueprint, Shape]):
-        self.shapes = {bp.name: shape for bp, shape in shapes.items()}
-        self.prefixes = [(bp.url_prefix, shape) for bp, shape in shapes.items() if bp.url_prefix]
+    def __init__(self, doors: dict[Blueprint, Door]):
+        self.doors = {bp.name: door for bp, door in doors.items()}
+        self.prefixes = [(bp.url_prefix, door) for bp, door in doors.items() if bp.url_prefix]
 
-    def shape(self) -> Shape:
+    def door(self) -> Door:
         if request.url_rule is not None:
-            return self.shapes.get(request.blueprint, native_body)
+            return self.doors.get(request.blueprint, NATIVE)
         # No route matched (404, 405): the door is the blueprint whose prefix the path is under.
-        for prefix, shape in self.prefixes:
+        for prefix, door in self.prefixes:
             if request.path == prefix or request.path.startswith(prefix + "/"):
-                return shape
-        return native_body
+                return door
+        return NATIVE
 
     def respond(self, err: RequestError, headers: dict | None = None, status: int | None = None) -> Response:
+        door = self.door()
         status = status or status_of(err.code)
+        status = door.statuses.get(status, status)
         ctx = context()
         ctx.error_code = err.code  # counted by metrics as a rejection
         ctx.error_field = err.field  # logged beside it (accesslog)
-        resp = Response(wire.dumps(self.shape()(err, status)), status=status, mimetype="application/json")
+        resp = Response(wire.dumps(door.shape(err, status)), status=status, mimetype="application/json")
         resp.headers.update(code_headers(err))
         resp.headers.update(headers or {})
         return resp
 
 
-def register(app: Flask, shapes: dict[Blueprint, Shape]) -> None:
-    """Install the handlers that turn every failure into its door's error shape; shapes gives the
-    blueprints whose shape is not the native one."""
-    responder = Responder(shapes)
+def register(app: Flask, doors: dict[Blueprint, Door]) -> None:
+    """Install the handlers that turn every failure into its door's error answer; doors gives the
+    blueprints that answer otherwise than the native door."""
+    responder = Responder(doors)
 
     @app.errorhandler(RequestError)
     def _request_error(err: RequestError):

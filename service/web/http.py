@@ -1,7 +1,7 @@
 """Request and response plumbing shared by every blueprint: reading a JSON body (media type,
-size and strictness checks), writing JSON, the per-phase clock behind Server-Timing and
-timing_ms, the request id, and the security headers (nosniff; on HTML pages a
-Content-Security-Policy and no framing)."""
+size and strictness checks; a compressed one inflated, compression.py), writing JSON, the
+per-phase clock behind Server-Timing and timing_ms, the request id, and the security headers
+(nosniff; on HTML pages a Content-Security-Policy and no framing)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from schemas import RequestError
 from service import wire
 from service.transport import BODY_KEY
 
+from . import compression
 from .context import begin, context
 
 MAX_JSON_DEPTH = 12  # a rank-6 tensor inside a request object is 8 deep; KServe's envelope adds a few
@@ -52,28 +53,35 @@ def phases_ms() -> dict[str, float]:
 
 
 def check_media_type(require_json: bool = True) -> None:
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise RequestError("unsupported_media_type", f"Content-Encoding {encoding!r} is not accepted; send the body uncompressed.")
+    """415 for a body in a Content-Encoding other than identity, gzip or deflate (or in several),
+    and, when require_json, for one that is not application/json."""
+    compression.request_coding(request.headers.get("Content-Encoding"))
     if require_json and request.mimetype != "application/json":
         got = request.mimetype or "none"
         raise RequestError("unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
 
 
 def read_body() -> bytes | bytearray | mmap.mmap:
-    """The raw body; werkzeug refuses it with 413 past MAX_CONTENT_LENGTH before reading it all.
+    """The body, inflated if it came compressed; werkzeug refuses it with 413 past
+    MAX_CONTENT_LENGTH before reading it all, and compression.inflate() once its inflated bytes
+    pass that limit (each step charged to the request's admission ticket as it is produced).
 
     With a Content-Length, the buffer the worker received it into (environ[service.transport.BODY_KEY]:
     a bytearray, or for a large body an anonymous mapping), or else read in 1 MiB steps into one
     buffer of that size: the body is in memory once (get_data() holds it twice at the end, and
     gunicorn's read of it all at once, twice)."""
+    coding = compression.request_coding(request.headers.get("Content-Encoding"))
     try:
-        return _read(request.content_length)
+        body = _read(request.content_length)
     except (ParseException, NoMoreData) as exc:
         # The HTTP server found the body's framing broken as it read it (a bad chunk, the stream
         # ended early): the client's fault, 400, never the catch-all 500. FrontWorker refuses these
         # before a thread sees them; another worker class finds them only here.
         raise RequestError("bad_framing", f"The request body could not be read: {type(exc).__name__}: {exc}.") from None
+    if coding is None:
+        return body
+    ticket = context().admission
+    return compression.inflate(body, coding, request.max_content_length, ticket.charge_body if ticket is not None else None)
 
 
 def _read(length: int | None) -> bytes | bytearray | mmap.mmap:

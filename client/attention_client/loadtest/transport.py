@@ -50,6 +50,7 @@ def new_session(api_key: str | None = None) -> requests.Session:
     """A session for one worker thread: keep-alive, JSON content type, no retries."""
     session = requests.Session()
     session.headers["Content-Type"] = "application/json"
+    session.headers["Accept-Encoding"] = "identity"  # requests asks for gzip by default: the service's answers, not zlib's, are measured
     if api_key:
         session.headers["Authorization"] = f"Bearer {api_key}"
     return session
