@@ -234,7 +234,7 @@ def test_v2_parameter_schemas_agree_with_the_server(client, doc, parameters, val
         ("/v2/models/nope/infer", {"inputs": []}, 404),
         ("/v2/models/attention/versions/2", None, 404),
         ("/v2/models/attention/infer", b"nope", 400),
-        ("/v2/models/attention/infer", {"inputs": [{"name": "q"}]}, 422),
+        ("/v2/models/attention/infer", {"inputs": [{"name": "q"}]}, 400),  # the protocol's status for an invalid request
     ],
     ids=["no-model", "no-version", "not-json", "invalid"],
 )

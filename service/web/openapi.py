@@ -180,10 +180,10 @@ def _exclusive_minimum(self, field, ret, **kwargs) -> dict:
 # --- the document -----------------------------------------------------------------------------
 
 ERROR_DESCRIPTIONS = {
-    400: "body is not strict JSON or not an object",
+    400: "body is not strict JSON or not an object (bad_json), or its Content-Encoding does not decode (bad_compression)",
     401: "no valid API key",
     413: "body, T, S or score elements over a limit",
-    415: "not application/json",
+    415: "not application/json, or a Content-Encoding other than identity, gzip or deflate",
     422: "JSON but not a valid request",
     503: "overloaded: retry after Retry-After seconds",
     504: "the X-Deadline-Ms deadline cannot be met",
@@ -463,10 +463,11 @@ def _mha_examples() -> dict:
 
 V2_ERROR_DESCRIPTIONS = {
     **ERROR_DESCRIPTIONS,
-    400: "the body (or its JSON header) is not strict JSON, or Inference-Header-Content-Length is not the header's length",
+    400: "not a valid infer request for this model, as the protocol answers it: the body (or its JSON header) not strict"
+    " JSON, Inference-Header-Content-Length not the header's length, a Content-Encoding that does not decode, or any"
+    " invalid input or parameter (the native door's 422); the code is in X-Error-Code",
     404: "no such model, or no such version of it",
-    415: "a Content-Encoding other than identity (the Content-Type is not checked: the protocol's clients send none)",
-    422: "JSON but not a valid infer request for this model",
+    415: "a Content-Encoding other than identity, gzip or deflate (the Content-Type is not checked: the protocol's clients send none)",
 }
 # The protocol's summary of each view of kserve.bp: a /v2 route added without one fails the build.
 V2_SUMMARIES = {
@@ -567,7 +568,7 @@ def _v2_responses(settings: Settings, endpoint: str) -> dict:
                     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
                 },
             },
-            **_errors(400, 404, 413, 415, 422, 503, 504, *_auth(settings), **errors),
+            **_errors(400, 404, 413, 415, 503, 504, *_auth(settings), **errors),
         }
     body = {"server_metadata": "metadata_server_response", "live": "server_live_response"}.get(endpoint)
     body = body or {"model_metadata": "metadata_model_response", "model_config": "model_config_response"}[endpoint]
