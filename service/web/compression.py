@@ -75,6 +75,7 @@ def inflate(body: Buffer, coding: str, limit: int, charge: Callable[[int], None]
     the bytes inflated so far after each step (it may raise: the admission gate's 503)."""
     inflater = zlib.decompressobj(_wbits(coding, body))
     out, fed = bytearray(), 0
+    data: bytes | bytearray | memoryview
     try:
         while not inflater.eof:
             if inflater.unconsumed_tail:  # the last step stopped at STEP: the rest of its input first

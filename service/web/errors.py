@@ -128,9 +128,11 @@ def _from_http(exc: HTTPException) -> ApiError:
     status = exc.code or 500
     code = _HTTP_CODES.get(status, "http_error")
     if status == 413:
-        message = body_too_large(request.max_content_length)
+        message = body_too_large(request.max_content_length or 0)  # create_app sets it: a 413 has one
     elif status == 405:
-        message = f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(exc.valid_methods or []))}."
+        message = (
+            f"{request.method} is not allowed on {request.path}; allowed: {', '.join(sorted(getattr(exc, 'valid_methods', None) or []))}."
+        )
     elif status == 404:
         message = f"There is no endpoint at {request.path}; see /openapi.json for the API."
     else:
@@ -148,7 +150,7 @@ class Responder:
 
     def door(self) -> Door:
         if request.url_rule is not None:
-            return self.doors.get(request.blueprint, NATIVE)
+            return self.doors.get(request.blueprint or "", NATIVE)
         # No route matched (404, 405): the door is the blueprint whose prefix the path is under.
         for prefix, door in self.prefixes:
             if request.path == prefix or request.path.startswith(prefix + "/"):

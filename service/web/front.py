@@ -55,7 +55,9 @@ class Front:
         return answer
 
     def margin(self) -> int:
-        return self.gate.table.busiest_margin(self.gate.row)
+        table, row = self.gate.table, self.gate.row
+        assert table is not None and row is not None  # a Gate always has its table and row
+        return table.busiest_margin(row)
 
     def _endpoint(self, path: str, method: str) -> str:
         """The route path is served by, as the app labels it (a bounded label): "unmatched" when

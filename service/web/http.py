@@ -81,7 +81,8 @@ def read_body() -> bytes | bytearray | mmap.mmap:
     if coding is None:
         return body
     ticket = context().admission
-    return compression.inflate(body, coding, request.max_content_length, ticket.charge_body if ticket is not None else None)
+    limit = request.max_content_length or 0  # create_app sets it (ATTN_MAX_BODY_BYTES)
+    return compression.inflate(body, coding, limit, ticket.charge_body if ticket is not None else None)
 
 
 def _read(length: int | None) -> bytes | bytearray | mmap.mmap:
@@ -91,7 +92,7 @@ def _read(length: int | None) -> bytes | bytearray | mmap.mmap:
         return body  # not copied: a fresh buffer of the body's size would be written once more
     stream, body = request.stream, bytearray(length)
     view, got = memoryview(body), 0
-    while got < length and (n := stream.readinto(view[got : got + 2**20])):
+    while got < length and (n := stream.readinto(view[got : got + 2**20])):  # type: ignore[attr-defined]  # werkzeug's stream has it
         got += n
     view.release()
     if got < length:
