@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import fields as dataclass_fields
+from typing import Any
 
 from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin
@@ -43,7 +44,7 @@ MAX_NESTING = 6  # the highest rank any tensor field takes
 # Per Tensor kind: its component's name, what it holds, the element types it accepts (one type per
 # tensor: a mask mixing booleans with numbers is refused), the dtypes it accepts (b64 and flat),
 # and whether a bare scalar is a tensor (rank 0, as key_lengths may be).
-_KINDS = {
+_KINDS: dict[str, tuple[str, str, list[dict], list[str], bool]] = {
     "float": ("Tensor", "numbers", [{"type": "number"}], _NUMBER_DTYPES, False),
     "mask": (
         "MaskTensor",
@@ -226,7 +227,7 @@ DEADLINE_NOTE = (
 
 
 NATIVE_TAG, OPS_TAG, V2_TAG = "Attention", "Operations", "Open Inference Protocol"
-TAGS = [
+TAGS: list[dict[str, Any]] = [
     {
         "name": NATIVE_TAG,
         "description": "The native API: tensors in any of three encodings, errors as {error: {status, code, message, field}}",
@@ -276,6 +277,7 @@ def _spec(settings: Settings) -> APISpec:
             "under the Open Inference Protocol (KServe v2) at /v2."
         },
     )
+    assert plugin.converter is not None  # APISpec(plugins=[plugin]) made it
     plugin.converter.add_attribute_function(_tensor_property)
     plugin.converter.add_attribute_function(_window_property)
     plugin.converter.add_attribute_function(_nullable_enum)
@@ -494,12 +496,12 @@ def _v2_paths(settings: Settings, rules: list, views: dict) -> dict:
     """The /v2 operations, one per route of kserve.bp (Flask's <name> becomes OpenAPI's {name}),
     each view's unversioned route before its versioned one."""
     order = list(dict.fromkeys(rule.endpoint for rule in rules))
-    paths = {}
+    paths: dict[str, dict] = {}
     for rule in sorted(rules, key=lambda r: (order.index(r.endpoint), "version" in r.arguments)):
         endpoint = rule.endpoint.removeprefix(f"{kserve.bp.name}.")
         path = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
         versioned = "version" in rule.arguments
-        op = {
+        op: dict[str, Any] = {
             "operationId": f"v2_{endpoint}{'_version' if versioned else ''}",
             "tags": [V2_TAG],
             "summary": V2_SUMMARIES[endpoint],
@@ -547,7 +549,7 @@ INFERENCE_HEADER_PARAMETER = {
 
 
 def _v2_responses(settings: Settings, endpoint: str) -> dict:
-    errors = {"body": "inference_error_response", "descriptions": V2_ERROR_DESCRIPTIONS}
+    errors: dict[str, Any] = {"body": "inference_error_response", "descriptions": V2_ERROR_DESCRIPTIONS}
     model = (404,) if endpoint.startswith("model_") else ()
     if endpoint in ("ready", "model_ready"):
         body = "server_ready_response" if endpoint == "ready" else "model_ready_response"
@@ -570,8 +572,13 @@ def _v2_responses(settings: Settings, endpoint: str) -> dict:
             },
             **_errors(400, 404, 413, 415, 503, 504, *_auth(settings), **errors),
         }
-    body = {"server_metadata": "metadata_server_response", "live": "server_live_response"}.get(endpoint)
-    body = body or {"model_metadata": "metadata_model_response", "model_config": "model_config_response"}[endpoint]
+    bodies = {
+        "server_metadata": "metadata_server_response",
+        "live": "server_live_response",
+        "model_metadata": "metadata_model_response",
+        "model_config": "model_config_response",
+    }
+    body = bodies[endpoint]
     return {"200": _json("OK", body), **_errors(*model, **errors)}
 
 
