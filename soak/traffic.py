@@ -104,7 +104,7 @@ def _invalid_catalogue() -> list[tuple]:
             422,
             "bad_option",
         ),
-        ("v2-missing-input", "/v2/models/attention/infer", dump(v2_missing_v), {}, 422, None),
+        ("v2-missing-input", "/v2/models/attention/infer", dump(v2_missing_v), {}, 400, None),
         ("v2-bad-header-length", "/v2/models/attention/infer", dump(v2_missing_v), {"Inference-Header-Content-Length": "-3"}, 400, None),
     ]
 

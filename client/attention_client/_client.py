@@ -35,7 +35,8 @@ MAX_TIMEOUT_S = 86_400.0  # a day: the longest timeout (or wait) the client take
 
 class AttentionError(Exception):
     """Anything the service (or the way to it) refused. status is the HTTP status (None when no
-    answer came), code the service's error code (e.g. "shape_mismatch", "too_large",
+    answer came) as the native door gives it (the /v2 door answers an invalid request 400, which
+    the binary wire reports as the 422 it stands for; response.status_code is what came), code the service's error code (e.g. "shape_mismatch", "too_large",
     "connection_error"), message its sentence, field the request field it names (or None),
     response the answer as a requests.Response if there was one."""
 
@@ -366,7 +367,8 @@ class AttentionClient:
         if answer.status != 200:
             code = answer.headers.get("X-Error-Code") or "http_error"
             field = answer.headers.get("X-Error-Field")
-            raise AttentionError(answer.status, code, _v2_message(answer), _response(answer), field and unquote(field))
+            status = _wire.native_status(answer.status, code)  # the same error whichever wire took it
+            raise AttentionError(status, code, _v2_message(answer), _response(answer), field and unquote(field))
         try:
             results = _wire.v2_outputs(answer.body, int(answer.headers.get(_wire.HEAD_LENGTH) or 0))
             return results["out"], results.get("weights")

@@ -26,6 +26,19 @@ def dumps(obj: Any) -> bytes:
 # numpy dtype <-> the protocol's datatype, for every dtype the client sends or the server answers.
 DATATYPES = {"float32": "FP32", "float64": "FP64", "float16": "FP16", "bool": "BOOL", "int64": "INT64", "int32": "INT32"}
 NUMPY = {datatype: np.dtype(name) for name, datatype in DATATYPES.items()}
+# The codes of a request that is JSON but not valid: the native door answers them 422, the /v2
+# door 400 (the protocol's status for any invalid request), with the code in X-Error-Code.
+INVALID_CODES = frozenset(
+    ("missing_field", "unknown_field", "bad_type", "ragged", "non_finite", "bad_rank", "bad_shape", "bad_encoding")
+    + ("shape_mismatch", "mask_not_broadcastable", "bad_option")
+)
+
+
+def native_status(status: int, code: str) -> int:
+    """The status the native door gives what the /v2 door answered status with code."""
+    return 422 if status == 400 and code in INVALID_CODES else status
+
+
 V2_MODELS = {"/attention": "attention", "/mha": "mha"}
 HEAD_LENGTH = "Inference-Header-Content-Length"
 
