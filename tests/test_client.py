@@ -122,9 +122,9 @@ def spy_threads(client: AttentionClient) -> list[str]:
     """Record the thread of every compute request the client sends."""
     seen, compute = [], client._compute
 
-    def recording(path, body):
+    def recording(path, body, http=None):
         seen.append(threading.current_thread().name)
-        return compute(path, body)
+        return compute(path, body, http)
 
     client._compute = recording
     return seen
@@ -186,13 +186,23 @@ def test_mha_batch_is_split(small_api, rng):
 
 
 @pytest.mark.live
-def test_unsplittable_request_gets_the_servers_refusal(small_api, rng):
+def test_keys_over_max_s_are_split_and_merged(small_api, rng):
+    """S over ATTN_MAX_S (413 too_long whole, and for every single row): key ranges merged by lse."""
     q = rng.standard_normal((4, 8), dtype=np.float32)
-    k = rng.standard_normal((200, 8), dtype=np.float32)  # S over ATTN_MAX_S: keys cannot be split exactly
+    k = rng.standard_normal((200, 8), dtype=np.float32)
+    out, weights, lse = small_api.attention(q, k, k, return_lse=True)
+    want_out, want_w, want_lse = core.attention(q, k, k, return_lse=True)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+
+
+@pytest.mark.live
+def test_unsplittable_request_gets_the_servers_refusal(small_api, rng):
+    q = rng.standard_normal((4, 60_000), dtype=np.float32)  # one row and one key are over ATTN_MAX_BODY_BYTES
     with pytest.raises(AttentionError) as info:
-        small_api.attention(q, k, k)
-    assert (info.value.status, info.value.code) == (413, "too_long")
-    assert "ATTN_MAX_S" in info.value.message
+        small_api.attention(q, q, q)
+    assert (info.value.status, info.value.code) == (413, "body_too_large")
 
 
 @pytest.mark.live
@@ -558,17 +568,19 @@ def test_windowed_and_biased_requests_split_exactly(small_api, rng):
 
 
 @pytest.mark.live
-def test_gqa_and_averaged_requests_are_not_split(small_api, rng):
-    """A block of flattened leading indices would cut the heads GQA and averaging span: sent whole,
-    the server's refusal is what the caller sees."""
+def test_gqa_and_averaged_requests_are_split_exactly(small_api, rng):
+    """Over the limits, GQA blocks carry each query head's key/value head, and averaged weights are
+    averaged once every head is in: what one call gives."""
     q = rng.standard_normal((4, 8, 32, 8), dtype=np.float32)
     kv = rng.standard_normal((4, 2, 32, 8), dtype=np.float32)
-    for kwargs in ({"enable_gqa": True}, {"average_weights": True}):
+    for kwargs in ({"enable_gqa": True}, {"average_weights": True}, {"enable_gqa": True, "average_weights": True}):
         k = kv if kwargs.get("enable_gqa") else q
         threads = spy_threads(small_api)
-        with pytest.raises(AttentionError) as info:
-            small_api.attention(q, k, k, **kwargs)
-        assert info.value.code == "too_large" and len(threads) == 1
+        out, weights = small_api.attention(q, k, k, **kwargs)
+        want_out, want_w = core.attention(q, k, k, **kwargs)
+        np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-6)
+        assert len(threads) > 1
 
 
 @pytest.mark.live
