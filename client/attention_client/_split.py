@@ -98,15 +98,17 @@ def plan_keys(
     key_chunks: int | None = None,
     sees: Callable[[Block], bool] | None = None,
 ) -> list[Block] | None:
-    """Blocks over leading indices, query rows and key ranges, each fitting: key ranges of
-    ceil(S / key_chunks) keys, or the most keys one row may send with (fits(1, 1, keys)); then as
+    """Blocks over leading indices, query rows and key ranges, each fitting: key ranges of the
+    most keys one row may send with (fits(1, 1, keys)), at most ceil(S / key_chunks); then as
     many rows, then leading indices, as fit beside them. sees(block): whether any of its rows may
     see any of its keys (the causal mask, the window, key_lengths); blocks it rules out are not
     returned. None when one key of one row does not fit, or past MAX_BLOCKS blocks.
     fits(lead, rows, keys) must be monotone in each."""
-    keys = -(-S // key_chunks) if key_chunks else _largest(lambda s: fits(1, 1, s), S) if fits(1, 1, 1) else 0
-    if keys < 1 or not fits(1, 1, keys):
+    if not fits(1, 1, 1):
         return None
+    keys = _largest(lambda s: fits(1, 1, s), S)
+    if key_chunks:
+        keys = min(keys, -(-S // key_chunks))
     rows = _largest(lambda t: fits(1, t, keys), T)
     per = _largest(lambda b: fits(b, T, keys), n_lead) if rows == T else 1
     if math.ceil(n_lead / per) * math.ceil(T / rows) * math.ceil(S / keys) > MAX_BLOCKS:
