@@ -11,16 +11,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import pytest
-from attention_client import AttentionClient, merge_states
-from attention_client import _split
+import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from service import core
+from attention_client import AttentionClient, _split, merge_states
+from service import core, replicas
 
 from . import oracle
-from .helpers import free_port, serving
+from .helpers import free_port, serving, wait_until
 
 CAUSAL = [False, True, "bottom_right"]
 # Small enough that the problems below split over keys and rows, and one row's keys do not fit.
@@ -51,7 +51,10 @@ def test_merge_of_key_segments_is_one_call(data):
     bias = data.draw(hnp.arrays(np.float64, (T, S), elements=elems))
     cuts = sorted(set(data.draw(st.lists(st.integers(1, S - 1), max_size=3)))) if S > 1 else []
     edges = [0, *cuts, S]
-    parts = [core.attention(q, k[:, a:b], v[:, a:b], mask[..., a:b], bias=bias[:, a:b], return_lse=True) for a, b in zip(edges, edges[1:])]
+    parts = [
+        core.attention(q, k[:, a:b], v[:, a:b], mask[..., a:b], bias=bias[:, a:b], return_lse=True)
+        for a, b in zip(edges[:-1], edges[1:], strict=True)
+    ]
     out, lse, weights = merge_states([p[0] for p in parts], [p[2] for p in parts], [p[1] for p in parts])
     want_out, want_w, want_lse = core.attention(q, k, v, mask, bias=bias, return_lse=True)
     np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
@@ -121,6 +124,7 @@ def problems(draw):
     return q, k, v, kw, chunks
 
 
+@pytest.mark.live
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(problems())
 def test_key_split_answers_equal_one_call(small, problem):
@@ -143,6 +147,7 @@ def test_key_split_answers_equal_one_call(small, problem):
     assert (lse[none] == np.finfo(np.float32).min).all()
 
 
+@pytest.mark.live
 def test_blocks_no_row_sees_are_not_sent(small, rng):
     """Causal T = S = 24 over 8-key ranges: 6 of the 9 (rows, keys) blocks hold a key some row may see."""
     q = rng.standard_normal((24, 4), dtype=np.float32)
@@ -192,6 +197,7 @@ class Busy(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.live
 def test_replicas_share_the_blocks_and_a_busy_or_dead_one_hands_them_on(small, rng):
     """Two live replicas take blocks each; beside a replica that always answers 503 and a port
     nobody listens on, every block is answered by the live one."""
@@ -216,3 +222,31 @@ def test_replicas_share_the_blocks_and_a_busy_or_dead_one_hands_them_on(small, r
         busy.server_close()
     np.testing.assert_allclose(out, want[0], rtol=RTOL, atol=RTOL)
     assert Busy.posts > 0
+
+
+@pytest.mark.live
+def test_replicas_launcher_starts_n_replicas_on_consecutive_ports(rng):
+    """python -m service.replicas: N servers at port, port + 1, ...; a long request split over them."""
+    port = free_port()
+    procs = replicas.start(2, port, env=LIMITS)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(2)]
+    try:
+        wait_until(lambda: all(ready(url) for url in urls), timeout=120, what="both replicas ready")
+        q = rng.standard_normal((24, 4), dtype=np.float32)
+        with AttentionClient(urls, timeout=60) as api:
+            posts = spy(api)
+            out, lse = api.attention(q, q, q, causal=True, return_weights=False, return_lse=True)[::2]
+        want_out, _, want_lse = core.attention(q, q, q, causal=True, return_lse=True)
+        np.testing.assert_allclose(out, want_out, rtol=RTOL, atol=RTOL)
+        np.testing.assert_allclose(lse, want_lse, rtol=RTOL, atol=RTOL)
+        assert {h.base_url for h in posts} == set(urls)
+    finally:
+        replicas.stop(procs)
+    assert all(p.returncode is not None for p in procs)
+
+
+def ready(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/readyz", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
