@@ -102,6 +102,8 @@ class AttentionClient:
         self._limits: dict | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()  # each pool thread's replica
+        self._flight = threading.Condition()  # guards _in_flight: this client's requests in flight, by replica
+        self._in_flight: dict[int, int] = {}
         self._next_replica = itertools.count()
         self._sleep = time.sleep  # replaced in tests
 
@@ -387,8 +389,7 @@ class AttentionClient:
         B, itemsize = math.prod(lead), _wire_itemsize(q)
         positional = bool(causal) or window is not None
 
-        def fits(b: int, t: int, s: int) -> bool:
-            moved = t < T or s < S  # the causal mask and the window may travel as a mask, ALiBi as a bias
+        def fits(b: int, t: int, s: int, moved: bool = False) -> bool:  # moved: the band may travel as a mask, ALiBi as a bias
             mask_bytes = 0 if mask is None else min(mask.size, b * t * s) * mask.itemsize
             mask_bytes += t * s if moved and positional else 0
             bias_bytes = 0 if bias is None else min(bias.size, b * t * s) * _wire_itemsize(bias)
@@ -412,9 +413,21 @@ class AttentionClient:
             return _split.sees_band(lo, hi, block.t0, block.t1, block.s0, s1)
 
         blocks = _split.plan_keys(B, T, S, fits, key_chunks, sees)
+        if blocks is not None and any(self._moves(b, T, S, lo, hi, alibi_slopes is not None) for b in blocks):
+            blocks = _split.plan_keys(B, T, S, lambda b, t, s: fits(b, t, s, moved=True), key_chunks, sees)  # with their bytes
         if blocks is None or (key_chunks is None and len(blocks) == 1 and blocks[0] == Block(0, B, 0, T, 0, S)):
             return None
         return blocks
+
+    @staticmethod
+    def _moves(block: Block, T: int, S: int, lo: int | None, hi: int | None, alibi: bool) -> bool:
+        """Whether the block sends its band as an explicit mask, or ALiBi as a bias."""
+        s1 = S if block.s1 is None else block.s1
+        if (block.t0, block.t1, block.s0, s1) == (0, T, 0, S):
+            return False
+        return _split.band(lo, hi, block.t0, block.t1, block.s0, s1)[1] is not None or (
+            alibi and _split.alibi_moves(T, S, block.t0, block.t1, block.s0, s1)
+        )
 
     def _known_limits(self) -> dict | None:
         """/limits (the first replica's that answers: replicas share their limits), or None when no
@@ -540,15 +553,19 @@ class AttentionClient:
 
     def _send(self, method: str, path: str, parts, headers: dict, align_at=None, http: Pool | None = None) -> Answer:
         """The answer, after retrying connection failures (backoff) and 503 (Retry-After): on the
-        next replica while one is left untried this round, then after the wait."""
+        next replica while one is left untried this round, then after the wait. A 503 from a
+        replica that is computing another of this client's requests is this client's own doing:
+        the request waits for one of those to finish and goes again, no retry spent (so blocks are
+        sent as fast as each replica admits them, whatever max_workers is)."""
         https = self._https
         first = https.index(http) if http is not None else 0
         attempts = self.retries + len(https)  # every replica once, then `retries` more
-        for attempt in range(attempts):
+        attempt = 0
+        while True:
             last, pool = attempt == attempts - 1, https[(first + attempt) % len(https)]
             round_done = (attempt + 1) % len(https) == 0  # every replica tried since the last wait
             try:
-                answer = pool.request(method, path, parts, headers, align_at)
+                answer = self._counted(pool, method, path, parts, headers, align_at)
             except TransportError as exc:
                 if exc.kind != "connection_error":  # a timeout, or an answer that cannot be read (bad_response)
                     raise AttentionError(None, exc.kind, str(exc)) from exc
@@ -558,12 +575,38 @@ class AttentionClient:
                     ) from exc
                 if round_done:
                     self._sleep(self._backoff(attempt // len(https)))
+                attempt += 1
                 continue
-            if answer.status != 503 or last:
+            if answer.status != 503:
+                return answer
+            if self._wait_for_own(pool):
+                continue
+            if last:
                 return answer
             if round_done:
                 self._sleep(self._retry_after(answer, attempt // len(https)))
-        raise AssertionError("unreachable")  # pragma: no cover
+            attempt += 1
+
+    def _counted(self, pool: Pool, method: str, path: str, parts, headers: dict, align_at) -> Answer:
+        """pool.request, counted among this client's requests in flight to that replica."""
+        with self._flight:
+            self._in_flight[id(pool)] = self._in_flight.get(id(pool), 0) + 1
+        try:
+            return pool.request(method, path, parts, headers, align_at)
+        finally:
+            with self._flight:
+                self._in_flight[id(pool)] -= 1
+                self._flight.notify_all()
+
+    def _wait_for_own(self, pool: Pool) -> bool:
+        """After a 503 from pool: if other requests of this client are in flight there, wait (up to
+        max_retry_after) until one of them is answered and return True; else False."""
+        with self._flight:
+            busy = self._in_flight.get(id(pool), 0)
+            if busy == 0:
+                return False
+            self._flight.wait_for(lambda: self._in_flight.get(id(pool), 0) < busy, timeout=self.max_retry_after or None)
+            return True
 
     def _backoff(self, attempt: int) -> float:
         return self.backoff * 2**attempt * (0.5 + random.random() / 2)

@@ -110,7 +110,7 @@ def plan_keys(
     if key_chunks:
         keys = min(keys, -(-S // key_chunks))
     rows = _largest(lambda t: fits(1, t, keys), T)
-    per = _largest(lambda b: fits(b, T, keys), n_lead) if rows == T else 1
+    per = _largest(lambda b: fits(b, rows, keys), n_lead)
     if math.ceil(n_lead / per) * math.ceil(T / rows) * math.ceil(S / keys) > MAX_BLOCKS:
         return None
     blocks = [Block(b0, b1, t0, t1, s0, s1) for b0, b1 in _even(n_lead, per) for t0, t1 in _even(T, rows) for s0, s1 in _even(S, keys)]
