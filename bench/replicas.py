@@ -56,7 +56,7 @@ def timed(fn, reps: int) -> tuple[float, np.ndarray]:
 
 def over_replicas(n: int, q, k, v, reps: int) -> tuple[float, np.ndarray]:
     port = free_port()
-    procs = replicas.start(n, port)
+    procs = replicas.start(n, port, quiet=True)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(n)]
     try:
         deadline = time.monotonic() + 120

@@ -26,11 +26,15 @@ ONE_CORE = {
 }
 
 
-def start(n: int, port: int, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """Start n replicas on 127.0.0.1 at ports port .. port + n - 1; returns their processes."""
+def start(n: int, port: int, env: dict[str, str] | None = None, quiet: bool = False) -> list[subprocess.Popen]:
+    """Start n replicas on 127.0.0.1 at ports port .. port + n - 1; returns their processes.
+    quiet: their logs are dropped (else they go to this process's stdout and stderr)."""
     inherited = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}  # each replica its own metrics
     base = {**inherited, **(env or {}), **ONE_CORE, "HOST": "127.0.0.1"}
-    return [subprocess.Popen([sys.executable, "-m", "service"], env={**base, "PORT": str(port + i)}) for i in range(n)]
+    out = subprocess.DEVNULL if quiet else None
+    return [
+        subprocess.Popen([sys.executable, "-m", "service"], env={**base, "PORT": str(port + i)}, stdout=out, stderr=out) for i in range(n)
+    ]
 
 
 def stop(procs: list[subprocess.Popen], timeout: float = 35.0) -> None:

@@ -228,7 +228,7 @@ def test_replicas_share_the_blocks_and_a_busy_or_dead_one_hands_them_on(small, r
 def test_replicas_launcher_starts_n_replicas_on_consecutive_ports(rng):
     """python -m service.replicas: N servers at port, port + 1, ...; a long request split over them."""
     port = free_port()
-    procs = replicas.start(2, port, env=LIMITS)
+    procs = replicas.start(2, port, env=LIMITS, quiet=True)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(2)]
     try:
         wait_until(lambda: all(ready(url) for url in urls), timeout=120, what="both replicas ready")

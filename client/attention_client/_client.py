@@ -104,6 +104,7 @@ class AttentionClient:
         self._local = threading.local()  # each pool thread's replica
         self._flight = threading.Condition()  # guards _in_flight: this client's requests in flight, by replica
         self._in_flight: dict[int, int] = {}
+        self._admits: dict[int, int] = {}  # requests at once a replica was seen to admit (a 503 past them)
         self._next_replica = itertools.count()
         self._sleep = time.sleep  # replaced in tests
 
@@ -467,6 +468,8 @@ class AttentionClient:
             return []
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=self.max_workers * len(self._https), thread_name_prefix="attention-client")
+        with self._flight:
+            self._admits.clear()  # what each replica admits is learned again by each call (its load changes)
 
         def task(block):
             return fn(block, self._thread_http())
@@ -588,8 +591,10 @@ class AttentionClient:
             attempt += 1
 
     def _counted(self, pool: Pool, method: str, path: str, parts, headers: dict, align_at) -> Answer:
-        """pool.request, counted among this client's requests in flight to that replica."""
+        """pool.request, counted among this client's requests in flight to that replica, and held
+        back while as many are in flight as the replica was seen to admit (_wait_for_own)."""
         with self._flight:
+            self._flight.wait_for(lambda: self._in_flight.get(id(pool), 0) < self._admits.get(id(pool), math.inf))
             self._in_flight[id(pool)] = self._in_flight.get(id(pool), 0) + 1
         try:
             return pool.request(method, path, parts, headers, align_at)
@@ -599,12 +604,15 @@ class AttentionClient:
                 self._flight.notify_all()
 
     def _wait_for_own(self, pool: Pool) -> bool:
-        """After a 503 from pool: if other requests of this client are in flight there, wait (up to
-        max_retry_after) until one of them is answered and return True; else False."""
+        """After a 503 from pool: if other requests of this client are in flight there, the replica
+        admits no more than those (so no more are sent to it at once, not a 503 each time one is
+        answered): wait (up to max_retry_after) until one of them is answered and return True;
+        else False."""
         with self._flight:
             busy = self._in_flight.get(id(pool), 0)
             if busy == 0:
                 return False
+            self._admits[id(pool)] = min(busy, self._admits.get(id(pool), busy))
             self._flight.wait_for(lambda: self._in_flight.get(id(pool), 0) < busy, timeout=self.max_retry_after or None)
             return True
 
