@@ -605,6 +605,24 @@ def test_cli_variants(live_server, tmp_path, rng):
     assert bad.returncode == 2 and "LEFT,RIGHT" in bad.stderr
 
 
+@pytest.mark.live
+def test_cli_lse_key_chunks_and_replicas(live_server, small_server, tmp_path, rng):
+    """--url twice (two replicas), --lse, --key-chunks: out and lse of one call, in the result file."""
+    arrays = {"q": rng.standard_normal((2, 40, 4)), "k": rng.standard_normal((2, 300, 4)), "v": rng.standard_normal((2, 300, 3))}
+    for name, arr in arrays.items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    result = tmp_path / "result.npz"
+    files = [str(tmp_path / f"{n}.npy") for n in "qkv"]
+    urls = ["--url", live_server, "--url", small_server]
+    proc = run_cli(*urls, "attention", *files, "--causal", "bottom_right", "--no-weights", "--lse", "--key-chunks", "3", "-o", str(result))
+    assert proc.returncode == 0, proc.stderr
+    saved = np.load(result)
+    assert set(saved.files) == {"out", "lse"} and "lse [2, 40]" in proc.stdout
+    want_out, _, want_lse = core.attention(*arrays.values(), causal="bottom_right", return_weights=False, return_lse=True)
+    np.testing.assert_allclose(saved["out"], want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(saved["lse"], want_lse, rtol=1e-12)
+
+
 # --- the two wires: binary tensors at /v2 (the default) and JSON at the native door -------------------
 
 

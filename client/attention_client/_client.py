@@ -133,9 +133,14 @@ class AttentionClient:
             return False
 
     def limits(self, refresh: bool = False) -> dict:
-        """The server's /limits (cached; refresh=True fetches again)."""
+        """The server's /limits (cached; refresh=True fetches again). With several replicas, each
+        number their smallest (a block must fit wherever it is sent); the rest the first's."""
         if self._limits is None or refresh:
-            self._limits = self._call("GET", "/limits")
+            answers = [self._call("GET", "/limits", http=http) for http in self._https]
+            self._limits = {
+                key: min(a[key] for a in answers) if all(_is_int(a.get(key)) for a in answers) else value
+                for key, value in answers[0].items()
+            }
         return self._limits
 
     def attention(
@@ -431,8 +436,7 @@ class AttentionClient:
         )
 
     def _known_limits(self) -> dict | None:
-        """/limits (the first replica's that answers: replicas share their limits), or None when no
-        server says (then nothing is split)."""
+        """/limits (every replica's smallest), or None when no server says (then nothing is split)."""
         try:
             lim = self.limits()
         except AttentionError:
@@ -655,6 +659,10 @@ def _check_settings(*, timeout, retries, backoff, max_retry_after, max_workers) 
     for name, value, least in (("retries", retries, 0), ("max_workers", max_workers, 1)):
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
             raise ValueError(f"{name} must be an integer of at least {least}, not {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _float64_if_any(*arrays: np.ndarray) -> str | None:
