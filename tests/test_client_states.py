@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from attention_client import AttentionClient, _split, merge_states
+from attention_client import AttentionClient, AttentionError, _split, merge_states
 from service import core, replicas
 
 from . import oracle
@@ -250,3 +250,30 @@ def ready(url: str) -> bool:
         return requests.get(f"{url}/readyz", timeout=5).status_code == 200
     except requests.RequestException:
         return False
+
+
+def test_a_replica_that_always_refuses_ends_in_its_503_not_a_loop(rng):
+    """Blocks sent at once to a replica that answers every one 503: the client lowers what it sends
+    there at once, then spends its retries and raises the 503 (no retry loop among its own blocks)."""
+    busy = ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=busy.serve_forever, daemon=True).start()
+    q = rng.standard_normal((2, 24, 4), dtype=np.float32)
+    errors: list[AttentionError] = []
+
+    def call():
+        with AttentionClient(f"http://127.0.0.1:{busy.server_address[1]}", timeout=30, retries=2) as api:
+            api._sleep = lambda s: None
+            try:
+                api.attention(q, q, q)
+            except AttentionError as err:
+                errors.append(err)
+
+    try:
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(60)
+        assert not caller.is_alive()
+    finally:
+        busy.shutdown()
+        busy.server_close()
+    assert [e.status for e in errors] == [503]
