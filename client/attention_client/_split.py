@@ -76,12 +76,6 @@ def b64_len(nbytes: int) -> int:
     return 4 * ((nbytes + 2) // 3)
 
 
-def causal_rows(T: int, S: int, align: str, t0: int, t1: int) -> np.ndarray:
-    """Rows t0:t1 of the (T, S) causal mask: top_left allows s <= t, bottom_right s <= t + S - T."""
-    offset = 0 if align == "top_left" else S - T
-    return np.arange(S)[None, :] <= np.arange(t0, t1)[:, None] + offset  # (t1 - t0, S)
-
-
 def broadcasts(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     """True if shape broadcasts to exactly target."""
     try:
