@@ -239,12 +239,6 @@ def test_plan_gives_up_past_max_blocks(n_lead, n_rows):
     assert len(_split.plan(*fewer, fits)) <= _split.MAX_BLOCKS
 
 
-@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
-def test_causal_rows_are_the_full_masks_rows(align):
-    full = core.causal_mask(7, 11, align)
-    np.testing.assert_array_equal(np.concatenate([_split.causal_rows(7, 11, align, 0, 3), _split.causal_rows(7, 11, align, 3, 7)]), full)
-
-
 # --- retries, against a stub that answers 503 first -------------------------------------------------
 
 

@@ -277,3 +277,14 @@ def test_a_replica_that_always_refuses_ends_in_its_503_not_a_loop(rng):
         busy.shutdown()
         busy.server_close()
     assert [e.status for e in errors] == [503]
+
+
+@pytest.mark.live
+def test_a_request_no_row_may_see_sends_nothing(small, rng):
+    """key_lengths 0 everywhere, past the limits: no block is sent; out and weights 0, lse lowest."""
+    q = rng.standard_normal((2, 24, 4), dtype=np.float32)
+    with AttentionClient(small, timeout=60) as api:
+        posts = spy(api)
+        out, weights, lse = api.attention(q, q, q, key_lengths=np.zeros(2, int), return_lse=True)
+    assert posts == [] and (out == 0).all() and (weights == 0).all() and weights.shape == (2, 24, 24)
+    assert (lse == np.finfo(np.float32).min).all() and lse.dtype == out.dtype == np.float32

@@ -47,15 +47,17 @@ def _finite_lse(lse: np.ndarray, dtype: np.dtype) -> np.ndarray:
 class Merger:
     """The merge of many blocks, one at a time, each as it arrives: (leading items b0:b1, query rows
     t0:t1, keys s0:s1) of out, lse and (optionally) weights, into one (B, T, dv) out, (B, T) lse
-    and (B, T, S) weights. Memory O(out) beside the weights: out and lse accumulate in float64
+    and (B, T, S) weights (None if no block had any: with weights asked for and every block ruled
+    out, the caller's zeros). Memory O(out) beside the weights: out and lse accumulate in float64
     (the running L and sum exp(lse_i - L) out_i); the weights are written as they come and
     rescaled once every block is in (finish)."""
 
-    def __init__(self, B: int, T: int, S: int, dv: int, dtype: np.dtype, weights_dtype: np.dtype | None):
+    def __init__(self, B: int, T: int, S: int, dv: int, dtype: np.dtype):
         self.dtype = np.dtype(dtype)
         self.out = np.zeros((B, T, dv))
         self.lse = np.full((B, T), -np.inf)
-        self.weights = None if weights_dtype is None else np.zeros((B, T, S), weights_dtype)
+        self.weights: np.ndarray | None = None  # (B, T, S) in the first weights' dtype, made when they come
+        self._shape = (B, T, S)
         self._parts: list[tuple[tuple[slice, slice, slice], np.ndarray]] = []  # each weights block and its lse
 
     def add(self, b0: int, b1: int, t0: int, t1: int, s0: int, s1: int, out: np.ndarray, lse: np.ndarray, weights=None) -> None:
@@ -67,7 +69,9 @@ class Merger:
         old, new = np.exp(acc - total), np.exp(lse64 - total)  # 0 where the accumulator saw nothing (-inf)
         self.out[rows] = old[..., None] * self.out[rows] + new[..., None] * out
         self.lse[rows] = total
-        if self.weights is not None and weights is not None:
+        if weights is not None:
+            if self.weights is None:
+                self.weights = np.zeros(self._shape, weights.dtype)  # keys no block sent: weight 0
             self.weights[(*rows, slice(s0, s1))] = weights
             self._parts.append(((*rows, slice(s0, s1)), lse64))
 
