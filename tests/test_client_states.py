@@ -90,6 +90,27 @@ def test_a_blocks_band_is_the_band_over_its_rows_and_keys(lo, hi):
         assert _split.sees_band(lo, hi, t0, t1, s0, s1) == full[t0:t1, s0:s1].any()
 
 
+def test_plan_keys_covers_every_visible_pair_once_within_the_limits():
+    """Blocks of at most 30 keys and 600 scores over (3, 40, 100), causal: every (item, row, key)
+    a row may see is in exactly one block, none past the limits, none wholly above the diagonal;
+    key_chunks asks for at least that many key ranges."""
+
+    def fits(b, t, s):
+        return s <= 30 and b * t * s <= 600
+
+    lo, hi = _split.diagonals(40, 100, "bottom_right", None)
+    for chunks in (None, 5):
+        blocks = _split.plan_keys(3, 40, 100, fits, chunks, lambda b: _split.sees_band(lo, hi, b.t0, b.t1, b.s0, b.s1))
+        seen = np.zeros((3, 40, 100), int)
+        for b in blocks:
+            assert fits(b.b1 - b.b0, b.t1 - b.t0, b.s1 - b.s0)
+            seen[b.b0 : b.b1, b.t0 : b.t1, b.s0 : b.s1] += 1
+        visible = core.causal_mask(40, 100, "bottom_right")
+        assert (seen[:, visible] == 1).all() and seen.max() == 1
+        assert len({(b.s0, b.s1) for b in blocks}) >= (5 if chunks else 4)
+    assert _split.plan_keys(1, 1, 10, lambda b, t, s: False) is None
+
+
 # --- the client's key split against a live server ------------------------------------------------------
 
 
