@@ -26,6 +26,13 @@ run: $(VENV)/.run-stamp
 test: lint
 	$(PY) -m pytest
 
+# N replicas of the service, one core each, on 127.0.0.1 at ports 8000, 8001, ...: make replicas N=2
+# (the client spreads a long request over them: attention-client --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 ...).
+.PHONY: replicas
+N ?= 2
+replicas: $(VENV)/.run-stamp
+	$(PY) -m service.replicas $(N)
+
 # Lint and format check (ruff), the layer contracts (import-linter) and the types (mypy, over the packages
 # its files list): configured in pyproject.toml.
 lint: $(VENV)/.dev-stamp

@@ -81,6 +81,11 @@ class _Job:
         """The elements of out: B*T*dv for /attention, B*n*d for /mha."""
         raise NotImplementedError
 
+    @property
+    def lse_elements(self) -> int:
+        """The returned lse, B*T, when asked for."""
+        return self.B * self.T if getattr(self, "return_lse", False) else 0
+
     def _core_bytes(self, itemsize: int) -> int:
         """The numeric core's own arrays beyond the inputs and the weights."""
         raise NotImplementedError
@@ -100,7 +105,8 @@ class _Job:
         if self.encoding != "b64":
             total += elements * 8
         total += self._core_bytes(itemsize)
-        answered = self.output_elements + self.weights_elements
+        answered = self.output_elements + self.weights_elements + self.lse_elements
+        total += self.lse_elements * itemsize
         if self.return_weights:
             total += self.score_elements * itemsize  # the core's (B, T, S) buffer, in the compute dtype
             if self.weights_elements != self.score_elements:
@@ -110,12 +116,12 @@ class _Job:
         total += min(RESPONSE_CHUNK_BYTES, answered * 24)  # a chunk of text: up to ~24 bytes a number
         return total + min(SCRATCH_BYTES, self.score_elements * itemsize)
 
-    def compute(self, threads: int = 1, pool: Executor | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """(out, weights or None) from the numeric core, on threads threads (pool's and the
-        caller's; the same bits as one); non_finite if the scores or the result overflow (never a
-        200 with inf or NaN in it)."""
+    def compute(self, threads: int = 1, pool: Executor | None = None) -> tuple[np.ndarray, ...]:
+        """(out, weights or None), and lse when the job asks for it, from the numeric core, on
+        threads threads (pool's and the caller's; the same bits as one); non_finite if the scores
+        or the result overflow (never a 200 with inf or NaN in it)."""
         try:
-            out, weights = self._compute(threads, pool)
+            result = self._compute(threads, pool)
         except core.ScoreOverflow as exc:
             field, terms = self._score_overflow()
             raise RequestError(
@@ -129,7 +135,7 @@ class _Job:
                 f"The result ({exc.what}) overflows {exc.dtype}; send {_float64_hint(exc.dtype)}smaller values.",
                 self.overflow_field,
             ) from None
-        return out, weights  # in the compute dtype: the front doors send them in weights_dtype
+        return result  # in the compute dtype: the front doors send the weights in weights_dtype
 
     def _score_overflow(self) -> tuple[str, str]:
         """(the field a score overflow is blamed on, the terms the scores add up)."""
@@ -163,6 +169,7 @@ class AttentionJob(_Job):
     alibi_slopes: np.ndarray | None = None  # compute dtype, broadcasts to (...)
     average_weights: bool = False
     weights_dtype: str | None = None
+    return_lse: bool = False
 
     @property
     def B(self) -> int:
@@ -235,6 +242,7 @@ class AttentionJob(_Job):
             bias=self.bias,
             alibi_slopes=self.alibi_slopes,
             average_weights=self.average_weights,
+            return_lse=self.return_lse,
             threads=threads,
             pool=pool,
         )

@@ -206,6 +206,12 @@ class AttentionRequest(_Request):
     average_weights = Bool(
         load_default=False, metadata={"description": "return the weights averaged over the heads axis -3: (..., T, S). Rank >= 3"}
     )
+    return_lse = Bool(
+        load_default=False,
+        metadata={
+            "description": "also return lse (..., T), the log-sum-exp of each row's scores (FlashAttention's softmax_lse), in the compute dtype"
+        },
+    )
 
     @validates_schema
     def _shapes(self, data, **kwargs):
@@ -302,6 +308,7 @@ class AttentionRequest(_Request):
             alibi_slopes=None if slopes is None else self._cast("alibi_slopes", slopes, dtype),
             average_weights=data["average_weights"],
             weights_dtype=data["weights_dtype"],
+            return_lse=data["return_lse"],
         )
 
 

@@ -58,14 +58,30 @@ def mha(x, wq, wk, wv, wo, heads, causal=True):
     return heads_out @ wo, weights
 
 
-def reference(q, k, v, mask=None, *, causal=False, window=None, bias=None, alibi_slopes=None, enable_gqa=False, scale=None):
+def reference(
+    q,
+    k,
+    v,
+    mask=None,
+    *,
+    causal=False,
+    window=None,
+    bias=None,
+    alibi_slopes=None,
+    enable_gqa=False,
+    scale=None,
+    key_lengths=None,
+    return_lse=False,
+):
     """The published formulas with every (..., T, S) array materialised, in float64.
 
     PyTorch's SDPA: enable_gqa repeats each key/value head H / Hkv times on axis -3 (query head h
     reads h // (H / Hkv)); a float bias is added to the scaled scores. FlashAttention's
     window_size (left, right): query t sees keys t + S - T - left <= s <= t + S - T + right, -1
     unbounded; alibi_slopes adds -slope * |t + S - T - s| to the scaled scores. All ANDed (masks)
-    or added (biases); a row that sees no key gets zero weights and output."""
+    or added (biases); a row that sees no key gets zero weights and output. return_lse: also
+    lse (..., T) = log sum_s exp(score) over the allowed keys (FlashAttention's softmax_lse), -inf
+    for a row that sees no key."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
     if enable_gqa:
         group = q.shape[-3] // k.shape[-3]
@@ -83,6 +99,8 @@ def reference(q, k, v, mask=None, *, causal=False, window=None, bias=None, alibi
     allowed = np.ones((*lead, T, S), bool)
     if mask is not None:
         allowed &= mask
+    if key_lengths is not None:
+        allowed &= s < np.broadcast_to(key_lengths, tuple(lead))[..., None, None]
     if causal in (True, "top_left"):
         allowed &= s <= t
     elif causal == "bottom_right":
@@ -99,4 +117,7 @@ def reference(q, k, v, mask=None, *, causal=False, window=None, bias=None, alibi
     e = np.exp(scores - top)
     total = e.sum(-1, keepdims=True)
     weights = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    if return_lse:
+        with np.errstate(divide="ignore"):
+            return weights @ v, weights, np.where(total > 0, top + np.log(total), -np.inf)[..., 0]
     return weights @ v, weights

@@ -46,15 +46,12 @@ def problems(draw):
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), options
 
 
-def oracle_of(q, k, v, options):
-    """The oracle's (out, weights) for the same options: key_lengths as a mask, weights averaged."""
+def oracle_of(q, k, v, options, return_lse=False):
+    """The oracle's (out, weights[, lse]) for the same options, weights averaged."""
     o = dict(options)
-    mask, lengths, average = o.pop("mask", None), o.pop("key_lengths", None), o.pop("average_weights")
-    if lengths is not None:
-        keyed = np.arange(k.shape[-2]) < lengths[..., None, None]  # (H, 1, S)
-        mask = keyed if mask is None else mask & keyed
-    out, w = oracle.reference(q, k, v, mask, **o)
-    return out, (w.mean(-3) if average else w)
+    mask, average = o.pop("mask", None), o.pop("average_weights")
+    out, w, *lse = oracle.reference(q, k, v, mask, return_lse=return_lse, **o)
+    return out, (w.mean(-3) if average else w), *lse
 
 
 @settings(max_examples=150, deadline=None)
@@ -79,6 +76,50 @@ def test_the_blocks_equal_the_reference_and_the_reference_the_oracle(problem, re
         assert (ref_w[expect_w == 0] == 0).all() and (w[expect_w == 0] == 0).all()  # hidden keys: exactly 0
     else:
         assert w is None and ref_w is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(), st.booleans())
+def test_lse_equals_the_oracle_on_either_path(problem, return_weights):
+    """lse (..., T), heads kept under average_weights, in the compute dtype: the float64 oracle's
+    log-sum-exp of the scores each row may see; a row with no key has the dtype's lowest finite
+    value. out and weights are those of the call without return_lse, bit for bit."""
+    q, k, v, options = problem
+    mask = options.get("mask")
+    kw = {name: value for name, value in options.items() if name != "mask"}
+    _, _, expect = oracle_of(q, k, v, options, return_lse=True)
+    lowest = np.finfo(q.dtype).min
+    tol = 1e-5 if q.dtype == np.float32 else 1e-12
+    for blocks in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            if blocks:
+                mp.setattr(core, "SMALL_SHARE", 2**62)
+                set_blocks(mp, 12, 2)
+            out, w, lse = attention(q, k, v, mask, return_weights=return_weights, return_lse=True, **kw)
+            plain_out, plain_w = attention(q, k, v, mask, return_weights=return_weights, **kw)
+        assert lse.shape == q.shape[:-1] and lse.dtype == q.dtype
+        none = np.isneginf(expect)
+        assert (lse[none] == lowest).all()
+        np.testing.assert_allclose(lse[~none], expect[~none], atol=tol, rtol=tol)
+        np.testing.assert_array_equal(out, plain_out)
+        np.testing.assert_array_equal(w, plain_w)
+    ref = reference(q, k, v, mask, return_weights=return_weights, return_lse=True, **kw)
+    np.testing.assert_allclose(ref[2][~none], expect[~none], atol=tol, rtol=tol)
+    assert (ref[2][none] == lowest).all()
+
+
+def test_lse_of_large_scores_and_of_rows_with_no_key(monkeypatch):
+    """Scores of 1e4 (max subtracted) give lse = 1e4 + log(count); a row with no key (key_lengths 0,
+    bottom_right with T > S) has lse the lowest finite value and out 0, in either dtype and path."""
+    for dtype in (np.float32, np.float64):
+        for share in (1, 2**62):
+            monkeypatch.setattr(core, "SMALL_SHARE", share)
+            q = np.full((2, 3, 1), 100.0, dtype)
+            k = np.full((2, 2, 1), 100.0, dtype)
+            out, _, lse = attention(q, k, k, scale=1.0, return_lse=True, key_lengths=np.array([2, 0]), causal="bottom_right")
+            np.testing.assert_allclose(lse[0, 1:], 1e4 + np.log([1, 2]), rtol=1e-6)
+            assert lse[0, 0] == lse[1, 0] == lse[1, 2] == np.finfo(dtype).min and lse.dtype == dtype
+            assert (out[1] == 0).all() and (out[0, 0] == 0).all()
 
 
 @pytest.mark.parametrize(

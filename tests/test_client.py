@@ -122,9 +122,9 @@ def spy_threads(client: AttentionClient) -> list[str]:
     """Record the thread of every compute request the client sends."""
     seen, compute = [], client._compute
 
-    def recording(path, body):
+    def recording(path, body, http=None):
         seen.append(threading.current_thread().name)
-        return compute(path, body)
+        return compute(path, body, http)
 
     client._compute = recording
     return seen
@@ -186,13 +186,23 @@ def test_mha_batch_is_split(small_api, rng):
 
 
 @pytest.mark.live
-def test_unsplittable_request_gets_the_servers_refusal(small_api, rng):
+def test_keys_over_max_s_are_split_and_merged(small_api, rng):
+    """S over ATTN_MAX_S (413 too_long whole, and for every single row): key ranges merged by lse."""
     q = rng.standard_normal((4, 8), dtype=np.float32)
-    k = rng.standard_normal((200, 8), dtype=np.float32)  # S over ATTN_MAX_S: keys cannot be split exactly
+    k = rng.standard_normal((200, 8), dtype=np.float32)
+    out, weights, lse = small_api.attention(q, k, k, return_lse=True)
+    want_out, want_w, want_lse = core.attention(q, k, k, return_lse=True)
+    np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+
+
+@pytest.mark.live
+def test_unsplittable_request_gets_the_servers_refusal(small_api, rng):
+    q = rng.standard_normal((4, 60_000), dtype=np.float32)  # one row and one key are over ATTN_MAX_BODY_BYTES
     with pytest.raises(AttentionError) as info:
-        small_api.attention(q, k, k)
-    assert (info.value.status, info.value.code) == (413, "too_long")
-    assert "ATTN_MAX_S" in info.value.message
+        small_api.attention(q, q, q)
+    assert (info.value.status, info.value.code) == (413, "body_too_large")
 
 
 @pytest.mark.live
@@ -227,12 +237,6 @@ def test_plan_gives_up_past_max_blocks(n_lead, n_rows):
     assert _split.plan(n_lead, n_rows, fits) is None
     fewer = (n_lead - 1, n_rows) if n_rows == 1 else (n_lead, n_rows - 1)
     assert len(_split.plan(*fewer, fits)) <= _split.MAX_BLOCKS
-
-
-@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
-def test_causal_rows_are_the_full_masks_rows(align):
-    full = core.causal_mask(7, 11, align)
-    np.testing.assert_array_equal(np.concatenate([_split.causal_rows(7, 11, align, 0, 3), _split.causal_rows(7, 11, align, 3, 7)]), full)
 
 
 # --- retries, against a stub that answers 503 first -------------------------------------------------
@@ -558,17 +562,19 @@ def test_windowed_and_biased_requests_split_exactly(small_api, rng):
 
 
 @pytest.mark.live
-def test_gqa_and_averaged_requests_are_not_split(small_api, rng):
-    """A block of flattened leading indices would cut the heads GQA and averaging span: sent whole,
-    the server's refusal is what the caller sees."""
+def test_gqa_and_averaged_requests_are_split_exactly(small_api, rng):
+    """Over the limits, GQA blocks carry each query head's key/value head, and averaged weights are
+    averaged once every head is in: what one call gives."""
     q = rng.standard_normal((4, 8, 32, 8), dtype=np.float32)
     kv = rng.standard_normal((4, 2, 32, 8), dtype=np.float32)
-    for kwargs in ({"enable_gqa": True}, {"average_weights": True}):
+    for kwargs in ({"enable_gqa": True}, {"average_weights": True}, {"enable_gqa": True, "average_weights": True}):
         k = kv if kwargs.get("enable_gqa") else q
         threads = spy_threads(small_api)
-        with pytest.raises(AttentionError) as info:
-            small_api.attention(q, k, k, **kwargs)
-        assert info.value.code == "too_large" and len(threads) == 1
+        out, weights = small_api.attention(q, k, k, **kwargs)
+        want_out, want_w = core.attention(q, k, k, **kwargs)
+        np.testing.assert_allclose(out, want_out, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(weights, want_w, rtol=0, atol=1e-6)
+        assert len(threads) > 1
 
 
 @pytest.mark.live
@@ -591,6 +597,24 @@ def test_cli_variants(live_server, tmp_path, rng):
     np.testing.assert_allclose(saved["weights"], want_w, rtol=0, atol=1e-6)
     bad = run_cli("--url", live_server, "attention", *files, "--window", "2", "-o", str(result))
     assert bad.returncode == 2 and "LEFT,RIGHT" in bad.stderr
+
+
+@pytest.mark.live
+def test_cli_lse_key_chunks_and_replicas(live_server, small_server, tmp_path, rng):
+    """--url twice (two replicas), --lse, --key-chunks: out and lse of one call, in the result file."""
+    arrays = {"q": rng.standard_normal((2, 40, 4)), "k": rng.standard_normal((2, 300, 4)), "v": rng.standard_normal((2, 300, 3))}
+    for name, arr in arrays.items():
+        np.save(tmp_path / f"{name}.npy", arr)
+    result = tmp_path / "result.npz"
+    files = [str(tmp_path / f"{n}.npy") for n in "qkv"]
+    urls = ["--url", live_server, "--url", small_server]
+    proc = run_cli(*urls, "attention", *files, "--causal", "bottom_right", "--no-weights", "--lse", "--key-chunks", "3", "-o", str(result))
+    assert proc.returncode == 0, proc.stderr
+    saved = np.load(result)
+    assert set(saved.files) == {"out", "lse"} and "lse [2, 40]" in proc.stdout
+    want_out, _, want_lse = core.attention(*arrays.values(), causal="bottom_right", return_weights=False, return_lse=True)
+    np.testing.assert_allclose(saved["out"], want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(saved["lse"], want_lse, rtol=1e-12)
 
 
 # --- the two wires: binary tensors at /v2 (the default) and JSON at the native door -------------------

@@ -71,7 +71,7 @@ def test_health_and_metadata(triton_client):
     assert list(inputs) == ["q", "k", "v", "mask", "key_lengths", "bias", "alibi_slopes"]
     assert inputs["q"]["datatype"] == "FP32" and inputs["mask"]["datatype"] == "BOOL" and inputs["key_lengths"]["datatype"] == "INT64"
     assert all(all(n == -1 for n in t["shape"]) for t in meta["inputs"] + meta["outputs"])
-    assert [t["name"] for t in meta["outputs"]] == ["out", "weights"]
+    assert [t["name"] for t in meta["outputs"]] == ["out", "weights", "lse"]
     assert {"enable_gqa", "window", "bias"} - set(meta["parameters"]) == {"bias"}  # bias is an input
     mha = triton_client.get_model_metadata("mha")
     assert [t["name"] for t in mha["inputs"]] == ["x", "wq", "wk", "wv", "wo"]

@@ -20,7 +20,7 @@ from attention_client.loadtest.cli import main
 from attention_client.loadtest.payload import Workload, build_body
 from attention_client.loadtest.transport import LIMITS_BYTES, fetch_limits, parse_server_timing
 
-from .helpers import ROOT, Hostile, free_port, tensor
+from .helpers import ROOT, Hostile, free_port, serving, tensor
 
 
 def test_bodies_carry_the_same_tensors_in_both_encodings():
@@ -432,3 +432,22 @@ def test_limits_are_read_up_to_a_bound(pad):
     finally:
         server.close()
     assert (limits is not None) == (len(body) <= LIMITS_BYTES), limits if limits is None else limits["version"]
+
+
+@pytest.mark.live
+def test_split_sweep_goes_past_one_servers_limits_over_replicas(tmp_path):
+    """--url twice (or --split): each request one client call, split past ATTN_MAX_T and ATTN_MAX_S
+    (T=128 against 64) and spread over the replicas; every cell answered, the report says so."""
+    small = {"ATTN_MAX_T": "64", "ATTN_MAX_S": "64", "ATTN_WARMUP": "0", "WEB_CONCURRENCY": "1"}
+    with serving(small) as a, serving(small) as b:
+        for urls in ([a.url], [a.url, b.url]):
+            out = tmp_path / str(len(urls))
+            args = [arg for url in urls for arg in ("--url", url)] + ["--split"] * (len(urls) == 1)
+            args += ["--T", "32,128", "--concurrency", "1", "--requests", "2", "--causal", "--no-weights"]
+            status = main([*args, "--slo-ms", "600000", "--fit-min-T", "32", "--out", str(out)])
+            assert status == 0
+            rows = _read_csv(out / "results.csv")
+            assert sorted(int(r["T"]) for r in rows) == [32, 128]
+            assert all((r["sent"], r["ok"], r["errors"]) == ("2", "2", "") for r in rows)
+            report = (out / "report.md").read_text()
+            assert f"{len(urls)} replica(s)" in report and "| 1 | 128 | all met |" in report

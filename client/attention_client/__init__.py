@@ -4,12 +4,14 @@
     with AttentionClient("http://127.0.0.1:8000") as api:
         out, weights = api.attention(q, k, v, causal=True)
 
-Requests over the server's advertised /limits are split along the leading axes and query rows,
-sent concurrently and reassembled; the result is the one a single request would give."""
+Requests over the server's advertised /limits are split along the leading axes, query rows and
+key ranges, sent concurrently (over several replicas when given a list of URLs) and merged exactly
+by their attention states (merge_states); the result is the one a single request would give."""
 
 __version__ = "2.0.0"  # the one version: the distribution's (read by the build), the User-Agent's and --version's
 
 from ._client import AttentionClient, AttentionError  # noqa: E402  (after the version, which _client reads)
+from ._states import merge_states  # noqa: E402
 from ._wire import encode_tensor  # noqa: E402
 
-__all__ = ["AttentionClient", "AttentionError", "__version__", "encode_tensor"]
+__all__ = ["AttentionClient", "AttentionError", "__version__", "encode_tensor", "merge_states"]

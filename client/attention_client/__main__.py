@@ -4,13 +4,16 @@
     attention-client --url URL attention q.npy k.npy v.npy --enable-gqa --window 256,0 --bias b.npy \
         --alibi-slopes s.npy --average-weights --weights-dtype float16 -o result.npz
     attention-client --url URL mha x.npy wq.npy wk.npy wv.npy [wo.npy] --heads 8 [--kv-heads 2 --scale 1 --window 256,0] -o result.npz
+    attention-client --url A --url B attention q.npy k.npy v.npy --causal --no-weights --lse --key-chunks 4 -o result.npz
     attention-client --url URL limits
     attention-client --url URL ready
 
 Tensors travel as raw bytes both ways (the /v2 door's binary extension); --wire json sends b64 JSON
 to the native endpoints instead.
 
-The result file holds `out` and, unless --no-weights, `weights`. Exit status: 0 on success, 1 when
+Several --url: replicas of one service, over which a request past one server's limits (or split by
+--key-chunks) is spread, block by block. The result file holds `out`, unless --no-weights
+`weights`, and with --lse `lse`. Exit status: 0 on success, 1 when
 the service refuses (its status, code and message on stderr), 2 for bad arguments."""
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="attention-client", description="Call the attention service with .npy files.")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument(
-        "--url", default=os.environ.get("ATTN_URL", "http://127.0.0.1:8000"), help="service base URL (default $ATTN_URL or %(default)s)"
+        "--url",
+        action="append",
+        help="service base URL; repeat it for replicas (default $ATTN_URL or http://127.0.0.1:8000)",
     )
     p.add_argument("--api-key", default=os.environ.get("ATTN_API_KEY"), help="bearer key (default $ATTN_API_KEY)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request")
@@ -58,6 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--bias", help=".npy floats broadcasting to (..., T, S), added to the scaled scores")
     a.add_argument("--alibi-slopes", help=".npy floats broadcasting to the leading axes: ALiBi")
     a.add_argument("--average-weights", action="store_true", help="weights averaged over the heads axis -3")
+    a.add_argument("--lse", action="store_true", help="also save lse (..., T), each row's log-sum-exp of its scores")
+    a.add_argument("--key-chunks", type=int, help="split the keys into this many ranges, merged exactly by their lse")
 
     m = sub.add_parser("mha", help="multi-head self-attention with projections")
     for name in ("x", "wq", "wk", "wv"):
@@ -111,7 +118,8 @@ def _load(path: str) -> np.ndarray:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        api = AttentionClient(args.url, timeout=args.timeout, retries=args.retries, api_key=args.api_key, wire=args.wire)
+        urls = args.url or [os.environ.get("ATTN_URL", "http://127.0.0.1:8000")]
+        api = AttentionClient(urls, timeout=args.timeout, retries=args.retries, api_key=args.api_key, wire=args.wire)
     except ValueError as exc:  # a setting that cannot work: a usage error, as an unreadable file is
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(api.limits(), indent=2))
                 return 0
             if args.command == "attention":
-                out, weights = api.attention(
+                out, weights, *lse = api.attention(
                     _load(args.q),
                     _load(args.k),
                     _load(args.v),
@@ -141,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
                     alibi_slopes=_load_if(args.alibi_slopes),
                     average_weights=args.average_weights,
                     weights_dtype=args.weights_dtype,
+                    return_lse=args.lse,
+                    key_chunks=args.key_chunks,
                 )
             else:
+                lse = []
                 out, weights = api.mha(
                     _load(args.x),
                     _load(args.wq),
@@ -161,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         except AttentionError as err:
             print(f"error: {err.status or '-'} {_printable(err.code)}: {_printable(err.message)}", file=sys.stderr)
             return 1
-    arrays: dict[str, Any] = {"out": out} if weights is None else {"out": out, "weights": weights}
+    arrays: dict[str, Any] = {"out": out, **({} if weights is None else {"weights": weights}), **({"lse": lse[0]} if lse else {})}
     np.savez(args.output, **arrays)
-    print(f"wrote {args.output}: out {list(out.shape)}" + ("" if weights is None else f", weights {list(weights.shape)}"))
+    print(f"wrote {args.output}: " + ", ".join(f"{name} {list(a.shape)}" for name, a in arrays.items()))
     return 0
 
 

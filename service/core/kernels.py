@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .reference import ALIGNMENTS, ScoreOverflow, bounds, causal_offset, check_finite, groups, reference
+from .reference import ALIGNMENTS, ScoreOverflow, bounds, causal_offset, check_finite, groups, log_sum_exp, reference
 
 # Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache on the machines
 # this serves; larger blocks run their matmuls nearer BLAS's peak, smaller ones pay for Python
@@ -230,9 +230,10 @@ def attention(
     bias: np.ndarray | None = None,
     alibi_slopes: np.ndarray | None = None,
     average_weights: bool = False,
+    return_lse: bool = False,
     threads: int = 1,
     pool: Executor | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """softmax(q kᵀ · scale + bias + alibi, masked) v over any leading axes.
 
     q (..., T, d), k (..., S, d), v (..., S, dv); mask broadcasts to (..., T, S), True = attend;
@@ -244,7 +245,9 @@ def attention(
     alibi_slopes broadcasts to (...): adds -slope * |t + S - T - s| (FlashAttention's).
     Returns out (..., T, dv) and weights (..., T, S), or (..., T, S) without the heads axis -3
     when average_weights (their mean over it); None unless return_weights. Masked weights
-    are exactly 0; a row with no allowed key has all-zero weights and output. Raises ScoreOverflow
+    are exactly 0; a row with no allowed key has all-zero weights and output. return_lse: also
+    lse (..., T), the log of the sum of exp(score) over the keys each row may see (heads kept under
+    average_weights), the dtype's lowest finite value for a row with no key. Raises ScoreOverflow
     when a score leaves the dtype's range, ResultOverflow when out or weights would not be finite.
     threads > 1 computes the blocks on that many threads (pool's, plus the caller's; a pool of
     threads - 1 made for the call without one): the same blocks as one thread, so the same bits.
@@ -272,9 +275,10 @@ def attention(
             bias=bias,
             alibi_slopes=alibi_slopes,
             average_weights=average_weights,
+            return_lse=return_lse,
         )
     masks = _Masks(lead, g, T, S, mask, key_lengths, p.upper, p.lower, bias, alibi_slopes, dtype)
-    ops = _operands(p, q, k, v, masks, dtype, 1.0 / math.sqrt(d) if scale is None else scale, return_weights)
+    ops = _operands(p, q, k, v, masks, dtype, 1.0 / math.sqrt(d) if scale is None else scale, return_weights, return_lse)
     # A block's scores (with weights: in the weights instead) and, without weights, its row sums.
     scratch_size = 0 if return_weights else p.items * g * p.rows * (masks.widest(p.rows) + 1)
 
@@ -288,7 +292,8 @@ def attention(
                 check_finite("weights", None if ops.weights is None else ops.weights[b0:b1, :, t0:t1])
 
     _share(compute, p.blocks, threads, pool)
-    return _shaped(ops.out, ops.weights, lead, average_weights)
+    result = _shaped(ops.out, ops.weights, lead, average_weights)
+    return result if ops.lse is None else (*result, ops.lse.reshape(*lead, T))  # (Bkv, g, T) -> (..., T)
 
 
 @dataclass(frozen=True)
@@ -296,7 +301,7 @@ class _Operands:
     """What every block of one call reads and writes, made once before the blocks are shared.
 
     q (Bkv, g, T, d) unscaled, kt (Bkv, 1, d, S), v (Bkv, 1, S, dv); out (Bkv, g, T, dv) and
-    weights (Bkv, g, T, S) or None; bound (Bkv, g, T, 1) True where a row's scores are provably
+    weights (Bkv, g, T, S) or None; lse (Bkv, g, T) or None; bound (Bkv, g, T, 1) True where a row's scores are provably
     small (no max subtracted); big_v (Bkv, 1, T, 1) True where S * max |v| may overflow (that
     row's exp(s) is normalised before the matmul); exp np.exp, or np.exp2 where row_scale
     (0-d or (Bkv, g, T, 1)) carries log2(e)."""
@@ -306,6 +311,7 @@ class _Operands:
     v: np.ndarray
     out: np.ndarray
     weights: np.ndarray | None
+    lse: np.ndarray | None
     masks: _Masks
     bound: np.ndarray
     big_v: np.ndarray
@@ -313,7 +319,7 @@ class _Operands:
     row_scale: np.ndarray  # 0-d, or (Bkv, g, T, 1)
 
 
-def _operands(p: Plan, q, k, v, masks: _Masks, dtype: np.dtype, scale: float, return_weights: bool) -> _Operands:
+def _operands(p: Plan, q, k, v, masks: _Masks, dtype: np.dtype, scale: float, return_weights: bool, return_lse: bool = False) -> _Operands:
     """The inputs in the blocks' layout, the outputs, and each row's choices (bound, big_v, its
     scale). Every choice is made per row from that row's own inputs over the keys it may see, so
     that values past its diagonal change none of its bits."""
@@ -324,6 +330,7 @@ def _operands(p: Plan, q, k, v, masks: _Masks, dtype: np.dtype, scale: float, re
     vd = np.ascontiguousarray(v, dtype).reshape(Bkv, 1, S, dv)  # (..., S, dv) -> (Bkv, 1, S, dv)
     out = np.empty((Bkv, g, T, dv), dtype)
     weights = np.empty((Bkv, g, T, S), dtype) if return_weights else None
+    lse = np.empty((Bkv, g, T), dtype) if return_lse else None
     with np.errstate(over="ignore", invalid="ignore"):  # overflow is detected per block, not warned about
         # Each row's largest |v_s| over the keys it may see, bounded by |v_s| (the 2-norm:
         # max |v_s| <= |v_s| <= sqrt(dv) max |v_s|), by einsum: a max along v's short last axis
@@ -342,7 +349,7 @@ def _operands(p: Plan, q, k, v, masks: _Masks, dtype: np.dtype, scale: float, re
         row_scale = np.asarray(scale * LOG2_E, dtype)
     elif exp is np.exp2 and bound.any():
         row_scale = np.where(bound, scale * LOG2_E, scale).astype(dtype)  # (Bkv, g, T, 1)
-    return _Operands(qd, kt, vd, out, weights, masks, bound, big_v, exp, row_scale)
+    return _Operands(qd, kt, vd, out, weights, lse, masks, bound, big_v, exp, row_scale)
 
 
 def _shaped(out: np.ndarray, weights: np.ndarray | None, lead: list, average_weights: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -366,17 +373,26 @@ def _block(ops: _Operands, scratch: np.ndarray | None, block: Block) -> None:
         ops.weights[b0:b1, :, t0:t1, hi:] = 0
     if hi == lo:  # no row of this block may see any key
         o[...] = 0
+        if ops.lse is not None:
+            ops.lse[b0:b1, :, t0:t1] = np.finfo(o.dtype).min
         return
     s, st = _scores(ops, scratch, block, lo, hi)
-    _exponentiate(ops, s, block, lo, hi)
+    shift = _exponentiate(ops, s, block, lo, hi)
     if ops.weights is not None:
-        _normalise_then_v(s, ops.v[b0:b1, :, lo:hi], o)
+        total = s.sum(axis=-1, keepdims=True)  # (nb, g, tn, 1), pairwise: rows sum to 1 within an ulp or two
     else:
         assert scratch is not None and st is not None  # without weights the scores are in the scratch
         nb, g, tn = b1 - b0, ops.q.shape[1], t1 - t0
-        total = scratch[-nb * g * tn :].reshape(nb, g, tn)
-        np.matmul(_ones(ops.kt.shape[-1], s.dtype)[: hi - lo], st, out=total)  # (nb, g, tn) row sums of the key-major scores, a GEMV
-        _v_then_normalise(s, total[..., None], ops.v[b0:b1, :, lo:hi], ops.big_v[b0:b1, :, t0:t1], o)
+        total = scratch[-nb * g * tn :].reshape(nb, g, tn, 1)
+        np.matmul(
+            _ones(ops.kt.shape[-1], s.dtype)[: hi - lo], st, out=total[..., 0]
+        )  # (nb, g, tn) row sums of the key-major scores, a GEMV
+    if ops.lse is not None:  # the row's shift (natural units: a bounded row's is 0) and its sum are all it takes
+        ops.lse[b0:b1, :, t0:t1] = log_sum_exp(np.zeros((), s.dtype) if shift is None else shift, total)[..., 0]
+    if ops.weights is not None:
+        _normalise_then_v(s, total, ops.v[b0:b1, :, lo:hi], o)
+    else:
+        _v_then_normalise(s, total, ops.v[b0:b1, :, lo:hi], ops.big_v[b0:b1, :, t0:t1], o)
 
 
 def _scores(ops: _Operands, scratch: np.ndarray | None, block: Block, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -402,9 +418,10 @@ def _scores(ops: _Operands, scratch: np.ndarray | None, block: Block, lo: int, h
     return s, st
 
 
-def _exponentiate(ops: _Operands, s: np.ndarray, block: Block, lo: int, hi: int) -> None:
+def _exponentiate(ops: _Operands, s: np.ndarray, block: Block, lo: int, hi: int) -> np.ndarray | None:
     """s (nb, g, tn, keys) -> exp(s - shift) in place, shift the row's max or, for a bounded
-    row, 0; in base 2 where ops.exp is exp2 (a bounded row's scale already carries log2(e))."""
+    row, 0; in base 2 where ops.exp is exp2 (a bounded row's scale already carries log2(e)).
+    Returns the shift (nb, g, tn, 1), in the scores' natural units, or None where every row's is 0."""
     b0, b1, t0, t1 = block
     bound = ops.bound[b0:b1, :, t0:t1]  # (nb, g, tn, 1)
     shift = _shift(s, bound, ops.masks, b0, b1, t0, t1)
@@ -413,13 +430,13 @@ def _exponentiate(ops: _Operands, s: np.ndarray, block: Block, lo: int, hi: int)
         if ops.exp is np.exp2:  # the shifted rows to base 2; a bounded row is already (times 1, exact)
             np.multiply(s, np.where(bound, 1, LOG2_E).astype(s.dtype), out=s)
     ops.exp(s, out=s)  # exp(-inf) = exp2(-inf) = 0 exactly: masked weights are 0
+    return shift
 
 
-def _normalise_then_v(e: np.ndarray, v: np.ndarray, o: np.ndarray) -> None:
-    """e (nb, g, tn, keys) exp'd scores, in the weights: weights = e / its row sums, in place,
-    then o (nb, g, tn, dv) = weights v, v (nb, 1, keys, dv). Normalised first, so
-    sum_s w_s v_s <= max |v| stays finite."""
-    total = e.sum(axis=-1, keepdims=True)  # (nb, g, tn, 1), pairwise: rows sum to 1 within an ulp or two
+def _normalise_then_v(e: np.ndarray, total: np.ndarray, v: np.ndarray, o: np.ndarray) -> None:
+    """e (nb, g, tn, keys) exp'd scores, in the weights, total (nb, g, tn, 1) their row sums:
+    weights = e / total, in place, then o (nb, g, tn, dv) = weights v, v (nb, 1, keys, dv).
+    Normalised first, so sum_s w_s v_s <= max |v| stays finite."""
     total[total == 0] = 1  # a row with no allowed key: its weights and output stay exactly 0
     np.divide(e, total, out=e)
     np.matmul(e, v, out=o)

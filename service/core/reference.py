@@ -4,6 +4,7 @@
     scores  = -inf where a key is hidden (mask, causal, window, key_lengths)
     weights = exp(scores - the row's maximum) / its sum         a row with no key: all 0
     out     = weights v                                         (..., T, dv)
+    lse     = the row's maximum + log(its sum)                  (..., T); a row with no key: the lowest finite
 
 reference() is what attention() computes; attention() computes it in blocks (kernels.py) where
 a problem is large, and calls reference() where it is small. It also owns the rules both paths
@@ -57,9 +58,10 @@ def reference(
     bias: np.ndarray | None = None,
     alibi_slopes: np.ndarray | None = None,
     average_weights: bool = False,
+    return_lse: bool = False,
     threads: int = 1,
     pool: Executor | None = None,
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """attention() as the textbook computes it: the whole (..., T, S) score matrix at once.
 
     The arguments, results and errors are attention()'s (threads and pool are accepted and
@@ -97,13 +99,24 @@ def reference(
         scores -= row_max
         weights = np.exp(scores, out=scores)  # (..., T, S); hidden keys exactly 0
         total = weights.sum(axis=-1, keepdims=True)  # (..., T, 1)
+        lse = log_sum_exp(row_max, total)[..., 0] if return_lse else None  # (..., T)
         total[total == 0] = 1  # a row with no key keeps weights and output exactly 0
         weights /= total  # normalised before v: sum_s w_s v_s <= max |v| stays finite
         out = weights @ v  # (..., T, dv)
     check_finite("out", out)  # the weights are finite: each is exp(<= 0) over a sum of at least 1
-    if not return_weights:
-        return out, None
-    return out, (weights.mean(axis=-3) if average_weights else weights)  # (..., T, S) or without axis -3
+    if return_weights and average_weights:
+        weights = weights.mean(axis=-3)  # (..., T, S) without axis -3
+    result = (out, weights if return_weights else None)
+    return (*result, lse) if lse is not None else result
+
+
+def log_sum_exp(shift: np.ndarray, total: np.ndarray) -> np.ndarray:
+    """A row's lse from what its softmax has: shift + log(total), total the sum of exp(score -
+    shift) over the keys it may see; the dtype's lowest finite value where total is 0 (no key), so
+    that exp(lse - m) is exactly 0 in a merge and JSON stays strict."""
+    with np.errstate(divide="ignore"):
+        lse = shift + np.log(total)
+    return np.where(total > 0, lse, np.finfo(total.dtype).min).astype(total.dtype, copy=False)
 
 
 def _check_overflow(row_max: np.ndarray, allowed: np.ndarray) -> None:

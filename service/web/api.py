@@ -35,13 +35,15 @@ def load_job(schema_cls: type) -> Job:
     return validate(services().schemas[schema_cls], doc)
 
 
-def respond_job(job: Job, out: np.ndarray, weights: np.ndarray | None) -> Response:
+def respond_job(job: Job, out: np.ndarray, weights: np.ndarray | None, lse: np.ndarray | None = None) -> Response:
     """The 200 body: tensors in the job's encoding, the cost and the phases so far."""
     timing = phases_ms()
     with phase("encode"):
         body = {"out": wire.encode(out, job.encoding, lazy=True)}
         if weights is not None:
             body["weights"] = wire.encode(weights, job.encoding, lazy=True, dtype=job.weights_dtype)
+        if lse is not None:
+            body["lse"] = wire.encode(lse, job.encoding, lazy=True)
         body["cost"] = cost(job)
         body["timing_ms"] = timing
         return json_response(body)

@@ -28,10 +28,11 @@ def validate(schema: AttentionRequest | MhaRequest, doc: dict) -> Job:
     return job
 
 
-def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
+def run(job: Job) -> tuple[np.ndarray, ...]:
     """Compute an admitted job, timed as the compute phase; the measured time (with the thread's
     CPU time, the requests busy in the server when it was admitted, and the threads it took)
-    teaches the cost model and is counted against admit()'s prediction."""
+    teaches the cost model and is counted against admit()'s prediction. (out, weights or None),
+    and lse when the job asks for it."""
     ctx = context()
     work = ctx.work or work_of(job)
     threads = parallel.threads(work)  # more than one only for a large job alone on the server

@@ -12,7 +12,7 @@ the envelope differs:
                   -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as
                      service.wire's loads() gives a b64 value: the bytes are never re-encoded
 
-Outputs are `out` and `weights`, as JSON `data` (flat, row-major) or, per output
+Outputs are `out`, `weights` and (attention, with parameter return_lse) `lse`, as JSON `data` (flat, row-major) or, per output
 (`parameters.binary_data`) or request-wide (`parameters.binary_data_output`), as raw bytes after
 the JSON header. Errors are {"error": "message"} (error_body, which errors.py uses for this
 blueprint), with the native status; the schemas are built with labels, so their messages say
@@ -49,7 +49,6 @@ DATATYPES = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "BOOL": "b
 FLOAT = ("FP32", "FP64", "FP16")  # FP16 inputs are computed in parameters.dtype, as float16 b64 in the native JSON
 OUTPUT_DATATYPES = {wire.WIRE_DTYPES[DATATYPES[datatype]]: datatype for datatype in FLOAT}  # FP16: weights_dtype float16
 OUTPUT_DATATYPE = FLOAT[0]  # the outputs' advertised datatype: FP64 or FP16 as the request's parameters say
-OUTPUTS = ("out", "weights")
 # Scheduling hints Triton's client may send (TRITON_RESERVED_REQUEST_PARAMS); this server has no
 # batcher or sequence scheduler to give them to, so they are accepted and have no effect.
 IGNORED_PARAMETERS = frozenset({"priority", "timeout"})
@@ -67,7 +66,7 @@ class Model:
     schema: type
     inputs: dict[str, tuple[tuple[str, ...], list[int], str]]
     optional: frozenset[str]
-    outputs: dict[str, tuple[list[int], str]]
+    outputs: dict[str, tuple[list[int], str]]  # out and weights, then those sent only when asked for
     parameters: dict[str, str]  # the request parameters, named as the native JSON fields -> what each takes
 
     @property
@@ -105,6 +104,7 @@ MODELS = {
         outputs={
             "out": ([-1, -1, -1, -1], "(..., T, dv)"),
             "weights": ([-1, -1, -1, -1], "(..., T, S); (..., T, S) without axis -3 when averaged"),
+            "lse": ([-1, -1, -1], "(..., T): the log-sum-exp of each row's scores; optional, sent when parameter return_lse is true"),
         },
         parameters={
             "causal": 'false, true, "top_left" or "bottom_right"',
@@ -115,6 +115,7 @@ MODELS = {
             "window": '"left,right" (or [left, right]), integers >= -1: FlashAttention\'s window_size',
             "average_weights": "bool: weights averaged over the heads axis -3",
             "weights_dtype": '"float16", "float32" or "float64": the weights output\'s datatype',
+            "return_lse": "bool; default false: also the lse output (FlashAttention's softmax_lse)",
         },
     ),
     "mha": Model(
@@ -272,8 +273,8 @@ def infer(name: str, version: str | None = None):
     """Run a model: the native schema, limits and core behind the protocol's envelope."""
     model = _model(name, version)
     req = load_infer(model)
-    out, weights = run(req.job)
-    return respond_infer(model, req, {"out": out, "weights": weights})
+    out, weights, *lse = run(req.job)
+    return respond_infer(model, req, {"out": out, "weights": weights, "lse": lse[0] if lse else None})
 
 
 @dataclass(frozen=True)
@@ -291,12 +292,16 @@ def load_infer(model: Model) -> InferRequest:
         doc = parse_json(header)
         native, requested, binary_default = _translate(model, doc, _Blobs(blobs))
     job = validate(services().kserve_schemas[model.name], native)
+    return_lse = getattr(job, "return_lse", False)
     if requested is None:
         requested = ["out", "weights"] if job.return_weights else ["out"]
+        requested += ["lse"] if return_lse else []
     elif "weights" in requested and not job.return_weights:
         raise RequestError(
             "bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights"
         )
+    elif "lse" in requested and not return_lse:
+        raise RequestError("bad_option", "parameter return_lse is false but the lse output was requested; drop one of them.", "return_lse")
     outputs = [(n, binary_default.get(n, binary_default[None])) for n in requested]
     return InferRequest(job=job, id=doc.get("id"), outputs=outputs)
 
@@ -411,6 +416,8 @@ def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] 
     requested = _outputs(model, doc["outputs"], binary_default) if "outputs" in doc else None
     if requested is not None and "return_weights" not in native:
         native["return_weights"] = "weights" in requested
+    if requested is not None and "lse" in requested and "return_lse" not in native:
+        native["return_lse"] = True
     return native, requested, binary_default
 
 
@@ -420,9 +427,11 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
     for spec in _list(specs, "outputs"):
         spec = _object(spec, "each of outputs", "outputs")
         name = _name(spec, "each of outputs", "outputs")
-        if name not in OUTPUTS:
+        if name not in model.outputs:
             raise RequestError(
-                "unknown_field", f"output {show(name)} is not an output of model {model.name}; its outputs are: out, weights.", "outputs"
+                "unknown_field",
+                f"output {show(name)} is not an output of model {model.name}; its outputs are: {', '.join(model.outputs)}.",
+                "outputs",
             )
         _known_keys(spec, OUTPUT_KEYS, f"output {name}", "outputs")
         if name in requested:

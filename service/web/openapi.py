@@ -135,6 +135,12 @@ class ComputeResponse(Schema):
             "(B, h, n, n) for /mha; only when return_weights; in weights_dtype if given"
         }
     )
+    lse = Tensor(
+        metadata={
+            "description": "(..., T) for /attention, only when return_lse: the log-sum-exp of each row's scores, in the compute dtype; "
+            "the dtype's lowest finite value for a row with no allowed key"
+        }
+    )
     cost = fields.Nested(Cost, required=True)
     timing_ms = fields.Dict(
         keys=fields.String(),

@@ -88,7 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sweep T x concurrency against POST /attention; write report.md, results.csv and latency.png.",
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the service (default %(default)s)")
+    p.add_argument(
+        "--url",
+        action="append",
+        help="base URL of the service (default http://127.0.0.1:8000); repeat it for replicas, which implies --split",
+    )
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="send each request through the client (AttentionClient.attention over every --url): T may go past one "
+        "server's limits, split into blocks of rows and key ranges merged by their lse",
+    )
     p.add_argument(
         "--T",
         type=_T_list,
@@ -191,7 +201,8 @@ def _redact(argv: Sequence[str]) -> list[str]:
 
 def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConfig:
     """The SweepConfig the parsed arguments ask for."""
-    base_url = args.url.rstrip("/").removesuffix("/attention")
+    urls = tuple(url.rstrip("/").removesuffix("/attention") for url in args.url)
+    base_url = urls[0]
     duration = args.duration if args.duration is not None or args.requests else 5.0
     load = Load(
         concurrency=1,
@@ -228,6 +239,8 @@ def config_from_args(args: argparse.Namespace, argv: Sequence[str]) -> SweepConf
         fit_min_T=args.fit_min_T,
         rounds=args.rounds,
         command=shlex.join(["attention-loadtest", *_redact(argv)]),
+        urls=urls,
+        split=args.split or len(urls) > 1,
     )
 
 
@@ -236,8 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.url.startswith(("http://", "https://")):
-        parser.error(f"--url must start with http:// or https://, got {args.url!r}")
+    args.url = args.url or ["http://127.0.0.1:8000"]
+    for url in args.url:
+        if not url.startswith(("http://", "https://")):
+            parser.error(f"--url must start with http:// or https://, got {url!r}")
     if not 0 <= args.max_error_rate <= 1:
         parser.error("--max-error-rate must be between 0 and 1")
     if args.kv_heads is not None and args.heads % args.kv_heads:
@@ -258,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = config_from_args(args, argv)
     sweep = Sweep(config)
     log = lambda line: print(f"loadtest: {line}", file=sys.stderr, flush=True)  # noqa: E731
-    log(f"{config.workload.describe()} -> {config.base_url}/attention")
+    target = f"{len(config.urls)} replica(s) through the client's split" if config.split else f"{config.base_url}/attention"
+    log(f"{config.workload.describe()} -> {target}")
     status, failure = 0, ""
     try:
         run_sweep(config, sweep, log)

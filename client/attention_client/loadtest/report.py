@@ -245,7 +245,12 @@ def write_markdown(sweep: Sweep, fits: list[ConcurrencyFit], path: Path, plot_na
         "# Attention latency sweep",
         "",
         *([f"- command: `{cfg.command}`"] if cfg.command else []),
-        f"- target: `{cfg.base_url}/attention` (service version {version})",
+        (
+            f"- target: {len(cfg.urls)} replica(s), {', '.join(f'`{u}`' for u in cfg.urls)}, each request one "
+            f"`AttentionClient.attention` call split past the servers' limits (service version {version})"
+            if cfg.split
+            else f"- target: `{cfg.base_url}/attention` (service version {version})"
+        ),
         f"- workload: {cfg.workload.describe()}",
         f"- load: {_load_line(sweep)}",
         f"- client machine: {platform.platform()}, {os.cpu_count()} CPUs, load average "

@@ -17,6 +17,7 @@ from typing import Any
 
 from .cell import CellResult, CellRun, Load, run_cell, summarize
 from .payload import Workload, build_body
+from .split import build_arrays, run_split_cell
 from .transport import check_reachable, fetch_limits
 
 
@@ -36,6 +37,8 @@ class SweepConfig:
     fit_min_T: int = 512
     rounds: int = 1
     command: str = ""
+    urls: tuple[str, ...] = ()  # with split: every replica's base URL (base_url the first)
+    split: bool = False  # each request one AttentionClient call over urls, split past the limits (split.py)
 
 
 @dataclass
@@ -99,6 +102,8 @@ def run_sweep(config: SweepConfig, into: Sweep, log: Callable[[str], None], stop
     into.limits = fetch_limits(config.base_url)
     into.started, into.loadavg_start = _now(), _loadavg()
     bodies: dict[int, bytes] = {}
+    sizes: dict[int, int] = {}  # T -> the body's bytes (split: the tensors')
+    tensors: dict[int, tuple] = {}  # T -> q, k, v (split)
     runs: dict[tuple[int, int], list[CellRun]] = {}
     stopped: dict[int, int] = {}  # concurrency -> the largest T still to run
     total = config.rounds * len(config.Ts) * len(config.concurrencies)
@@ -112,14 +117,22 @@ def run_sweep(config: SweepConfig, into: Sweep, log: Callable[[str], None], stop
                     if T > stopped.get(concurrency, T):
                         continue
                     tag = f"[{done}/{total}]" + (f" round {rnd}" if config.rounds > 1 else "")
-                    if T not in bodies:
-                        bodies[T] = build_body(config.workload, T)
-                    log(f"{tag} T={T} concurrency={concurrency} ({len(bodies[T]) / 1e6:.2f} MB body) ...")
-                    run = run_cell(config.base_url, bodies[T], load, stop)
+                    if config.split:
+                        if T not in tensors:
+                            tensors[T] = build_arrays(config.workload, T)
+                            sizes[T] = sum(a.nbytes for a in tensors[T])
+                        log(f"{tag} T={T} concurrency={concurrency} ({sizes[T] / 1e6:.2f} MB of tensors, via the client's split) ...")
+                        run = run_split_cell(config.urls or (config.base_url,), tensors[T], config.workload, load, stop)
+                    else:
+                        if T not in bodies:
+                            bodies[T] = build_body(config.workload, T)
+                            sizes[T] = len(bodies[T])
+                        log(f"{tag} T={T} concurrency={concurrency} ({sizes[T] / 1e6:.2f} MB body) ...")
+                        run = run_cell(config.base_url, bodies[T], load, stop)
                     runs.setdefault((T, concurrency), []).append(run)
-                    this_round = summarize(T, concurrency, len(bodies[T]), [run])
+                    this_round = summarize(T, concurrency, sizes[T], [run])
                     log(f"{tag} T={T} concurrency={concurrency}: {format_cell(this_round)}")
-                    into.cells = [summarize(t, c, len(bodies[t]), r) for (t, c), r in runs.items()]
+                    into.cells = [summarize(t, c, sizes[t], r) for (t, c), r in runs.items()]
                     reason = stop_reason(this_round, config)
                     if reason is not None and T < min(stopped.get(concurrency, T + 1), config.Ts[-1]):
                         stopped[concurrency] = T  # the larger T of this concurrency are skipped
