@@ -477,6 +477,13 @@ V2_ERROR_DESCRIPTIONS = {
     404: "no such model, or no such version of it",
     415: "a Content-Encoding other than identity, gzip or deflate (the Content-Type is not checked: the protocol's clients send none)",
 }
+
+
+def _v2_output_names() -> list[str]:
+    """Every output some model has (out, weights, lse), in the models' order."""
+    return list(dict.fromkeys(name for model in kserve.MODELS.values() for name in model.outputs))
+
+
 # The protocol's summary of each view of kserve.bp: a /v2 route added without one fails the build.
 V2_SUMMARIES = {
     "server_metadata": "Server Metadata",
@@ -615,7 +622,7 @@ def _v2_schemas(native: dict) -> dict:
     model_name = {"type": "string", "enum": list(models)}
     version = {"type": "string", "enum": [kserve.MODEL_VERSION]}
     dims = {"type": "array", "items": {"type": "integer", "minimum": -1}, "description": "-1: any length"}
-    tensor_names = list(dict.fromkeys([*(n for m in models.values() for n in m.inputs), *kserve.OUTPUTS]))
+    tensor_names = list(dict.fromkeys([*(n for m in models.values() for n in m.inputs), *_v2_output_names()]))
     input_names = ", ".join(f"{m.name}: {', '.join(m.inputs)}" for m in models.values())
     datatypes = {n: ", ".join(types) for m in models.values() for n, (types, *_) in m.inputs.items()}
     element = {"oneOf": [{"type": "number"}, boolean]}
@@ -692,7 +699,7 @@ def _v2_schemas(native: dict) -> dict:
         ),
         "request_output": _obj(
             {
-                "name": {"type": "string", "enum": list(kserve.OUTPUTS)},
+                "name": {"type": "string", "enum": _v2_output_names()},
                 "parameters": _obj(
                     {"binary_data": {**boolean, "description": "binary tensor data extension: this output as raw bytes"}},
                     [],
@@ -720,7 +727,7 @@ def _v2_schemas(native: dict) -> dict:
         ),
         "response_output": _obj(
             {
-                "name": {"type": "string", "enum": list(kserve.OUTPUTS)},
+                "name": {"type": "string", "enum": _v2_output_names()},
                 "datatype": {"type": "string", "enum": list(dict.fromkeys(kserve.OUTPUT_DATATYPES.values()))},
                 "shape": _SHAPE,
                 "parameters": _obj({"binary_data_size": {"type": "integer", "minimum": 0}}, []),
