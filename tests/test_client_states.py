@@ -179,11 +179,17 @@ def test_blocks_no_row_sees_are_not_sent(small, rng):
     assert len(posts) == 6
 
 
-def spy(api: AttentionClient) -> list:
+def spy(api: AttentionClient, together: int = 0) -> list:
+    """Record the connection pool (the replica) of every block the client sends. together=n: the
+    first n blocks wait for each other before they are sent, so they are in flight at once (a
+    client that sent them one after another would break the barrier and fail the call)."""
     seen, compute = [], api._compute
+    barrier = threading.Barrier(together) if together else None
 
     def recording(path, body, http=None):
         seen.append(http)
+        if barrier is not None and len(seen) <= together:
+            barrier.wait(timeout=60)
         return compute(path, body, http)
 
     api._compute = recording
@@ -254,13 +260,13 @@ def test_replicas_launcher_starts_n_replicas_on_consecutive_ports(rng):
     try:
         wait_until(lambda: all(ready(url) for url in urls), timeout=120, what="both replicas ready")
         q = rng.standard_normal((24, 4), dtype=np.float32)
-        with AttentionClient(urls, timeout=60) as api:
-            posts = spy(api)
+        with AttentionClient(urls, timeout=60, max_workers=1) as api:  # one thread a replica, each keeps to its own
+            posts = spy(api, together=2)  # the first two blocks must be in flight at once
             out, lse = api.attention(q, q, q, causal=True, return_weights=False, return_lse=True)[::2]
         want_out, _, want_lse = core.attention(q, q, q, causal=True, return_lse=True)
         np.testing.assert_allclose(out, want_out, rtol=RTOL, atol=RTOL)
         np.testing.assert_allclose(lse, want_lse, rtol=RTOL, atol=RTOL)
-        assert {h.base_url for h in posts} == set(urls)
+        assert {h.base_url for h in posts[:2]} == set(urls)  # two blocks at once: one on each replica
     finally:
         replicas.stop(procs)
     assert all(p.returncode is not None for p in procs)
