@@ -35,17 +35,50 @@ class _Job:
     return_weights: bool
     encoding: str
 
-    B: int
-    T: int
-    S: int
-    head_widths: tuple[int, int]  # (d, dv) of the attention
-    other_flops: int = 0
-    dtype: str
     window: tuple[int, int] | None = None  # FlashAttention's window_size, or no window
-    groups: int = 1  # query heads per key/value head (grouped-query attention)
     weights_dtype: str | None = None  # the weights' precision on the wire (cast as they are sent); None: the compute dtype
-    averaged_over: int = 1  # the heads the returned weights are averaged over (1: not averaged)
     overflow_field = "q"  # the field a score overflow is blamed on
+
+    # What a subclass gives, read off its arrays:
+    @property
+    def B(self) -> int:
+        """The product of the attention's leading axes, heads included."""
+        raise NotImplementedError
+
+    @property
+    def T(self) -> int:
+        """Query positions."""
+        raise NotImplementedError
+
+    @property
+    def S(self) -> int:
+        """Key positions."""
+        raise NotImplementedError
+
+    @property
+    def head_widths(self) -> tuple[int, int]:
+        """(d, dv) of one head of the attention."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> str:
+        """The compute dtype's name."""
+        raise NotImplementedError
+
+    @property
+    def other_flops(self) -> int:
+        """Flops beside the attention (projections)."""
+        return 0
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (grouped-query attention)."""
+        return 1
+
+    @property
+    def averaged_over(self) -> int:
+        """The heads the returned weights are averaged over (1: not averaged)."""
+        return 1
 
     @property
     def score_elements(self) -> int:
@@ -116,7 +149,7 @@ class _Job:
         total += min(RESPONSE_CHUNK_BYTES, answered * 24)  # a chunk of text: up to ~24 bytes a number
         return total + min(SCRATCH_BYTES, self.score_elements * itemsize)
 
-    def compute(self, threads: int = 1, pool: Executor | None = None) -> tuple[np.ndarray, ...]:
+    def compute(self, threads: int = 1, pool: Executor | None = None) -> core.Result:
         """(out, weights or None), and lse when the job asks for it, from the numeric core, on
         threads threads (pool's and the caller's; the same bits as one); non_finite if the scores
         or the result overflow (never a 200 with inf or NaN in it)."""
@@ -141,7 +174,7 @@ class _Job:
         """(the field a score overflow is blamed on, the terms the scores add up)."""
         return self.overflow_field, "q·kᵀ·scale"
 
-    def _compute(self, threads: int, pool: Executor | None) -> tuple[np.ndarray, np.ndarray | None]:
+    def _compute(self, threads: int, pool: Executor | None) -> core.Result:
         raise NotImplementedError
 
 

@@ -5,9 +5,10 @@ exactly that, in blocks where a problem is large (kernels.py). Nothing here know
 or schemas; every function is a pure function of arrays."""
 
 from .kernels import Plan, attention, causal_mask, causal_share, mha, plan
-from .reference import ResultOverflow, ScoreOverflow, causal_offset, reference
+from .reference import Result, ResultOverflow, ScoreOverflow, causal_offset, reference
 
 __all__ = [
+    "Result",
     "Plan",
     "ResultOverflow",
     "ScoreOverflow",

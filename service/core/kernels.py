@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .reference import ALIGNMENTS, ScoreOverflow, bounds, causal_offset, check_finite, groups, log_sum_exp, reference
+from .reference import ALIGNMENTS, Result, ScoreOverflow, bounds, causal_offset, check_finite, groups, log_sum_exp, reference
 
 # Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache on the machines
 # this serves; larger blocks run their matmuls nearer BLAS's peak, smaller ones pay for Python
@@ -233,7 +233,7 @@ def attention(
     return_lse: bool = False,
     threads: int = 1,
     pool: Executor | None = None,
-) -> tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+) -> Result:
     """softmax(q kᵀ · scale + bias + alibi, masked) v over any leading axes.
 
     q (..., T, d), k (..., S, d), v (..., S, dv); mask broadcasts to (..., T, S), True = attend;
@@ -757,7 +757,7 @@ def mha(
         window=window,
         threads=threads,
         pool=pool,
-    )
+    )[:2]  # (out, weights): no lse here
     out = np.swapaxes(out, -2, -3).reshape(*x.shape[:-1], heads * dv)  # (..., h, n, dv) -> (..., n, h * dv)
     if wo is not None:
         with np.errstate(over="ignore", invalid="ignore"):

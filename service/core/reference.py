@@ -25,6 +25,9 @@ import numpy as np
 
 ALIGNMENTS = ("top_left", "bottom_right")
 
+# What attention() and reference() return: (out, weights or None), and lse with return_lse.
+Result = tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray | None, np.ndarray]
+
 
 class ScoreOverflow(ArithmeticError):
     """q kᵀ · scale left the dtype's finite range, so the softmax would be meaningless."""
@@ -61,7 +64,7 @@ def reference(
     return_lse: bool = False,
     threads: int = 1,
     pool: Executor | None = None,
-) -> tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+) -> Result:
     """attention() as the textbook computes it: the whole (..., T, S) score matrix at once.
 
     The arguments, results and errors are attention()'s (threads and pool are accepted and
