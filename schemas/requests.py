@@ -385,7 +385,11 @@ class MhaRequest(_Request):
         names = ("x", "wq", "wk", "wv") if data["wo"] is None else ("x", "wq", "wk", "wv", "wo")
         arrays = {name: self._cast(name, data[name], dtype) for name in names}
         return MhaJob(
-            **{"wo": None, **arrays},
+            arrays["x"],
+            arrays["wq"],
+            arrays["wk"],
+            arrays["wv"],
+            arrays.get("wo"),
             heads=data["heads"],
             causal=data["causal"],
             return_weights=data["return_weights"],

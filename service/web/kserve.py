@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from flask import Blueprint, Response, request
@@ -312,22 +313,23 @@ def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray
     timing = phases_ms()
     with phase("encode"):
         summary = cost(job)
-        head = {
+        head: dict[str, Any] = {
             "model_name": model.name,
             "model_version": MODEL_VERSION,
             **({"id": req.id} if req.id is not None else {}),
             "parameters": {**summary, **{f"{k}_ms": v for k, v in timing.items()}},
             "outputs": [],
         }
-        blobs = []
+        blobs: list[memoryview] = []
         for name, binary in req.outputs:
             arr = results[name]
+            assert arr is not None  # only the outputs the job computed are requested
             dtype = np.dtype(job.weights_dtype or arr.dtype) if name == "weights" else arr.dtype  # weights_dtype: FP16 weights
             arr = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<"))
-            entry = {"name": name, "datatype": OUTPUT_DATATYPES[arr.dtype], "shape": list(arr.shape)}
+            entry: dict[str, Any] = {"name": name, "datatype": OUTPUT_DATATYPES[arr.dtype], "shape": list(arr.shape)}
             if binary:
                 entry["parameters"] = {"binary_data_size": arr.nbytes}
-                blobs.append(memoryview(arr).cast("B"))
+                blobs.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
             else:
                 entry["data"] = arr.reshape(-1)
             head["outputs"].append(entry)
@@ -370,7 +372,7 @@ class _Blobs:
             )
 
 
-def _split_body(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray, memoryview]:
+def _split_body(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray | mmap.mmap, memoryview]:
     """(JSON header, binary data) per the Inference-Header-Content-Length header."""
     raw = request.headers.get("Inference-Header-Content-Length")
     if raw is None:

@@ -46,7 +46,7 @@ class Payload:
 
     __slots__ = ("raw",)
 
-    def __init__(self, raw: bytes):
+    def __init__(self, raw: bytes | memoryview):
         self.raw = raw
 
     def __repr__(self) -> str:
