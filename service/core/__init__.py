@@ -5,12 +5,13 @@ exactly that, in blocks where a problem is large (kernels.py). Nothing here know
 or schemas; every function is a pure function of arrays."""
 
 from .kernels import Plan, attention, causal_mask, causal_share, mha, plan
-from .reference import ResultOverflow, ScoreOverflow, causal_offset, reference
+from .reference import ResultOverflow, ScoreOverflow, Stopped, causal_offset, reference
 
 __all__ = [
     "Plan",
     "ResultOverflow",
     "ScoreOverflow",
+    "Stopped",
     "attention",
     "causal_mask",
     "causal_offset",
