@@ -72,6 +72,9 @@ class RequestContext:
     work: Work | None = None  # its work, as the cost model counts it
     busy: int = 1  # requests busy in the server when it was admitted (the count its slowdown is keyed by)
     predicted_ms: float | None = None  # the cost model's prediction, made when it was admitted
+    answer_bytes: int = 0  # its answer's predicted bytes on the wire (cost.answer_bytes)
+    stop_at: float | None = None  # perf_counter() past which its answer could not be sent by X-Deadline-Ms
+    computed_at: float | None = None  # perf_counter() when its compute ended (the respond time runs from it)
     # an error answer
     error_code: str | None = None
     error_field: str | None = None
