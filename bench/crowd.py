@@ -106,6 +106,7 @@ def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
 
 def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float | None) -> dict:
     oks, refusals, statuses, reasons, retry_after, lock = [], [], Counter(), Counter(), Counter(), threading.Lock()
+    gaps = []  # a 200's client latency less the server's Server-Timing total (the app's time until the answer was built)
     headers = {**HEADERS, **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
     stop = time.monotonic() + seconds
 
@@ -123,6 +124,9 @@ def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float 
                     statuses[status] += 1
                     if status == 200:
                         oks.append(ms)
+                        built = re.search(r"total;dur=([0-9.]+)", r.headers.get("Server-Timing", ""))
+                        if built:
+                            gaps.append(ms - float(built.group(1)))
                     elif r is not None:
                         refusals.append(ms)
                         reasons[reason(r)] += 1
@@ -139,6 +143,7 @@ def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float 
         "p50_ms": round(statistics.median(oks)) if oks else None,
         "p99_ms": round(oks[min(len(oks) - 1, int(0.99 * len(oks)))]) if oks else None,
         "reasons": dict(reasons),
+        "client_minus_built_p50_ms": round(statistics.median(gaps)) if gaps else None,
     }
     if deadline:
         late = sum(1 for ms in oks if ms > 1.25 * deadline)
@@ -146,6 +151,12 @@ def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float 
         result["503_retry_after"] = dict(retry_after)
         result["refusal_p50_ms"] = round(statistics.median(refusals)) if refusals else None
     return result
+
+
+def learned(url: str) -> dict:
+    """What one worker's cost model learned (the respond rate, the slowdown by requests busy)."""
+    model = requests.get(f"{url}/limits", timeout=10).json()["cost_model"]
+    return {k: model.get(k) for k in ("respond_ms_per_MB", "slowdown_by_busy")}
 
 
 def main() -> None:
@@ -193,6 +204,7 @@ def main() -> None:
                             "weights": a.weights,
                             "deadline_ms": a.deadline,
                             **closed(server.url, body, clients, a.seconds, a.deadline),
+                            "one_workers_model": learned(server.url),
                         }
                     )
                 )

@@ -69,7 +69,7 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from service.config import Settings
 
-from . import BODY_KEY, Hooks, Refusal, framing
+from . import BODY_KEY, SENT_KEY, STARTED_KEY, Hooks, Refusal, framing
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 # A body of known length is read straight into a buffer of its own (recv_into) once this much of it
@@ -260,9 +260,11 @@ class MemoryBody:
 
     failed = False  # gunicorn's parser asks: reading never fails here
 
-    def __init__(self, body: bytearray | mmap.mmap):
+    def __init__(self, body: bytearray | mmap.mmap, started: float = 0.0):
         self.whole = body if len(body) else None
         self.body, self.pos = body, 0
+        self.started = started  # time.monotonic() of the request's first byte (STARTED_KEY)
+        self.when_written: list = []  # callbacks for when the response has been written (SENT_KEY)
 
     def drop(self) -> None:
         """Forget what was not read: nothing is left for gunicorn's finish_body to read through."""
@@ -322,6 +324,7 @@ class Conn:
         self.started = 0.0  # monotonic time of the request's first byte (an early answer's duration)
         self.head: bytes | None = None  # the request head handed to a thread, while it is there
         self.known_body: bytearray | mmap.mmap | None = None  # ... and its body, if of known length
+        self.when_written: list = []  # the app's callbacks for when this response has been written (SENT_KEY)
 
 
 def with_body(app, environ: dict, start_response):
@@ -329,6 +332,8 @@ def with_body(app, environ: dict, start_response):
     body = environ.get("wsgi.input")
     if type(body) is MemoryBody and body.whole is not None:
         environ[BODY_KEY] = body.whole
+        environ[STARTED_KEY] = body.started
+        environ[SENT_KEY] = body.when_written.append
     return app(environ, start_response)
 
 
@@ -400,6 +405,7 @@ class FrontWorker(ThreadWorker):
         if conn not in self.conns:
             return
         del self.conns[conn]
+        conn.when_written = []  # dropped: its response was never all written
         self._release_buf(conn)
         self._unwatch(conn)
         self.budget.give(conn.sock.drop_outbox())
@@ -617,9 +623,10 @@ class FrontWorker(ThreadWorker):
             if req.method == "POST" and self._crowded():
                 req.force_close()  # this answer says Connection: close: the client's next connection may land elsewhere
             if conn.known_body is not None:
-                req.body = MemoryBody(conn.known_body)
+                req.body = MemoryBody(conn.known_body, conn.started)
             keep = self.handle_request(req, conn)
             if isinstance(req.body, MemoryBody):
+                conn.when_written = req.body.when_written  # the event loop calls them once the rest is written (_after_response)
                 req.body.drop()  # what the app left unread is in memory: not read through 8 KB at a time by finish_body
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
@@ -701,6 +708,12 @@ class FrontWorker(ThreadWorker):
             self._after_response(conn)
 
     def _after_response(self, conn: Conn) -> None:
+        written, conn.when_written = conn.when_written, []
+        for callback in written:
+            try:
+                callback()
+            except Exception:  # the app's: never the event loop's end
+                self.log.exception("a when-written callback failed")
         if conn.keep:
             self._start_request(conn, conn.pending)
             return

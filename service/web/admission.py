@@ -64,7 +64,7 @@ from schemas import RequestError
 from schemas.jobs import AttentionJob, MhaJob
 from service.config import Settings
 from service.cost import answer_bytes, work_of
-from service.transport import BODY_KEY
+from service.transport import BODY_KEY, SENT_KEY, STARTED_KEY
 
 from . import census, metrics, parallel
 from .context import context, services
@@ -281,7 +281,7 @@ def admit(job: AttentionJob | MhaJob) -> None:
     deadline, ticket = ctx.deadline_ms, ctx.admission
     bound_ms = held.settings.max_queue_wait_ms
     if deadline is not None:
-        ctx.stop_at = ctx.t0 + (deadline - respond) / 1000  # past it, the answer could no longer be sent in time
+        ctx.stop_at = ctx.arrived + (deadline - respond) / 1000  # past it, the answer could no longer be sent in time
         spent = elapsed_ms()
         if spent + predicted + respond > deadline:
             raise _deadline(
@@ -354,7 +354,8 @@ _last_gate: Gate | None = None  # for server_computing() and server_busy() outsi
 
 
 def elapsed_ms() -> float:
-    return (time.perf_counter() - context().t0) * 1000
+    """Milliseconds since the request's first byte arrived: the clock X-Deadline-Ms runs on."""
+    return (time.perf_counter() - context().arrived) * 1000
 
 
 def _deadline(why: str) -> RequestError:
@@ -463,6 +464,9 @@ def install(app: Flask) -> None:
         if request.method != "POST" or not COMPUTE_PATH.fullmatch(request.path):
             return
         ctx = context()
+        started = request.environ.get(STARTED_KEY)
+        if started is not None:  # the event loop read the body before the app saw it: the deadline ran meanwhile
+            ctx.arrived = ctx.t0 - max(time.monotonic() - started, 0.0)
         try:
             if settings.api_keys:
                 _check_key(settings.api_keys)
@@ -490,8 +494,16 @@ def install(app: Flask) -> None:
             ticket.end_compute()  # a slow reader must not pin a compute slot
             metrics.when_sent(resp, ticket.release)  # its bytes are held until the body is sent
         if ctx.computed_at is not None and resp.status_code == 200:
+            # The respond rate is learned up to the last byte written to the socket: the event loop's
+            # (SENT_KEY) when the worker has one, since the thread hands a slow reader's rest to it;
+            # else when the body has been iterated.
             computed_at, nbytes, cost = ctx.computed_at, ctx.answer_bytes, held.cost
-            metrics.when_sent(resp, lambda: cost.observe_respond(nbytes, (time.perf_counter() - computed_at) * 1000))
+            learn = lambda: cost.observe_respond(nbytes, (time.perf_counter() - computed_at) * 1000)  # noqa: E731
+            when_written = request.environ.get(SENT_KEY)
+            if when_written is not None:
+                when_written(learn)
+            else:
+                metrics.when_sent(resp, learn)
         return resp
 
     @app.teardown_request

@@ -57,6 +57,7 @@ class RequestContext:
 
     t0: float  # time.perf_counter() when the app saw the request: its clock
     request_id: str  # X-Request-Id, the client's or ours (http.request_id)
+    arrived: float  # time.perf_counter() of its first byte (the transport's STARTED_KEY; else t0): X-Deadline-Ms runs from it
     phases: dict[str, float] = field(default_factory=dict)  # phase name -> ms (http.phase)
     # tracing
     trace: Trace | None = None
@@ -82,7 +83,7 @@ class RequestContext:
 
 def begin(t0: float, request_id: str) -> RequestContext:
     """Make this request's context: the first before_request hook's (http.install) alone."""
-    ctx = RequestContext(t0, request_id)
+    ctx = RequestContext(t0, request_id, t0)
     setattr(g, _G, ctx)
     return ctx
 
