@@ -52,6 +52,7 @@ breaks them."""
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import resource
 import select
@@ -264,7 +265,7 @@ class MemoryBody:
         self.whole = body if len(body) else None
         self.body, self.pos = body, 0
         self.started = started  # time.monotonic() of the request's first byte (STARTED_KEY)
-        self.when_written: list = []  # callbacks for when the response has been written (SENT_KEY)
+        self.when_written: list = []  # callbacks for when the response has been written (SENT_KEY), each called once
 
     def drop(self) -> None:
         """Forget what was not read: nothing is left for gunicorn's finish_body to read through."""
@@ -325,6 +326,16 @@ class Conn:
         self.head: bytes | None = None  # the request head handed to a thread, while it is there
         self.known_body: bytearray | mmap.mmap | None = None  # ... and its body, if of known length
         self.when_written: list = []  # the app's callbacks for when this response has been written (SENT_KEY)
+
+
+def _call_written(conn: Conn, written: bool) -> None:
+    """Call conn's when-written callbacks (SENT_KEY) once each, with written."""
+    callbacks, conn.when_written = conn.when_written, []
+    for callback in callbacks:
+        try:
+            callback(written)
+        except Exception:  # the app's: never the event loop's end
+            logging.getLogger("gunicorn.error").exception("a when-written callback failed")
 
 
 def with_body(app, environ: dict, start_response):
@@ -405,7 +416,7 @@ class FrontWorker(ThreadWorker):
         if conn not in self.conns:
             return
         del self.conns[conn]
-        conn.when_written = []  # dropped: its response was never all written
+        _call_written(conn, False)  # dropped: its response was never all written
         self._release_buf(conn)
         self._unwatch(conn)
         self.budget.give(conn.sock.drop_outbox())
@@ -626,7 +637,7 @@ class FrontWorker(ThreadWorker):
                 req.body = MemoryBody(conn.known_body, conn.started)
             keep = self.handle_request(req, conn)
             if isinstance(req.body, MemoryBody):
-                conn.when_written = req.body.when_written  # the event loop calls them once the rest is written (_after_response)
+                conn.when_written, req.body.when_written = req.body.when_written, []  # the event loop's, once the rest is written
                 req.body.drop()  # what the app left unread is in memory: not read through 8 KB at a time by finish_body
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
@@ -639,6 +650,11 @@ class FrontWorker(ThreadWorker):
                 self.log.exception("Socket error processing request.")
         except Exception as e:
             self.handle_error(req, conn.sock, conn.client, e, conn)
+        finally:
+            if req is not None and isinstance(req.body, MemoryBody):  # a response abandoned before the event loop got it
+                for callback in req.body.when_written:
+                    callback(False)
+                req.body.when_written = []
         return False
 
     def handle_error(self, req, client, addr, exc, conn: Conn | None = None):
@@ -708,12 +724,7 @@ class FrontWorker(ThreadWorker):
             self._after_response(conn)
 
     def _after_response(self, conn: Conn) -> None:
-        written, conn.when_written = conn.when_written, []
-        for callback in written:
-            try:
-                callback()
-            except Exception:  # the app's: never the event loop's end
-                self.log.exception("a when-written callback failed")
+        _call_written(conn, True)
         if conn.keep:
             self._start_request(conn, conn.pending)
             return

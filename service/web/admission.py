@@ -109,6 +109,7 @@ class Gate:
         self.admitted = 0  # this worker's requests past the gate, until their response has been built
         self.bytes = 0  # their Content-Length plus estimated working bytes, until sent
         self.waiting = 0  # validated jobs waiting for a compute slot
+        self.sending = 0  # computed answers being encoded and sent (they share the worker's CPU and network)
         self._jobs: set[Ticket] = set()  # validated jobs, waiting or computing: the work ahead of a new one
         row = table.join(max_inflight + max_queue) if table is not None else None
         if row is None:
@@ -277,7 +278,9 @@ def admit(job: AttentionJob | MhaJob) -> None:
     held = services()
     predicted = ctx.predicted_ms = held.cost.predict(work, ctx.busy, threads)
     ctx.answer_bytes = answer_bytes(job)
-    respond = held.cost.respond_ms(ctx.answer_bytes)
+    # The answers this worker sends share its CPU (encoding) and the clients' reading: the respond
+    # rate is learned per byte x the answers sending at once, and predicted at the count now.
+    respond = held.cost.respond_ms(ctx.answer_bytes * (held.gate.sending + 1))
     deadline, ticket = ctx.deadline_ms, ctx.admission
     bound_ms = held.settings.max_queue_wait_ms
     if deadline is not None:
@@ -313,6 +316,20 @@ def admit(job: AttentionJob | MhaJob) -> None:
                     f"waiting for a compute slot left less than the predicted {predicted:.3g} ms of compute of X-Deadline-Ms={deadline:g}"
                 )
             raise ticket.gate._overloaded(f"no compute slot came free within ATTN_MAX_QUEUE_WAIT_MS={bound_ms}")
+
+
+def start_sending() -> None:
+    """This request's answer is computed and about to be encoded and sent: counted in the worker's
+    answers sending (Gate.sending) until it has been written or dropped."""
+    ctx, gate = context(), services().gate
+    with gate._lock:
+        gate.sending += 1
+        ctx.sends = gate.sending
+
+
+def _end_sending(gate: Gate) -> None:
+    with gate._lock:
+        gate.sending -= 1
 
 
 def stopper() -> Callable[[], bool] | None:
@@ -493,17 +510,29 @@ def install(app: Flask) -> None:
         if ticket is not None:
             ticket.end_compute()  # a slow reader must not pin a compute slot
             metrics.when_sent(resp, ticket.release)  # its bytes are held until the body is sent
-        if ctx.computed_at is not None and resp.status_code == 200:
+        if ctx.sends:
             # The respond rate is learned up to the last byte written to the socket: the event loop's
             # (SENT_KEY) when the worker has one, since the thread hands a slow reader's rest to it;
             # else when the body has been iterated.
-            computed_at, nbytes, cost = ctx.computed_at, ctx.answer_bytes, held.cost
-            learn = lambda: cost.observe_respond(nbytes, (time.perf_counter() - computed_at) * 1000)  # noqa: E731
+            computed_at, weighed, cost, gate, ok = (
+                ctx.computed_at or 0.0,
+                ctx.answer_bytes * ctx.sends,
+                held.cost,
+                held.gate,
+                resp.status_code == 200,
+            )
+            ctx.sends = 0
+
+            def sent(written: bool = True) -> None:
+                _end_sending(gate)
+                if written and ok:
+                    cost.observe_respond(weighed, (time.perf_counter() - computed_at) * 1000)
+
             when_written = request.environ.get(SENT_KEY)
             if when_written is not None:
-                when_written(learn)
+                when_written(sent)
             else:
-                metrics.when_sent(resp, learn)
+                metrics.when_sent(resp, sent)
         return resp
 
     @app.teardown_request
@@ -512,3 +541,6 @@ def install(app: Flask) -> None:
         ticket, ctx.admission = ctx.admission, None  # still here only if no response was made
         if ticket is not None:
             ticket.release()
+        if ctx.sends:
+            ctx.sends = 0
+            _end_sending(held.gate)

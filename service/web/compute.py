@@ -13,7 +13,7 @@ from service import core
 from service.cost import work_of
 
 from . import metrics, parallel
-from .admission import admit, late, stopper
+from .admission import admit, late, start_sending, stopper
 from .context import context, services
 from .http import phase
 
@@ -46,6 +46,7 @@ def run(job: Job) -> tuple[np.ndarray, np.ndarray | None]:
     except core.Stopped:
         raise late() from None
     ctx.computed_at = time.perf_counter()
+    start_sending()
     cpu_ms = (time.thread_time() - cpu_start) * 1000
     metrics.observe_compute(work, timer.ms, ctx.predicted_ms or 0.0)
     services().cost.observe(work, timer.ms, cpu_ms, ctx.busy, threads)

@@ -76,6 +76,7 @@ class RequestContext:
     answer_bytes: int = 0  # its answer's predicted bytes on the wire (cost.answer_bytes)
     stop_at: float | None = None  # perf_counter() past which its answer could not be sent by X-Deadline-Ms
     computed_at: float | None = None  # perf_counter() when its compute ended (the respond time runs from it)
+    sends: int = 0  # answers this worker was sending when this one started, itself included (0: not sending)
     # an error answer
     error_code: str | None = None
     error_field: str | None = None
