@@ -4,7 +4,7 @@ Each case runs in a fresh subprocess: the body is built and held (the gate charg
 Content-Length), the peak RSS mark is reset (/proc/self/clear_refs), then the whole pipeline runs
 in-process as a worker would: parse_json, the schema's load, the core, the response encoded and
 written chunk by chunk (the chunks discarded). Prints the peak RSS growth over the held body next
-to the prediction.
+to the prediction, and the parse's peak next to what admission charges for it (parse_charge).
 
     python -m bench.peak_rss
 """
@@ -68,6 +68,9 @@ def _child(i: int) -> None:
     doc = {k: encode_tensor(v, enc) if isinstance(v, np.ndarray) else v for k, v in doc.items()}
     body = orjson.dumps({**doc, "return_weights": weights}, option=orjson.OPT_SERIALIZE_NUMPY)
     del doc
+    from service.web.admission import parse_charge
+
+    charge = parse_charge(bytearray(body))  # what the gate charges for the parse, counted from the body
     base = _status("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) to the current RSS
@@ -87,6 +90,7 @@ def _child(i: int) -> None:
                 "body_mb": len(body) / MB,
                 "peak_mb": peak / MB,
                 "load_mb": load_peak / MB,
+                "charge_mb": charge / MB,
                 "predicted_mb": predicted / MB,
                 "sent_mb": sent / MB,
             }
@@ -98,7 +102,7 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         _child(int(sys.argv[2]))
         return
-    print(f"{'case':52} {'body MB':>8} {'parse MB':>8} {'peak MB':>8} {'pred MB':>8} {'pred/peak':>9}")
+    print(f"{'case':52} {'body MB':>8} {'parse MB':>8} {'charged':>8} {'peak MB':>8} {'pred MB':>8} {'pred/peak':>9}")
     for i, case in enumerate(CASES):
         env = {**os.environ, **WORKER_MALLOC_ENV}
         r = json.loads(
@@ -109,7 +113,7 @@ def main() -> None:
         endpoint, enc, lead, T, S, d, dv, weights = case
         name = f"{endpoint} {enc} B={lead[0]} T={T} S={S} d={d} dv={dv} w={int(weights)}"
         print(
-            f"{name:52} {r['body_mb']:8.1f} {r['load_mb']:8.1f} {r['peak_mb']:8.1f} {r['predicted_mb']:8.1f} {r['predicted_mb'] / max(r['peak_mb'], 1e-9):9.2f}",
+            f"{name:52} {r['body_mb']:8.1f} {r['load_mb']:8.1f} {r['charge_mb']:8.1f} {r['peak_mb']:8.1f} {r['predicted_mb']:8.1f} {r['predicted_mb'] / max(r['peak_mb'], 1e-9):9.2f}",
             flush=True,
         )
 

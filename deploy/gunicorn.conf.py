@@ -128,8 +128,10 @@ control_socket_disable = True
 # Idle connections cost a file descriptor and no thread; worker_connections bounds them per worker
 # (the worker raises its soft open-files limit to fit). docs/operations.md: "Slow and stalled clients".
 worker_class = "service.transport.worker.FrontWorker"
-# Admission bounds the whole server (service/web/census.py): one worker may hold every admitted
-# request while its siblings idle, so its threads fit all of them, and 16 more.
+# Admission queues by predicted wait, under a server-wide safety cap of requests held
+# (service/web/census.py): one worker may hold every admitted request (waiting in its queue, or
+# computing) while its siblings idle, so its threads fit all of them, and 16 more for the
+# operations endpoints and the refusals.
 threads = workers * (_settings.max_inflight + _settings.max_queue) + 16
 worker_connections = 4096
 sendfile = False  # every byte goes through the worker's sendall, which never blocks a thread

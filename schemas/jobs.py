@@ -10,6 +10,7 @@ T queries, S keys, d query/key width, dv value width, n sequence length, h heads
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -149,12 +150,13 @@ class _Job:
         total += min(RESPONSE_CHUNK_BYTES, answered * 24)  # a chunk of text: up to ~24 bytes a number
         return total + min(SCRATCH_BYTES, self.score_elements * itemsize)
 
-    def compute(self, threads: int = 1, pool: Executor | None = None) -> core.Result:
+    def compute(self, threads: int = 1, pool: Executor | None = None, stop: Callable[[], bool] | None = None) -> core.Result:
         """(out, weights or None), and lse when the job asks for it, from the numeric core, on
         threads threads (pool's and the caller's; the same bits as one); non_finite if the scores
-        or the result overflow (never a 200 with inf or NaN in it)."""
+        or the result overflow (never a 200 with inf or NaN in it). stop: the core's (core.Stopped
+        when it says to stop)."""
         try:
-            result = self._compute(threads, pool)
+            result = self._compute(threads, pool, stop)
         except core.ScoreOverflow as exc:
             field, terms = self._score_overflow()
             raise RequestError(
@@ -174,7 +176,7 @@ class _Job:
         """(the field a score overflow is blamed on, the terms the scores add up)."""
         return self.overflow_field, "q·kᵀ·scale"
 
-    def _compute(self, threads: int, pool: Executor | None) -> core.Result:
+    def _compute(self, threads: int, pool: Executor | None, stop: Callable[[], bool] | None) -> core.Result:
         raise NotImplementedError
 
 
@@ -260,7 +262,7 @@ class AttentionJob(_Job):
             return "alibi_slopes", terms
         return self.overflow_field, terms
 
-    def _compute(self, threads, pool):
+    def _compute(self, threads, pool, stop):
         return core.attention(
             self.q,
             self.k,
@@ -278,6 +280,7 @@ class AttentionJob(_Job):
             return_lse=self.return_lse,
             threads=threads,
             pool=pool,
+            stop=stop,
         )
 
 
@@ -345,7 +348,7 @@ class MhaJob(_Job):
         heads_out = self.heads * self.head_widths[1]
         return rows * (2 * widths + 2 * heads_out + (0 if self.wo is None else self.wo.shape[-1])) * itemsize
 
-    def _compute(self, threads, pool):
+    def _compute(self, threads, pool, stop):
         return core.mha(
             self.x,
             self.wq,
@@ -360,4 +363,5 @@ class MhaJob(_Job):
             window=self.window,
             threads=threads,
             pool=pool,
+            stop=stop,
         )

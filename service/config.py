@@ -37,6 +37,7 @@ RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
     "max_inflight": ("ATTN_MAX_INFLIGHT", 1, 1024),
     "max_queue": ("ATTN_MAX_QUEUE", 0, 1024),
     "max_inflight_bytes": ("ATTN_MAX_INFLIGHT_BYTES", 1, 2**62),
+    "max_queue_wait_ms": ("ATTN_MAX_QUEUE_WAIT_MS", 1, DAY_S * 1000),
     "header_timeout_s": ("ATTN_HEADER_TIMEOUT_S", 1, DAY_S),
     "body_timeout_s": ("ATTN_BODY_TIMEOUT_S", 1, DAY_S),
     "body_min_rate": ("ATTN_BODY_MIN_RATE", 1, 2**62),
@@ -151,8 +152,13 @@ class Settings:
     max_d: int = 4096  # head dimension / model width
     default_dtype: str = "float32"
     api_keys: tuple[str, ...] = ()  # empty: no authentication
-    max_inflight: int = 2  # computing requests per worker; the rest wait or get 503
-    max_queue: int = 4  # waiting requests per worker: the server admits (max_inflight + max_queue) x workers, then 503
+    max_inflight: int = 2  # computing requests per worker (its compute slots); the rest wait in its queue
+    # Admission is by predicted wait (service/web/admission.py): a request waits while the predicted
+    # time until its answer is sent fits its X-Deadline-Ms, or without one while its predicted wait
+    # fits max_queue_wait_ms. max_queue is only a safety cap on the requests the server holds,
+    # (max_inflight + max_queue) x workers: room for a burst of 128 small requests on 2 workers.
+    max_queue: int = 64
+    max_queue_wait_ms: int = 5000
     max_inflight_bytes: int = 512 * 2**20  # bodies + estimated working bytes per worker before 503
     warmup: bool = True  # calibrate the cost model at start-up
     # Slow and stalled clients (service/transport/worker.py): a request is read by the event loop, under
@@ -195,6 +201,7 @@ class Settings:
                 max_inflight=_env("ATTN_MAX_INFLIGHT", d.max_inflight, int),
                 max_queue=_env("ATTN_MAX_QUEUE", d.max_queue, int),
                 max_inflight_bytes=_env("ATTN_MAX_INFLIGHT_BYTES", d.max_inflight_bytes, int),
+                max_queue_wait_ms=_env("ATTN_MAX_QUEUE_WAIT_MS", d.max_queue_wait_ms, int),
                 warmup=_env("ATTN_WARMUP", d.warmup, _bool),
                 header_timeout_s=_env("ATTN_HEADER_TIMEOUT_S", d.header_timeout_s, int),
                 body_timeout_s=_env("ATTN_BODY_TIMEOUT_S", d.body_timeout_s, int),

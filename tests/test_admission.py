@@ -233,9 +233,10 @@ def test_a_lone_request_is_always_admitted():
 
 
 def test_the_parse_is_charged_before_the_body_is_read(settings, rng):
-    """Content-Length x PARSE_FACTOR is charged at the gate: parsing a JSON body can take up to that
-    much (bench/garbage.py --rss), so a body whose parse would not fit beside the others is
-    refused unread; a lone one is always admitted."""
+    """A body not yet in memory (here the test client's stream; a chunked one) is charged
+    Content-Length x PARSE_FACTOR at the gate: parsing a JSON body can take up to that much
+    (bench/garbage.py --rss), so a body whose parse would not fit beside the others is refused
+    unread; a lone one is always admitted."""
     body = {"q": b64(rng.standard_normal((64, 16))), "k": b64(rng.standard_normal((64, 16))), "v": b64(rng.standard_normal((64, 16)))}
     length = len(json.dumps(body))  # ~17 kB: its body fits in 100 kB, its parse charge does not
     app = create_app(replace(settings, max_inflight_bytes=100_000))
@@ -277,6 +278,177 @@ def test_working_bytes_are_reserved_after_validation(settings, rng, monkeypatch)
     finally:
         held.release()
     assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def _nested(arr) -> list:
+    return np.round(arr, 6).tolist()
+
+
+def test_the_parse_charge_follows_what_the_body_holds(rng):
+    """b64 is charged about its decoded size and the strings (a few times the body), nested numbers
+    by their count, /v2's binary tensors their own size, and no body more than PARSE_FACTOR x:
+    the worst hostile bodies (bench/garbage.py) are charged just that."""
+    from bench.garbage import CATALOGUE
+
+    q = rng.standard_normal((8, 256, 64)).astype(np.float32)
+    b64_body = json.dumps({"q": b64(q), "k": b64(q), "v": b64(q)}).encode()
+    nested_body = json.dumps({"q": _nested(q), "k": _nested(q), "v": _nested(q)}).encode()
+    factor = lambda body: admission.parse_charge(bytearray(body)) / len(body)
+    assert factor(b64_body) <= admission.STRING_FACTOR + 0.01
+    assert admission.STRING_FACTOR < factor(nested_body) < admission.PARSE_FACTOR / 2
+    header = b'{"inputs":[]}'
+    binary = header + q.tobytes()
+    assert admission.parse_charge(binary, len(header)) == pytest.approx(q.nbytes, rel=0.01)
+    for name in ("b64_empty_objects", "rows1", "rows3_ragged_end", "nested_zeros"):
+        body = CATALOGUE[name](2**20)
+        assert admission.parse_charge(body) == admission.PARSE_FACTOR * len(body), name
+
+
+def test_a_body_in_memory_is_charged_by_what_it_holds(settings, rng):
+    """The worker's event loop hands the app the whole body (service.transport.BODY_KEY): a b64 body
+    that its worst-case charge would refuse beside another request is admitted."""
+    from service.transport import BODY_KEY
+
+    q = rng.standard_normal((64, 16))
+    data = json.dumps({"q": b64(q), "k": b64(q), "v": b64(q)}).encode()
+    app = create_app(
+        replace(settings, max_inflight_bytes=len(data) * 20)
+    )  # under PARSE_FACTOR x, above the b64 charge and its working bytes
+    client, gate = app.test_client(), services(app).gate
+    held = gate.enter(1)
+    try:
+        send = lambda **extra: client.post("/attention", data=data, content_type="application/json", **extra)
+        assert send().status_code == 503  # unseen: Content-Length x PARSE_FACTOR does not fit
+        r = send(environ_overrides={BODY_KEY: bytearray(data)})
+        assert r.status_code == 200, r.json
+        r.get_data()
+    finally:
+        held.release()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+# --- admission by predicted wait -----------------------------------------------------------------
+
+
+def _busy_slots(gate, predicted_ms: float) -> list:
+    """Every compute slot of gate taken by a validated job predicted at predicted_ms."""
+    held = []
+    for _ in range(gate.max_inflight):
+        ticket = gate.enter(0)
+        ticket.reserve(0, predicted_ms)
+        assert ticket.take_slot()
+        held.append(ticket)
+    return held
+
+
+def test_the_wait_ahead_is_the_predicted_work_over_the_slots():
+    gate = admission.Gate(max_inflight=2, max_queue=8, max_bytes=1_000)
+    assert gate.wait_ms() == 0
+    held = _busy_slots(gate, 4_000)
+    queued = gate.enter(0)
+    queued.reserve(0, 2_000)
+    assert 4_000 < gate.wait_ms() <= (4_000 * 2 + 2_000) / 2  # computing: what remains of theirs
+    assert not queued.take_slot() or gate.waiting  # no slot is free
+    for ticket in [*held, queued]:
+        ticket.release()
+    assert gate.wait_ms() == 0 and (gate.admitted, gate.bytes) == (0, 0)
+
+
+def test_a_free_slot_goes_to_the_job_that_waits_first():
+    gate = admission.Gate(max_inflight=1, max_queue=8, max_bytes=1_000)
+    (running,) = _busy_slots(gate, 100)
+    waiter, got = gate.enter(0), []
+    waiter.reserve(0, 100)
+    thread = threading.Thread(target=lambda: got.append(waiter.wait_for_slot(HANG)))
+    thread.start()
+    wait_until(lambda: gate.waiting == 1, timeout=HANG, interval=0.01)
+    late = gate.enter(0)
+    late.reserve(0, 100)
+    running.release()
+    assert not late.take_slot()  # a job waits: a newcomer does not take the slot before it
+    thread.join(HANG)
+    assert got == [True]
+    for ticket in (waiter, late):
+        ticket.release()
+
+
+def test_a_predicted_wait_past_the_bound_is_503_with_retry_after_the_drain(app, client):
+    services(app).cost = CostModel(a=0, b=0, c=0)  # the request itself is predicted at 0 ms
+    gate = services(app).gate
+    held = _busy_slots(gate, 60_000)  # a minute of work ahead on every slot
+    try:
+        r = post(client)
+        assert r.status_code == 503 and r.json["error"]["code"] == "overloaded"
+        assert "ATTN_MAX_QUEUE_WAIT_MS" in r.json["error"]["message"]
+        assert 50 <= int(r.headers["Retry-After"]) <= 60  # the predicted drain time
+        assert "compute" not in r.headers["Server-Timing"] and "queue" not in r.headers["Server-Timing"]  # refused at once
+        r = post(client, **{"X-Deadline-Ms": "10000"})  # met alone, missed behind the queue: not now
+        assert r.status_code == 503 and "X-Deadline-Ms" in r.json["error"]["message"] and int(r.headers["Retry-After"]) >= 50
+    finally:
+        for ticket in held:
+            ticket.release()
+    r = post(client, **{"X-Deadline-Ms": "10000"})
+    assert r.status_code == 200
+    r.get_data()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def test_a_short_wait_is_waited_for(app, client):
+    services(app).cost = CostModel(a=0, b=0, c=0)
+    gate = services(app).gate
+    held = _busy_slots(gate, 200)
+    timer = threading.Timer(0.3, lambda: [t.release() for t in held])
+    timer.start()
+    try:
+        r = post(client)
+        assert r.status_code == 200 and "queue" in r.headers["Server-Timing"]
+        r.get_data()
+    finally:
+        timer.join()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
+def test_the_answers_send_time_counts_against_the_deadline(app, client):
+    model = services(app).cost = CostModel(a=0, b=0, c=0, respond_ms_per_mb=1e9)  # computed at once, sent in ages
+    r = post(client, **{"X-Deadline-Ms": "5000"})
+    assert r.status_code == 504 and "sending the answer" in r.json["error"]["message"]
+    model.respond_ms_per_mb = 0.0
+    assert post(client, **{"X-Deadline-Ms": "5000"}).status_code == 200
+
+
+def test_a_deadline_that_passes_mid_compute_stops_it_between_blocks(app, client, rng, monkeypatch):
+    """The core asks the stop hook before each block: past the deadline it stops, 504, and the slot
+    and bytes are given back at once; far fewer blocks are computed than the job has."""
+    from service.core import kernels
+
+    services(app).cost = CostModel(a=0, b=0, c=0)  # predicted at 0 ms: admitted, then too slow
+    computed, block = [], kernels._block
+
+    def slow_block(*args):
+        computed.append(1)
+        threading.Event().wait(0.05)
+        return block(*args)
+
+    monkeypatch.setattr(kernels, "_block", slow_block)
+    monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", 64)  # many blocks
+    q = rng.standard_normal((4, 64, 8))
+    body = {"q": b64(q), "k": b64(q), "v": b64(q), "return_weights": False}
+    blocks = len(kernels.plan(4, 64, 64, 8, itemsize=4, return_weights=False).blocks)
+    assert blocks > 10
+    r = post(client, body, **{"X-Deadline-Ms": "300"})
+    assert r.status_code == 504 and r.json["error"]["code"] == "deadline" and "Stopped" in r.json["error"]["message"]
+    assert len(computed) < blocks
+    gate = services(app).gate
+    assert (gate.admitted, gate.bytes) == (0, 0) and gate._slots.acquire(blocking=False)
+    gate._slots.release()
+
+
+def test_limits_state_the_admission_policy(client, settings):
+    policy = client.get("/limits").json["admission"]
+    assert policy["queue_order"] == "fifo"
+    assert policy["max_queue_wait_ms"] == settings.max_queue_wait_ms
+    assert policy["compute_slots_per_worker"] == settings.max_inflight
+    assert policy["max_inflight_bytes"] == settings.max_inflight_bytes
 
 
 # --- the server's bound: a census shared by the workers (service/web/census.py) -----------------

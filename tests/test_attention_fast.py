@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from service.core import ScoreOverflow, attention, causal_mask
+from service.core import ScoreOverflow, Stopped, attention, causal_mask
 from service.core import kernels as core
 
 from . import oracle
@@ -322,3 +322,31 @@ def test_a_bounded_row_whose_base_2_scale_would_overflow_is_answered(blocks, ret
     out, _ = attention(q, k, v, causal=True, scale=3e28, return_weights=return_weights)
     expect = oracle.reference(q, k, v, causal=True, scale=3e28)[0]
     np.testing.assert_allclose(out, expect, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_stop_is_asked_before_each_block_and_abandons_the_rest(blocks, rng, threads):
+    """stop() is called before every block: once it says True, Stopped is raised and no later
+    block is computed; a stop() that never says True changes no bit."""
+    q, k, v = (rng.standard_normal((2, 3, 40, 8)) for _ in range(3))
+    asked = []
+    out, w = attention(q, k, v, stop=lambda: asked.append(1) and False, threads=threads)
+    bare_out, bare_w = attention(q, k, v)
+    assert np.array_equal(out, bare_out) and np.array_equal(w, bare_w)
+    planned = core.plan(6, 40, 40, 8, itemsize=8)
+    n_blocks = 0 if planned.reference else len(planned.blocks)
+    assert len(asked) == n_blocks + 1  # each block, and once before any work
+    calls = []
+
+    def stop_after_first_block():
+        calls.append(1)
+        return len(calls) > 2
+
+    if n_blocks > 1:
+        with pytest.raises(Stopped):
+            attention(q, k, v, stop=stop_after_first_block, threads=threads)
+        assert len(calls) <= 2 + threads  # each thread stops at its next block
+    with pytest.raises(Stopped):
+        attention(q, k, v, stop=lambda: True)  # the reference path and the blocks alike: before any work
+    with pytest.raises(Stopped):
+        core.mha(q[0, 0], *(np.eye(8),) * 4, heads=2, stop=lambda: True)

@@ -412,3 +412,29 @@ def test_observations_that_swamp_the_ridge_leave_a_fit_not_an_error(monkeypatch)
     assert singular  # the face was met (else this test proves nothing)
     theta = model._fits["float32"].theta
     assert np.isfinite(theta).all() and (theta >= 0).all() and model.predict(work) >= 0
+
+
+def test_the_respond_rate_is_learned_from_answers_large_enough_to_tell():
+    """respond_ms follows what answers took from the end of their compute to their last byte sent;
+    answers too small for their bytes to dominate teach nothing."""
+    from service.cost.model import RESPOND_MIN_BYTES
+
+    model = CostModel(respond_ms_per_mb=1.0)
+    assert model.respond_ms(2_000_000) == pytest.approx(2.0)
+    model.observe_respond(RESPOND_MIN_BYTES - 1, 1e6)  # fixed costs, not bytes
+    assert model.respond_ms_per_mb == 1.0
+    for _ in range(60):
+        model.observe_respond(4_000_000, 40.0)  # 10 ms per MB
+    assert model.respond_ms(1_000_000) == pytest.approx(10.0, rel=0.01)
+    assert model.coefficients()["respond_ms_per_MB"] == pytest.approx(10.0, rel=0.01)
+
+
+def test_answer_bytes_follow_the_encoding(rng):
+    from schemas import AttentionJob
+    from service.cost import answer_bytes
+
+    q = rng.standard_normal((2, 16, 8)).astype(np.float32)
+    job = lambda encoding, weights: AttentionJob(q, q, q, None, False, None, None, weights, encoding)
+    assert answer_bytes(job("b64", False)) == q.nbytes * 4 // 3
+    assert answer_bytes(job("b64", True)) == (q.nbytes + 2 * 16 * 16 * 4) * 4 // 3
+    assert answer_bytes(job("nested", False)) > answer_bytes(job("b64", False)) * 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from attention_client.loadtest import report
-from attention_client.loadtest.cell import CellRun, Sample, summarize
+from attention_client.loadtest.cell import CellRun, Sample, reason_of, summarize
 from attention_client.loadtest.cli import parse_Ts
 from attention_client.loadtest.fit import fit_power, fit_quadratic, slo_search
 
@@ -144,3 +144,18 @@ def test_the_report_table_rounds_what_the_csv_holds(raw, csv, table):
     is the CSV's, rounded once more, never the raw value rounded another way."""
     assert report._num(raw) == csv
     assert report._ms(raw) == table
+
+
+def test_refusals_are_counted_by_the_servers_reason_with_503_and_504_apart():
+    ok = [Sample(0.01, 200)]
+    refused = [
+        Sample(0.001, 503, reason=reason_of("503 overloaded: the predicted wait (1234.5 ms) exceeds ATTN_MAX_QUEUE_WAIT_MS=5000")),
+        Sample(0.002, 503, reason=reason_of("503 overloaded: the predicted wait (99 ms) exceeds ATTN_MAX_QUEUE_WAIT_MS=5000")),
+        Sample(0.003, 504, reason=reason_of("504 deadline: X-Deadline-Ms=10 passed")),
+    ]
+    cell = summarize(64, 2, 100, [CellRun(ok + refused, 1.0)])
+    assert cell.errors == {"503": 2, "504": 1}
+    assert cell.reasons == {
+        "503 overloaded: the predicted wait (# ms) exceeds ATTN_MAX_QUEUE_WAIT_MS=#": 2,
+        "504 deadline: X-Deadline-Ms=# passed": 1,
+    }

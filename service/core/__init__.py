@@ -5,13 +5,14 @@ exactly that, in blocks where a problem is large (kernels.py). Nothing here know
 or schemas; every function is a pure function of arrays."""
 
 from .kernels import Plan, attention, causal_mask, causal_share, mha, plan
-from .reference import Result, ResultOverflow, ScoreOverflow, causal_offset, reference
+from .reference import Result, ResultOverflow, ScoreOverflow, Stopped, causal_offset, reference
 
 __all__ = [
     "Result",
     "Plan",
     "ResultOverflow",
     "ScoreOverflow",
+    "Stopped",
     "attention",
     "causal_mask",
     "causal_offset",

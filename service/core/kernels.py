@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .reference import ALIGNMENTS, Result, ScoreOverflow, bounds, causal_offset, check_finite, groups, log_sum_exp, reference
+from .reference import ALIGNMENTS, Result, ScoreOverflow, Stopped, bounds, causal_offset, check_finite, groups, log_sum_exp, reference
 
 # Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache on the machines
 # this serves; larger blocks run their matmuls nearer BLAS's peak, smaller ones pay for Python
@@ -233,6 +233,7 @@ def attention(
     return_lse: bool = False,
     threads: int = 1,
     pool: Executor | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> Result:
     """softmax(q kᵀ · scale + bias + alibi, masked) v over any leading axes.
 
@@ -251,7 +252,12 @@ def attention(
     when a score leaves the dtype's range, ResultOverflow when out or weights would not be finite.
     threads > 1 computes the blocks on that many threads (pool's, plus the caller's; a pool of
     threads - 1 made for the call without one): the same blocks as one thread, so the same bits.
+    stop, if given, is called before each block (and before the reference path's one pass): when
+    it returns True the computation is abandoned and Stopped raised, so a caller whose answer is no
+    longer wanted gets its CPU back within one block.
     """
+    if stop is not None and stop():
+        raise Stopped()
     *lead, T, d = q.shape
     S, dv = k.shape[-2], v.shape[-1]
     B = math.prod(lead)
@@ -286,6 +292,8 @@ def attention(
         scratch = np.empty(scratch_size, dtype) if scratch_size else None
         with np.errstate(over="ignore", invalid="ignore"):  # per thread: numpy's error state is not inherited
             for block in todo:
+                if stop is not None and stop():
+                    raise Stopped()
                 _block(ops, scratch, block)
                 b0, b1, t0, t1 = block  # checked while the block is in the cache
                 check_finite("out", ops.out[b0:b1, :, t0:t1])
@@ -724,14 +732,15 @@ def mha(
     window: tuple[int, int] | None = None,
     threads: int = 1,
     pool: Executor | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Multi-head self-attention: the GPT block's, and grouped-query (Llama's layout).
 
     x (..., n, d); wq (d, h * dk), wk (d, hkv * dk), wv (d, hkv * dv) with hkv = kv_heads (default
     heads, dividing it); wo (h * dv, d_out) or None. Returns out (..., n, d_out), or the heads
     concatenated (..., n, h * dv) without wo, and weights (..., h, n, n) (None unless
-    return_weights); scores are scaled by scale, default 1/sqrt(dk). window, threads and pool as
-    in attention() (the projections run on the caller's thread).
+    return_weights); scores are scaled by scale, default 1/sqrt(dk). window, threads, pool and stop
+    as in attention() (the projections run on the caller's thread).
     """
     kv_heads = heads if kv_heads is None else kv_heads
     if heads < 1 or kv_heads < 1 or heads % kv_heads:
@@ -757,6 +766,7 @@ def mha(
         window=window,
         threads=threads,
         pool=pool,
+        stop=stop,
     )[:2]  # (out, weights): no lse here
     out = np.swapaxes(out, -2, -3).reshape(*x.shape[:-1], heads * dv)  # (..., h, n, dv) -> (..., n, h * dv)
     if wo is not None:

@@ -46,6 +46,11 @@ class ResultOverflow(ArithmeticError):
         self.what, self.dtype = what, dtype
 
 
+class Stopped(Exception):
+    """The caller's stop() said to stop: the computation was abandoned between two blocks (its
+    partial results are discarded). The core does not know why (a deadline, a client gone)."""
+
+
 def reference(
     q: np.ndarray,
     k: np.ndarray,

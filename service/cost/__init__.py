@@ -3,11 +3,12 @@ blocks counts (plan, the one place that asks the core), the fit that predicts co
 learns from measured computes (model), its start-up calibration, and the split policy (split).
 
 The interface is CostModel.predict(work, busy, threads) and CostModel.observe(work, ms, ...),
-with work_of(job) and threads_for(work, ...). Knows nothing of the web (an import-linter contract)."""
+with work_of(job) and threads_for(work, ...); CostModel.respond_ms(answer_bytes(job)) and
+observe_respond(...) for the time an answer takes to be encoded and sent. Knows nothing of the web (an import-linter contract)."""
 
 from .calibration import median_ms
-from .features import EXTRA_COST, Work, work_of
+from .features import EXTRA_COST, Work, answer_bytes, work_of
 from .model import MAX_PULL, CostModel, contention
 from .split import MIN_FLOPS, threads_for
 
-__all__ = ["EXTRA_COST", "MAX_PULL", "MIN_FLOPS", "CostModel", "Work", "contention", "median_ms", "threads_for", "work_of"]
+__all__ = ["EXTRA_COST", "MAX_PULL", "MIN_FLOPS", "CostModel", "Work", "contention", "median_ms", "answer_bytes", "threads_for", "work_of"]

@@ -53,6 +53,27 @@ def receive_and_parse(body: bytes) -> None:
     wire.decode(wire.loads(buf)["q"])
 
 
+def encode_and_send(arr) -> int:
+    """Encode arr as a b64 answer, chunk by chunk as the server sends one, through a local socket
+    pair read by another thread; the bytes sent."""
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        received = []
+
+        def read() -> None:
+            while chunk := receiver.recv(2**20):
+                received.append(len(chunk))
+
+        thread = threading.Thread(target=read)
+        thread.start()
+        data, _ = wire.dump_chunks({"out": wire.encode(arr, "b64", lazy=True)})
+        for chunk in [data] if isinstance(data, bytes) else data:
+            sender.sendall(chunk)
+        sender.shutdown(socket.SHUT_WR)
+        thread.join()
+    return sum(received)
+
+
 def median_ms(run, min_runs: int = 3, min_ms: float = 30.0, max_runs: int = 25, clock=time.perf_counter) -> float:
     """Median time of run() by clock (wall time by default; time.thread_time for this thread's CPU
     time), over at least min_runs calls and min_ms of calls: on a shared machine a quick call is

@@ -48,6 +48,13 @@ taken.
 
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
+
+And the time an answer takes from the end of its compute until its last byte has been sent (the
+encoding, done as it is sent, and the send): respond_ms(bytes) at a rate per MB of answer, first
+timed at calibration (a b64 answer encoded through a local socket), then the running mean of what
+answers of at least RESPOND_MIN_BYTES took (observe_respond), so that a slow network or a busy
+machine is learned. Admission adds it to the compute to predict when an answer will have been sent
+(X-Deadline-Ms is end to end).
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ import numpy as np
 from schemas import COMPUTE_DTYPES
 from service import wire
 
-from .calibration import CALIBRATION, median_ms, probe, receive_and_parse, timed
+from .calibration import CALIBRATION, encode_and_send, median_ms, probe, receive_and_parse, timed
 from .features import Work, work_of
 
 
@@ -105,6 +112,9 @@ MAX_BUSY = 32
 # well within it of their prediction (`pytest -s tests/test_costmodel.py -k calibrated`,
 # bench/README.md), so honest traffic is not cut.
 MAX_PULL = 4.0
+# The least answer whose encode-and-send time teaches the respond rate: below it the time is the
+# response's fixed costs (headers, a syscall or two), not its bytes.
+RESPOND_MIN_BYTES = 256 * 1024
 
 
 class _Fit:
@@ -185,12 +195,14 @@ class CostModel:
         forget: float = 0.99,
         ridge: float = 1e-3,
         read_ms_per_mb: float = 0.4,
+        respond_ms_per_mb: float = 2.0,
         cores: int | None = None,
     ):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
         self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0), strict=True)}
         self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
+        self.respond_ms_per_mb = respond_ms_per_mb  # an answer encoded and sent, per MB of it on the wire (learned)
         self.calibrated = False
         self.calibration_s = 0.0
         self.cores = cores if cores is not None else available_cores()  # the contention is threads over these
@@ -230,6 +242,19 @@ class CostModel:
         """The least time receiving and parsing a body of this many bytes takes (a b64 body, the
         fastest kind, through a local socket): what a deadline must allow before compute starts."""
         return self.read_ms_per_mb * body_bytes / 1e6
+
+    def respond_ms(self, answer_bytes: int) -> float:
+        """Predicted ms from the end of a compute until its answer of answer_bytes (on the wire)
+        has been sent: its encoding (done as it is sent) and the send."""
+        return self.respond_ms_per_mb * answer_bytes / 1e6
+
+    def observe_respond(self, answer_bytes: int, ms: float) -> None:
+        """Learn the respond rate from one answer of answer_bytes that took ms from the end of its
+        compute to its last byte sent (answers under RESPOND_MIN_BYTES teach nothing)."""
+        if answer_bytes < RESPOND_MIN_BYTES or not (ms > 0 and math.isfinite(ms)):
+            return
+        with self._lock:
+            self.respond_ms_per_mb = _running_mean(self.respond_ms_per_mb, ms / (answer_bytes / 1e6))
 
     def observe(self, work: Work, ms: float, cpu_ms: float | None = None, busy: float = 1.0, threads: int = 1) -> None:
         """Learn from one measured compute: ms of wall time, cpu_ms of the computing thread's CPU
@@ -291,6 +316,9 @@ class CostModel:
         start = time.perf_counter()
         body = wire.dumps({"q": wire.encode(rng.standard_normal((8, 256, 256)).astype(np.float32), "b64")})  # 2.8 MB
         self.read_ms_per_mb = min(timed(lambda: receive_and_parse(body)) for _ in range(3)) / (len(body) / 1e6)
+        answer = rng.standard_normal((8, 256, 256)).astype(np.float32)
+        sent = encode_and_send(answer)  # warm
+        self.respond_ms_per_mb = median_ms(lambda: encode_and_send(answer), max_runs=5) / (sent / 1e6)
         for dtype, shape, kind in CALIBRATION:
             if time.perf_counter() - start > budget_s:
                 break
@@ -318,6 +346,7 @@ class CostModel:
             **{k: fits["float32"][k] for k in "abc"},
             "by_dtype": fits,
             "read_ms_per_MB": round(self.read_ms_per_mb, 4),
+            "respond_ms_per_MB": round(self.respond_ms_per_mb, 4),
             "calibrated": self.calibrated,
             "calibration_s": round(self.calibration_s, 3),
             "cores": self.cores,

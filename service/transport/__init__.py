@@ -25,6 +25,11 @@ from http import HTTPStatus
 from typing import Protocol
 
 BODY_KEY = "transport.body"  # environ: the request body, one bytearray or mmap the app may keep
+STARTED_KEY = "transport.started"  # environ: time.monotonic() when the request's first byte arrived (with BODY_KEY)
+# environ (with BODY_KEY): call it with a callable to have that called once with True, on the event
+# loop, when the response's last byte has been handed to the kernel, or with False if the
+# connection is dropped (or the response abandoned) first
+SENT_KEY = "transport.when_written"
 
 
 @dataclass(frozen=True)

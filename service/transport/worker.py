@@ -52,6 +52,7 @@ breaks them."""
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import resource
 import select
@@ -69,7 +70,7 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from service.config import Settings
 
-from . import BODY_KEY, Hooks, Refusal, framing
+from . import BODY_KEY, SENT_KEY, STARTED_KEY, Hooks, Refusal, framing
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 # A body of known length is read straight into a buffer of its own (recv_into) once this much of it
@@ -260,9 +261,11 @@ class MemoryBody:
 
     failed = False  # gunicorn's parser asks: reading never fails here
 
-    def __init__(self, body: bytearray | mmap.mmap):
+    def __init__(self, body: bytearray | mmap.mmap, started: float = 0.0):
         self.whole = body if len(body) else None
         self.body, self.pos = body, 0
+        self.started = started  # time.monotonic() of the request's first byte (STARTED_KEY)
+        self.when_written: list = []  # callbacks for when the response has been written (SENT_KEY), each called once
 
     def drop(self) -> None:
         """Forget what was not read: nothing is left for gunicorn's finish_body to read through."""
@@ -322,6 +325,17 @@ class Conn:
         self.started = 0.0  # monotonic time of the request's first byte (an early answer's duration)
         self.head: bytes | None = None  # the request head handed to a thread, while it is there
         self.known_body: bytearray | mmap.mmap | None = None  # ... and its body, if of known length
+        self.when_written: list = []  # the app's callbacks for when this response has been written (SENT_KEY)
+
+
+def _call_written(conn: Conn, written: bool) -> None:
+    """Call conn's when-written callbacks (SENT_KEY) once each, with written."""
+    callbacks, conn.when_written = conn.when_written, []
+    for callback in callbacks:
+        try:
+            callback(written)
+        except Exception:  # the app's: never the event loop's end
+            logging.getLogger("gunicorn.error").exception("a when-written callback failed")
 
 
 def with_body(app, environ: dict, start_response):
@@ -329,6 +343,8 @@ def with_body(app, environ: dict, start_response):
     body = environ.get("wsgi.input")
     if type(body) is MemoryBody and body.whole is not None:
         environ[BODY_KEY] = body.whole
+        environ[STARTED_KEY] = body.started
+        environ[SENT_KEY] = body.when_written.append
     return app(environ, start_response)
 
 
@@ -400,6 +416,7 @@ class FrontWorker(ThreadWorker):
         if conn not in self.conns:
             return
         del self.conns[conn]
+        _call_written(conn, False)  # dropped: its response was never all written
         self._release_buf(conn)
         self._unwatch(conn)
         self.budget.give(conn.sock.drop_outbox())
@@ -617,9 +634,10 @@ class FrontWorker(ThreadWorker):
             if req.method == "POST" and self._crowded():
                 req.force_close()  # this answer says Connection: close: the client's next connection may land elsewhere
             if conn.known_body is not None:
-                req.body = MemoryBody(conn.known_body)
+                req.body = MemoryBody(conn.known_body, conn.started)
             keep = self.handle_request(req, conn)
             if isinstance(req.body, MemoryBody):
+                conn.when_written, req.body.when_written = req.body.when_written, []  # the event loop's, once the rest is written
                 req.body.drop()  # what the app left unread is in memory: not read through 8 KB at a time by finish_body
             return bool(keep and conn.parser.finish_body())
         except TimeoutError:
@@ -632,6 +650,11 @@ class FrontWorker(ThreadWorker):
                 self.log.exception("Socket error processing request.")
         except Exception as e:
             self.handle_error(req, conn.sock, conn.client, e, conn)
+        finally:
+            if req is not None and isinstance(req.body, MemoryBody):  # a response abandoned before the event loop got it
+                for callback in req.body.when_written:
+                    callback(False)
+                req.body.when_written = []
         return False
 
     def handle_error(self, req, client, addr, exc, conn: Conn | None = None):
@@ -701,6 +724,7 @@ class FrontWorker(ThreadWorker):
             self._after_response(conn)
 
     def _after_response(self, conn: Conn) -> None:
+        _call_written(conn, True)
         if conn.keep:
             self._start_request(conn, conn.pending)
             return

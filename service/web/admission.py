@@ -1,36 +1,52 @@
 """Admission control for the compute endpoints: API keys, deadlines and overload.
 
-Before the body is read (a before_request hook, so a refusal costs no parsing):
+Before the body is parsed (a before_request hook, so a refusal costs no parsing):
   401 unauthorized  when ATTN_API_KEYS is set and no key matches (constant-time comparison);
   422 bad_option    when X-Deadline-Ms is not a positive number of milliseconds;
   504 deadline      when even receiving and parsing its Content-Length would outlast the deadline;
-  503 overloaded    when the server as a whole already holds its bound of compute requests,
-                    (max_inflight + max_queue) x the workers running, or the request's
-                    Content-Length, with what parsing it can take (PARSE_FACTOR times it), would
-                    take this worker's bytes past max_inflight_bytes.
+  503 overloaded    when the server as a whole already holds its safety cap of compute requests,
+                    (max_inflight + max_queue) x the workers running, or the request's body, with
+                    what parsing it can take (parse_charge(): by its encoding), would take this
+                    worker's bytes past max_inflight_bytes.
 
-After validation, before compute (admit(job), called by the routes):
-  504 deadline      when the cost model's prediction exceeds what is left of X-Deadline-Ms;
-  503 overloaded    when the job's estimated working memory would pass max_inflight_bytes (the
-                    parse charge is then given back: the job's working bytes count what remains);
-then the job waits for one of max_inflight compute slots, in a queue bounded by max_queue (and
-by its deadline). The slot, and the request's place in max_inflight + max_queue, are given back
-as soon as the response is built (computed, and encoded but for the parts that stream): a client
-slow to read its answer holds no compute. The request's bytes stay charged against
-max_inflight_bytes until the response has been sent or the connection dropped, since the answer
-is in memory until then. Every 503 carries Retry-After.
+After validation, before compute (admit(job), called by the routes), by predicted time: the
+job's own (the cost model's compute at the load it joins, and respond_ms for encoding and sending
+its answer) and its wait (the predicted compute still ahead of it in this worker, over the
+worker's max_inflight compute slots: Gate.wait_ms()):
+  504 deadline      when X-Deadline-Ms cannot be met even without waiting (the time already spent
+                    reading and validating, plus its own predicted time, exceeds it);
+  503 overloaded    when its wait would make it miss X-Deadline-Ms, or without one when its
+                    predicted wait exceeds max_queue_wait_ms (Retry-After: the predicted drain
+                    time, the wait ahead, in whole seconds); or when the job's estimated working
+                    memory would pass max_inflight_bytes (the parse charge is then given back: the
+                    job's working bytes count what remains);
+then the job waits for a compute slot, first come first served, at most until what is left of its
+deadline no longer holds its own predicted time (504), or max_queue_wait_ms without one (503). A
+deadline that passes while it computes stops it between the core's blocks (504, its slot and CPU
+freed at once), and one that leaves no time to send the answer once computed is 504 too: no 200
+leaves after X-Deadline-Ms, as far as the predicted send can tell.
 
-What is counted where. The request bound is the server's: the workers share a census of their
+The queue is FIFO, not earliest-deadline-first: each request is admitted on the wait predicted from
+the work ahead of it, a promise that EDF would break for every request already waiting whenever a
+later one with a tighter deadline jumped ahead. FIFO keeps the prediction the admission decision
+was made on true, and a new request never delays one admitted before it.
+
+The slot, and the request's place in max_inflight + max_queue, are given back as soon as the
+response is built (computed, and encoded but for the parts that stream): a client slow to read
+its answer holds no compute. The request's bytes stay charged against max_inflight_bytes until the
+response has been sent or the connection dropped, since the answer is in memory until then. Every
+503 carries Retry-After.
+
+What is counted where. The request cap is the server's: the workers share a census of their
 admitted and computing requests (census.py, made by the gunicorn arbiter before they fork), so a
-client is refused only when the server holds (max_inflight + max_queue) x workers requests, however
-its keep-alive connections landed (a connection stays with the worker that accepted it: with
-per-worker counts, most connections on one worker got 503 while the other idled). One worker may
-then hold more than its own share waiting; gunicorn's threads are sized to hold them all
-(deploy/gunicorn.conf.py). Compute slots (max_inflight) and bytes (max_inflight_bytes) stay per
-worker: a worker computes on its own threads, and the bytes bound keeps one process's memory
-bounded, whatever its siblings hold. Without the shared census (the Flask test client) a gate
-counts alone: the bound is then its own max_inflight + max_queue. server_computing() tells how many
-requests compute now in the whole server (for splitting one request over idle cores).
+client is refused by count only when the server holds (max_inflight + max_queue) x workers
+requests, however its keep-alive connections landed. One worker may then hold more than its own
+share waiting; gunicorn's threads are sized to hold them all (deploy/gunicorn.conf.py). Compute
+slots (max_inflight), the predicted wait and bytes (max_inflight_bytes) stay per worker: a worker
+computes on its own threads, and the bytes bound keeps one process's memory bounded, whatever its
+siblings hold. Without the shared census (the Flask test client) a gate counts alone: the cap is
+then its own max_inflight + max_queue. server_computing() tells how many requests compute now in
+the whole server (for splitting one request over idle cores).
 """
 
 from __future__ import annotations
@@ -40,13 +56,15 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable
 
 from flask import Flask, Response, has_app_context, request
 
 from schemas import RequestError
 from schemas.jobs import AttentionJob, MhaJob
 from service.config import Settings
-from service.cost import work_of
+from service.cost import answer_bytes, work_of
+from service.transport import BODY_KEY, SENT_KEY, STARTED_KEY
 
 from . import census, metrics, parallel
 from .context import context, services
@@ -54,16 +72,28 @@ from .errors import ApiError
 from .http import phase
 
 COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
-MAX_WAIT_S = 30.0  # longest a job waits for a compute slot without a deadline: then 503
 DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
-# Peak bytes of parsing a JSON body (wire.loads, the depth check and the schema's load), beyond
-# the body itself, per byte of body, at most: above the worst hostile body measured (objects of
-# empty b64) with `python -m bench.garbage --sizes 32 --rss` (peak RSS growth over the held body;
-# bench/README.md), and far above valid bodies (bench/peak_rss.py). The gate charges
-# Content-Length x PARSE_FACTOR before the body is read, so that the peak one request can cause
-# is in ATTN_MAX_INFLIGHT_BYTES before it happens; after validation the job's working bytes
-# replace it (reserve()). Only the lone request of a worker may exceed the bound.
+# Peak bytes of parsing a body (wire.loads, the depth check and the schema's load, up to the job's
+# existence), beyond the body itself, as counted from the body: the gate charges them before the
+# body is parsed, so that the peak one request can cause is in ATTN_MAX_INFLIGHT_BYTES before it
+# happens; after validation the job's working bytes replace it (reserve()). Only the lone request
+# of a worker may exceed the bound. What a JSON parse makes is counted by the characters that start
+# its values and objects (one pass, parse_charge()): each value (after a '[', ',' or ':') costs the
+# parser's tape entry, its Python object and a pointer to it, at most VALUE_BYTES; each object
+# ('{') a dict, at most OBJECT_BYTES; and every byte STRING_FACTOR, for the parser's string buffer
+# and the strings it makes (or the arrays b64 text decodes into). A b64 body, long strings and a few
+# values, is then charged about three times its size; nested numbers by their count; the hostile
+# bodies of `python -m bench.garbage --sizes 32 --rss` (objects of empty b64, rows of one) within
+# each bound (bench/README.md). Never more than PARSE_FACTOR x the body, the worst measured: the
+# charge is an upper bound, and /v2's binary tensors (after Inference-Header-Content-Length's JSON)
+# are charged their own size, the arrays they become.
+STRING_FACTOR = 2
+VALUE_BYTES = 80
+OBJECT_BYTES = 320
 PARSE_FACTOR = 33
+STARTS = b",:[{"  # the characters counted; the others are deleted in one translate() pass
+_NOT_STARTS = bytes(c for c in range(256) if c not in STARTS)
+SCAN_CHUNK = 4 * 2**20  # the body is counted in slices of this, so the count holds at most this much more
 
 
 class Gate:
@@ -74,11 +104,13 @@ class Gate:
         """table: the server's shared census (census.shared() in a gunicorn worker); None, or a
         table with no free row, and this gate counts alone (its own bound)."""
         self.max_inflight, self.max_queue, self.max_bytes = max_inflight, max_queue, max_bytes
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: a refusal made under it reads the wait ahead (wait_ms)
         self._slots = threading.Semaphore(max_inflight)
         self.admitted = 0  # this worker's requests past the gate, until their response has been built
         self.bytes = 0  # their Content-Length plus estimated working bytes, until sent
-        self.pending_ms = 0.0  # predicted compute of the admitted jobs that have been validated
+        self.waiting = 0  # validated jobs waiting for a compute slot
+        self.sending = 0  # computed answers being encoded and sent (they share the worker's CPU and network)
+        self._jobs: set[Ticket] = set()  # validated jobs, waiting or computing: the work ahead of a new one
         row = table.join(max_inflight + max_queue) if table is not None else None
         if row is None:
             table = census.Table(rows=1, shared=False)
@@ -127,8 +159,21 @@ class Gate:
         self.bytes += n
         metrics.BYTES.inc(n)
 
-    def _overloaded(self, why: str) -> ApiError:
-        wait_s = self.pending_ms / 1000 / self.max_inflight
+    def wait_ms(self) -> float:
+        """The predicted wait of a job validated now for one of this worker's compute slots: the
+        predicted compute still ahead of it (the waiting jobs' whole, the computing ones' remainder)
+        over the slots, once every slot is taken; 0 while one is free and no job waits (FIFO)."""
+        now = time.perf_counter()
+        with self._lock:
+            jobs = list(self._jobs)
+        if len(jobs) < self.max_inflight:
+            return 0.0
+        ahead = sum(t.predicted_ms if t.started is None else max(t.predicted_ms - (now - t.started) * 1000, 0.0) for t in jobs)
+        return ahead / self.max_inflight
+
+    def _overloaded(self, why: str, wait_ms: float | None = None) -> ApiError:
+        """503 overloaded, with Retry-After: the predicted drain time (the wait ahead, whole seconds)."""
+        wait_s = (self.wait_ms() if wait_ms is None else wait_ms) / 1000
         retry = max(1, math.ceil(wait_s))
         return ApiError("overloaded", f"The server is at capacity: {why}. Retry after {retry} s.", headers={"Retry-After": str(retry)})
 
@@ -140,12 +185,13 @@ class Ticket:
     def __init__(self, gate: Gate, nbytes: int, parse_bytes: int = 0):
         self.gate, self.bytes, self.predicted_ms = gate, nbytes, 0.0
         self.parse_bytes = parse_bytes  # part of bytes, charged for the parse until reserve()
+        self.started: float | None = None  # perf_counter() when it got its compute slot
         self.running = False
         self.computing = True  # counted in gate.admitted
 
     def reserve(self, nbytes: int, predicted_ms: float) -> None:
         """Replace the parse charge by the job's working bytes (503 if they do not fit beside the
-        others) and add its prediction."""
+        others) and count its predicted compute in the work ahead of later jobs."""
         gate = self.gate
         with gate._lock:
             others = gate.bytes - self.bytes
@@ -157,8 +203,8 @@ class Ticket:
             gate._add_bytes(change)
             self.bytes += change
             self.parse_bytes = 0
-            gate.pending_ms += predicted_ms
             self.predicted_ms = predicted_ms
+            gate._jobs.add(self)
 
     def charge_body(self, nbytes: int) -> None:
         """The body is nbytes now (a compressed one, as it is inflated: http.read_body): charge
@@ -179,21 +225,31 @@ class Ticket:
             self.parse_bytes += grown * PARSE_FACTOR
 
     def take_slot(self) -> bool:
-        """A compute slot if one is free now."""
-        return self._got(self.gate._slots.acquire(blocking=False))
+        """A compute slot if one is free now and no job waits for one (first come, first served)."""
+        gate = self.gate
+        with gate._lock:
+            got = gate.waiting == 0 and gate._slots.acquire(blocking=False)
+        return self._got(got)
 
     def wait_for_slot(self, timeout_s: float) -> bool:
-        """Wait in the queue for a compute slot, at most timeout_s."""
+        """Wait in the queue for a compute slot, at most timeout_s. The waiters are woken in the
+        order they came (threading.Semaphore's condition wakes its oldest waiter first)."""
+        gate = self.gate
         metrics.QUEUED.inc()
+        with gate._lock:
+            gate.waiting += 1
         try:
-            got = self.gate._slots.acquire(timeout=max(timeout_s, 0.0))
+            got = gate._slots.acquire(timeout=max(timeout_s, 0.0))
         finally:
+            with gate._lock:
+                gate.waiting -= 1
             metrics.QUEUED.dec()
         return self._got(got)
 
     def _got(self, got: bool) -> bool:
         if got:
             self.running = True
+            self.started = time.perf_counter()
             metrics.RUNNING.inc()
             self.gate.table.add(self.gate.row, census.COMPUTING, 1)
         return got
@@ -211,8 +267,7 @@ class Ticket:
                 self.computing = False
                 gate.admitted -= 1
                 gate.table.add(gate.row, census.ADMITTED, -1)
-                gate.pending_ms -= self.predicted_ms
-                self.predicted_ms = 0
+                gate._jobs.discard(self)
 
     def release(self) -> None:
         """The response is sent (or will never be): everything goes back."""
@@ -224,12 +279,13 @@ class Ticket:
 
 
 def admit(job: AttentionJob | MhaJob) -> None:
-    """Between validation and compute: refuse a job that cannot meet its deadline (504) or does
-    not fit in memory beside the others (503), then wait for a compute slot. The prediction is the
-    cost model's for the load it is admitted into (the requests busy in the server, Gate.busy())
-    and the threads it is to compute on; the request's context keeps the job, its work, that
-    count (the compute teaches the model by it) and the prediction (for the compute metrics and
-    the response's cost)."""
+    """Between validation and compute: refuse a job that cannot meet its deadline (504), or that
+    would wait past it or past max_queue_wait_ms, or does not fit in memory beside the others (503),
+    then wait for a compute slot. The job's own predicted time is the cost model's compute for the
+    load it is admitted into (the requests busy in the server, Gate.busy()) and the threads it is to
+    compute on, plus the encoding and sending of its answer (respond_ms); the request's context
+    keeps the job, its work, that count (the compute teaches the model by it), the prediction (for
+    the compute metrics and the response's cost) and, under a deadline, when to stop (stop_at)."""
     ctx = context()
     ctx.job = job  # its shape, for the access log and the trace
     work = ctx.work = work_of(job)
@@ -237,25 +293,80 @@ def admit(job: AttentionJob | MhaJob) -> None:
     # Alone on the server, a large job is split on several threads (parallel.py): it is predicted
     # at what splits have taken, not at one thread's time (which would refuse deadlines it meets).
     threads = parallel.planned(work, parallel.computing())  # the count the split itself is decided by
-    predicted = ctx.predicted_ms = services().cost.predict(work, ctx.busy, threads)
+    held = services()
+    predicted = ctx.predicted_ms = held.cost.predict(work, ctx.busy, threads)
+    ctx.answer_bytes = answer_bytes(job)
+    # The answers this worker sends share its CPU (encoding) and the clients' reading: the respond
+    # rate is learned per byte x the answers sending at once, and predicted at the count now.
+    respond = held.cost.respond_ms(ctx.answer_bytes * (held.gate.sending + 1))
     deadline, ticket = ctx.deadline_ms, ctx.admission
+    bound_ms = held.settings.max_queue_wait_ms
     if deadline is not None:
-        left = deadline - elapsed_ms()
-        if predicted > left:
+        ctx.stop_at = ctx.arrived + (deadline - respond) / 1000  # past it, the answer could no longer be sent in time
+        spent = elapsed_ms()
+        if spent + predicted + respond > deadline:
             raise _deadline(
-                f"the predicted compute time is {predicted:.3g} ms but {max(left, 0):.3g} ms of X-Deadline-Ms={deadline:g} remain"
+                f"{spent:.3g} ms spent reading and validating, then the predicted {predicted:.3g} ms of compute and {respond:.3g} ms of "
+                f"sending the answer exceed X-Deadline-Ms={deadline:g}"
             )
     if ticket is None:
         return
+    wait = ticket.gate.wait_ms()
+    if deadline is not None and elapsed_ms() + wait + predicted + respond > deadline:
+        raise ticket.gate._overloaded(
+            f"the predicted wait for a compute slot ({wait:.3g} ms) would make this request miss X-Deadline-Ms={deadline:g}", wait
+        )
+    if wait > bound_ms:
+        raise ticket.gate._overloaded(
+            f"the predicted wait for a compute slot ({wait:.3g} ms) exceeds ATTN_MAX_QUEUE_WAIT_MS={bound_ms}", wait
+        )
     ticket.reserve(job.working_bytes(), predicted)
     if ticket.take_slot():
         return
     with phase("queue"):  # only a request that waited has a queue phase
-        timeout = MAX_WAIT_S if deadline is None else (deadline - elapsed_ms() - predicted) / 1000
+        if ctx.stop_at is None:
+            timeout = bound_ms / 1000
+        else:
+            timeout = ctx.stop_at - predicted / 1000 - time.perf_counter()
         if not ticket.wait_for_slot(timeout):
             if deadline is not None:
-                raise _deadline(f"waiting for a compute slot left less than the predicted {predicted:.3g} ms of X-Deadline-Ms={deadline:g}")
-            raise ticket.gate._overloaded(f"no compute slot came free within {MAX_WAIT_S:g} s")
+                raise _deadline(
+                    f"waiting for a compute slot left less than the predicted {predicted:.3g} ms of compute of X-Deadline-Ms={deadline:g}"
+                )
+            raise ticket.gate._overloaded(f"no compute slot came free within ATTN_MAX_QUEUE_WAIT_MS={bound_ms}")
+
+
+def start_sending() -> None:
+    """This request's answer is computed and about to be encoded and sent: counted in the worker's
+    answers sending (Gate.sending) until it has been written or dropped."""
+    ctx, gate = context(), services().gate
+    with gate._lock:
+        gate.sending += 1
+        ctx.sends = gate.sending
+
+
+def _end_sending(gate: Gate) -> None:
+    with gate._lock:
+        gate.sending -= 1
+
+
+def stopper() -> Callable[[], bool] | None:
+    """The core's stop hook for this request: True once its deadline leaves no time to send the
+    answer (None without a deadline)."""
+    stop_at = context().stop_at
+    if stop_at is None:
+        return None
+    clock = time.perf_counter
+    return lambda: clock() > stop_at
+
+
+def late() -> RequestError:
+    """504 for a job stopped mid-compute, or computed too late to send its answer in time."""
+    deadline = context().deadline_ms
+    return RequestError(
+        "deadline",
+        f"Stopped: X-Deadline-Ms={deadline:g} passed, or left too little time to send the answer, while it computed; allow more time or send a smaller request.",
+    )
 
 
 def server_computing() -> int:
@@ -278,7 +389,8 @@ _last_gate: Gate | None = None  # for server_computing() and server_busy() outsi
 
 
 def elapsed_ms() -> float:
-    return (time.perf_counter() - context().t0) * 1000
+    """Milliseconds since the request's first byte arrived: the clock X-Deadline-Ms runs on."""
+    return (time.perf_counter() - context().arrived) * 1000
 
 
 def _deadline(why: str) -> RequestError:
@@ -321,6 +433,54 @@ def _drain() -> None:
         pass
 
 
+def parse_charge(body, json_bytes: int | None = None) -> int:
+    """Peak bytes parsing body (a bytes-like buffer, or an mmap) can take beyond the body itself:
+    its first json_bytes (all of it when None) as JSON by what they hold, the rest (/v2's binary
+    tensors) their own size. See STRING_FACTOR, VALUE_BYTES, OBJECT_BYTES; at most PARSE_FACTOR x."""
+    n = len(body)
+    json_bytes = n if json_bytes is None else max(0, min(json_bytes, n))
+    values = objects = 0
+    for start in range(0, json_bytes, SCAN_CHUNK):
+        kept = body[start : min(start + SCAN_CHUNK, json_bytes)].translate(None, _NOT_STARTS)
+        braces = kept.count(b"{")
+        objects += braces
+        values += len(kept) - braces
+    charge = STRING_FACTOR * json_bytes + VALUE_BYTES * values + OBJECT_BYTES * objects + (n - json_bytes)
+    return min(charge, PARSE_FACTOR * n)
+
+
+def _body_charge(nbytes: int) -> int:
+    """What the gate charges for parsing this request's body of nbytes: counted from the body when
+    the worker has it in memory (service.transport's event loop read it all before the app saw it),
+    else PARSE_FACTOR x nbytes (a body still to be read: it cannot be looked at first)."""
+    body = request.environ.get(BODY_KEY)
+    if body is None or len(body) != nbytes:
+        return nbytes * PARSE_FACTOR
+    header = request.headers.get("Inference-Header-Content-Length")
+    json_bytes = int(header) if header is not None and header.isdigit() else None
+    return parse_charge(body, json_bytes)
+
+
+def policy(settings: Settings, gate: Gate) -> dict:
+    """The admission policy in force, for /limits: what a client can expect when many arrive."""
+    return {
+        "admit_by": "predicted time until the answer is sent: within X-Deadline-Ms, or a predicted wait within max_queue_wait_ms",
+        "queue_order": "fifo",
+        "max_queue_wait_ms": settings.max_queue_wait_ms,
+        "compute_slots_per_worker": settings.max_inflight,
+        "server_request_cap": gate.server_slots(),
+        "max_inflight_bytes": settings.max_inflight_bytes,
+        "predicted_wait_ms": round(gate.wait_ms(), 3),
+        "parse_charge": {
+            "per_body_byte": STRING_FACTOR,
+            "per_value": VALUE_BYTES,
+            "per_object": OBJECT_BYTES,
+            "at_most_per_body_byte": PARSE_FACTOR,
+            "binary_per_byte": 1,
+        },
+    }
+
+
 def make_gate(settings: Settings) -> Gate:
     """A worker's gate, in the server's census when gunicorn's arbiter made one (census.shared())."""
     global _last_gate
@@ -339,6 +499,9 @@ def install(app: Flask) -> None:
         if request.method != "POST" or not COMPUTE_PATH.fullmatch(request.path):
             return
         ctx = context()
+        started = request.environ.get(STARTED_KEY)
+        if started is not None:  # the event loop read the body before the app saw it: the deadline ran meanwhile
+            ctx.arrived = ctx.t0 - max(time.monotonic() - started, 0.0)
         try:
             if settings.api_keys:
                 _check_key(settings.api_keys)
@@ -353,7 +516,7 @@ def install(app: Flask) -> None:
             over = nbytes is not None and nbytes > settings.max_body_bytes  # about to be refused with 413, unparsed
             if nbytes is None or over:
                 nbytes = settings.max_body_bytes  # chunked: read up to the limit
-            ctx.admission = held.gate.enter(nbytes, 0 if over else nbytes * PARSE_FACTOR)
+            ctx.admission = held.gate.enter(nbytes, 0 if over else _body_charge(nbytes))
         except RequestError:
             _drain()
             raise
@@ -365,6 +528,29 @@ def install(app: Flask) -> None:
         if ticket is not None:
             ticket.end_compute()  # a slow reader must not pin a compute slot
             metrics.when_sent(resp, ticket.release)  # its bytes are held until the body is sent
+        if ctx.sends:
+            # The respond rate is learned up to the last byte written to the socket: the event loop's
+            # (SENT_KEY) when the worker has one, since the thread hands a slow reader's rest to it;
+            # else when the body has been iterated.
+            computed_at, weighed, cost, gate, ok = (
+                ctx.computed_at or 0.0,
+                ctx.answer_bytes * ctx.sends,
+                held.cost,
+                held.gate,
+                resp.status_code == 200,
+            )
+            ctx.sends = 0
+
+            def sent(written: bool = True) -> None:
+                _end_sending(gate)
+                if written and ok:
+                    cost.observe_respond(weighed, (time.perf_counter() - computed_at) * 1000)
+
+            when_written = request.environ.get(SENT_KEY)
+            if when_written is not None:
+                when_written(sent)
+            else:
+                metrics.when_sent(resp, sent)
         return resp
 
     @app.teardown_request
@@ -373,3 +559,6 @@ def install(app: Flask) -> None:
         ticket, ctx.admission = ctx.admission, None  # still here only if no response was made
         if ticket is not None:
             ticket.release()
+        if ctx.sends:
+            ctx.sends = 0
+            _end_sending(held.gate)

@@ -9,10 +9,11 @@ import time
 import numpy as np
 
 from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
+from service import core
 from service.cost import work_of
 
 from . import metrics, parallel
-from .admission import admit
+from .admission import admit, late, start_sending, stopper
 from .context import context, services
 from .http import phase
 
@@ -32,16 +33,26 @@ def run(job: Job) -> tuple[np.ndarray, ...]:
     """Compute an admitted job, timed as the compute phase; the measured time (with the thread's
     CPU time, the requests busy in the server when it was admitted, and the threads it took)
     teaches the cost model and is counted against admit()'s prediction. (out, weights or None),
-    and lse when the job asks for it."""
+    and lse when the job asks for it. Under X-Deadline-Ms the core is stopped between blocks once
+    the answer could no longer be sent in time, and a compute that ends too late to send it is
+    refused as well: 504 deadline either way, never a late 200."""
     ctx = context()
     work = ctx.work or work_of(job)
     threads = parallel.threads(work)  # more than one only for a large job alone on the server
+    stop = stopper()
     cpu_start = time.thread_time()
-    with phase("compute") as timer:
-        result = job.compute(threads, services().pool)
+    try:
+        with phase("compute") as timer:
+            result = job.compute(threads, services().pool, stop)
+    except core.Stopped:
+        raise late() from None
+    ctx.computed_at = time.perf_counter()
+    start_sending()
     cpu_ms = (time.thread_time() - cpu_start) * 1000
     metrics.observe_compute(work, timer.ms, ctx.predicted_ms or 0.0)
     services().cost.observe(work, timer.ms, cpu_ms, ctx.busy, threads)
+    if stop is not None and stop():
+        raise late()
     return result
 
 

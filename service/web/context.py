@@ -57,6 +57,7 @@ class RequestContext:
 
     t0: float  # time.perf_counter() when the app saw the request: its clock
     request_id: str  # X-Request-Id, the client's or ours (http.request_id)
+    arrived: float  # time.perf_counter() of its first byte (the transport's STARTED_KEY; else t0): X-Deadline-Ms runs from it
     phases: dict[str, float] = field(default_factory=dict)  # phase name -> ms (http.phase)
     # tracing
     trace: Trace | None = None
@@ -72,6 +73,10 @@ class RequestContext:
     work: Work | None = None  # its work, as the cost model counts it
     busy: int = 1  # requests busy in the server when it was admitted (the count its slowdown is keyed by)
     predicted_ms: float | None = None  # the cost model's prediction, made when it was admitted
+    answer_bytes: int = 0  # its answer's predicted bytes on the wire (cost.answer_bytes)
+    stop_at: float | None = None  # perf_counter() past which its answer could not be sent by X-Deadline-Ms
+    computed_at: float | None = None  # perf_counter() when its compute ended (the respond time runs from it)
+    sends: int = 0  # answers this worker was sending when this one started, itself included (0: not sending)
     # an error answer
     error_code: str | None = None
     error_field: str | None = None
@@ -79,7 +84,7 @@ class RequestContext:
 
 def begin(t0: float, request_id: str) -> RequestContext:
     """Make this request's context: the first before_request hook's (http.install) alone."""
-    ctx = RequestContext(t0, request_id)
+    ctx = RequestContext(t0, request_id, t0)
     setattr(g, _G, ctx)
     return ctx
 

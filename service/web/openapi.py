@@ -415,7 +415,11 @@ def _limits_schema(settings: Settings) -> dict:
     props = {f.name: {"type": kinds.get(f.type, "string")} for f in dataclass_fields(settings) if f.name in settings.limits()}
     props["server_slots"] = {
         "type": "integer",
-        "description": "compute requests the whole server admits at once: (max_inflight + max_queue) x the workers running; past it, 503",
+        "description": "compute requests the whole server holds at once, a safety cap: (max_inflight + max_queue) x the workers running; past it, 503",
+    }
+    props["admission"] = {
+        "type": "object",
+        "description": "the admission policy: by predicted time until the answer is sent, the queue order, the wait bound, the slots, memory and parse charges",
     }
     props["cost_model"] = {"type": "object", "description": "ms = a*GFLOP + b*M_score_elements + c*blocks"}
     props["version"] = {"type": "string"}

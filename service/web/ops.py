@@ -10,7 +10,7 @@ from flask import Blueprint, Flask
 
 from service.config import VERSION
 
-from . import metrics
+from . import admission, metrics
 from .context import services
 from .http import json_response
 
@@ -36,12 +36,13 @@ def readyz():
 @bp.get("/limits")
 def limits():
     """The limits in force (server_slots: the compute requests the whole server admits at once), the
-    default dtype, the cost model's coefficients, the version."""
+    admission policy, the default dtype, the cost model's coefficients, the version."""
     svc = services()
     return json_response(
         {
             **svc.settings.limits(),
             "server_slots": svc.gate.server_slots(),
+            "admission": admission.policy(svc.settings, svc.gate),
             "cost_model": svc.cost.coefficients(),
             "version": VERSION,
         }

@@ -16,6 +16,7 @@ its `timeout_s`; one the server holds longer is abandoned).
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import Counter
@@ -57,6 +58,14 @@ class Sample:
     status: int | None
     error: str | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    reason: str = ""  # for a non-2xx status: the server's code and message, numbers blanked (reason_of)
+
+
+def reason_of(detail: str) -> str:
+    """`"503 overloaded: ... # ms ..."`: an error's detail with its numbers blanked, so that the
+    refusals of one kind (the server's code and the sentence it explains them with) count together."""
+    status, _, said = detail.partition(" ")
+    return f"{status} {re.sub(r'[0-9][0-9.e+]*', '#', said)}"[:160]
 
 
 @dataclass
@@ -93,6 +102,7 @@ class CellResult:
     round_p50s_ms: list[float] = field(default_factory=list)  # one per round with a success
     refused: bool = False  # a warm-up request was refused; that round timed nothing
     note: str = ""
+    reasons: dict[str, int] = field(default_factory=dict)  # the server's refusals: "503 overloaded: ..." -> count
 
     @property
     def error_count(self) -> int:
@@ -159,7 +169,8 @@ def _worker(session: requests.Session, url: str, body: bytes, schedule: _Schedul
         if delay > 0:
             time.sleep(delay)
         reply = post(session, url, body, timeout_s)
-        out.append(Sample(reply.done_at - at, reply.status, reply.error, reply.phases))
+        reason = reason_of(reply.detail) if reply.status is not None and reply.status != 200 else ""
+        out.append(Sample(reply.done_at - at, reply.status, reply.error, reply.phases, reason))
 
 
 def _warm_up(sessions: list[requests.Session], url: str, base_url: str, body: bytes, load: Load) -> Reply | None:
@@ -242,6 +253,7 @@ def summarize(T: int, concurrency: int, body_bytes: int, runs: Sequence[CellRun]
     elapsed = sum(run.elapsed_s for run in runs)
     ok = [s for s in samples if s.status == 200]
     errors = Counter(str(s.status) if s.status is not None else s.error or "unknown" for s in samples if s.status != 200)
+    reasons = Counter(s.reason for s in samples if s.reason)
     lat_ms = np.array([s.latency_s * 1e3 for s in ok])
     if lat_ms.size:
         p50, p90, p99 = np.percentile(lat_ms, [50, 90, 99])
@@ -266,6 +278,7 @@ def summarize(T: int, concurrency: int, body_bytes: int, runs: Sequence[CellRun]
         sent=len(samples),
         ok=len(ok),
         errors=dict(sorted(errors.items())),
+        reasons=dict(reasons.most_common()),
         p50_ms=float(p50),
         p90_ms=float(p90),
         p99_ms=float(p99),

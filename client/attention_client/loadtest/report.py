@@ -97,7 +97,7 @@ CSV_FIELDS = (
         "p50_by_round_ms",
     ]
     + [f"server_{name}_ms" for name in PHASES]
-    + ["note"]
+    + ["reasons", "note"]
 )
 
 
@@ -145,6 +145,7 @@ def write_csv(sweep: Sweep, path: Path) -> None:
                     "rounds": c.rounds,
                     "p50_by_round_ms": " ".join(_num(v) for v in c.round_p50s_ms),
                     **{f"server_{n}_ms": _num(c.phases_ms.get(n, math.nan)) for n in PHASES},
+                    "reasons": "; ".join(f"{n} x {reason}" for reason, n in c.reasons.items()),
                     "note": c.note,
                 }
             )
@@ -199,6 +200,15 @@ def _cells_table(cells: list[CellResult], rounds: int) -> list[str]:
             + f" | {f'{share:.0%}' if math.isfinite(share) else '–'} |"
             + (f" {', '.join(_ms(v) for v in c.round_p50s_ms)} |" if rounds > 1 else "")
         )
+    return lines
+
+
+def _reasons_lines(cells: list[CellResult]) -> list[str]:
+    """The server's refusals, by status, code and message (numbers blanked), per cell that had any."""
+    lines = []
+    for c in sorted(cells, key=lambda c: (c.concurrency, c.T)):
+        for reason, n in c.reasons.items():
+            lines.append(f"- T={c.T}, concurrency {c.concurrency}: {n} x `{reason}`")
     return lines
 
 
@@ -265,6 +275,7 @@ def write_markdown(sweep: Sweep, fits: list[ConcurrencyFit], path: Path, plot_na
         "",
         *_cells_table(sweep.cells, cfg.rounds),
         "",
+        *(["## Refusals by the server's reason", "", *reasons, ""] if (reasons := _reasons_lines(sweep.cells)) else []),
         "## Latency against T",
         "",
         *_fit_table(fits, cfg.fit_min_T),

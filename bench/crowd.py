@@ -1,0 +1,216 @@
+"""`python -m bench.crowd`: what many clients see, against a server started as `make run` does
+(`python -m service`, 2 workers, the defaults; a free 127.0.0.1 port).
+
+    python -m bench.crowd burst [--n 64 128] [--T 64] [--reps 3] [--triton]
+    python -m bench.crowd closed [--clients 4 8] [--T 1024] [--seconds 10] [--weights] [--deadline MS]
+
+burst: n requests at once, each on its own connection (B=1, H=8, d=64, float32 b64, causal, no
+weights), --reps bursts one after another; each burst's statuses and total time. --triton sends the
+same through tritonclient.http.aio (binary tensors, asyncio.gather), as a Triton user would.
+closed: --clients clients each POST back to back on one keep-alive connection for --seconds;
+statuses, the servers' refusal codes and messages (counted, numbers blanked), p50/p99 of the 200s,
+and under --deadline (X-Deadline-Ms) the share of 200s the client received later than 1.25 x the
+deadline, how many 503s carried Retry-After, and the refusals' latency p50. Latency is the
+client's: from sending the request to the last byte of the answer read. Bounded: each run is
+seconds long; the machine may be shared (say so with the figures)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import requests
+
+from bench.server import Server
+
+HEADERS = {"Content-Type": "application/json"}
+
+
+def arrays(T: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal((1, 8, T, 64)).astype(np.float32) for name in ("q", "k", "v")}
+
+
+def native_body(T: int, weights: bool, causal: bool) -> bytes:
+    from attention_client import encode_tensor
+
+    doc = {name: encode_tensor(a, "b64") for name, a in arrays(T).items()}
+    return json.dumps({**doc, "return_weights": weights, "causal": causal}).encode()
+
+
+def reason(r: requests.Response) -> str:
+    """The server's refusal, as code: message with its numbers blanked (so that alike ones count together)."""
+    try:
+        error = r.json()["error"]
+    except ValueError:
+        return f"{r.status_code} (not JSON)"
+    code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (r.headers.get("X-Error-Code"), error)
+    return f"{r.status_code} {code}: {re.sub(r'[0-9][0-9.e+]*', '#', message)[:160]}"
+
+
+def native_burst(url: str, body: bytes, n: int) -> tuple[Counter, float, Counter]:
+    def one(_):
+        try:
+            r = requests.post(f"{url}/attention", data=body, headers=HEADERS, timeout=120)
+        except requests.RequestException as exc:
+            return type(exc).__name__, None
+        return r.status_code, None if r.status_code == 200 else reason(r)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        results = list(pool.map(one, range(n)))
+    wall = time.perf_counter() - t0
+    return Counter(s for s, _ in results), wall, Counter(m for _, m in results if m)
+
+
+def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
+    import tritonclient.http as httpclient
+    import tritonclient.http.aio as aioclient
+    from tritonclient.utils import InferenceServerException
+
+    data = arrays(T)
+
+    async def run() -> tuple[list, float]:
+        client = aioclient.InferenceServerClient(url.removeprefix("http://"), conn_limit=n)
+        try:
+
+            async def one():
+                inputs = []
+                for name, a in data.items():
+                    tensor = httpclient.InferInput(name, list(a.shape), "FP32")
+                    tensor.set_data_from_numpy(a, binary_data=True)
+                    inputs.append(tensor)
+                try:
+                    await client.infer("attention", inputs, parameters={"causal": True, "return_weights": False})
+                    return 200, None
+                except InferenceServerException as exc:
+                    return exc.status() or "error", re.sub(r"[0-9][0-9.e+]*", "#", str(exc.message()))[:160]
+
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(one() for _ in range(n)))
+            return results, time.perf_counter() - t0
+        finally:
+            await client.close()
+
+    results, wall = asyncio.run(run())
+    return Counter(str(s) for s, _ in results), wall, Counter(m for _, m in results if m)
+
+
+def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float | None) -> dict:
+    oks, refusals, statuses, reasons, retry_after, lock = [], [], Counter(), Counter(), Counter(), threading.Lock()
+    gaps = []  # a 200's client latency less the server's Server-Timing total (the app's time until the answer was built)
+    headers = {**HEADERS, **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
+    stop = time.monotonic() + seconds
+
+    def loop():
+        with requests.Session() as session:
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                try:
+                    r = session.post(f"{url}/attention", data=body, headers=headers, timeout=120)
+                    status = r.status_code
+                except requests.RequestException as exc:
+                    status, r = type(exc).__name__, None
+                ms = (time.perf_counter() - t0) * 1000
+                with lock:
+                    statuses[status] += 1
+                    if status == 200:
+                        oks.append(ms)
+                        built = re.search(r"total;dur=([0-9.]+)", r.headers.get("Server-Timing", ""))
+                        if built:
+                            gaps.append(ms - float(built.group(1)))
+                    elif r is not None:
+                        refusals.append(ms)
+                        reasons[reason(r)] += 1
+                        if status == 503:
+                            retry_after["with" if r.headers.get("Retry-After") else "without"] += 1
+
+    threads = [threading.Thread(target=loop) for _ in range(clients)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    oks.sort()
+    result = {
+        "clients": clients,
+        "statuses": dict(statuses),
+        "p50_ms": round(statistics.median(oks)) if oks else None,
+        "p99_ms": round(oks[min(len(oks) - 1, int(0.99 * len(oks)))]) if oks else None,
+        "reasons": dict(reasons),
+        "client_minus_built_p50_ms": round(statistics.median(gaps)) if gaps else None,
+    }
+    if deadline:
+        late = sum(1 for ms in oks if ms > 1.25 * deadline)
+        result["late_200s"] = f"{late} of {len(oks)} ({100 * late / max(len(oks), 1):.1f}%) later than {1.25 * deadline:g} ms"
+        result["503_retry_after"] = dict(retry_after)
+        result["refusal_p50_ms"] = round(statistics.median(refusals)) if refusals else None
+    return result
+
+
+def learned(url: str) -> dict:
+    """What one worker's cost model learned (the respond rate, the slowdown by requests busy)."""
+    model = requests.get(f"{url}/limits", timeout=10).json()["cost_model"]
+    return {k: model.get(k) for k in ("respond_ms_per_MB", "slowdown_by_busy")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["burst", "closed"])
+    ap.add_argument("--n", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--T", type=int)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--triton", action="store_true")
+    ap.add_argument("--clients", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--weights", action="store_true")
+    ap.add_argument("--deadline", type=float)
+    a = ap.parse_args()
+    server = Server("crowd", env={"WEB_CONCURRENCY": "2"}, inherit_settings=False)
+    try:
+        server.wait_ready(in_a_row=4)
+        if a.mode == "burst":
+            T = a.T or 64
+            body = native_body(T, weights=False, causal=True)
+            for n in a.n:
+                for rep in range(a.reps):
+                    statuses, wall, reasons = triton_burst(server.url, T, n) if a.triton else native_burst(server.url, body, n)
+                    door = "tritonclient.http.aio" if a.triton else "native"
+                    print(
+                        json.dumps(
+                            {
+                                "door": door,
+                                "n": n,
+                                "T": T,
+                                "rep": rep,
+                                "statuses": dict(statuses),
+                                "wall_s": round(wall, 3),
+                                "reasons": dict(reasons),
+                            }
+                        )
+                    )
+        else:
+            body = native_body(a.T or 1024, weights=a.weights, causal=False)
+            for clients in a.clients:
+                print(
+                    json.dumps(
+                        {
+                            "T": a.T or 1024,
+                            "weights": a.weights,
+                            "deadline_ms": a.deadline,
+                            **closed(server.url, body, clients, a.seconds, a.deadline),
+                            "one_workers_model": learned(server.url),
+                        }
+                    )
+                )
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
