@@ -147,9 +147,9 @@ class _Fit:
 
     def _solve(self) -> np.ndarray:
         A, r = self.A + self.R, self.r + self.R @ self.prior
-        theta = _solve3(A.tolist(), r.tolist())
-        if theta is not None and min(theta) >= 0:  # the unconstrained optimum is feasible, so it is the best
-            return np.array(theta)
+        unconstrained = _solve3(A.tolist(), r.tolist())
+        if unconstrained is not None and min(unconstrained) >= 0:  # the unconstrained optimum is feasible, so it is the best
+            return np.array(unconstrained)
         best, best_loss = np.zeros(3), 0.0
         for free in itertools.product((True, False), repeat=3):  # the best θ >= 0: try every other face
             idx = np.flatnonzero(free)

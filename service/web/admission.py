@@ -112,10 +112,12 @@ class Gate:
         self.sending = 0  # computed answers being encoded and sent (they share the worker's CPU and network)
         self._jobs: set[Ticket] = set()  # validated jobs, waiting or computing: the work ahead of a new one
         row = table.join(max_inflight + max_queue) if table is not None else None
-        if row is None:
+        if table is None or row is None:
             table = census.Table(rows=1, shared=False)
             row = table.join(max_inflight + max_queue)
-        self.table, self.row = table, row
+        assert row is not None  # a new private table has its one row free
+        self.table: census.Table = table
+        self.row: int = row
 
     def server_slots(self) -> int:
         """Compute requests the server admits at once: ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE for each

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
 from service import core
 from service.cost import work_of
@@ -29,7 +27,7 @@ def validate(schema: AttentionRequest | MhaRequest, doc: dict) -> Job:
     return job
 
 
-def run(job: Job) -> tuple[np.ndarray, ...]:
+def run(job: Job) -> core.Result:
     """Compute an admitted job, timed as the compute phase; the measured time (with the thread's
     CPU time, the requests busy in the server when it was admitted, and the threads it took)
     teaches the cost model and is counted against admit()'s prediction. (out, weights or None),
