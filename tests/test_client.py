@@ -118,12 +118,17 @@ def test_refusal_is_attention_error_with_code(api, rng):
 # --- splitting over the limits -------------------------------------------------------------------
 
 
-def spy_threads(client: AttentionClient) -> list[str]:
-    """Record the thread of every compute request the client sends."""
+def spy_threads(client: AttentionClient, together: int = 0) -> list[str]:
+    """Record the thread of every compute request the client sends. together=n: the first n wait
+    for each other before they are sent, so that they are in flight at once (a client that sent
+    its blocks one after another would break the barrier and fail the call)."""
     seen, compute = [], client._compute
+    barrier = threading.Barrier(together) if together else None
 
     def recording(path, body, http=None):
         seen.append(threading.current_thread().name)
+        if barrier is not None and len(seen) <= together:
+            barrier.wait(timeout=60)
         return compute(path, body, http)
 
     client._compute = recording
@@ -160,7 +165,7 @@ def test_over_limit_request_is_split_exactly(small_api, small_server, rng, case)
     unsplit = requests.post(f"{small_server}/attention", timeout=30, json={"q": q.tolist(), "k": k.tolist(), "v": v.tolist()})
     assert unsplit.status_code == 413  # the server would refuse it whole
 
-    threads = spy_threads(small_api)
+    threads = spy_threads(small_api, together=2)  # two blocks in flight at once
     out, weights = small_api.attention(q, k, v, **kwargs)
     core_kwargs = {**kwargs, "key_lengths": kwargs.get("key_lengths")}
     core_kwargs.pop("dtype", None)
@@ -170,7 +175,7 @@ def test_over_limit_request_is_split_exactly(small_api, small_server, rng, case)
     assert out.shape == want_out.shape and weights.shape == want_w.shape and out.dtype == dtype
     np.testing.assert_allclose(out, want_out, rtol=0, atol=tol)
     np.testing.assert_allclose(weights, want_w, rtol=0, atol=tol)
-    assert len(threads) >= 4 and len(set(threads)) > 1  # split, and sent concurrently
+    assert len(threads) >= 4 and len(set(threads[:2])) == 2  # split, and sent concurrently
 
 
 @pytest.mark.live
