@@ -74,12 +74,10 @@ _settings = Settings.from_env()
 # "::1:8000" stopped it at start ("'' is not a valid port number").
 _host = f"[{_settings.host}]" if ":" in _settings.host and not _settings.host.startswith("[") else _settings.host
 bind = f"{_host}:{_settings.port}"
-# Worker model, measured by `python -m bench.workers` (b64, T=1024, B=1 H=8 d=64; bench/README.md):
-# 2 workers x 1 BLAS thread had the best throughput at concurrency 2 (2.5x to 7x that of 1 x 2
-# or 2 x 2) and the best latency at concurrency 1 but once (with weights, 2 x 2 answered alone in
-# 94 ms against 202 ms, then took 910 ms against 284 ms at concurrency 2): with two BLAS threads
-# per worker, a worker spin-waits for a core that the other worker, or anything else, holds.
-# Not preloaded: nothing measurable to gain (workers start in ~1 s) and each worker imports fresh.
+# Worker model: 2 workers x 1 BLAS thread, chosen with `python -m bench.workers` (2x1 against 1x2
+# and 2x2; bench/README.md): with two BLAS threads per worker, a worker spin-waits for a core that
+# the other worker, or anything else, holds, and latency under concurrency suffers.
+# Not preloaded: nothing measurable to gain and each worker imports fresh.
 # Allocator: see _tune_malloc above (fixed mmap and trim thresholds, two arenas).
 workers = web_concurrency()  # WEB_CONCURRENCY, 2 by default
 timeout = 60  # a worker silent this long is killed and replaced
@@ -98,25 +96,14 @@ logger_class = "service.web.accesslog.GunicornLogger"
 control_socket_disable = True
 
 # --- worker class: chosen for admission control -------------------------------------------------
-# Threaded workers (with the 2 workers x 1 BLAS thread above), so that requests past a worker's
-# bounds reach the app and are refused with 503 at once. A sync worker holds one request and the
-# excess waits unseen in the listen backlog, where nothing can count or shed it. The server admits
-# (ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE) x workers requests, in any worker (service/web/census.py);
-# each worker computes ATTN_MAX_INFLIGHT at a time; the 16 other threads refuse the
-# excess (the event loop below has read it) and answer /healthz, /readyz and /metrics meanwhile
-# (a request waiting for a thread is unseen too).
-# Measured here, 2 workers on the 2 shared cores, with `python -m tests.test_overload burst` (48
-# concurrent T=1024 requests, B=1 H=8 d=64, b64, weights) and `... rate` (closed loop), sync run
-# with GUNICORN_CMD_ARGS="--worker-class sync --threads 1" (threads > 1 turn sync into gthread):
-#   burst, sync:        48 x 200, the last after 6.9 s; /healthz waited up to 3.6 s behind them
-#                       (16-21 s and 9.6-11.7 s at load average 5-7, before the fast path).
-#   burst, gthread 22:  12 x 200 + 36 x 503 overloaded with Retry-After, every answer within 2.4 s,
-#                       the 503s in 0.22-0.38 s (the upload); /healthz at most 0.26 s. At load
-#                       average 5-7: 0.5-0.8 s, against 1.1-1.5 s with 10 threads.
-#   closed loop, T=1024: 2 clients 7.5 req/s sync, 8.4 gthread; 4 clients 6.8 and 7.9.
-#                T=256:  2 clients 115 and 105; 4 clients 110 and 120 (noise, either way).
-#   ATTN_MAX_INFLIGHT=1 measured the same as the default 2 (T=1024, 2 clients: 8.5 req/s); 2 is
-#   kept so that one worker can use both cores when the connections happen to land on it.
+# Threaded workers (with the 2 workers x 1 BLAS thread above), so that requests past what the server
+# can finish in time reach the app, are predicted, and are queued or refused at once (503 with
+# Retry-After, or 504). A sync worker holds one request and the excess waits unseen in the listen
+# backlog, where nothing can count, predict or shed it. Each worker computes ATTN_MAX_INFLIGHT at a
+# time; a request admitted to wait holds a thread, so the threads (below) hold every request the
+# server admits, and 16 more answer /healthz, /readyz and /metrics meanwhile. The comparison with
+# sync workers: `python -m tests.test_overload burst` and `... rate` with
+# GUNICORN_CMD_ARGS="--worker-class sync --threads 1" (bench/README.md).
 #
 # --- slow and stalled clients: gthread, its reading and slow writing moved to the event loop ----
 # service/transport/worker.py's FrontWorker is gthread (everything above holds) except that a thread gets a

@@ -10,9 +10,8 @@ CONF = Path(__file__).resolve().parent.parent / "deploy" / "gunicorn.conf.py"
 # from the environment of the exec below. hugetlb=1: malloc asks for transparent huge pages
 # (madvise) for the blocks it maps, which the worker's allocator settings make every buffer of
 # 4 MiB or more (deploy/gunicorn.conf.py, _tune_malloc): a request's body, its decoded tensors,
-# the weights and the response's text then fault in 2 MiB pages, not 4 KiB ones. On the 2-core
-# benchmark machine a fresh 32 MiB buffer took ~22 ms to fill with 4 KiB pages and ~5 ms with huge
-# pages (bench/README.md, "Large requests on the wire"). Where the kernel has transparent huge pages
+# the weights and the response's text then fault in 2 MiB pages, not 4 KiB ones, far fewer faults
+# for a large request (`python -m bench.large_requests`). Where the kernel has transparent huge pages
 # off, or glibc is older than 2.35 or not glibc, it does nothing. An operator's own
 # glibc.malloc.hugetlb in GLIBC_TUNABLES wins.
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"

@@ -188,10 +188,9 @@ def _items(obj: simdjson.Object) -> list:
 def _cut_b64(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray | mmap.mmap, dict[str, Payload]]:
     """Cut each "b64": "<base64>" payload out of body, decoded; the skeleton keeps a marker string
     in its place. A payload that is not clean base64 stays in the skeleton, for the slow path."""
-    # One pass: each search for the next key starts after the payload before it (a search for a
-    # 5-byte needle runs at ~1 GB/s through base64 text, whose letters defeat its skips; the search
-    # for a payload's closing quote is memchr). Counting the keys first was a second pass over the
-    # payloads: 300 us of a T=64 request's ~2 ms (bench/README.md, "Small requests").
+    # One pass: each search for the next key starts after the payload before it (a search through
+    # base64 text is slow, its letters defeat the search's skips; the search for a payload's
+    # closing quote is memchr). Counting the keys first would be a second pass over the payloads.
     view, pos, keys = memoryview(body), 0, 0
     pieces: list[memoryview | bytes] = []
     payloads: dict[str, Payload] = {}
