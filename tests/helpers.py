@@ -107,6 +107,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """The first of n consecutive loopback ports nothing listens on (at the time of asking), below
+    the kernel's ephemeral range, where no outgoing connection takes one meanwhile."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = np.random.default_rng()
+    for _ in range(200):
+        first = int(rng.integers(10_000, low - n))
+        socks = []
+        try:
+            for port in range(first, first + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports below {low}")
+
+
 def wait_until(predicate, timeout: float = 20.0, interval: float = 0.1, what: str | None = None):
     """Poll predicate() until it returns a true value (returned), or fail after timeout seconds
     naming `what` (else the predicate's docstring). The timeout only stops a hang: callers wait

@@ -20,7 +20,7 @@ from attention_client import AttentionClient, AttentionError, _split, merge_stat
 from service import core, replicas
 
 from . import oracle
-from .helpers import free_port, serving, wait_until
+from .helpers import free_port, free_ports, serving, wait_until
 
 CAUSAL = [False, True, "bottom_right"]
 # Small enough that the problems below split over keys and rows, and one row's keys do not fit.
@@ -254,11 +254,18 @@ def test_replicas_share_the_blocks_and_a_busy_or_dead_one_hands_them_on(small, r
 @pytest.mark.live
 def test_replicas_launcher_starts_n_replicas_on_consecutive_ports(rng):
     """python -m service.replicas: N servers at port, port + 1, ...; a long request split over them."""
-    port = free_port()
+    port = free_ports(2)
     procs = replicas.start(2, port, env=LIMITS, quiet=True)
     urls = [f"http://127.0.0.1:{port + i}" for i in range(2)]
+
+    def both_ready() -> bool:
+        """both replicas answer /readyz with 200 (and neither has exited)"""
+        if any(p.poll() is not None for p in procs):
+            raise AssertionError(f"a replica exited: {[p.returncode for p in procs]}")
+        return all(ready(url) for url in urls)
+
     try:
-        wait_until(lambda: all(ready(url) for url in urls), timeout=120, what="both replicas ready")
+        wait_until(both_ready, timeout=120)
         q = rng.standard_normal((24, 4), dtype=np.float32)
         with AttentionClient(urls, timeout=60, max_workers=1) as api:  # one thread a replica, each keeps to its own
             posts = spy(api, together=2)  # the first two blocks must be in flight at once
