@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import numpy as np
@@ -320,6 +321,22 @@ def set_blocks(monkeypatch, elements: int, rows: int) -> None:
     monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", elements)
     monkeypatch.setattr(kernels, "MIN_ROWS", rows)
     monkeypatch.setattr(kernels, "CAUSAL_BLOCKS", 3)
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A stand-in server's handler (http.server): _send() answers a JSON document with a status and
+    headers; nothing is logged."""
+
+    def _send(self, status: int, doc, headers: dict | None = None) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
 
 
 class Hostile:

@@ -18,7 +18,7 @@ import requests
 from attention_client import AttentionClient, AttentionError, _http, _split
 from service import core
 
-from .helpers import ROOT, Hostile, Q, V, free_port, start_server, stop_server
+from .helpers import ROOT, Hostile, JsonHandler, Q, V, free_port, start_server, stop_server
 
 # Limits 4x (and more) below the requests of the splitting tests.
 SMALL_LIMITS = {
@@ -247,7 +247,7 @@ def test_plan_gives_up_past_max_blocks(n_lead, n_rows):
 # --- retries, against a stub that answers 503 first -------------------------------------------------
 
 
-class Stub(BaseHTTPRequestHandler):
+class Stub(JsonHandler):
     """POST /attention (native JSON) or /v2/models/attention/infer (the protocol's JSON): `busy`
     503s with Retry-After, each in its door's error shape, then the seed's answer."""
 
@@ -267,17 +267,6 @@ class Stub(BaseHTTPRequestHandler):
             self._send(200, {"model_name": "attention", "outputs": [{"name": "out", "datatype": "FP32", "shape": [1, 1], "data": [4.0]}]})
         else:
             self._send(200, {"out": {"shape": [1, 1], "dtype": "float32", "data": [4.0]}, "cost": {}, "timing_ms": {}})
-
-    def _send(self, status, doc, headers=None):
-        body = json.dumps(doc).encode()
-        self.send_response(status)
-        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture

@@ -5,9 +5,8 @@ a replica that is busy or dead hands its block to another."""
 
 from __future__ import annotations
 
-import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -20,7 +19,7 @@ from attention_client import AttentionClient, AttentionError, _split, merge_stat
 from service import core, replicas
 
 from . import oracle
-from .helpers import free_port, free_ports, serving, wait_until
+from .helpers import JsonHandler, free_port, free_ports, serving, wait_until
 
 CAUSAL = [False, True, "bottom_right"]
 # Small enough that the problems below split over keys and rows, and one row's keys do not fit.
@@ -199,7 +198,7 @@ def spy(api: AttentionClient, together: int = 0) -> list:
 # --- replicas ---------------------------------------------------------------------------------------
 
 
-class Busy(BaseHTTPRequestHandler):
+class Busy(JsonHandler):
     """A replica that answers every request 503 (its /limits: the small ones)."""
 
     posts = 0
@@ -211,17 +210,6 @@ class Busy(BaseHTTPRequestHandler):
         type(self).posts += 1
         self.rfile.read(int(self.headers["Content-Length"]))
         self._send(503, {"error": "busy"}, {"Retry-After": "0", "X-Error-Code": "overloaded"})
-
-    def _send(self, status, doc, headers=None):
-        body = json.dumps(doc).encode()
-        self.send_response(status)
-        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(body)), **(headers or {})}.items():
-            self.send_header(key, value)
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.mark.live
