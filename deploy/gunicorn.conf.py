@@ -17,8 +17,10 @@ import traceback
 # One BLAS thread per worker, so that workers x threads = 2 never oversubscribes the 2 cores.
 # Set before the import below loads numpy (OpenBLAS reads it then); the workers inherit it. An
 # OPENBLAS_NUM_THREADS already in the environment wins. Why: see the worker model below.
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from service.config import ONE_BLAS_THREAD  # noqa: E402  (stdlib only: numpy is not loaded yet)
+
+for _var, _count in ONE_BLAS_THREAD.items():
+    os.environ.setdefault(_var, _count)
 
 # prometheus_client chooses multiprocess mode when it is first imported, which happens as soon
 # as the web layer is (the next imports): the directory must be named before that. Unset: a fresh

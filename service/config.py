@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass, field, fields
 
 VERSION = "1.0.0"
+# The thread counts of a process that computes on one core (the workers, deploy/gunicorn.conf.py;
+# the local replicas; the benchmarks' peers), set before numpy loads: OpenBLAS reads them then.
+ONE_BLAS_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def _env(name: str, default, cast):

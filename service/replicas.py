@@ -16,14 +16,9 @@ import subprocess
 import sys
 import time
 
-ONE_CORE = {
-    "WEB_CONCURRENCY": "1",
-    "ATTN_MAX_INFLIGHT": "1",
-    "ATTN_SPLIT_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-}
+from service.config import ONE_BLAS_THREAD
+
+ONE_CORE = {"WEB_CONCURRENCY": "1", "ATTN_MAX_INFLIGHT": "1", "ATTN_SPLIT_THREADS": "1", **ONE_BLAS_THREAD}
 
 
 def start(n: int, port: int, env: dict[str, str] | None = None, quiet: bool = False) -> list[subprocess.Popen]:

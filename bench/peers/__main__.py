@@ -64,13 +64,13 @@ import tritonclient.http as triton
 from bench.peers import venvs
 from bench.server import ROOT, Server, free_port
 from service import core
+from service.config import ONE_BLAS_THREAD
 
 HERE = Path(__file__).resolve().parent
 OUT = ROOT / "bench" / "out" / "peers.md"
 B, H, D = 1, 8, 64
 LENGTHS = (64, 1024)
 SERVERS = ("ours", "kserve", "mlserver", "litserve", "rayserve", "bentoml")
-BLAS_ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 NATIVE, V2_BINARY, V2_JSON = "native", "v2 binary", "v2 JSON"
 WIRES = {
     NATIVE: "b64 JSON at POST /attention",
@@ -219,7 +219,7 @@ def run_dir(name: str) -> Path:
 def start(only: list[str], targets: list[Target]) -> None:
     """Start the chosen servers into `targets` (all at once: each loads while the others do; the
     caller stops them, also those started before one failed), and wait until each is ready."""
-    peer_env = {"PYTHONPATH": str(ROOT), **BLAS_ONE_THREAD}
+    peer_env = {"PYTHONPATH": str(ROOT), **ONE_BLAS_THREAD}
     if "ours" in only:
         ours = Peer("ours", [sys.executable, "-m", "service"], "/readyz", inherit_settings=False)
         mine = f"this service, numpy {importlib.metadata.version('numpy')}"

@@ -19,8 +19,10 @@ from __future__ import annotations
 import os
 
 # One BLAS thread per worker process, as this service's workers have (set before numpy loads).
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from service.config import ONE_BLAS_THREAD  # noqa: E402  (stdlib only: numpy is not loaded yet)
+
+for _var, _count in ONE_BLAS_THREAD.items():
+    os.environ.setdefault(_var, _count)
 
 import kserve  # noqa: E402  (after the BLAS setting)
 import uvicorn  # noqa: E402

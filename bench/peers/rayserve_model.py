@@ -20,8 +20,10 @@ import threading
 
 # One BLAS thread per worker process, as this service's workers have (set before numpy loads;
 # Ray's worker processes inherit the driver's environment).
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+from service.config import ONE_BLAS_THREAD  # noqa: E402  (stdlib only: numpy is not loaded yet)
+
+for _var, _count in ONE_BLAS_THREAD.items():
+    os.environ.setdefault(_var, _count)
 
 import ray  # noqa: E402  (after the BLAS setting)
 from ray import serve  # noqa: E402
