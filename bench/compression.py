@@ -2,7 +2,8 @@
 "Compression").
 
 Starts `python -m service` with one worker (so that its memory is the worker's) and the defaults of
-`make run`, then:
+`make run` but ATTN_COMPRESS_MAX_BYTES=0 (every answer compressed when asked, whatever its size),
+then:
 
   1. the gzip bomb: 1 GiB of zeros in about 1 MiB (built piece by piece, never inflated here),
      POSTed --bombs times to /attention; for each, the time from the last byte sent to the
@@ -92,7 +93,7 @@ def main() -> None:
     parser.add_argument("--bombs", type=int, default=5)
     parser.add_argument("--ts", type=int, nargs="+", default=[64, 256])
     args = parser.parse_args()
-    server = Server("compression", env={"WEB_CONCURRENCY": "1"}, inherit_settings=False)
+    server = Server("compression", env={"WEB_CONCURRENCY": "1", "ATTN_COMPRESS_MAX_BYTES": "0"}, inherit_settings=False)
     try:
         server.wait_ready()
         [pid] = server.workers()

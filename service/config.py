@@ -49,6 +49,7 @@ RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
     "split_threads": ("ATTN_SPLIT_THREADS", 1, 256),
     "compress_level": ("ATTN_COMPRESS_LEVEL", 1, 9),  # zlib's levels (0 would send stored blocks: larger than identity)
     "compress_min_bytes": ("ATTN_COMPRESS_MIN_BYTES", 0, 2**62),
+    "compress_max_bytes": ("ATTN_COMPRESS_MAX_BYTES", 0, 2**62),
 }
 DEFAULT_DTYPES = ("float32", "float64")  # as schemas.COMPUTE_DTYPES (config imports nothing of the layers)
 
@@ -180,9 +181,13 @@ class Settings:
     split_threads: int = field(default_factory=_cores)
     # Answers compressed when Accept-Encoding asks (service/web/compression.py): zlib's level (1 is
     # the fastest; tensors of random floats gain little from more), and the size below which an
-    # answer goes uncompressed (a gzip member costs 18 bytes and the client a decompression).
+    # answer goes uncompressed (a gzip member costs 18 bytes and the client a decompression), and
+    # the size above which it goes uncompressed too (0: no such size): tensors of random floats
+    # shrink by a quarter (b64) or a half (nested text) at tens of MB per second of a core, slower
+    # than a data-centre network sends them, and Python's requests asks for gzip by default.
     compress_level: int = 1
     compress_min_bytes: int = 1024
+    compress_max_bytes: int = 2**20
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -216,6 +221,7 @@ class Settings:
                 split_threads=_env("ATTN_SPLIT_THREADS", d.split_threads, int),
                 compress_level=_env("ATTN_COMPRESS_LEVEL", d.compress_level, int),
                 compress_min_bytes=_env("ATTN_COMPRESS_MIN_BYTES", d.compress_min_bytes, int),
+                compress_max_bytes=_env("ATTN_COMPRESS_MAX_BYTES", d.compress_max_bytes, int),
             )
         )
 

@@ -223,6 +223,22 @@ def test_a_small_answer_goes_uncompressed_unless_identity_is_refused(big_client)
     assert nothing.status_code == 200 and "Content-Encoding" not in nothing.headers  # sent as it is, never 406
 
 
+@pytest.mark.parametrize("encoding", ["b64", "nested"])
+def test_an_answer_over_the_most_goes_uncompressed_unless_identity_is_refused(encoding):
+    """Past ATTN_COMPRESS_MAX_BYTES the server chooses identity, which the client accepts unless
+    it refuses it; ATTN_COMPRESS_MAX_BYTES=0 sets no most."""
+    body = attention_body(512, encoding)  # with its weights: about 1.4 MB of b64, 3.5 MB nested
+    capped = create_app(Settings(warmup=False, compress_max_bytes=100_000)).test_client()
+    plain = capped.post("/attention", json=body, headers={"Accept-Encoding": "gzip, deflate"})  # what requests sends
+    assert plain.status_code == 200 and "Content-Encoding" not in plain.headers and "Accept-Encoding" in plain.headers["Vary"]
+    refused = capped.post("/attention", json=body, headers={"Accept-Encoding": "gzip, identity;q=0"})
+    assert refused.headers["Content-Encoding"] == "gzip"
+    assert json.loads(decoded(refused))["out"] == json.loads(plain.get_data())["out"]
+    uncapped = create_app(Settings(warmup=False, compress_max_bytes=0)).test_client()
+    packed = uncapped.post("/attention", json=body, headers={"Accept-Encoding": "gzip"})
+    assert packed.headers["Content-Encoding"] == "gzip" and len(packed.get_data()) < len(plain.get_data())
+
+
 def test_an_error_is_compressed_like_any_answer():
     app = create_app(Settings(warmup=False, compress_min_bytes=0))
     resp = app.test_client().post("/attention", json={**WORKED, "casual": True}, headers={"Accept-Encoding": "gzip"})
@@ -281,8 +297,13 @@ def test_refusals_of_compressed_bodies(client, door, headers, body, status, code
 
 def test_the_compression_settings_are_ranged_and_listed(client, monkeypatch):
     limits = client.get("/limits").get_json()
-    assert {"compress_level", "compress_min_bytes"} <= set(limits)
-    for variable, value in (("ATTN_COMPRESS_LEVEL", "0"), ("ATTN_COMPRESS_LEVEL", "10"), ("ATTN_COMPRESS_MIN_BYTES", "-1")):
+    assert {"compress_level", "compress_min_bytes", "compress_max_bytes"} <= set(limits)
+    for variable, value in (
+        ("ATTN_COMPRESS_LEVEL", "0"),
+        ("ATTN_COMPRESS_LEVEL", "10"),
+        ("ATTN_COMPRESS_MIN_BYTES", "-1"),
+        ("ATTN_COMPRESS_MAX_BYTES", "-1"),
+    ):
         monkeypatch.setenv(variable, value)
         with pytest.raises(SystemExit, match=variable):
             Settings.from_env()

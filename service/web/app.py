@@ -46,7 +46,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     accesslog.install(app)
     metrics.install(app)  # before admission: its refusals are counted too
     admission.install(app)
-    compression.install(app, settings.compress_level, settings.compress_min_bytes)  # last: its hook runs first (compression.install)
+    compression.install(
+        app, settings.compress_level, settings.compress_min_bytes, settings.compress_max_bytes
+    )  # last: its hook runs first (compression.install)
     errors.register(app, doors={kserve.bp: errors.Door(kserve.error_body, errors.PROTOCOL_STATUS)})
     app.register_blueprint(api.bp)
     app.register_blueprint(ops.bp)

@@ -12,9 +12,14 @@ one gzip member (a second one is bytes after the end). deflate is zlib's format 
 what tritonclient sends) or, as browsers and servers accept it, raw deflate.
 
 Answers: compressed when Accept-Encoding asks for gzip or deflate (q-values respected; a coding
-over identity on a tie, gzip over deflate) and the answer is at least ATTN_COMPRESS_MIN_BYTES (an answer
-of unknown length, a large nested tensor streamed in chunks, always), at ATTN_COMPRESS_LEVEL, as it
-streams: each chunk the wire's encoder yields is compressed on its way out. Every answer that could
+over identity on a tie, gzip over deflate) and the answer is at least ATTN_COMPRESS_MIN_BYTES and at
+most ATTN_COMPRESS_MAX_BYTES (0: no most; an answer of unknown length, a large nested tensor
+streamed in chunks, counts as over any most), at ATTN_COMPRESS_LEVEL, as it streams: each chunk the
+wire's encoder yields is compressed on its way out. The most is there because a tensor's answer
+gains little (random floats: b64 text to about three quarters, nested text to about half) for a
+core's time that sends it more slowly than a fast network would, and because clients ask without
+being asked (Python's requests sends `gzip, deflate` on every request): identity is always
+acceptable unless refused (RFC 9110 12.5.3), so the server may choose it. Every answer that could
 be compressed says Vary: Accept-Encoding. When identity is refused (`identity;q=0`, or `*;q=0`
 without identity) the answer is compressed whatever its size if any coding is acceptable, and sent
 uncompressed otherwise (RFC 9110 12.5.3 allows either; a 406 would hide the error it carries)."""
@@ -159,7 +164,7 @@ def compressed(chunks: Iterable[Buffer], coding: str, level: int) -> Iterator[by
 UNCOMPRESSED = frozenset({204, 206, 304})  # no body, or a byte range of the uncompressed one
 
 
-def install(app: Flask, level: int, min_bytes: int) -> None:
+def install(app: Flask, level: int, min_bytes: int, max_bytes: int = 0) -> None:
     """Compress answers as Accept-Encoding asks. Installed after every other hook, so that it runs
     first (Flask runs after_request hooks last-installed first): the hooks that count an answer's
     bytes as it is sent (access log, metrics) count what goes on the wire."""
@@ -171,7 +176,9 @@ def install(app: Flask, level: int, min_bytes: int) -> None:
         resp.vary.add("Accept-Encoding")
         coding, identity_refused = answer_coding(request.headers.get("Accept-Encoding"))
         length = resp.content_length
-        if coding is None or (length is not None and length < min_bytes and not identity_refused):
+        small = length is not None and length < min_bytes
+        large = max_bytes > 0 and (length is None or length > max_bytes)
+        if coding is None or ((small or large) and not identity_refused):
             return resp
         resp.response = compressed(resp.iter_encoded(), coding, level)
         if (etag := resp.headers.get("ETag")) and not etag.startswith("W/"):
