@@ -10,7 +10,8 @@ same through tritonclient.http.aio (binary tensors, asyncio.gather), as a Triton
 closed: --clients clients each POST back to back on one keep-alive connection for --seconds;
 statuses, the servers' refusal codes and messages (counted, numbers blanked), p50/p99 of the 200s,
 and under --deadline (X-Deadline-Ms) the share of 200s the client received later than 1.25 x the
-deadline, how many 503s carried Retry-After, and the refusals' latency p50. Latency is the
+deadline, how many 503s carried Retry-After, and the refusals' latency p50 (the client's, and the
+server's: its Server-Timing total, from the request's first byte to the refusal). Latency is the
 client's: from sending the request to the last byte of the answer read. Bounded: each run is
 seconds long; the machine may be shared (say so with the figures)."""
 
@@ -106,6 +107,7 @@ def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
 
 def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float | None) -> dict:
     oks, refusals, statuses, reasons, retry_after, lock = [], [], Counter(), Counter(), Counter(), threading.Lock()
+    refusals_server = []  # a refusal's Server-Timing total: from its first byte at the server to its answer
     gaps = []  # a 200's client latency less the server's Server-Timing total (the app's time until the answer was built)
     headers = {**HEADERS, **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
     stop = time.monotonic() + seconds
@@ -129,6 +131,9 @@ def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float 
                             gaps.append(ms - float(built.group(1)))
                     elif r is not None:
                         refusals.append(ms)
+                        server = re.search(r"total;dur=([0-9.]+)", r.headers.get("Server-Timing", ""))
+                        if server:
+                            refusals_server.append(float(server.group(1)))
                         reasons[reason(r)] += 1
                         if status == 503:
                             retry_after["with" if r.headers.get("Retry-After") else "without"] += 1
@@ -150,6 +155,7 @@ def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float 
         result["late_200s"] = f"{late} of {len(oks)} ({100 * late / max(len(oks), 1):.1f}%) later than {1.25 * deadline:g} ms"
         result["503_retry_after"] = dict(retry_after)
         result["refusal_p50_ms"] = round(statistics.median(refusals)) if refusals else None
+        result["refusal_server_p50_ms"] = round(statistics.median(refusals_server)) if refusals_server else None
     return result
 
 

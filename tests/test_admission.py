@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -22,6 +23,7 @@ from service.cost import CostModel
 from service.web import admission, census, create_app, ops
 from service.web.context import services
 from service.web.errors import ApiError
+from service.web.sending import Send
 
 from .helpers import WORKED, b64, big_body, start_server, stop_server, wait_until
 
@@ -414,6 +416,58 @@ def test_the_answers_send_time_counts_against_the_deadline(app, client):
     assert r.status_code == 504 and "sending the answer" in r.json["error"]["message"]
     model.respond_ms_per_mb = 0.0
     assert post(client, **{"X-Deadline-Ms": "5000"}).status_code == 200
+
+
+def _answer_of_44_kb(rng) -> dict:
+    q = rng.standard_normal((64, 64)).astype(np.float32)
+    return {"q": b64(q), "k": b64(q), "v": b64(q), "return_weights": True}  # out and weights: 43.7 KB of b64
+
+
+def test_an_answer_that_cannot_be_sent_beside_those_sending_is_refused_before_computing(app, client, rng):
+    """The answers the worker is sending share the pipe with a new one: a 44 KB answer at 30 ms per
+    KB takes 1.3 s alone, twice that beside 1 GB still to send, past a 2 s deadline."""
+    services(app).cost = CostModel(a=0, b=0, c=0, respond_ms_per_mb=30_000.0)
+    gate = services(app).gate
+    with gate._lock:
+        gate.advance_pipe(30_000.0)
+        gate.pipe.sends.append(Send(10**9))
+    try:
+        r = post(client, _answer_of_44_kb(rng), **{"X-Deadline-Ms": "2000"})
+        assert r.status_code == 504 and "sending the answer" in r.json["error"]["message"], r.json
+        gate.pipe.sends.clear()
+        r = post(client, _answer_of_44_kb(rng), **{"X-Deadline-Ms": "2000"})
+        assert r.status_code == 200
+        r.get_data()
+    finally:
+        gate.pipe.sends.clear()
+
+
+def test_an_answer_that_would_make_one_being_sent_late_is_503(app, client, rng):
+    """An answer computed while another is being sent starts sending only if the other still makes
+    its own deadline beside it: first come, first served, as in the compute queue. Here the one
+    sending (40 KB at 30 ms per KB: 1.2 s alone) is due within 1.5 s; a 44 KB answer beside it
+    would take it past that."""
+    services(app).cost = CostModel(a=0, b=0, c=0, respond_ms_per_mb=30_000.0)
+    gate = services(app).gate
+    with gate._lock:
+        gate.advance_pipe(30_000.0)
+        sending = Send(40_000, deadline=time.perf_counter() + 1.5)
+        gate.pipe.sends.append(sending)
+    try:
+        r = post(client, _answer_of_44_kb(rng), **{"X-Deadline-Ms": "60000"})
+        assert r.status_code == 503 and r.json["error"]["code"] == "overloaded", r.json
+        assert "would make 1 of the 1 answers" in r.json["error"]["message"] and int(r.headers["Retry-After"]) >= 1
+        assert gate.pipe.sends == [sending] and (gate.admitted, gate.bytes) == (0, 0)
+    finally:
+        gate.pipe.sends.clear()
+
+
+def test_the_census_counts_other_workers_answers_sending():
+    table = census.Table(rows=2, shared=False)
+    table.put(0, census.SENDING, 3)
+    table.put(0, census.SENDING_BYTES, 5_000_000)
+    assert table.others(1, census.SENDING) == 3 and table.others(1, census.SENDING_BYTES) == 5_000_000
+    assert table.others(0, census.SENDING) == 0
 
 
 def test_a_deadline_that_passes_mid_compute_stops_it_between_blocks(app, client, rng, monkeypatch):

@@ -415,18 +415,39 @@ def test_observations_that_swamp_the_ridge_leave_a_fit_not_an_error(monkeypatch)
 
 
 def test_the_respond_rate_is_learned_from_answers_large_enough_to_tell():
-    """respond_ms follows what answers took from the end of their compute to their last byte sent;
-    answers too small for their bytes to dominate teach nothing."""
+    """respond_ms_per_mb follows the pipe's rate answers saw (their bytes over their share of it):
+    the first answer's replaces the calibrated rate, then a running geometric mean; answers too
+    small for their bytes to dominate teach nothing."""
     from service.cost.model import RESPOND_MIN_BYTES
 
     model = CostModel(respond_ms_per_mb=1.0)
-    assert model.respond_ms(2_000_000) == pytest.approx(2.0)
     model.observe_respond(RESPOND_MIN_BYTES - 1, 1e6)  # fixed costs, not bytes
-    assert model.respond_ms_per_mb == 1.0
-    for _ in range(60):
+    assert model.respond_ms_per_mb == 1.0 and model.respond_bound() == 1.0
+    model.observe_respond(4_000_000, 8.0)  # the first answer replaces the calibrated rate
+    assert model.respond_ms_per_mb == pytest.approx(2.0) and model.respond_bound() == pytest.approx(2.0)
+    for _ in range(100):
         model.observe_respond(4_000_000, 40.0)  # 10 ms per MB
-    assert model.respond_ms(1_000_000) == pytest.approx(10.0, rel=0.01)
+    assert model.respond_ms_per_mb == pytest.approx(10.0, rel=0.01)
+    assert model.respond_bound() == pytest.approx(10.0, rel=0.01)  # a steady rate: no spread left
     assert model.coefficients()["respond_ms_per_MB"] == pytest.approx(10.0, rel=0.01)
+
+
+def test_the_respond_bound_covers_all_but_a_few_answers_of_a_varying_rate():
+    """Admission predicts sends by respond_bound(): above the mean by the spread of what answers
+    saw, so that few are slower than predicted; the spread fades once the rate is steady."""
+    rng = np.random.default_rng(3)
+    model = CostModel()
+    seen = np.exp(rng.normal(np.log(5.0), 0.4, 2000))  # ms per MB, lognormal
+    above = 0
+    for i, rate in enumerate(seen):
+        if i >= 100:  # once learned: how many answers were slower than the bound predicted
+            above += rate > model.respond_bound()
+        model.observe_respond(1_000_000, float(rate))
+    assert model.respond_bound() > model.respond_ms_per_mb
+    assert above / (len(seen) - 100) < 0.05
+    for _ in range(200):
+        model.observe_respond(1_000_000, 5.0)
+    assert model.respond_bound() == pytest.approx(5.0, rel=0.01)
 
 
 def test_answer_bytes_follow_the_encoding(rng):

@@ -49,12 +49,18 @@ taken.
 It also measures the fastest this machine receives and parses a request body (a b64 body through
 a local socket): a deadline shorter than that is refused before the body is even read.
 
-And the time an answer takes from the end of its compute until its last byte has been sent (the
-encoding, done as it is sent, and the send): respond_ms(bytes) at a rate per MB of answer, first
-timed at calibration (a b64 answer encoded through a local socket), then the running mean of what
-answers of at least RESPOND_MIN_BYTES took (observe_respond), so that a slow network or a busy
-machine is learned. Admission adds it to the compute to predict when an answer will have been sent
-(X-Deadline-Ms is end to end).
+And the rate at which the server's answers are encoded and sent, in ms per MB (respond_ms_per_mb):
+the pipe the answers sending at once share (the web layer's sending.py, which predicts from it when
+an answer's last byte will have been written; X-Deadline-Ms is end to end). First timed at
+calibration (a b64 answer encoded through a local socket: this machine's own part, the clients'
+reading not yet seen), then the running mean of what answers of at least RESPOND_MIN_BYTES saw
+(observe_respond: an answer's bytes over its share of the pipe), so that a slow network, slow
+clients or a busy machine are learned. The first answer replaces the calibrated rate, which cannot
+have seen a client read. The rate answers see varies from one to the next (how fast each client
+reads, what else the cores do), and an answer predicted too fast is sent after its deadline, one
+predicted too slow only refused: admission reads respond_bound(), the rate at the running mean of
+its logarithm plus RESPOND_Z running standard deviations, which a lognormal rate exceeds for about
+2% of answers.
 """
 
 from __future__ import annotations
@@ -81,10 +87,11 @@ def contention(threads: float, cores: int) -> float:
     return max(1.0, threads / max(cores, 1))
 
 
-def _running_mean(before: float, seen: float) -> float:
-    """A ratio's running geometric mean (ratios of 2 and of 0.5 cancel): log(before) moved
-    SLOWDOWN_WEIGHT of the way towards log(seen)."""
-    return math.exp((1 - SLOWDOWN_WEIGHT) * math.log(before) + SLOWDOWN_WEIGHT * math.log(seen))
+def _running_mean(before: float, seen: float, weight: float | None = None) -> float:
+    """A ratio's running geometric mean (ratios of 2 and of 0.5 cancel): log(before) moved weight
+    (SLOWDOWN_WEIGHT by default) of the way towards log(seen)."""
+    w = SLOWDOWN_WEIGHT if weight is None else weight
+    return math.exp((1 - w) * math.log(before) + w * math.log(seen))
 
 
 def _level(busy: float) -> int:
@@ -115,6 +122,9 @@ MAX_PULL = 4.0
 # The least answer whose encode-and-send time teaches the respond rate: below it the time is the
 # response's fixed costs (headers, a syscall or two), not its bytes.
 RESPOND_MIN_BYTES = 256 * 1024
+# Standard deviations of the rate's logarithm above its mean that respond_bound() is: 2.05 is the
+# 98th percentile of a normal distribution, so that at most about 2% of answers are slower.
+RESPOND_Z = 2.05
 
 
 class _Fit:
@@ -202,7 +212,9 @@ class CostModel:
         self._lock = threading.Lock()
         self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0), strict=True)}
         self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
-        self.respond_ms_per_mb = respond_ms_per_mb  # an answer encoded and sent, per MB of it on the wire (learned)
+        self.respond_ms_per_mb = respond_ms_per_mb  # the answers' pipe: ms per MB on the wire, shared by those sending (learned)
+        self.respond_spread = 0.0  # the running standard deviation of the logarithm of the rate answers saw
+        self.responds_seen = 0  # answers the respond rate has learned from
         self.calibrated = False
         self.calibration_s = 0.0
         self.cores = cores if cores is not None else available_cores()  # the contention is threads over these
@@ -243,18 +255,29 @@ class CostModel:
         fastest kind, through a local socket): what a deadline must allow before compute starts."""
         return self.read_ms_per_mb * body_bytes / 1e6
 
-    def respond_ms(self, answer_bytes: int) -> float:
-        """Predicted ms from the end of a compute until its answer of answer_bytes (on the wire)
-        has been sent: its encoding (done as it is sent) and the send."""
-        return self.respond_ms_per_mb * answer_bytes / 1e6
-
     def observe_respond(self, answer_bytes: int, ms: float) -> None:
-        """Learn the respond rate from one answer of answer_bytes that took ms from the end of its
-        compute to its last byte sent (answers under RESPOND_MIN_BYTES teach nothing)."""
+        """Learn the respond rate from one answer of answer_bytes whose encoding and sending, from
+        the end of its compute to its last byte written, had ms of the pipe (its share of the time,
+        with n answers sending 1/n of it; all of it alone). Answers under RESPOND_MIN_BYTES teach
+        nothing: their time is the response's fixed costs, not their bytes."""
         if answer_bytes < RESPOND_MIN_BYTES or not (ms > 0 and math.isfinite(ms)):
             return
+        seen = ms / (answer_bytes / 1e6)
         with self._lock:
-            self.respond_ms_per_mb = _running_mean(self.respond_ms_per_mb, ms / (answer_bytes / 1e6))
+            if (
+                not self.responds_seen or not self.respond_ms_per_mb > 0
+            ):  # the calibration timed this machine's part, never a client's reading
+                self.respond_ms_per_mb, self.respond_spread = seen, 0.0
+            else:  # the running mean and variance of the logarithm (exponentially weighted)
+                w, gap = SLOWDOWN_WEIGHT, math.log(seen / self.respond_ms_per_mb)
+                self.respond_ms_per_mb *= math.exp(w * gap)
+                self.respond_spread = math.sqrt((1 - w) * (self.respond_spread**2 + w * gap * gap))
+            self.responds_seen += 1
+
+    def respond_bound(self) -> float:
+        """The respond rate (ms per MB) that about 98% of answers see at most: the running mean's
+        logarithm plus RESPOND_Z standard deviations. What admission predicts sends by."""
+        return self.respond_ms_per_mb * math.exp(RESPOND_Z * self.respond_spread)
 
     def observe(self, work: Work, ms: float, cpu_ms: float | None = None, busy: float = 1.0, threads: int = 1) -> None:
         """Learn from one measured compute: ms of wall time, cpu_ms of the computing thread's CPU
@@ -347,6 +370,7 @@ class CostModel:
             "by_dtype": fits,
             "read_ms_per_MB": round(self.read_ms_per_mb, 4),
             "respond_ms_per_MB": round(self.respond_ms_per_mb, 4),
+            "respond_bound_ms_per_MB": round(self.respond_bound(), 4),
             "calibrated": self.calibrated,
             "calibration_s": round(self.calibration_s, 3),
             "cores": self.cores,

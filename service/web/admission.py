@@ -4,6 +4,7 @@ Before the body is parsed (a before_request hook, so a refusal costs no parsing)
   401 unauthorized  when ATTN_API_KEYS is set and no key matches (constant-time comparison);
   422 bad_option    when X-Deadline-Ms is not a positive number of milliseconds;
   504 deadline      when even receiving and parsing its Content-Length would outlast the deadline;
+  503 overloaded    when that and the predicted wait for a compute slot (Gate.wait_ms()) would;
   503 overloaded    when the server as a whole already holds its safety cap of compute requests,
                     (max_inflight + max_queue) x the workers running, or the request's body, with
                     what parsing it can take (parse_charge(): by its encoding), would take this
@@ -64,10 +65,10 @@ from flask import Flask, Response, has_app_context, request
 from schemas import RequestError
 from schemas.jobs import AttentionJob, MhaJob
 from service.config import Settings
-from service.cost import answer_bytes, work_of
+from service.cost import CostModel, answer_bytes, work_of
 from service.transport import BODY_KEY, SENT_KEY, STARTED_KEY
 
-from . import census, metrics, parallel
+from . import census, metrics, parallel, sending
 from .context import context, services
 from .errors import ApiError
 from .http import phase
@@ -108,7 +109,7 @@ class Gate:
         self.admitted = 0  # this worker's requests past the gate, until their response has been built
         self.bytes = 0  # their Content-Length plus estimated working bytes, until sent
         self.waiting = 0  # validated jobs waiting for a compute slot
-        self.sending = 0  # computed answers being encoded and sent (they share the worker's CPU and network)
+        self.pipe = sending.Pipe()  # computed answers being encoded and sent (they share the worker's CPU and the clients' reading)
         self._jobs: set[Ticket] = set()  # validated jobs, waiting or computing: the work ahead of a new one
         row = table.join(max_inflight + max_queue) if table is not None else None
         if table is None or row is None:
@@ -172,6 +173,29 @@ class Gate:
         ahead = sum(t.predicted_ms if t.started is None else max(t.predicted_ms - (now - t.started) * 1000, 0.0) for t in jobs)
         return ahead / self.max_inflight
 
+    def respond_ms(self, nbytes: int, compute_ms: float, wait_ms: float, ms_per_mb: float) -> tuple[float, float]:
+        """Predicted ms from the end of a job's compute until its answer of nbytes has been sent:
+        (starting once computed, with nothing ahead of it; after the predicted wait_ms, with the
+        answers of the jobs ahead of it sending too). The pipe's answers sending now drain
+        meanwhile (sending.Pipe.respond_ms)."""
+        with self._lock:
+            others = self.advance_pipe(ms_per_mb)
+            ahead = [t.answer_bytes for t in self._jobs]
+            alone = self.pipe.respond_ms(nbytes, compute_ms, [], ms_per_mb, others)
+            return alone, self.pipe.respond_ms(nbytes, wait_ms + compute_ms, ahead, ms_per_mb, others)
+
+    def advance_pipe(self, ms_per_mb: float) -> sending.Others:
+        """The pipe's model moved to now (under the lock), beside the other workers' answers
+        sending as the census has them; those returned."""
+        others = sending.Others(self.table.others(self.row, census.SENDING), self.table.others(self.row, census.SENDING_BYTES))
+        self.pipe.advance(time.perf_counter(), ms_per_mb, others)
+        return others
+
+    def publish_pipe(self) -> None:
+        """This worker's answers sending, and their bytes left, into its census row (under the lock)."""
+        self.table.put(self.row, census.SENDING, len(self.pipe.sends))
+        self.table.put(self.row, census.SENDING_BYTES, self.pipe.left())
+
     def _overloaded(self, why: str, wait_ms: float | None = None) -> ApiError:
         """503 overloaded, with Retry-After: the predicted drain time (the wait ahead, whole seconds)."""
         wait_s = (self.wait_ms() if wait_ms is None else wait_ms) / 1000
@@ -185,14 +209,16 @@ class Ticket:
 
     def __init__(self, gate: Gate, nbytes: int, parse_bytes: int = 0):
         self.gate, self.bytes, self.predicted_ms = gate, nbytes, 0.0
+        self.answer_bytes = 0  # its answer's predicted bytes, sent once computed (the pipe ahead of later jobs)
         self.parse_bytes = parse_bytes  # part of bytes, charged for the parse until reserve()
         self.started: float | None = None  # perf_counter() when it got its compute slot
         self.running = False
         self.computing = True  # counted in gate.admitted
 
-    def reserve(self, nbytes: int, predicted_ms: float) -> None:
+    def reserve(self, nbytes: int, predicted_ms: float, answer_bytes: int = 0) -> None:
         """Replace the parse charge by the job's working bytes (503 if they do not fit beside the
-        others) and count its predicted compute in the work ahead of later jobs."""
+        others) and count its predicted compute, and its answer's bytes, in what is ahead of later
+        jobs."""
         gate = self.gate
         with gate._lock:
             others = gate.bytes - self.bytes
@@ -204,7 +230,7 @@ class Ticket:
             gate._add_bytes(change)
             self.bytes += change
             self.parse_bytes = 0
-            self.predicted_ms = predicted_ms
+            self.predicted_ms, self.answer_bytes = predicted_ms, answer_bytes
             gate._jobs.add(self)
 
     def charge_body(self, nbytes: int) -> None:
@@ -297,22 +323,23 @@ def admit(job: AttentionJob | MhaJob) -> None:
     held = services()
     predicted = ctx.predicted_ms = held.cost.predict(work, ctx.busy, threads)
     ctx.answer_bytes = answer_bytes(job)
-    # The answers this worker sends share its CPU (encoding) and the clients' reading: the respond
-    # rate is learned per byte x the answers sending at once, and predicted at the count now.
-    respond = held.cost.respond_ms(ctx.answer_bytes * (held.gate.sending + 1))
     deadline, ticket = ctx.deadline_ms, ctx.admission
     bound_ms = held.settings.max_queue_wait_ms
+    wait = ticket.gate.wait_ms() if ticket is not None else 0.0
+    # The answers this worker sends share its CPU (encoding) and the clients' reading (sending.py):
+    # this one's send is predicted beside those sending now, drained by the time it is computed,
+    # and (after a wait) beside the answers of the jobs ahead of it.
+    alone, respond = held.gate.respond_ms(ctx.answer_bytes, predicted, wait, held.cost.respond_bound())
     if deadline is not None:
         ctx.stop_at = ctx.arrived + (deadline - respond) / 1000  # past it, the answer could no longer be sent in time
         spent = elapsed_ms()
-        if spent + predicted + respond > deadline:
+        if spent + predicted + alone > deadline:
             raise _deadline(
-                f"{spent:.3g} ms spent reading and validating, then the predicted {predicted:.3g} ms of compute and {respond:.3g} ms of "
+                f"{spent:.3g} ms spent reading and validating, then the predicted {predicted:.3g} ms of compute and {alone:.3g} ms of "
                 f"sending the answer exceed X-Deadline-Ms={deadline:g}"
             )
     if ticket is None:
         return
-    wait = ticket.gate.wait_ms()
     if deadline is not None and elapsed_ms() + wait + predicted + respond > deadline:
         raise ticket.gate._overloaded(
             f"the predicted wait for a compute slot ({wait:.3g} ms) would make this request miss X-Deadline-Ms={deadline:g}", wait
@@ -321,7 +348,7 @@ def admit(job: AttentionJob | MhaJob) -> None:
         raise ticket.gate._overloaded(
             f"the predicted wait for a compute slot ({wait:.3g} ms) exceeds ATTN_MAX_QUEUE_WAIT_MS={bound_ms}", wait
         )
-    ticket.reserve(job.working_bytes(), predicted)
+    ticket.reserve(job.working_bytes(), predicted, ctx.answer_bytes)
     if ticket.take_slot():
         return
     with phase("queue"):  # only a request that waited has a queue phase
@@ -338,17 +365,48 @@ def admit(job: AttentionJob | MhaJob) -> None:
 
 
 def start_sending() -> None:
-    """This request's answer is computed and about to be encoded and sent: counted in the worker's
-    answers sending (Gate.sending) until it has been written or dropped."""
-    ctx, gate = context(), services().gate
+    """This request's answer is computed and about to be encoded and sent: in the worker's pipe of
+    answers sending (Gate.pipe) until it has been written or dropped. Under X-Deadline-Ms, 504 if
+    beside the answers sending now it would be written after the deadline, and 503 if it would make
+    one of them, on time without it, miss its own: an answer admitted earlier is not made late by a
+    later one (as in the compute queue, first come first served)."""
+    ctx, held = context(), services()
+    gate, ms_per_mb, deadline = held.gate, held.cost.respond_bound(), ctx.deadline_ms
+    send = sending.Send(ctx.answer_bytes, math.inf if deadline is None else ctx.arrived + deadline / 1000)
     with gate._lock:
-        gate.sending += 1
-        ctx.sends = gate.sending
+        others = gate.advance_pipe(ms_per_mb)
+        now = time.perf_counter()
+        if deadline is not None:
+            before, after = gate.pipe.finishes(ms_per_mb, others=others), gate.pipe.finishes(ms_per_mb, send, others)
+            if now + after[-1] / 1000 > send.deadline:
+                raise RequestError(
+                    "deadline",
+                    f"Computed, but its answer ({send.nbytes / 1e6:.3g} MB) could not be sent by X-Deadline-Ms={deadline:g} beside the "
+                    f"{len(before) + others.count} answers the server is sending; allow more time or send a smaller request.",
+                )
+            mine = gate.pipe.sends
+            hurt = sum(1 for other, b, a in zip(mine, before, after, strict=False) if now + b / 1000 <= other.deadline < now + a / 1000)
+            if hurt:
+                raise gate._overloaded(
+                    f"sending this answer ({send.nbytes / 1e6:.3g} MB) now would make {hurt} of the {len(mine)} answers this worker "
+                    f"is sending miss their X-Deadline-Ms",
+                    max(before),
+                )
+        gate.pipe.sends.append(send)
+        gate.publish_pipe()
+    ctx.send = send
 
 
-def _end_sending(gate: Gate) -> None:
+def _end_sending(gate: Gate, cost: CostModel, send: sending.Send, learn: bool) -> None:
+    """send's last byte has been written (or the connection dropped): out of the pipe; learn: its
+    share of the pipe teaches the cost model the pipe's rate."""
     with gate._lock:
-        gate.sending -= 1
+        gate.advance_pipe(cost.respond_bound())
+        if send in gate.pipe.sends:
+            gate.pipe.sends.remove(send)
+        gate.publish_pipe()
+    if learn:
+        cost.observe_respond(send.nbytes, send.share_ms)
 
 
 def stopper() -> Callable[[], bool] | None:
@@ -508,11 +566,17 @@ def install(app: Flask) -> None:
                 _check_key(settings.api_keys)
             deadline = ctx.deadline_ms = _parse_deadline()
             nbytes = request.content_length
-            if deadline is not None and nbytes:
-                floor = held.cost.read_floor_ms(nbytes)
+            if deadline is not None:
+                floor = held.cost.read_floor_ms(nbytes or 0)
                 if floor > deadline - elapsed_ms():
                     raise _deadline(
                         f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={deadline:g}"
+                    )
+                wait = held.gate.wait_ms()  # the compute ahead: a request that would miss its deadline waiting is not parsed
+                if floor + wait > deadline - elapsed_ms():
+                    raise held.gate._overloaded(
+                        f"the predicted wait for a compute slot ({wait:.3g} ms) would make this request miss X-Deadline-Ms={deadline:g}",
+                        wait,
                     )
             over = nbytes is not None and nbytes > settings.max_body_bytes  # about to be refused with 413, unparsed
             if nbytes is None or over:
@@ -529,23 +593,15 @@ def install(app: Flask) -> None:
         if ticket is not None:
             ticket.end_compute()  # a slow reader must not pin a compute slot
             metrics.when_sent(resp, ticket.release)  # its bytes are held until the body is sent
-        if ctx.sends:
-            # The respond rate is learned up to the last byte written to the socket: the event loop's
+        send, ctx.send = ctx.send, None
+        if send is not None:
+            # The answer leaves the pipe at the last byte written to the socket: the event loop's
             # (SENT_KEY) when the worker has one, since the thread hands a slow reader's rest to it;
             # else when the body has been iterated.
-            computed_at, weighed, cost, gate, ok = (
-                ctx.computed_at or 0.0,
-                ctx.answer_bytes * ctx.sends,
-                held.cost,
-                held.gate,
-                resp.status_code == 200,
-            )
-            ctx.sends = 0
+            cost, gate, ok = held.cost, held.gate, resp.status_code == 200
 
             def sent(written: bool = True) -> None:
-                _end_sending(gate)
-                if written and ok:
-                    cost.observe_respond(weighed, (time.perf_counter() - computed_at) * 1000)
+                _end_sending(gate, cost, send, written and ok)
 
             when_written = request.environ.get(SENT_KEY)
             if when_written is not None:
@@ -560,6 +616,6 @@ def install(app: Flask) -> None:
         ticket, ctx.admission = ctx.admission, None  # still here only if no response was made
         if ticket is not None:
             ticket.release()
-        if ctx.sends:
-            ctx.sends = 0
-            _end_sending(held.gate)
+        send, ctx.send = ctx.send, None
+        if send is not None:
+            _end_sending(held.gate, held.cost, send, False)

@@ -32,8 +32,9 @@ def run(job: Job) -> core.Result:
     CPU time, the requests busy in the server when it was admitted, and the threads it took)
     teaches the cost model and is counted against admit()'s prediction. (out, weights or None),
     and lse when the job asks for it. Under X-Deadline-Ms the core is stopped between blocks once
-    the answer could no longer be sent in time, and a compute that ends too late to send it is
-    refused as well: 504 deadline either way, never a late 200."""
+    the answer could no longer be sent in time, and an answer that could not be sent in time beside
+    those the worker is sending is refused as well (admission.start_sending): 504 deadline either
+    way, never a late 200 as far as the worker's pipe of answers can tell."""
     ctx = context()
     work = ctx.work or work_of(job)
     threads = parallel.threads(work)  # more than one only for a large job alone on the server
@@ -44,13 +45,10 @@ def run(job: Job) -> core.Result:
             result = job.compute(threads, services().pool, stop)
     except core.Stopped:
         raise late() from None
-    ctx.computed_at = time.perf_counter()
-    start_sending()
     cpu_ms = (time.thread_time() - cpu_start) * 1000
     metrics.observe_compute(work, timer.ms, ctx.predicted_ms or 0.0)
     services().cost.observe(work, timer.ms, cpu_ms, ctx.busy, threads)
-    if stop is not None and stop():
-        raise late()
+    start_sending()
     return result
 
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # annotations only: this module is imported by every other of
     from service.cost import CostModel, Work
 
     from .admission import Gate, Ticket
+    from .sending import Send
     from .tracing import Spans, Trace
 
 EXTENSION = "attention"  # app.extensions[EXTENSION]: this app's Services
@@ -75,8 +76,7 @@ class RequestContext:
     predicted_ms: float | None = None  # the cost model's prediction, made when it was admitted
     answer_bytes: int = 0  # its answer's predicted bytes on the wire (cost.answer_bytes)
     stop_at: float | None = None  # perf_counter() past which its answer could not be sent by X-Deadline-Ms
-    computed_at: float | None = None  # perf_counter() when its compute ended (the respond time runs from it)
-    sends: int = 0  # answers this worker was sending when this one started, itself included (0: not sending)
+    send: Send | None = None  # its answer in the worker's pipe of answers sending (sending.py), until written
     # an error answer
     error_code: str | None = None
     error_field: str | None = None
