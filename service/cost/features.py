@@ -23,10 +23,11 @@ EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)
 # With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
 # half a computed score's time each.
 ZEROED_WEIGHT_SHARE = 0.5
-# What each element of q and out, and of k and v, costs beside the matmuls, in computed scores:
-# q is scaled and out divided (a pass or two each), k and v read once for their bounds.
-# Negligible where S and T are alike and large; all of the time where one is tiny (bench/README.md).
-QUERY_ELEMENT_WEIGHT, KEY_ELEMENT_WEIGHT = 1.0, 0.25
+# The elements the fit's e counts beside the scores (Work.elements): each of q and out is scaled,
+# divided, checked (a pass or two each, and the row's passes over its max and sum); each of k and v
+# is read for its bounds and streamed by the matmuls, KEY_ELEMENT_WEIGHT of a q element's time.
+# Negligible where S and T are alike and large; all of the time where one is tiny.
+KEY_ELEMENT_WEIGHT = 0.1
 
 
 # Bytes on the wire per number of an answer: b64 is 4/3 of the raw bytes; JSON text (nested, flat)
@@ -63,14 +64,22 @@ class Work:
     blocks: int = 1  # the numeric core's blocks (its plan's count)
     cost_factor: float = 1.0  # the plain work's time x this (a bias, ALiBi, a mask)
     fitted: bool = True  # the fit may learn from its measured time
-    query_elements: int = 0  # the elements of q and out (QUERY_ELEMENT_WEIGHT scores each)
-    key_elements: int = 0  # the elements of k and v (KEY_ELEMENT_WEIGHT scores each)
+    query_elements: int = 0  # the elements of q and out
+    key_elements: int = 0  # the elements of k and v (KEY_ELEMENT_WEIGHT of a q element each)
+    narrow_outputs: int = 0  # the outputs of matmuls one term wide (d = 1: q kᵀ; one key: weights v)
+
+    @property
+    def elements(self) -> float:
+        """What the fit's e multiplies: the elements of q and out, KEY_ELEMENT_WEIGHT of each of k
+        and v's, and each output of a matmul one term wide. numpy computes such a matmul (a d of 1,
+        a single key) element by element, several times a wide one's time per output, which its
+        flops (2 an output) do not count; an output costs about what a q element's passes do."""
+        return self.query_elements + KEY_ELEMENT_WEIGHT * self.key_elements + self.narrow_outputs
 
     def features(self) -> np.ndarray:
-        """(GFLOP, M score elements, blocks) x cost_factor: what the fit's a, b, c multiply; the
-        score elements count q, k, v and out's elements too, at their weights."""
-        scores = self.score_elements + QUERY_ELEMENT_WEIGHT * self.query_elements + KEY_ELEMENT_WEIGHT * self.key_elements
-        return np.array([self.flops / 1e9, scores / 1e6, float(self.blocks)]) * self.cost_factor
+        """(GFLOP, M score elements, blocks, M elements) x cost_factor: what the fit's a, b, c, e
+        multiply."""
+        return np.array([self.flops / 1e9, self.score_elements / 1e6, float(self.blocks), self.elements / 1e6]) * self.cost_factor
 
 
 def cost_factor(job: Job) -> float:
@@ -110,4 +119,5 @@ def work_of(job: Job) -> Work:
     fitted = factor == 1.0 and getattr(job, "key_lengths", None) is None
     d, dv = job.head_widths
     rows, keys = job.B * job.T * (d + dv), job.B // job.groups * job.S * (d + dv)  # q and out; k and v
-    return Work(int(flops), int(scores), job.dtype, int(job.T), blocks, factor, fitted, rows, keys)
+    narrow = (int(job.score_elements * share) if d == 1 else 0) + (job.B * job.T * dv if job.S == 1 else 0)  # q kᵀ; weights v
+    return Work(int(flops), int(scores), job.dtype, int(job.T), blocks, factor, fitted, rows, keys, narrow)
