@@ -22,8 +22,8 @@ CALIBRATION = [
     ("float32", (1, 8, 512, 16), "attention"),
     ("float32", (1, 8, 512, 128), "attention"),
     ("float32", (256, 512, 8), "mha"),
-    ("float32", (1, 8, 1024, 64), "attention"),
-    ("float32", (1, 2, 2048, 64), "attention"),
+    ("float32", (1, 4, 1024, 64), "attention"),
+    ("float32", (1, 1, 2048, 64), "attention"),
     ("float64", (1, 8, 128, 64), "attention"),
     ("float64", (1, 8, 1024, 64), "one key"),
     ("float64", (1, 8, 512, 64), "attention"),
@@ -36,9 +36,9 @@ def probe(rng, dtype: str, shape: tuple, kind: str) -> AttentionJob | MhaJob:
         n, d, h = shape
         x, wq, wk, wv, wo = (rng.standard_normal(s).astype(dtype) for s in ((n, d), (d, d), (d, d), (d, d), (d, d)))
         return MhaJob(x, wq, wk, wv, wo, heads=h, causal=True, return_weights=True, encoding="b64")
-    q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
-    if kind == "one key":
-        k, v = k[..., :1, :], v[..., :1, :]
+    B, H, T, d = shape
+    q = rng.standard_normal(shape).astype(dtype)
+    k, v = (rng.standard_normal((B, H, 1 if kind == "one key" else T, d)).astype(dtype) for _ in range(2))
     causal, weights = ("top_left", False) if kind == "causal, no weights" else (False, True)
     return AttentionJob(q, k, v, None, causal=causal, key_lengths=None, scale=None, return_weights=weights, encoding="b64")
 

@@ -25,9 +25,11 @@ EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)
 ZEROED_WEIGHT_SHARE = 0.5
 # The elements the fit's e counts beside the scores (Work.elements): each of q and out is scaled,
 # divided, checked (a pass or two each, and the row's passes over its max and sum); each of k and v
-# is read for its bounds and streamed by the matmuls, KEY_ELEMENT_WEIGHT of a q element's time.
-# Negligible where S and T are alike and large; all of the time where one is tiny.
-KEY_ELEMENT_WEIGHT = 0.1
+# is read for its bounds and streamed by the matmuls, KEY_ELEMENT_WEIGHT of a q element's time: in
+# a worker they arrive fresh from the decoder, read from memory, not the cache a repeated timing
+# keeps them in (bench/README.md). Negligible where S and T are alike and large; all of the time
+# where one is tiny.
+KEY_ELEMENT_WEIGHT = 0.3
 
 
 # Bytes on the wire per number of an answer: b64 is 4/3 of the raw bytes; JSON text (nested, flat)
