@@ -75,7 +75,7 @@ def main() -> None:
     with threadpool_limits(limits=1, user_api="blas"):
         model = CostModel()
         model.calibrate(1.5)
-        print(f"calibrated: a={model.a:.3f} b={model.b:.3f} c={model.c:.4f}\n")
+        print(f"calibrated: a={model.a:.3f} b={model.b:.3f} c={model.c:.4f} e={model.e:.3f}\n")
         print("| T | weights | kind | predicted ms | CPU ms | CPU / predicted | / plain's |")
         print("|---|---|---|---|---|---|---|")
         for T in args.t:

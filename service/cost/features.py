@@ -20,8 +20,8 @@ from .plan import Job
 # scores (which skip two passes), more of its time the larger T. Several add up: 1 + the sum of
 # (factor - 1).
 EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)}
-# With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
-# half a computed score's time each.
+# With weights, the blocks write 0 to each weight they do not compute (outside a window's band,
+# past the largest key_lengths) and check it: about half a computed score's time each.
 ZEROED_WEIGHT_SHARE = 0.5
 # The elements the fit's e counts beside the scores (Work.elements): each of q and out is scaled,
 # divided, checked (a pass or two each, and the row's passes over its max and sum); each of k and v
@@ -91,15 +91,18 @@ def cost_factor(job: Job) -> float:
 
 
 def computed_share(job: Job, planned: core.Plan) -> float:
-    """The share of the scores the core computes. Without weights under a causal mask the blocks
-    skip the keys past each block's diagonal (about half); the reference path, and the weights
-    path, compute the whole (T, S), and all is counted. A window's band is what the core computes
-    either way (the plan's scores), and no key past the largest key_lengths is."""
+    """The share of the scores the core computes. The reference path computes the whole (T, S)
+    whatever hides a key (a mask, causal, key_lengths), and all is counted. In blocks: without
+    weights under a causal mask they skip the keys past each block's diagonal (about half), the
+    weights path writes the whole (T, S) and all is counted; a window's band is what they compute
+    either way (the plan's scores), and no key past the largest key_lengths."""
+    if planned.reference:
+        return 1.0
     if job.window is not None:
         share = planned.scores / job.score_elements
     else:
-        share = 1.0 if job.return_weights or planned.reference else plan.causal_share(job)
-    # The core computes no key at or past the largest key_lengths (key_lengths of 1: one key a
+        share = 1.0 if job.return_weights else plan.causal_share(job)
+    # The blocks compute no key at or past the largest key_lengths (key_lengths of 1: one key a
     # row): exact without a band (causal, window), the lesser count (an upper bound) with one.
     return min(share, job.key_end / job.S) if job.S else share
 
@@ -116,8 +119,8 @@ def work_of(job: Job) -> Work:
     attention_flops = job.flops - job.other_flops
     flops = job.other_flops + share * attention_flops
     scores = job.score_elements * share
-    if job.return_weights:  # the weights past the largest key_lengths: not computed, but written 0
-        scores += ZEROED_WEIGHT_SHARE * job.B * job.T * (job.S - job.key_end) / factor  # no bias on them
+    if job.return_weights:  # the weights outside a window's band or past the largest key_lengths: not computed, but written 0
+        scores += ZEROED_WEIGHT_SHARE * (job.B * job.T * job.S - scores) / factor  # no bias on them
     fitted = factor == 1.0 and getattr(job, "key_lengths", None) is None
     d, dv = job.head_widths
     rows, keys = job.B * job.T * (d + dv), job.B // job.groups * job.S * (d + dv)  # q and out; k and v

@@ -1,13 +1,16 @@
 """The cost model behind cost.predicted_ms and deadline admission:
 
-    ms ~ a * GFLOP + b * M_score_elements + c * blocks        (one (a, b, c) per compute dtype)
+    ms ~ a * GFLOP + b * M_score_elements + c * blocks + e * M_elements      (one (a, b, c, e) per compute dtype)
 
 a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
-numeric core's blocks (a few numpy calls; a request is at least one block). The score elements
-also count q and out's elements (scaled, divided) and a quarter of k and v's (read for bounds),
-all of a request's time where S or T is tiny (features.Work). Counting blocks matters for causal
-requests without weights past the small path's one block, which the core cuts into thin row
-blocks (plan.blocks).
+numeric core's blocks (a few numpy calls; a request is at least one block, the small path's one
+call of reference() too), e the cost of an element of q and out (scaled, divided, checked, and
+its row's passes over the max and sum), a share of it for each of k and v's, and each output of
+a matmul one term wide (d = 1's q kᵀ, one key's weights v: numpy computes those element by
+element) (features.Work.elements). e is all of a request's time where S or T is tiny, or d is 1;
+b, that of a wide one. Counting blocks matters for causal requests without weights past the
+small path's one block, which the core cuts into thin row blocks (plan.blocks). The calibration
+times a shape that is almost all of each term (calibration.CALIBRATION), so that each is pinned.
 calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
 second or two); observe() refines them from computed requests by a small weighted least squares.
 predict() and observe() are the whole interface: admission predicts, the compute learns.
@@ -22,7 +25,9 @@ request's prediction: bench/README.md). And once calibrated, each observation te
 MAX_PULL x or 1/MAX_PULL of what the calibrated coefficients predict for it: relative error weighs
 a request measured at a hundredth of its prediction at a residual of 99, so any request far
 cheaper than its features say (a kind they miss, a clock's glitch) otherwise drags every
-prediction down with it.
+prediction down with it. Nor is any prediction taken past MAX_PULL of the calibrated one: a
+stream of one shape taught at that bound moves all four terms, and took shapes that share them
+past it.
 
 The fit minimises relative error, sum(((x·θ - ms) / ms)^2), since what matters is the ratio of
 prediction to measurement from fractions of a millisecond to seconds alike; old observations fade
