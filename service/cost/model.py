@@ -113,7 +113,7 @@ MAX_BUSY = 32
 # What the coefficients multiply, as /limits shows it (the docstring's first paragraph).
 FORMULA = "ms = a*GFLOP + b*M_score_elements + c*blocks + e*M_elements"
 # The most one observation tells a calibrated fit: its time is taken as between 1/MAX_PULL and
-# MAX_PULL times what the calibrated coefficients predict. The fit weighs relative error against
+# MAX_PULL times what the calibrated coefficients predict, and so is every prediction. The fit weighs relative error against
 # the measured time, so a request far cheaper than predicted pulled without bound (a hundredth of
 # its prediction: a residual of 99), one far dearer by at most 1. Calibrated, plain requests land
 # well within it of their prediction (`pytest -s tests/test_costmodel.py -k calibrated`,
