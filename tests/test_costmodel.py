@@ -139,7 +139,7 @@ def test_admit_predicts_at_the_load_it_admits_into_and_run_teaches_by_the_same_c
 
 def test_limits_show_the_coefficients(client):
     cost = client.get("/limits").json["cost_model"]
-    assert {"a", "b", "c", "formula", "by_dtype"} <= set(cost)
+    assert {"a", "b", "c", "e", "formula", "by_dtype"} <= set(cost) and cost["formula"].endswith("+ e*M_elements")
     assert set(cost["by_dtype"]) == {"float32", "float64"}
 
 
