@@ -1,11 +1,11 @@
 """The cost model against the request kinds its features may not express (~1 min).
 
-For each kind (a bias, ALiBi, a mask, key_lengths, a window, GQA, one key, one query, averaged
-weights, float64, /mha) at B=1, H=8, d=64, T in (256, 1024), with and without weights: the
-computing thread's CPU time (median, one BLAS thread, as in a worker) over the calibrated
-model's prediction. A ratio far
-from the plain requests' says the features miss that kind's cost; fed to the fit, such requests
-move the coefficients that plain requests are predicted with.
+For each kind (a bias, ALiBi, a mask, key_lengths, a window, GQA, one key, one query, d=1, T/8
+items of 8 rows, averaged weights, float64, /mha) at B=1, H=8, d=64, T in (256, 1024), with and
+without weights: the computing thread's CPU time (median, one BLAS thread, as in a worker) over
+the calibrated model's prediction. A ratio far from the plain requests' says the features miss
+that kind's cost; fed to the fit, such requests move the coefficients that plain requests are
+predicted with.
 
     python -m bench.cost_variants
 
@@ -59,6 +59,11 @@ def kinds(rng, T: int, weights: bool) -> dict[str, tuple[type, dict]]:
         "gqa 8/2": (AttentionRequest, {**base, **kv2}),
         "one key (S=1)": (AttentionRequest, {**base, "k": b64(k[:, :, :1]), "v": b64(v[:, :, :1])}),
         "one query (T=1)": (AttentionRequest, {**base, "q": b64(q[:, :, :1])}),
+        "d=1": (AttentionRequest, {**base, **{name: b64(a[..., :1]) for name, a in zip("qkv", (q, k, v), strict=True)}}),
+        "T/8 items of T=8": (
+            AttentionRequest,
+            {**base, **{name: b64(a.reshape(T // 8, H, 8, d)) for name, a in zip("qkv", (q, k, v), strict=True)}},
+        ),
         "averaged weights": (AttentionRequest, {**base, "average_weights": True}) if weights else None,
         "mha (T, 512), 8 heads": (MhaRequest, {"x": b64(x), **w, "heads": 8, "return_weights": weights}),
     }
@@ -75,7 +80,7 @@ def main() -> None:
     with threadpool_limits(limits=1, user_api="blas"):
         model = CostModel()
         model.calibrate(1.5)
-        print(f"calibrated: a={model.a:.3f} b={model.b:.3f} c={model.c:.4f}\n")
+        print(f"calibrated: a={model.a:.3f} b={model.b:.3f} c={model.c:.4f} e={model.e:.3f}\n")
         print("| T | weights | kind | predicted ms | CPU ms | CPU / predicted | / plain's |")
         print("|---|---|---|---|---|---|---|")
         for T in args.t:
@@ -110,6 +115,8 @@ STREAMS = (
     "gqa 8/2",
     "one key (S=1)",
     "one query (T=1)",
+    "d=1",
+    "T/8 items of T=8",
     "mha (T, 512), 8 heads",
 )
 

@@ -9,7 +9,19 @@ observe_respond(...) for the rate at which answers are encoded and sent. Knows n
 
 from .calibration import median_ms
 from .features import EXTRA_COST, Work, answer_bytes, work_of
-from .model import MAX_PULL, CostModel, contention
+from .model import FORMULA, MAX_PULL, CostModel, contention
 from .split import MIN_FLOPS, threads_for
 
-__all__ = ["EXTRA_COST", "MAX_PULL", "MIN_FLOPS", "CostModel", "Work", "contention", "median_ms", "answer_bytes", "threads_for", "work_of"]
+__all__ = [
+    "EXTRA_COST",
+    "FORMULA",
+    "MAX_PULL",
+    "MIN_FLOPS",
+    "CostModel",
+    "Work",
+    "contention",
+    "median_ms",
+    "answer_bytes",
+    "threads_for",
+    "work_of",
+]

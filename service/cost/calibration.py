@@ -10,9 +10,11 @@ import time
 from schemas import AttentionJob, MhaJob
 from service import wire
 
-# (dtype, shape, kind): attention shapes are (B, H, T, d); mha is (n, d, heads).
+# (dtype, shape, kind): attention shapes are (B, H, T, d), S = T (S = 1 for "one key"); mha is (n, d, heads).
 CALIBRATION = [
     ("float32", (1, 1, 16, 16), "attention"),  # tiny: almost all c, a block's fixed cost (without it c fitted to ~0)
+    ("float32", (1, 8, 1024, 64), "one key"),  # almost all e: q and out's passes, weights v one key wide
+    ("float32", (1, 8, 256, 1), "attention"),  # d = 1: q kᵀ one term wide, counted by e too
     ("float32", (1, 8, 64, 64), "attention"),
     ("float32", (1, 8, 256, 64), "attention"),
     ("float32", (1, 8, 128, 64), "causal, no weights"),
@@ -20,9 +22,10 @@ CALIBRATION = [
     ("float32", (1, 8, 512, 16), "attention"),
     ("float32", (1, 8, 512, 128), "attention"),
     ("float32", (256, 512, 8), "mha"),
-    ("float32", (1, 8, 1024, 64), "attention"),
-    ("float32", (1, 2, 2048, 64), "attention"),
+    ("float32", (1, 4, 1024, 64), "attention"),
+    ("float32", (1, 1, 2048, 64), "attention"),
     ("float64", (1, 8, 128, 64), "attention"),
+    ("float64", (1, 8, 1024, 64), "one key"),
     ("float64", (1, 8, 512, 64), "attention"),
     ("float64", (1, 2, 1024, 64), "attention"),
 ]
@@ -33,7 +36,9 @@ def probe(rng, dtype: str, shape: tuple, kind: str) -> AttentionJob | MhaJob:
         n, d, h = shape
         x, wq, wk, wv, wo = (rng.standard_normal(s).astype(dtype) for s in ((n, d), (d, d), (d, d), (d, d), (d, d)))
         return MhaJob(x, wq, wk, wv, wo, heads=h, causal=True, return_weights=True, encoding="b64")
-    q, k, v = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
+    B, H, T, d = shape
+    q = rng.standard_normal(shape).astype(dtype)
+    k, v = (rng.standard_normal((B, H, 1 if kind == "one key" else T, d)).astype(dtype) for _ in range(2))
     causal, weights = ("top_left", False) if kind == "causal, no weights" else (False, True)
     return AttentionJob(q, k, v, None, causal=causal, key_lengths=None, scale=None, return_weights=weights, encoding="b64")
 

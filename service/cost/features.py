@@ -20,13 +20,16 @@ from .plan import Job
 # scores (which skip two passes), more of its time the larger T. Several add up: 1 + the sum of
 # (factor - 1).
 EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)}
-# With weights, the core writes 0 to each weight past the largest key_lengths and checks it: about
-# half a computed score's time each.
+# With weights, the blocks write 0 to each weight they do not compute (outside a window's band,
+# past the largest key_lengths) and check it: about half a computed score's time each.
 ZEROED_WEIGHT_SHARE = 0.5
-# What each element of q and out, and of k and v, costs beside the matmuls, in computed scores:
-# q is scaled and out divided (a pass or two each), k and v read once for their bounds.
-# Negligible where S and T are alike and large; all of the time where one is tiny (bench/README.md).
-QUERY_ELEMENT_WEIGHT, KEY_ELEMENT_WEIGHT = 1.0, 0.25
+# The elements the fit's e counts beside the scores (Work.elements): each of q and out is scaled,
+# divided, checked (a pass or two each, and the row's passes over its max and sum); each of k and v
+# is read for its bounds and streamed by the matmuls, KEY_ELEMENT_WEIGHT of a q element's time: in
+# a worker they arrive fresh from the decoder, read from memory, not the cache a repeated timing
+# keeps them in (bench/README.md). Negligible where S and T are alike and large; all of the time
+# where one is tiny.
+KEY_ELEMENT_WEIGHT = 0.3
 
 
 # Bytes on the wire per number of an answer: b64 is 4/3 of the raw bytes; JSON text (nested, flat)
@@ -63,14 +66,22 @@ class Work:
     blocks: int = 1  # the numeric core's blocks (its plan's count)
     cost_factor: float = 1.0  # the plain work's time x this (a bias, ALiBi, a mask)
     fitted: bool = True  # the fit may learn from its measured time
-    query_elements: int = 0  # the elements of q and out (QUERY_ELEMENT_WEIGHT scores each)
-    key_elements: int = 0  # the elements of k and v (KEY_ELEMENT_WEIGHT scores each)
+    query_elements: int = 0  # the elements of q and out
+    key_elements: int = 0  # the elements of k and v (KEY_ELEMENT_WEIGHT of a q element each)
+    narrow_outputs: int = 0  # the outputs of matmuls one term wide (d = 1: q kᵀ; one key: weights v)
+
+    @property
+    def elements(self) -> float:
+        """What the fit's e multiplies: the elements of q and out, KEY_ELEMENT_WEIGHT of each of k
+        and v's, and each output of a matmul one term wide. numpy computes such a matmul (a d of 1,
+        a single key) element by element, several times a wide one's time per output, which its
+        flops (2 an output) do not count; an output costs about what a q element's passes do."""
+        return self.query_elements + KEY_ELEMENT_WEIGHT * self.key_elements + self.narrow_outputs
 
     def features(self) -> np.ndarray:
-        """(GFLOP, M score elements, blocks) x cost_factor: what the fit's a, b, c multiply; the
-        score elements count q, k, v and out's elements too, at their weights."""
-        scores = self.score_elements + QUERY_ELEMENT_WEIGHT * self.query_elements + KEY_ELEMENT_WEIGHT * self.key_elements
-        return np.array([self.flops / 1e9, scores / 1e6, float(self.blocks)]) * self.cost_factor
+        """(GFLOP, M score elements, blocks, M elements) x cost_factor: what the fit's a, b, c, e
+        multiply."""
+        return np.array([self.flops / 1e9, self.score_elements / 1e6, float(self.blocks), self.elements / 1e6]) * self.cost_factor
 
 
 def cost_factor(job: Job) -> float:
@@ -80,15 +91,18 @@ def cost_factor(job: Job) -> float:
 
 
 def computed_share(job: Job, planned: core.Plan) -> float:
-    """The share of the scores the core computes. Without weights under a causal mask the blocks
-    skip the keys past each block's diagonal (about half); the reference path, and the weights
-    path, compute the whole (T, S), and all is counted. A window's band is what the core computes
-    either way (the plan's scores), and no key past the largest key_lengths is."""
+    """The share of the scores the core computes. The reference path computes the whole (T, S)
+    whatever hides a key (a mask, causal, key_lengths), and all is counted. In blocks: without
+    weights under a causal mask they skip the keys past each block's diagonal (about half), the
+    weights path writes the whole (T, S) and all is counted; a window's band is what they compute
+    either way (the plan's scores), and no key past the largest key_lengths."""
+    if planned.reference:
+        return 1.0
     if job.window is not None:
         share = planned.scores / job.score_elements
     else:
-        share = 1.0 if job.return_weights or planned.reference else plan.causal_share(job)
-    # The core computes no key at or past the largest key_lengths (key_lengths of 1: one key a
+        share = 1.0 if job.return_weights else plan.causal_share(job)
+    # The blocks compute no key at or past the largest key_lengths (key_lengths of 1: one key a
     # row): exact without a band (causal, window), the lesser count (an upper bound) with one.
     return min(share, job.key_end / job.S) if job.S else share
 
@@ -105,9 +119,10 @@ def work_of(job: Job) -> Work:
     attention_flops = job.flops - job.other_flops
     flops = job.other_flops + share * attention_flops
     scores = job.score_elements * share
-    if job.return_weights:  # the weights past the largest key_lengths: not computed, but written 0
-        scores += ZEROED_WEIGHT_SHARE * job.B * job.T * (job.S - job.key_end) / factor  # no bias on them
+    if job.return_weights:  # the weights outside a window's band or past the largest key_lengths: not computed, but written 0
+        scores += ZEROED_WEIGHT_SHARE * (job.B * job.T * job.S - scores) / factor  # no bias on them
     fitted = factor == 1.0 and getattr(job, "key_lengths", None) is None
     d, dv = job.head_widths
     rows, keys = job.B * job.T * (d + dv), job.B // job.groups * job.S * (d + dv)  # q and out; k and v
-    return Work(int(flops), int(scores), job.dtype, int(job.T), blocks, factor, fitted, rows, keys)
+    narrow = (int(job.score_elements * share) if d == 1 else 0) + (job.B * job.T * dv if job.S == 1 else 0)  # q kᵀ; weights v
+    return Work(int(flops), int(scores), job.dtype, int(job.T), blocks, factor, fitted, rows, keys, narrow)

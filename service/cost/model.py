@@ -1,13 +1,16 @@
 """The cost model behind cost.predicted_ms and deadline admission:
 
-    ms ~ a * GFLOP + b * M_score_elements + c * blocks        (one (a, b, c) per compute dtype)
+    ms ~ a * GFLOP + b * M_score_elements + c * blocks + e * M_elements      (one (a, b, c, e) per compute dtype)
 
 a is the matmul rate, b the per-score softmax and mask pass, c the fixed cost of one of the
-numeric core's blocks (a few numpy calls; a request is at least one block). The score elements
-also count q and out's elements (scaled, divided) and a quarter of k and v's (read for bounds),
-all of a request's time where S or T is tiny (features.Work). Counting blocks matters for causal
-requests without weights past the small path's one block, which the core cuts into thin row
-blocks (plan.blocks).
+numeric core's blocks (a few numpy calls; a request is at least one block, the small path's one
+call of reference() too), e the cost of an element of q and out (scaled, divided, checked, and
+its row's passes over the max and sum), a share of it for each of k and v's, and each output of
+a matmul one term wide (d = 1's q kᵀ, one key's weights v: numpy computes those element by
+element) (features.Work.elements). e is all of a request's time where S or T is tiny, or d is 1;
+b, that of a wide one. Counting blocks matters for causal requests without weights past the
+small path's one block, which the core cuts into thin row blocks (plan.blocks). The calibration
+times a shape that is almost all of each term (calibration.CALIBRATION), so that each is pinned.
 calibrate() fits them at start-up on a few shapes run through the numeric core (bounded to a
 second or two); observe() refines them from computed requests by a small weighted least squares.
 predict() and observe() are the whole interface: admission predicts, the compute learns.
@@ -22,7 +25,9 @@ request's prediction: bench/README.md). And once calibrated, each observation te
 MAX_PULL x or 1/MAX_PULL of what the calibrated coefficients predict for it: relative error weighs
 a request measured at a hundredth of its prediction at a residual of 99, so any request far
 cheaper than its features say (a kind they miss, a clock's glitch) otherwise drags every
-prediction down with it.
+prediction down with it. Nor is any prediction taken past MAX_PULL of the calibrated one: a
+stream of one shape taught at that bound moves all four terms, and took shapes that share them
+past it.
 
 The fit minimises relative error, sum(((x·θ - ms) / ms)^2), since what matters is the ratio of
 prediction to measurement from fractions of a millisecond to seconds alike; old observations fade
@@ -112,8 +117,10 @@ def available_cores() -> int:
 # apart (more are counted as that many).
 SLOWDOWN_WEIGHT = 0.15
 MAX_BUSY = 32
+# What the coefficients multiply, as /limits shows it (the docstring's first paragraph).
+FORMULA = "ms = a*GFLOP + b*M_score_elements + c*blocks + e*M_elements"
 # The most one observation tells a calibrated fit: its time is taken as between 1/MAX_PULL and
-# MAX_PULL times what the calibrated coefficients predict. The fit weighs relative error against
+# MAX_PULL times what the calibrated coefficients predict, and so is every prediction. The fit weighs relative error against
 # the measured time, so a request far cheaper than predicted pulled without bound (a hundredth of
 # its prediction: a residual of 99), one far dearer by at most 1. Calibrated, plain requests land
 # well within it of their prediction (`pytest -s tests/test_costmodel.py -k calibrated`,
@@ -128,15 +135,16 @@ RESPOND_Z = 2.05
 
 
 class _Fit:
-    """Weighted least squares on (GFLOP, M score elements, 1) -> ms with forgetting, a ridge
-    towards prior (relative to its size), and θ >= 0."""
+    """Weighted least squares on (GFLOP, M score elements, blocks, M elements) -> ms with
+    forgetting, a ridge towards prior (relative to its size), and θ >= 0."""
 
-    FLOOR = np.array([0.1, 0.1, 0.01])  # smallest scale of a, b, c for the relative ridge
+    FLOOR = np.array([0.1, 0.1, 0.01, 0.1])  # smallest scale of a, b, c, e for the relative ridge
 
     def __init__(self, prior, forget: float, ridge: float):
         self.forget, self.ridge = forget, ridge
-        self.A = np.zeros((3, 3))
-        self.r = np.zeros(3)
+        n = len(prior)
+        self.A = np.zeros((n, n))
+        self.r = np.zeros(n)
         self.n = 0
         self.anchor(np.asarray(prior, dtype=float))
 
@@ -157,15 +165,16 @@ class _Fit:
 
     def _solve(self) -> np.ndarray:
         A, r = self.A + self.R, self.r + self.R @ self.prior
-        unconstrained = _solve3(A.tolist(), r.tolist())
+        unconstrained = _gauss(A.tolist(), r.tolist())
         if unconstrained is not None and min(unconstrained) >= 0:  # the unconstrained optimum is feasible, so it is the best
             return np.array(unconstrained)
-        best, best_loss = np.zeros(3), 0.0
-        for free in itertools.product((True, False), repeat=3):  # the best θ >= 0: try every other face
+        n = len(r)
+        best, best_loss = np.zeros(n), 0.0
+        for free in itertools.product((True, False), repeat=n):  # the best θ >= 0: try every other face
             idx = np.flatnonzero(free)
-            if idx.size in (0, 3):
+            if idx.size in (0, n):
                 continue
-            theta = np.zeros(3)
+            theta = np.zeros(n)
             try:
                 theta[idx] = np.linalg.solve(A[np.ix_(idx, idx)], r[idx])
             except np.linalg.LinAlgError:  # observations whose weights (1/ms^2) swamp the ridge: not this face
@@ -178,19 +187,25 @@ class _Fit:
         return best
 
 
-def _solve3(A: list[list[float]], r: list[float]) -> list[float] | None:
-    """A x = r for a 3 x 3 A by Cramer's rule, None if A is singular: every computed request
-    refits, and np.linalg.solve's checks and wrapping cost several times this (A is positive definite, its
-    ridge keeps it well conditioned)."""
-    (a, b, c), (d, e, f), (g, h, i) = A
-    co = (e * i - f * h, f * g - d * i, d * h - e * g)  # cofactors of the first row
-    det = a * co[0] + b * co[1] + c * co[2]
-    if not det or not math.isfinite(det):
-        return None
-    x0 = r[0] * co[0] + b * (f * r[2] - r[1] * i) + c * (r[1] * h - e * r[2])
-    x1 = a * (r[1] * i - f * r[2]) + r[0] * co[1] + c * (d * r[2] - r[1] * g)
-    x2 = a * (e * r[2] - r[1] * h) + b * (r[1] * g - d * r[2]) + r[0] * co[2]
-    return [x0 / det, x1 / det, x2 / det]
+def _gauss(A: list[list[float]], r: list[float]) -> list[float] | None:
+    """A x = r for a small A by Gaussian elimination with partial pivoting in plain Python, None if
+    A is singular: every computed request refits, and np.linalg.solve's checks and wrapping cost
+    several times this on a 4 x 4 (A is positive definite, its ridge keeps it well conditioned)."""
+    n = len(r)
+    m = [row[:] + [r[i]] for i, row in enumerate(A)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(m[i][col]))
+        if not m[pivot][col] or not math.isfinite(m[pivot][col]):
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for i in range(col + 1, n):
+            f = m[i][col] / m[col][col]
+            if f:
+                m[i] = [x - f * y for x, y in zip(m[i], m[col], strict=True)]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        x[i] = (m[i][n] - sum(m[i][j] * x[j] for j in range(i + 1, n))) / m[i][i]
+    return x if all(math.isfinite(v) for v in x) else None
 
 
 class CostModel:
@@ -201,6 +216,7 @@ class CostModel:
         a: float = 10.0,
         b: float = 6.0,
         c: float = 0.1,
+        e: float = 1.0,
         *,
         forget: float = 0.99,
         ridge: float = 1e-3,
@@ -210,7 +226,7 @@ class CostModel:
     ):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
-        self._fits = {name: _Fit((a * k, b * k, c), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0), strict=True)}
+        self._fits = {name: _Fit((a * k, b * k, c, e * k), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0), strict=True)}
         self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
         self.respond_ms_per_mb = respond_ms_per_mb  # the answers' pipe: ms per MB on the wire, shared by those sending (learned)
         self.respond_spread = 0.0  # the running standard deviation of the logarithm of the rate answers saw
@@ -240,12 +256,20 @@ class CostModel:
     def c(self) -> float:
         return float(self._fits["float32"].theta[2])
 
+    @property
+    def e(self) -> float:
+        return float(self._fits["float32"].theta[3])
+
     def predict(self, work: Work, busy: float | None = None, threads: int = 1) -> float:
         """Predicted compute ms of work: its alone-time (one thread with a core to itself), x the
         slowdown seen while busy requests (itself included) were busy in the server (None: alone),
-        x the share of one thread's time that a split on threads takes (split_factor)."""
-        theta = self._fits.get(work.dtype, self._fits["float32"]).theta
-        ms = float(theta @ work.features())
+        x the share of one thread's time that a split on threads takes (split_factor). Once
+        calibrated, the alone-time stays within MAX_PULL of what calibration predicts for it: a
+        stream of one shape taught at that bound moves the other terms too, and alone it took
+        shapes that share them past it."""
+        fit = self._fits.get(work.dtype, self._fits["float32"])
+        x = work.features()
+        ms = self._bounded(fit, x, float(fit.theta @ x))  # no stream moves a prediction past MAX_PULL either
         if busy is not None:
             ms *= self.contention(busy)
         return ms * self.split_factor(threads)
@@ -361,12 +385,12 @@ class CostModel:
 
     def coefficients(self) -> dict:
         fits = {
-            name: dict(zip("abc", (round(float(t), 6) for t in fit.theta), strict=True), observations=fit.n)
+            name: dict(zip("abce", (round(float(t), 6) for t in fit.theta), strict=True), observations=fit.n)
             for name, fit in self._fits.items()
         }
         return {
-            "formula": "ms = a*GFLOP + b*M_score_elements + c*blocks",
-            **{k: fits["float32"][k] for k in "abc"},
+            "formula": FORMULA,
+            **{k: fits["float32"][k] for k in "abce"},
             "by_dtype": fits,
             "read_ms_per_MB": round(self.read_ms_per_mb, 4),
             "respond_ms_per_MB": round(self.respond_ms_per_mb, 4),

@@ -24,6 +24,7 @@ from swagger_ui_bundle import swagger_ui_path
 from schemas import AttentionRequest, MhaRequest, RequestError
 from schemas.fields import Tensor, Window
 from service.config import VERSION, Settings
+from service.cost import FORMULA
 from service.wire import WIRE_DTYPES
 
 from . import kserve
@@ -421,7 +422,7 @@ def _limits_schema(settings: Settings) -> dict:
         "type": "object",
         "description": "the admission policy: by predicted time until the answer is sent, the queue order, the wait bound, the slots, memory and parse charges",
     }
-    props["cost_model"] = {"type": "object", "description": "ms = a*GFLOP + b*M_score_elements + c*blocks"}
+    props["cost_model"] = {"type": "object", "description": FORMULA}
     props["version"] = {"type": "string"}
     return {"type": "object", "required": sorted(props), "properties": props}
 
