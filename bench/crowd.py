@@ -2,7 +2,8 @@
 (`python -m service`, 2 workers, the defaults; a free 127.0.0.1 port).
 
     python -m bench.crowd burst [--n 64 128] [--T 64] [--reps 3] [--triton]
-    python -m bench.crowd closed [--clients 4 8] [--T 1024] [--seconds 10] [--weights] [--deadline MS]
+    python -m bench.crowd closed [--clients 4 8] [--T 1024] [--seconds 10] [--weights] [--deadline MS ...]
+                                 [--set ATTN_QUEUE_ORDER=edf]
 
 burst: n requests at once, each on its own connection (B=1, H=8, d=64, float32 b64, causal, no
 weights), --reps bursts one after another; each burst's statuses and total time. --triton sends the
@@ -12,7 +13,9 @@ statuses, the servers' refusal codes and messages (counted, numbers blanked), p5
 and under --deadline (X-Deadline-Ms) the share of 200s the client received later than 1.25 x the
 deadline, how many 503s carried Retry-After, and the refusals' latency p50 (the client's, and the
 server's: its Server-Timing total, from the request's first byte to the refusal). Latency is the
-client's: from sending the request to the last byte of the answer read. Bounded: each run is
+client's: from sending the request to the last byte of the answer read. Several --deadline values
+are shared out among the clients in turn, and each one's clients summarised apart as well. --set
+passes a setting to the server it starts (ATTN_QUEUE_ORDER=edf, say). Bounded: each run is
 seconds long; the machine may be shared (say so with the figures)."""
 
 from __future__ import annotations
@@ -105,14 +108,15 @@ def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
     return Counter(str(s) for s, _ in results), wall, Counter(m for _, m in results if m)
 
 
-def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float | None) -> dict:
-    oks, refusals, statuses, reasons, retry_after, lock = [], [], Counter(), Counter(), Counter(), threading.Lock()
-    refusals_server = []  # a refusal's Server-Timing total: from its first byte at the server to its answer
-    gaps = []  # a 200's client latency less the server's Server-Timing total (the app's time until the answer was built)
-    headers = {**HEADERS, **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
+def closed(url: str, body: bytes, clients: int, seconds: float, deadlines: list[float]) -> dict:
+    """clients closed-loop clients; client i sends X-Deadline-Ms deadlines[i % len(deadlines)]
+    (none if deadlines is empty). The summary of all, and of each deadline's clients apart when
+    there are several."""
+    records, lock = [], threading.Lock()  # (deadline, status, client ms, Server-Timing total, reason, Retry-After)
     stop = time.monotonic() + seconds
 
-    def loop():
+    def loop(deadline: float | None):
+        headers = {**HEADERS, **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
         with requests.Session() as session:
             while time.monotonic() < stop:
                 t0 = time.perf_counter()
@@ -122,40 +126,48 @@ def closed(url: str, body: bytes, clients: int, seconds: float, deadline: float 
                 except requests.RequestException as exc:
                     status, r = type(exc).__name__, None
                 ms = (time.perf_counter() - t0) * 1000
+                server = re.search(r"total;dur=([0-9.]+)", r.headers.get("Server-Timing", "")) if r is not None else None
+                record = (
+                    deadline,
+                    status,
+                    ms,
+                    float(server.group(1)) if server else None,
+                    reason(r) if r is not None and status != 200 else None,
+                    bool(r.headers.get("Retry-After")) if r is not None else None,
+                )
                 with lock:
-                    statuses[status] += 1
-                    if status == 200:
-                        oks.append(ms)
-                        built = re.search(r"total;dur=([0-9.]+)", r.headers.get("Server-Timing", ""))
-                        if built:
-                            gaps.append(ms - float(built.group(1)))
-                    elif r is not None:
-                        refusals.append(ms)
-                        server = re.search(r"total;dur=([0-9.]+)", r.headers.get("Server-Timing", ""))
-                        if server:
-                            refusals_server.append(float(server.group(1)))
-                        reasons[reason(r)] += 1
-                        if status == 503:
-                            retry_after["with" if r.headers.get("Retry-After") else "without"] += 1
+                    records.append(record)
 
-    threads = [threading.Thread(target=loop) for _ in range(clients)]
+    threads = [threading.Thread(target=loop, args=(deadlines[i % len(deadlines)] if deadlines else None,)) for i in range(clients)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    oks.sort()
+    result = {"clients": clients, **summary(records, deadlines[0] if len(deadlines) == 1 else None)}
+    if len(deadlines) > 1:
+        result["by_deadline"] = {f"{d:g}": summary([r for r in records if r[0] == d], d) for d in deadlines}
+    return result
+
+
+def summary(records: list[tuple], deadline: float | None) -> dict:
+    """Statuses, reasons, p50/p99 of the 200s, the client's time less the server's for the 200s
+    (the sending of the answer), and under one deadline the share of late 200s, the 503s with
+    Retry-After and the refusals' p50 (client and server)."""
+    oks = sorted(ms for _, status, ms, *_ in records if status == 200)
+    gaps = [ms - server for _, status, ms, server, *_ in records if status == 200 and server is not None]
+    refusals = [r for r in records if r[1] != 200 and r[4] is not None]
     result = {
-        "clients": clients,
-        "statuses": dict(statuses),
+        "statuses": dict(Counter(str(r[1]) for r in records)),
         "p50_ms": round(statistics.median(oks)) if oks else None,
         "p99_ms": round(oks[min(len(oks) - 1, int(0.99 * len(oks)))]) if oks else None,
-        "reasons": dict(reasons),
+        "reasons": dict(Counter(r[4] for r in refusals)),
         "client_minus_built_p50_ms": round(statistics.median(gaps)) if gaps else None,
     }
     if deadline:
         late = sum(1 for ms in oks if ms > 1.25 * deadline)
         result["late_200s"] = f"{late} of {len(oks)} ({100 * late / max(len(oks), 1):.1f}%) later than {1.25 * deadline:g} ms"
-        result["503_retry_after"] = dict(retry_after)
-        result["refusal_p50_ms"] = round(statistics.median(refusals)) if refusals else None
-        result["refusal_server_p50_ms"] = round(statistics.median(refusals_server)) if refusals_server else None
+        result["503_retry_after"] = dict(Counter("with" if r[5] else "without" for r in refusals if r[1] == 503))
+        result["refusal_p50_ms"] = round(statistics.median(r[2] for r in refusals)) if refusals else None
+        server = [r[3] for r in refusals if r[3] is not None]
+        result["refusal_server_p50_ms"] = round(statistics.median(server)) if server else None
     return result
 
 
@@ -175,9 +187,11 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--weights", action="store_true")
-    ap.add_argument("--deadline", type=float)
+    ap.add_argument("--deadline", type=float, nargs="*", default=[])
+    ap.add_argument("--set", action="append", default=[], metavar="VAR=VALUE", help="a setting for the server it starts")
     a = ap.parse_args()
-    server = Server("crowd", env={"WEB_CONCURRENCY": "2"}, inherit_settings=False)
+    settings = dict(item.split("=", 1) for item in a.set)
+    server = Server("crowd", env={"WEB_CONCURRENCY": "2", **settings}, inherit_settings=False)
     try:
         server.wait_ready(in_a_row=4)
         if a.mode == "burst":
@@ -209,6 +223,7 @@ def main() -> None:
                             "T": a.T or 1024,
                             "weights": a.weights,
                             "deadline_ms": a.deadline,
+                            "settings": settings,
                             **closed(server.url, body, clients, a.seconds, a.deadline),
                             "one_workers_model": learned(server.url),
                         }

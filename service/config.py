@@ -119,6 +119,13 @@ def log_format(raw: str) -> str:
     return raw.strip().lower()
 
 
+def queue_order(raw: str) -> str:
+    """ATTN_QUEUE_ORDER: fifo or edf (any case)."""
+    if raw.strip().lower() not in ("fifo", "edf"):
+        raise ValueError(raw)
+    return raw.strip().lower()
+
+
 def _otel_trace_exporters() -> tuple[str, ...]:
     """The OpenTelemetry span exporters the SDK's standard variables ask for, as entry-point names
     of the group opentelemetry_traces_exporter ("otlp" resolved by OTEL_EXPORTER_OTLP_PROTOCOL as
@@ -163,6 +170,9 @@ class Settings:
     # (max_inflight + max_queue) x workers: room for a burst of 128 small requests on 2 workers.
     max_queue: int = 64
     max_queue_wait_ms: int = 5000
+    # The order waiting jobs get compute slots in: fifo (by arrival) or edf (earliest deadline
+    # first, jobs without one after those with, by arrival among equals).
+    queue_order: str = "fifo"
     max_inflight_bytes: int = 512 * 2**20  # bodies + estimated working bytes per worker before 503
     warmup: bool = True  # calibrate the cost model at start-up
     # Slow and stalled clients (service/transport/worker.py): a request is read by the event loop, under
@@ -210,6 +220,7 @@ class Settings:
                 max_queue=_env("ATTN_MAX_QUEUE", d.max_queue, int),
                 max_inflight_bytes=_env("ATTN_MAX_INFLIGHT_BYTES", d.max_inflight_bytes, int),
                 max_queue_wait_ms=_env("ATTN_MAX_QUEUE_WAIT_MS", d.max_queue_wait_ms, int),
+                queue_order=_env("ATTN_QUEUE_ORDER", d.queue_order, queue_order),
                 warmup=_env("ATTN_WARMUP", d.warmup, _bool),
                 header_timeout_s=_env("ATTN_HEADER_TIMEOUT_S", d.header_timeout_s, int),
                 body_timeout_s=_env("ATTN_BODY_TIMEOUT_S", d.body_timeout_s, int),

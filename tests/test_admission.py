@@ -65,7 +65,7 @@ def test_waiting_for_a_slot_counts_against_the_deadline(app, client):
     services(app).cost = CostModel(a=0, b=0, c=0)  # predicted at 0 ms: only the wait can miss the deadline
     gate = services(app).gate
     for _ in range(gate.max_inflight):
-        gate._slots.acquire()  # every compute slot busy
+        assert gate._slots.try_take()  # every compute slot busy
     try:
         r = post(client, **{"X-Deadline-Ms": "500"})
         assert r.status_code == 504 and r.json["error"]["code"] == "deadline"
@@ -73,7 +73,7 @@ def test_waiting_for_a_slot_counts_against_the_deadline(app, client):
         assert "queue" in r.headers["Server-Timing"] and "compute" not in r.headers["Server-Timing"]
     finally:
         for _ in range(gate.max_inflight):
-            gate._slots.release()
+            gate._slots.give()
     assert gate.admitted == 0 and gate.bytes == 0  # everything given back
     assert post(client).status_code == 200
 
@@ -142,9 +142,9 @@ def test_a_streamed_answer_frees_its_slot_at_once_and_its_bytes_when_sent(app, c
     q = rng.standard_normal((2, 32, 8))
     r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)})  # b64 answers are encoded as they stream
     assert r.is_streamed and gate.bytes > 0  # the answer is in memory until it is sent ...
-    assert gate.admitted == 0 and all(gate._slots.acquire(blocking=False) for _ in range(gate.max_inflight))  # ... computing is not
+    assert gate.admitted == 0 and all(gate._slots.try_take() for _ in range(gate.max_inflight))  # ... computing is not
     for _ in range(gate.max_inflight):
-        gate._slots.release()
+        gate._slots.give()
     r.get_data()
     assert (gate.admitted, gate.bytes) == (0, 0)
 
@@ -163,8 +163,8 @@ def test_a_ticket_gives_back_each_part_once():
     assert ticket.take_slot()
     ticket.end_compute()
     ticket.end_compute()
-    assert (gate.admitted, gate.bytes) == (0, 100) and gate._slots.acquire(blocking=False)
-    gate._slots.release()
+    assert (gate.admitted, gate.bytes) == (0, 100) and gate._slots.try_take()
+    gate._slots.give()
     ticket.release()
     ticket.release()
     assert (gate.admitted, gate.bytes) == (0, 0)
@@ -493,8 +493,8 @@ def test_a_deadline_that_passes_mid_compute_stops_it_between_blocks(app, client,
     assert r.status_code == 504 and r.json["error"]["code"] == "deadline" and "Stopped" in r.json["error"]["message"]
     assert len(computed) < blocks
     gate = services(app).gate
-    assert (gate.admitted, gate.bytes) == (0, 0) and gate._slots.acquire(blocking=False)
-    gate._slots.release()
+    assert (gate.admitted, gate.bytes) == (0, 0) and gate._slots.try_take()
+    gate._slots.give()
 
 
 def test_limits_state_the_admission_policy(client, settings):

@@ -53,6 +53,7 @@ the whole server (for splitting one request over idle cores).
 from __future__ import annotations
 
 import hmac
+import itertools
 import math
 import re
 import threading
@@ -72,6 +73,7 @@ from . import census, metrics, parallel, sending
 from .context import context, services
 from .errors import ApiError
 from .http import phase
+from .slots import Slots
 
 COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
 DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
@@ -100,15 +102,16 @@ class Gate:
     """One worker's admission state: its admitted requests (counted in the server's census too),
     their bytes, and its compute slots."""
 
-    def __init__(self, max_inflight: int, max_queue: int, max_bytes: int, table: census.Table | None = None):
+    def __init__(self, max_inflight: int, max_queue: int, max_bytes: int, table: census.Table | None = None, order: str = "fifo"):
         """table: the server's shared census (census.shared() in a gunicorn worker); None, or a
-        table with no free row, and this gate counts alone (its own bound)."""
-        self.max_inflight, self.max_queue, self.max_bytes = max_inflight, max_queue, max_bytes
+        table with no free row, and this gate counts alone (its own bound). order: the queue's,
+        "fifo" or "edf" (ATTN_QUEUE_ORDER)."""
+        self.max_inflight, self.max_queue, self.max_bytes, self.order = max_inflight, max_queue, max_bytes, order
         self._lock = threading.RLock()  # reentrant: a refusal made under it reads the wait ahead (wait_ms)
-        self._slots = threading.Semaphore(max_inflight)
+        self._slots = Slots(max_inflight)
+        self._arrivals = itertools.count()  # the order jobs were validated in
         self.admitted = 0  # this worker's requests past the gate, until their response has been built
         self.bytes = 0  # their Content-Length plus estimated working bytes, until sent
-        self.waiting = 0  # validated jobs waiting for a compute slot
         self.pipe = sending.Pipe()  # computed answers being encoded and sent (they share the worker's CPU and the clients' reading)
         self._jobs: set[Ticket] = set()  # validated jobs, waiting or computing: the work ahead of a new one
         row = table.join(max_inflight + max_queue) if table is not None else None
@@ -161,17 +164,46 @@ class Gate:
         self.bytes += n
         metrics.BYTES.inc(n)
 
-    def wait_ms(self) -> float:
-        """The predicted wait of a job validated now for one of this worker's compute slots: the
-        predicted compute still ahead of it (the waiting jobs' whole, the computing ones' remainder)
-        over the slots, once every slot is taken; 0 while one is free and no job waits (FIFO)."""
+    @property
+    def waiting(self) -> int:
+        """Validated jobs waiting for a compute slot."""
+        return self._slots.waiting
+
+    def key(self, deadline_at: float, arrival: float = math.inf) -> tuple[float, ...]:
+        """A job's place in the queue (least first): by arrival (fifo), or by deadline_at (a
+        perf_counter(), inf without one), then arrival (edf). Without arrival, the place after
+        every job validated so far (fifo) or after every one due no later (edf)."""
+        return (deadline_at, arrival) if self.order == "edf" else (arrival,)
+
+    def next_key(self, deadline_at: float) -> tuple[float, ...]:
+        """The place of a job validated now."""
+        return self.key(deadline_at, next(self._arrivals))
+
+    def wait_ms(self, key: tuple[float, ...] | None = None) -> float:
+        """The predicted wait for one of this worker's compute slots of a job whose place in the
+        queue is key (None: after every job): the predicted compute ahead of it (the computing
+        jobs' remainder, the whole of those waiting before it) over the slots, once every slot is
+        taken; 0 while one is free for it."""
         now = time.perf_counter()
         with self._lock:
-            jobs = list(self._jobs)
+            jobs = [t for t in self._jobs if t.started is not None or key is None or t.key < key]
         if len(jobs) < self.max_inflight:
             return 0.0
         ahead = sum(t.predicted_ms if t.started is None else max(t.predicted_ms - (now - t.started) * 1000, 0.0) for t in jobs)
         return ahead / self.max_inflight
+
+    def made_late(self, key: tuple[float, ...], predicted_ms: float) -> int:
+        """How many jobs waiting behind key, each predicted to get its slot in time, would not if
+        a job of predicted_ms took that place (edf: a job due sooner goes ahead of those waiting;
+        fifo: no job waits behind a new one)."""
+        now = time.perf_counter()
+        with self._lock:
+            behind = [t for t in self._jobs if t.started is None and t.key > key and math.isfinite(t.latest_start)]
+            late = 0
+            for t in behind:
+                start = now + self.wait_ms(t.key) / 1000
+                late += start <= t.latest_start < start + predicted_ms / self.max_inflight / 1000
+            return late
 
     def respond_ms(self, nbytes: int, compute_ms: float, wait_ms: float, ms_per_mb: float) -> tuple[float, float]:
         """Predicted ms from the end of a job's compute until its answer of nbytes has been sent:
@@ -210,15 +242,20 @@ class Ticket:
     def __init__(self, gate: Gate, nbytes: int, parse_bytes: int = 0):
         self.gate, self.bytes, self.predicted_ms = gate, nbytes, 0.0
         self.answer_bytes = 0  # its answer's predicted bytes, sent once computed (the pipe ahead of later jobs)
+        self.key: tuple[float, ...] = (math.inf,)  # its place in the queue (Gate.key)
+        self.latest_start = math.inf  # perf_counter() past which a slot would come too late for it
         self.parse_bytes = parse_bytes  # part of bytes, charged for the parse until reserve()
         self.started: float | None = None  # perf_counter() when it got its compute slot
         self.running = False
         self.computing = True  # counted in gate.admitted
 
-    def reserve(self, nbytes: int, predicted_ms: float, answer_bytes: int = 0) -> None:
+    def reserve(
+        self, nbytes: int, predicted_ms: float, answer_bytes: int = 0, key: tuple[float, ...] | None = None, latest_start: float = math.inf
+    ) -> None:
         """Replace the parse charge by the job's working bytes (503 if they do not fit beside the
-        others) and count its predicted compute, and its answer's bytes, in what is ahead of later
-        jobs."""
+        others) and count its predicted compute, and its answer's bytes, in what is ahead of the
+        jobs behind it in the queue (key: its place, the next by default; latest_start: when a slot
+        would come too late for it)."""
         gate = self.gate
         with gate._lock:
             others = gate.bytes - self.bytes
@@ -231,6 +268,7 @@ class Ticket:
             self.bytes += change
             self.parse_bytes = 0
             self.predicted_ms, self.answer_bytes = predicted_ms, answer_bytes
+            self.key, self.latest_start = key if key is not None else gate.next_key(math.inf), latest_start
             gate._jobs.add(self)
 
     def charge_body(self, nbytes: int) -> None:
@@ -252,24 +290,15 @@ class Ticket:
             self.parse_bytes += grown * PARSE_FACTOR
 
     def take_slot(self) -> bool:
-        """A compute slot if one is free now and no job waits for one (first come, first served)."""
-        gate = self.gate
-        with gate._lock:
-            got = gate.waiting == 0 and gate._slots.acquire(blocking=False)
-        return self._got(got)
+        """A compute slot if one is free now and no job waits for one."""
+        return self._got(self.gate._slots.try_take())
 
     def wait_for_slot(self, timeout_s: float) -> bool:
-        """Wait in the queue for a compute slot, at most timeout_s. The waiters are woken in the
-        order they came (threading.Semaphore's condition wakes its oldest waiter first)."""
-        gate = self.gate
+        """Wait in the queue for a compute slot, at most timeout_s, in the queue's order (slots.py)."""
         metrics.QUEUED.inc()
-        with gate._lock:
-            gate.waiting += 1
         try:
-            got = gate._slots.acquire(timeout=max(timeout_s, 0.0))
+            got = self.gate._slots.take(self.key, timeout_s)
         finally:
-            with gate._lock:
-                gate.waiting -= 1
             metrics.QUEUED.dec()
         return self._got(got)
 
@@ -288,7 +317,7 @@ class Ticket:
             self.running = False
             metrics.RUNNING.dec()
             gate.table.add(gate.row, census.COMPUTING, -1)
-            gate._slots.release()
+            gate._slots.give()
         with gate._lock:
             if self.computing:
                 self.computing = False
@@ -325,7 +354,9 @@ def admit(job: AttentionJob | MhaJob) -> None:
     ctx.answer_bytes = answer_bytes(job)
     deadline, ticket = ctx.deadline_ms, ctx.admission
     bound_ms = held.settings.max_queue_wait_ms
-    wait = ticket.gate.wait_ms() if ticket is not None else 0.0
+    gate = held.gate
+    key = gate.next_key(math.inf if deadline is None else ctx.arrived + deadline / 1000)
+    wait = gate.wait_ms(key) if ticket is not None else 0.0
     # The answers this worker sends share its CPU (encoding) and the clients' reading (sending.py):
     # this one's send is predicted beside those sending now, drained by the time it is computed,
     # and (after a wait) beside the answers of the jobs ahead of it.
@@ -348,7 +379,15 @@ def admit(job: AttentionJob | MhaJob) -> None:
         raise ticket.gate._overloaded(
             f"the predicted wait for a compute slot ({wait:.3g} ms) exceeds ATTN_MAX_QUEUE_WAIT_MS={bound_ms}", wait
         )
-    ticket.reserve(job.working_bytes(), predicted, ctx.answer_bytes)
+    # The latest its slot may come: what its deadline leaves for its compute, or its wait bound.
+    latest = time.perf_counter() + bound_ms / 1000 if ctx.stop_at is None else ctx.stop_at - predicted / 1000
+    if late := gate.made_late(key, predicted):
+        raise gate._overloaded(
+            f"queued ahead of the requests due after it (ATTN_QUEUE_ORDER=edf), it would make {late} of them miss their "
+            "deadline or wait bound",
+            wait,
+        )
+    ticket.reserve(job.working_bytes(), predicted, ctx.answer_bytes, key, latest)
     if ticket.take_slot():
         return
     with phase("queue"):  # only a request that waited has a queue phase
@@ -524,7 +563,7 @@ def policy(settings: Settings, gate: Gate) -> dict:
     """The admission policy in force, for /limits: what a client can expect when many arrive."""
     return {
         "admit_by": "predicted time until the answer is sent: within X-Deadline-Ms, or a predicted wait within max_queue_wait_ms",
-        "queue_order": "fifo",
+        "queue_order": settings.queue_order,
         "max_queue_wait_ms": settings.max_queue_wait_ms,
         "compute_slots_per_worker": settings.max_inflight,
         "server_request_cap": gate.server_slots(),
@@ -543,7 +582,7 @@ def policy(settings: Settings, gate: Gate) -> dict:
 def make_gate(settings: Settings) -> Gate:
     """A worker's gate, in the server's census when gunicorn's arbiter made one (census.shared())."""
     global _last_gate
-    _last_gate = Gate(settings.max_inflight, settings.max_queue, settings.max_inflight_bytes, census.shared())
+    _last_gate = Gate(settings.max_inflight, settings.max_queue, settings.max_inflight_bytes, census.shared(), settings.queue_order)
     return _last_gate
 
 
@@ -572,7 +611,8 @@ def install(app: Flask) -> None:
                     raise _deadline(
                         f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={deadline:g}"
                     )
-                wait = held.gate.wait_ms()  # the compute ahead: a request that would miss its deadline waiting is not parsed
+                # The compute ahead of its place in the queue: a request that would miss its deadline waiting is not parsed.
+                wait = held.gate.wait_ms(held.gate.key(ctx.arrived + deadline / 1000))
                 if floor + wait > deadline - elapsed_ms():
                     raise held.gate._overloaded(
                         f"the predicted wait for a compute slot ({wait:.3g} ms) would make this request miss X-Deadline-Ms={deadline:g}",
