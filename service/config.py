@@ -172,7 +172,7 @@ class Settings:
     max_queue_wait_ms: int = 5000
     # The order waiting jobs get compute slots in: fifo (by arrival) or edf (earliest deadline
     # first, jobs without one after those with, by arrival among equals).
-    queue_order: str = "fifo"
+    queue_order: str = "edf"
     max_inflight_bytes: int = 512 * 2**20  # bodies + estimated working bytes per worker before 503
     warmup: bool = True  # calibrate the cost model at start-up
     # Slow and stalled clients (service/transport/worker.py): a request is read by the event loop, under

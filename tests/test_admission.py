@@ -418,6 +418,13 @@ def test_the_answers_send_time_counts_against_the_deadline(app, client):
     assert post(client, **{"X-Deadline-Ms": "5000"}).status_code == 200
 
 
+def _sending_at(ms_per_mb: float) -> CostModel:
+    """A model that computes in no time and predicts every send at ms_per_mb, no spread."""
+    model = CostModel(a=0, b=0, c=0, respond_ms_per_mb=ms_per_mb)
+    model.respond_spread = 0.0
+    return model
+
+
 def _answer_of_44_kb(rng) -> dict:
     q = rng.standard_normal((64, 64)).astype(np.float32)
     return {"q": b64(q), "k": b64(q), "v": b64(q), "return_weights": True}  # out and weights: 43.7 KB of b64
@@ -426,7 +433,7 @@ def _answer_of_44_kb(rng) -> dict:
 def test_an_answer_that_cannot_be_sent_beside_those_sending_is_refused_before_computing(app, client, rng):
     """The answers the worker is sending share the pipe with a new one: a 44 KB answer at 30 ms per
     KB takes 1.3 s alone, twice that beside 1 GB still to send, past a 2 s deadline."""
-    services(app).cost = CostModel(a=0, b=0, c=0, respond_ms_per_mb=30_000.0)
+    services(app).cost = _sending_at(30_000.0)
     gate = services(app).gate
     with gate._lock:
         gate.advance_pipe(30_000.0)
@@ -447,7 +454,7 @@ def test_an_answer_that_would_make_one_being_sent_late_is_503(app, client, rng):
     its own deadline beside it: first come, first served, as in the compute queue. Here the one
     sending (40 KB at 30 ms per KB: 1.2 s alone) is due within 1.5 s; a 44 KB answer beside it
     would take it past that."""
-    services(app).cost = CostModel(a=0, b=0, c=0, respond_ms_per_mb=30_000.0)
+    services(app).cost = _sending_at(30_000.0)
     gate = services(app).gate
     with gate._lock:
         gate.advance_pipe(30_000.0)

@@ -65,7 +65,8 @@ have seen a client read. The rate answers see varies from one to the next (how f
 reads, what else the cores do), and an answer predicted too fast is sent after its deadline, one
 predicted too slow only refused: admission reads respond_bound(), the rate at the running mean of
 its logarithm plus RESPOND_Z running standard deviations, which a lognormal rate exceeds for about
-2% of answers.
+2% of answers. Until answers have shown their spread, a wide one is assumed
+(RESPOND_PRIOR_SPREAD).
 """
 
 from __future__ import annotations
@@ -132,6 +133,11 @@ RESPOND_MIN_BYTES = 256 * 1024
 # Standard deviations of the rate's logarithm above its mean that respond_bound() is: 2.05 is the
 # 98th percentile of a normal distribution, so that at most about 2% of answers are slower.
 RESPOND_Z = 2.05
+# The spread of the rate's logarithm assumed before answers have shown theirs: the calibration
+# timed this machine's part alone, not a client's reading nor other answers beside it, so the
+# first answers are predicted at up to e^(RESPOND_Z x this) times its rate, until the spread seen
+# replaces it (each answer's weight is SLOWDOWN_WEIGHT).
+RESPOND_PRIOR_SPREAD = 1.0
 
 
 class _Fit:
@@ -229,7 +235,7 @@ class CostModel:
         self._fits = {name: _Fit((a * k, b * k, c, e * k), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0), strict=True)}
         self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
         self.respond_ms_per_mb = respond_ms_per_mb  # the answers' pipe: ms per MB on the wire, shared by those sending (learned)
-        self.respond_spread = 0.0  # the running standard deviation of the logarithm of the rate answers saw
+        self.respond_spread = RESPOND_PRIOR_SPREAD  # the running standard deviation of the logarithm of the rate answers saw
         self.responds_seen = 0  # answers the respond rate has learned from
         self.calibrated = False
         self.calibration_s = 0.0
@@ -288,10 +294,8 @@ class CostModel:
             return
         seen = ms / (answer_bytes / 1e6)
         with self._lock:
-            if (
-                not self.responds_seen or not self.respond_ms_per_mb > 0
-            ):  # the calibration timed this machine's part, never a client's reading
-                self.respond_ms_per_mb, self.respond_spread = seen, 0.0
+            if not self.responds_seen or not self.respond_ms_per_mb > 0:  # calibration timed no client's reading
+                self.respond_ms_per_mb = seen
             else:  # the running mean and variance of the logarithm (exponentially weighted)
                 w, gap = SLOWDOWN_WEIGHT, math.log(seen / self.respond_ms_per_mb)
                 self.respond_ms_per_mb *= math.exp(w * gap)

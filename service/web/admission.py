@@ -11,26 +11,34 @@ Before the body is parsed (a before_request hook, so a refusal costs no parsing)
                     worker's bytes past max_inflight_bytes.
 
 After validation, before compute (admit(job), called by the routes), by predicted time: the
-job's own (the cost model's compute at the load it joins, and respond_ms for encoding and sending
-its answer) and its wait (the predicted compute still ahead of it in this worker, over the
-worker's max_inflight compute slots: Gate.wait_ms()):
+job's own (the cost model's compute at the load it joins, and the encoding and sending of its
+answer beside the answers the server is sending: Gate.respond_ms(), sending.py) and its wait (the
+predicted compute ahead of its place in the queue, over the worker's max_inflight compute slots:
+Gate.wait_ms()):
   504 deadline      when X-Deadline-Ms cannot be met even without waiting (the time already spent
                     reading and validating, plus its own predicted time, exceeds it);
   503 overloaded    when its wait would make it miss X-Deadline-Ms, or without one when its
                     predicted wait exceeds max_queue_wait_ms (Retry-After: the predicted drain
-                    time, the wait ahead, in whole seconds); or when the job's estimated working
-                    memory would pass max_inflight_bytes (the parse charge is then given back: the
-                    job's working bytes count what remains);
-then the job waits for a compute slot, first come first served, at most until what is left of its
-deadline no longer holds its own predicted time (504), or max_queue_wait_ms without one (503). A
-deadline that passes while it computes stops it between the core's blocks (504, its slot and CPU
-freed at once), and one that leaves no time to send the answer once computed is 504 too: no 200
-leaves after X-Deadline-Ms, as far as the predicted send can tell.
+                    time, the wait ahead, in whole seconds); when taking its place in the queue
+                    would make a job waiting behind it miss its deadline or wait bound
+                    (Gate.made_late()); or when the job's estimated working memory would pass
+                    max_inflight_bytes (the parse charge is then given back: the job's working
+                    bytes count what remains);
+then the job waits for a compute slot (slots.py), at most until what is left of its deadline no
+longer holds its own predicted time (504), or max_queue_wait_ms without one (503). A deadline
+that passes while it computes stops it between the core's blocks (504, its slot and CPU freed at
+once). Once computed, its answer joins the pipe of answers sending (start_sending()) only if it
+will be written by its deadline beside them (else 504) and makes none of them late (else 503): no
+200 leaves after X-Deadline-Ms, as far as the pipe's prediction (at the respond rate's 98th
+percentile, CostModel.respond_bound()) can tell.
 
-The queue is FIFO, not earliest-deadline-first: each request is admitted on the wait predicted from
-the work ahead of it, a promise that EDF would break for every request already waiting whenever a
-later one with a tighter deadline jumped ahead. FIFO keeps the prediction the admission decision
-was made on true, and a new request never delays one admitted before it.
+The queue's order is ATTN_QUEUE_ORDER: edf (the default), earliest deadline first, jobs without a
+deadline after those with (by arrival among equals), or fifo, by arrival. Under either, a job is
+admitted on the wait predicted from the work ahead of its place, and a newcomer takes a place
+ahead of waiting jobs (edf) only if each of them still gets its slot in time: the prediction a
+job was admitted on stays true. With equal deadlines, or none, the two orders are the same; with
+a mix, edf meets more of the tight ones at no cost to the others (bench/README.md, "What many
+clients see").
 
 The slot, and the request's place in max_inflight + max_queue, are given back as soon as the
 response is built (computed, and encoded but for the parts that stream): a client slow to read
@@ -102,7 +110,7 @@ class Gate:
     """One worker's admission state: its admitted requests (counted in the server's census too),
     their bytes, and its compute slots."""
 
-    def __init__(self, max_inflight: int, max_queue: int, max_bytes: int, table: census.Table | None = None, order: str = "fifo"):
+    def __init__(self, max_inflight: int, max_queue: int, max_bytes: int, table: census.Table | None = None, order: str = "edf"):
         """table: the server's shared census (census.shared() in a gunicorn worker); None, or a
         table with no free row, and this gate counts alone (its own bound). order: the queue's,
         "fifo" or "edf" (ATTN_QUEUE_ORDER)."""
@@ -407,8 +415,8 @@ def start_sending() -> None:
     """This request's answer is computed and about to be encoded and sent: in the worker's pipe of
     answers sending (Gate.pipe) until it has been written or dropped. Under X-Deadline-Ms, 504 if
     beside the answers sending now it would be written after the deadline, and 503 if it would make
-    one of them, on time without it, miss its own: an answer admitted earlier is not made late by a
-    later one (as in the compute queue, first come first served)."""
+    one of them, on time without it, miss its own: an answer being sent is not made late by a
+    later one (as in the compute queue, Gate.made_late())."""
     ctx, held = context(), services()
     gate, ms_per_mb, deadline = held.gate, held.cost.respond_bound(), ctx.deadline_ms
     send = sending.Send(ctx.answer_bytes, math.inf if deadline is None else ctx.arrived + deadline / 1000)
