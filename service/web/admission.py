@@ -365,10 +365,10 @@ def admit(job: AttentionJob | MhaJob) -> None:
     gate = held.gate
     key = gate.next_key(math.inf if deadline is None else ctx.arrived + deadline / 1000)
     wait = gate.wait_ms(key) if ticket is not None else 0.0
-    # The answers this worker sends share its CPU (encoding) and the clients' reading (sending.py):
+    # The answers the server sends share its cores (encoding) and the clients' reading (sending.py):
     # this one's send is predicted beside those sending now, drained by the time it is computed,
     # and (after a wait) beside the answers of the jobs ahead of it.
-    alone, respond = held.gate.respond_ms(ctx.answer_bytes, predicted, wait, held.cost.respond_bound())
+    alone, respond = gate.respond_ms(ctx.answer_bytes, predicted, wait, held.cost.respond_bound())
     if deadline is not None:
         ctx.stop_at = ctx.arrived + (deadline - respond) / 1000  # past it, the answer could no longer be sent in time
         spent = elapsed_ms()
@@ -614,8 +614,8 @@ def install(app: Flask) -> None:
             deadline = ctx.deadline_ms = _parse_deadline()
             nbytes = request.content_length
             if deadline is not None:
-                floor = held.cost.read_floor_ms(nbytes or 0)
-                if floor > deadline - elapsed_ms():
+                floor = held.cost.read_floor_ms(nbytes) if nbytes else 0.0
+                if nbytes and floor > deadline - elapsed_ms():
                     raise _deadline(
                         f"receiving and parsing a body of {nbytes} bytes takes at least {floor:.3g} ms, more than X-Deadline-Ms={deadline:g}"
                     )
