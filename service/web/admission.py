@@ -467,7 +467,8 @@ def stopper() -> Callable[[], bool] | None:
 
 
 def late() -> RequestError:
-    """504 for a job stopped mid-compute, or computed too late to send its answer in time."""
+    """504 for a job stopped mid-compute: its deadline passed, or left too little time to send the
+    answer (stopper()). A computed answer that cannot be sent in time is start_sending()'s 504."""
     deadline = context().deadline_ms
     return RequestError(
         "deadline",

@@ -119,7 +119,3 @@ class Pipe:
         start sending with it."""
         now = drained([s.left for s in self.sends] + others.lefts(), after_ms, ms_per_mb)
         return finish_ms([float(nbytes)] + now + [float(b) for b in ahead], ms_per_mb)[0]
-
-    def drain_ms(self, ms_per_mb: float, others: Others = NOBODY) -> float:
-        """ms until every answer this worker is sending now has been written."""
-        return max(self.finishes(ms_per_mb, others=others), default=0.0)
