@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from service.config import Settings
-from service.web import admission, create_app
+from service.web import auth, create_app
 
 from .helpers import WORKED
 
@@ -60,7 +60,7 @@ def test_keys_are_compared_in_constant_time(client, monkeypatch):
         calls.append((a, b))
         return compare(a, b)
 
-    monkeypatch.setattr(admission.hmac, "compare_digest", spy)
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
     assert client.post("/attention", json=WORKED, headers={"Authorization": "Bearer k-one"}).status_code == 200
     assert len(calls) == len(KEYS)  # every key compared, not only until the first match
 

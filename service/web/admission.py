@@ -1,7 +1,6 @@
-"""Admission control for the compute endpoints: API keys, deadlines and overload.
+"""Admission control for the compute endpoints: deadlines and overload (API keys: auth.py).
 
 Before the body is parsed (a before_request hook, so a refusal costs no parsing):
-  401 unauthorized  when ATTN_API_KEYS is set and no key matches (constant-time comparison);
   422 bad_option    when X-Deadline-Ms is not a positive number of milliseconds;
   504 deadline      when even receiving and parsing its Content-Length would outlast the deadline;
   503 overloaded    when that and the predicted wait for a compute slot (Gate.wait_ms()) would;
@@ -60,7 +59,6 @@ the whole server (for splitting one request over idle cores).
 
 from __future__ import annotations
 
-import hmac
 import itertools
 import math
 import re
@@ -504,20 +502,6 @@ def _deadline(why: str) -> RequestError:
     return RequestError("deadline", f"Refused before computing: {why}; allow more time or send a smaller request.")
 
 
-def _check_key(keys: tuple[str, ...]) -> None:
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    given_b = given.strip().encode()
-    ok = False
-    for key in keys:  # compare with every key: the time taken does not tell which one came close
-        ok |= hmac.compare_digest(given_b, key.encode())
-    if scheme.lower() != "bearer" or not given_b or not ok:
-        raise ApiError(
-            "unauthorized",
-            "This endpoint needs an API key: send the header Authorization: Bearer <key>.",
-            headers={"WWW-Authenticate": 'Bearer realm="attention"' + (', error="invalid_token"' if given_b else "")},
-        )
-
-
 DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")
 
 
@@ -610,8 +594,6 @@ def install(app: Flask) -> None:
         if started is not None:  # the event loop read the body before the app saw it: the deadline ran meanwhile
             ctx.arrived = ctx.t0 - max(time.monotonic() - started, 0.0)
         try:
-            if settings.api_keys:
-                _check_key(settings.api_keys)
             deadline = ctx.deadline_ms = _parse_deadline()
             nbytes = request.content_length
             if deadline is not None:

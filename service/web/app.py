@@ -10,7 +10,7 @@ from service import wire
 from service.config import Settings
 from service.cost import CostModel
 
-from . import accesslog, admission, api, compression, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
+from . import accesslog, admission, api, auth, compression, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
 from .context import EXTENSION, Services
 
 
@@ -44,7 +44,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     http.install(app)  # first: it makes each request's context
     tracing.install(app)  # after http (its clock), before the rest: every request has a trace
     accesslog.install(app)
-    metrics.install(app)  # before admission: its refusals are counted too
+    metrics.install(app)  # before auth and admission: their refusals are counted too
+    auth.install(app)
     admission.install(app)
     compression.install(
         app, settings.compress_level, settings.compress_min_bytes, settings.compress_max_bytes

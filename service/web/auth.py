@@ -1,0 +1,49 @@
+"""Authentication: with ATTN_API_KEYS set, the compute endpoints need `Authorization: Bearer <key>`
+(401 unauthorized otherwise). Checked before anything else looks at the request, in constant time
+over every key, so that the time taken does not tell which key came close."""
+
+from __future__ import annotations
+
+import hmac
+import re
+
+from flask import Flask, request
+
+from .context import services
+from .errors import ApiError
+
+COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
+
+
+def key_ok(authorization: str | None, keys: tuple[str, ...]) -> bool:
+    """Whether an Authorization header value carries one of keys as a Bearer token."""
+    scheme, _, given = (authorization or "").partition(" ")
+    given_b = given.strip().encode()
+    ok = False
+    for key in keys:  # compare with every key: the time taken does not tell which one came close
+        ok |= hmac.compare_digest(given_b, key.encode())
+    return scheme.lower() == "bearer" and bool(given_b) and ok
+
+
+def refusal(authorization: str | None) -> ApiError:
+    """The 401 for a request without a valid key."""
+    given = bool((authorization or "").partition(" ")[2].strip())
+    return ApiError(
+        "unauthorized",
+        "This endpoint needs an API key: send the header Authorization: Bearer <key>.",
+        headers={"WWW-Authenticate": 'Bearer realm="attention"' + (', error="invalid_token"' if given else "")},
+    )
+
+
+def install(app: Flask) -> None:
+    """The before_request hook that refuses a compute request without a valid key."""
+    keys = services(app).settings.api_keys
+    if not keys:
+        return
+
+    @app.before_request
+    def _authenticate():
+        if request.method == "POST" and COMPUTE_PATH.fullmatch(request.path):
+            header = request.headers.get("Authorization")
+            if not key_ok(header, keys):
+                raise refusal(header)
