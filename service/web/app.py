@@ -10,8 +10,8 @@ from service import wire
 from service.config import Settings
 from service.cost import CostModel
 
-from . import accesslog, admission, api, auth, compression, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
-from .context import EXTENSION, Services
+from . import accesslog, admit, api, auth, compression, compute, errors, http, kserve, metrics, openapi, ops, playground, spans, tracing
+from .context import EXTENSION, Services, services
 
 
 class ServiceFlask(Flask):
@@ -30,15 +30,18 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = ServiceFlask("service")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    gate = admission.make_gate(settings)
+
+    def predict(work, busy, threads):  # the app's cost model, whichever it holds now (tests swap it)
+        return services(app).cost.predict(work, busy, threads)
+
     app.extensions[EXTENSION] = Services(
         settings=settings,
         schemas={cls: cls(settings) for cls in (AttentionRequest, MhaRequest)},
         kserve_schemas=kserve.build_schemas(settings),
         cost=CostModel(),
-        gate=gate,
-        pool=parallel.make_pool(settings),
-        spans=tracing.spans_for(settings),
+        admission=admit.make(settings, predict),
+        pool=compute.make_pool(settings),
+        spans=spans.spans_for(settings),
         ready=not settings.warmup,  # else ops.warm_up() readies it
     )
     http.install(app)  # first: it makes each request's context
@@ -46,7 +49,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     accesslog.install(app)
     metrics.install(app)  # before auth and admission: their refusals are counted too
     auth.install(app)
-    admission.install(app)
+    admit.install(app, charges={kserve.bp: kserve.body_charge})  # the /v2 door parses only its JSON header as JSON
     compression.install(
         app, settings.compress_level, settings.compress_min_bytes, settings.compress_max_bytes
     )  # last: its hook runs first (compression.install)

@@ -40,7 +40,7 @@ class Front:
     """service.transport.Hooks over app (a create_app() app)."""
 
     def __init__(self, app: Flask):
-        self.app, self.gate = app, services(app).gate
+        self.app, self.admission = app, services(app).admission
         self.log_format = services(app).settings.log_format
 
     def refuse(self, refusal: transport.Refusal) -> bytes:
@@ -55,9 +55,7 @@ class Front:
         return answer
 
     def margin(self) -> int:
-        table, row = self.gate.table, self.gate.row
-        assert table is not None and row is not None  # a Gate always has its table and row
-        return table.busiest_margin(row)
+        return self.admission.table.busiest_margin(self.admission.row)
 
     def _endpoint(self, path: str, method: str) -> str:
         """The route path is served by, as the app labels it (a bounded label): "unmatched" when
