@@ -68,7 +68,7 @@ def _child(i: int) -> None:
     doc = {k: encode_tensor(v, enc) if isinstance(v, np.ndarray) else v for k, v in doc.items()}
     body = orjson.dumps({**doc, "return_weights": weights}, option=orjson.OPT_SERIALIZE_NUMPY)
     del doc
-    from service.web.admission import parse_charge
+    from service.admission import parse_charge
 
     charge = parse_charge(bytearray(body))  # what the gate charges for the parse, counted from the body
     base = _status("VmRSS:")
