@@ -124,7 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         base = [r["answers"] for r in rows if r["deadline_ms"] is None]
         mean = sum(base) / len(base) if base else float("nan")
         print(f"\n{args.clients} clients, {args.seconds:g} s a phase, body {len(data) / 1e6:.1f} MB; no-deadline answers: {base}")
-        print("| X-Deadline-Ms | answers | on time (<= 1.25x) | on time / no-deadline mean | late 200 | 503 (with Retry-After) | 504 | 200 over deadline (server time) |")
+        print(
+            "| X-Deadline-Ms | answers | on time (<= 1.25x) | on time / no-deadline mean | late 200 | 503 (with Retry-After) | 504 | 200 over deadline (server time) |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             ratio = f"{r['on_time'] / mean:.2f}" if mean else "-"

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from flask import Blueprint, Flask, Response, request
 
 from schemas import RequestError
-from service.admission import Admission, Deadline, parse_charge, unseen_charge
+from service.admission import Admission, Deadline, census, parse_charge, unseen_charge
 from service.config import Settings
 from service.transport import BODY_KEY
 
@@ -34,8 +34,6 @@ Charge = Callable[[bytes | bytearray], int]  # a body in memory -> the bytes par
 def make(settings: Settings, predict) -> Admission:
     """A worker's admission, in the server's census when gunicorn's arbiter made one, counting
     into the metrics."""
-    from service.admission import census
-
     return Admission(settings, predict, count=metrics.admission_count, table=census.shared())
 
 
