@@ -420,7 +420,7 @@ def _limits_schema(settings: Settings) -> dict:
     }
     props["admission"] = {
         "type": "object",
-        "description": "the admission policy: by predicted time until the answer is sent, the queue order, the wait bound, the slots, memory and parse charges",
+        "description": "the admission policy: by predicted time until the answer starts, the queue order, the wait bound, the slots, memory and parse charges",
     }
     props["cost_model"] = {"type": "object", "description": FORMULA}
     props["version"] = {"type": "string"}
