@@ -135,6 +135,18 @@ def json_response(body, status: int = 200) -> Response:
 MAX_REQUEST_ID = 128
 
 
+def head_headers(head: bytes, names: tuple[bytes, ...]) -> dict[bytes, str]:
+    """The named headers (lower-case names) of a request head the worker read (service.transport),
+    decoded as latin-1, a repeated one's values joined by commas (as gunicorn's environ has them)."""
+    found: dict[bytes, str] = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and (key := name.strip().lower()) in names:
+            text = value.strip(b" \t").decode("latin-1")
+            found[key] = f"{found[key]},{text}" if key in found else text
+    return found
+
+
 def request_id(sent: str) -> str:
     """The client's X-Request-Id if it is 1..128 printable ASCII characters (it is echoed in a
     header and written to logs), else a fresh one."""
