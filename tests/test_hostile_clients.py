@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import requests
 
+from service.config import Settings
+from service.web.app import create_app
+from service.web.context import services
+
 from . import helpers
 from .helpers import WORKED
-
-pytestmark = pytest.mark.live
 
 HANG = 30.0  # seconds: only ever stops a hang
 KEY = "hostile-test-key"
@@ -159,6 +161,7 @@ def log_bytes(srv: helpers.Server) -> bytes:
 # --- 1. probes are answered whatever bodies are held -------------------------------------------
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("keys", ["no-keys", "keys"])
 def test_probes_are_answered_while_stalled_uploads_hold_the_whole_budget(keys, server, keyed_server):
     """Stalled uploads from two clients hold exactly the worker's ATTN_MAX_INFLIGHT_BYTES (each its
@@ -183,6 +186,7 @@ def test_probes_are_answered_while_stalled_uploads_hold_the_whole_budget(keys, s
     helpers.wait_until(lambda: worked_ok(srv, "127.0.0.4", KEY if keys == "keys" else None)[0] == 200, timeout=HANG)
 
 
+@pytest.mark.live
 def test_one_clients_stalled_uploads_take_at_most_half_the_budget(server):
     """One client (127.0.0.2) sends stalled uploads worth the whole budget: those past its share
     (half) are 503 `overloaded`, and another client's request is answered 200 (before, the first
@@ -206,6 +210,7 @@ def test_one_clients_stalled_uploads_take_at_most_half_the_budget(server):
             s.close()
 
 
+@pytest.mark.live
 def test_an_upload_is_cut_at_its_total_time_however_steadily_it_comes():
     """A body that trickles in steadily, above ATTN_BODY_MIN_RATE, is cut with 408 at
     ATTN_BODY_TOTAL_TIMEOUT_S (before, it was read for as long as it kept the rate: here an hour)."""
@@ -237,6 +242,7 @@ HEAD_CASES = {
 }
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("case", HEAD_CASES, ids=list(HEAD_CASES))
 def test_refused_at_the_head_before_100_continue(keyed_server, case):
     """A compute request the app would refuse from its head alone is answered as soon as the head
@@ -257,6 +263,7 @@ def test_refused_at_the_head_before_100_continue(keyed_server, case):
         assert read_to_end(s) == b""  # then closed
 
 
+@pytest.mark.live
 def test_refused_at_the_head_without_expect(keyed_server):
     """Without Expect, a request without a key is refused once its head is in, while its body
     has not come (before, the server waited for the whole body first)."""
@@ -267,6 +274,7 @@ def test_refused_at_the_head_without_expect(keyed_server):
         assert (got, headers["x-error-code"]) == (401, "unauthorized")
 
 
+@pytest.mark.live
 def test_a_valid_head_is_invited_and_answered(keyed_server):
     body = json.dumps(WORKED).encode()
     s = connect(keyed_server)
@@ -280,6 +288,7 @@ def test_a_valid_head_is_invited_and_answered(keyed_server):
 # --- 3. the exact limit is inside the limit ------------------------------------------------------
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("extra, status, code", [
     (f"Authorization: Bearer {KEY}\r\nX-Deadline-Ms: 0.001\r\n", 504, "deadline"),
     (f"Authorization: Bearer {KEY}\r\nX-Deadline-Ms: soon\r\n", 422, "bad_option"),
@@ -296,11 +305,43 @@ def test_a_body_of_exactly_the_limit_keeps_its_refusal(keyed_server, extra, stat
             assert (got, headers["x-error-code"]) == expected, n
 
 
+@pytest.mark.parametrize("status", [401, 422, 503, 504])
+def test_in_the_app_a_body_of_exactly_the_limit_keeps_its_refusal(status):
+    """The app alone (its hooks, as another worker class or a test client reaches them), with the
+    input ended by the server as gunicorn says (wsgi.input_terminated): a refusal that reads the
+    body first (422, 503, 504 drain it) keeps its status for a body of exactly the limit, where
+    werkzeug's stream refused the read that found its end (413); one byte more is 413 (401 is
+    decided first, the body unread)."""
+    app = create_app(Settings(warmup=False, max_body_bytes=1000, api_keys=(KEY,), max_inflight=1, max_queue=0))
+    headers = {
+        401: {},
+        422: {"Authorization": f"Bearer {KEY}", "X-Deadline-Ms": "soon"},
+        503: {"Authorization": f"Bearer {KEY}"},
+        504: {"Authorization": f"Bearer {KEY}", "X-Deadline-Ms": "0.001"},
+    }[status]
+    held = services(app).gate.enter(0) if status == 503 else None  # the server's one place: the next is 503
+    try:
+        client = app.test_client()
+        for n, expected in ((999, status), (1000, status), (1001, 401 if status == 401 else 413)):
+            r = client.post(
+                "/attention",
+                data=b" " * n,
+                content_type="application/json",
+                headers=headers,
+                environ_overrides={"wsgi.input_terminated": True},
+            )
+            assert r.status_code == expected, (n, r.get_json())
+    finally:
+        if held is not None:
+            held.release()
+
+
 # --- 4, 5. logs that cannot be forged, answers that do not echo --------------------------------
 
 FORGED = "1999-12-31T23:59:59.999Z"  # a line's time no test run has
 
 
+@pytest.mark.live
 @pytest.mark.parametrize(
     "raw",
     [
@@ -330,6 +371,7 @@ def test_what_a_client_sends_cannot_forge_a_log_line(server, raw):
         assert len(line) < 2000
 
 
+@pytest.mark.live
 def test_an_error_echoes_at_most_a_bounded_prefix_of_a_header(server):
     """Transfer-Encoding: 60,000 bytes of a coding, then chunked: 501 whose message quotes a short
     prefix of it (before, the whole value: a 60,424-byte answer and a log line as long)."""
@@ -347,6 +389,7 @@ def test_an_error_echoes_at_most_a_bounded_prefix_of_a_header(server):
 # --- 6. idle floods, Upgrade ----------------------------------------------------------------------
 
 
+@pytest.mark.live
 @pytest.mark.parametrize("sent", [b"", b"GET / HTTP/1.1\r\nX-Slow: "], ids=["nothing", "part-of-a-head"])
 def test_a_flood_of_idle_connections_does_not_stop_probes(sent):
     """Four times worker_connections connections that send nothing (or the start of a head, and
@@ -369,6 +412,7 @@ def test_a_flood_of_idle_connections_does_not_stop_probes(sent):
                 s.close()
 
 
+@pytest.mark.live
 @pytest.mark.parametrize(
     "method, path, headers, body",
     [
