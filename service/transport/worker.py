@@ -11,8 +11,10 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
 
 - Receive: the event loop reads every request, head and body, without blocking, under deadlines:
   the head within ATTN_HEADER_TIMEOUT_S, the body within ATTN_BODY_TIMEOUT_S plus one second per
-  ATTN_BODY_MIN_RATE bytes received (Apache's mod_reqtimeout rule). Past a deadline the client gets
-  408 `timeout` and the connection closes. A request whose framing cannot be trusted gets 400
+  ATTN_BODY_MIN_RATE bytes received (Apache's mod_reqtimeout rule) and ATTN_BODY_TOTAL_TIMEOUT_S
+  in all. Past a deadline the client gets 408 `timeout` and the connection closes. Once a head is
+  in, what the app refuses from it alone (hooks.check_head: no valid key, an unreadable deadline)
+  is answered before a byte of the body is read or 100 Continue sent, and the connection closes. A request whose framing cannot be trusted gets 400
   `bad_framing` (a bad Content-Length or chunk, both Content-Length and Transfer-Encoding), an
   unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
   request is complete 400 `incomplete_request` (it can still read the answer); each then closes.
@@ -20,7 +22,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   The body is handed to the app in the buffer it was received into, not copied, under the environ
   key BODY_KEY (a large one is read into a mapping of its own, BODY_BUFFER_AFTER).
   A body over ATTN_MAX_BODY_BYTES gets 413 from here; the bytes of requests being read count
-  against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it).
+  against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it, or past its
+  client's share, half; never to a request without a body: see _over_budget).
 - Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
   and the thread goes on: the response is finished (its compute slot freed) and the event loop
   sends the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is
@@ -30,7 +33,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   the answers being written; a thread waits to send only then).
 - Idle: a new connection must send a request head within ATTN_HEADER_TIMEOUT_S; a kept-alive
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
-  and no thread.
+  and no thread; at worker_connections, the one waiting longest for a head gives its place to a
+  new one (_make_room), so that connections sending nothing cannot stop the worker accepting.
 - Placement: a POST reaching this worker while it holds PLACEMENT_MARGIN more admitted requests
   than its least busy sibling (hooks.margin()) is answered with Connection: close, so that
   keep-alive clients the kernel happened to put on one worker spread over all of them.
