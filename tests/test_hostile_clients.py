@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import select
 import socket
@@ -17,8 +18,12 @@ from pathlib import Path
 
 import pytest
 import requests
+from hypothesis import given
+from hypothesis import strategies as st
 
 from service.config import Settings
+from service.transport.worker import peer_of
+from service.web.accesslog import MAX_QUOTED, ClientBytes, printable
 from service.web.app import create_app
 from service.web.context import services
 
@@ -275,6 +280,22 @@ def test_refused_at_the_head_without_expect(keyed_server):
 
 
 @pytest.mark.live
+def test_uploads_without_a_key_hold_nothing(keyed_server):
+    """With API keys set, twice the budget in stalled uploads without a key: each is 401 at its head
+    and holds nothing, so a valid request from the same client is answered 200 (before, they were
+    read and held until the body timeout, and the budget refused it)."""
+    held = [stalled_upload(keyed_server, "127.0.0.2", LIMIT) for _ in range(8)]
+    try:
+        for s in held:
+            status, headers, _ = first_answer(s)
+            assert (status, headers["x-error-code"]) == (401, "unauthorized")
+        assert worked_ok(keyed_server, "127.0.0.2", KEY) == (200, "")
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.live
 def test_a_valid_head_is_invited_and_answered(keyed_server):
     body = json.dumps(WORKED).encode()
     s = connect(keyed_server)
@@ -433,3 +454,34 @@ def test_upgrade_is_ignored_and_the_request_answered(server, method, path, heade
     r = requests.request(method, server.url + path, headers=headers, json=body, timeout=HANG)
     assert r.status_code == 200, r.text
     assert "upgrade" not in r.headers.get("Connection", "").lower()
+
+
+# --- the laws under them ------------------------------------------------------------------------
+
+
+@given(st.text())
+def test_a_plain_log_value_is_one_printable_line_whatever_it_holds(text):
+    """printable(): what a client sent, in a plain log line, holds no character a terminal acts on
+    (so no line break), and is the text itself when it held none."""
+    out = printable(text)
+    assert out.isprintable()
+    assert out == text if text.isprintable() else out.startswith('"') and out.endswith('"')
+
+
+@given(st.lists(st.one_of(st.text(), st.binary(), st.integers()), max_size=4))
+def test_a_message_quoting_a_client_is_one_printable_line(args):
+    """ClientBytes: a message's arguments (what gunicorn quotes of a client) come out printable and
+    cut, whatever they hold; the message's own text stays as written."""
+    record = logging.LogRecord("gunicorn.error", logging.WARNING, __file__, 1, "quoted:" + " %s" * len(args), tuple(args), None)
+    assert ClientBytes().filter(record)
+    message = record.getMessage()
+    assert message.startswith("quoted:") and message.isprintable()
+    quoted = 10 * (MAX_QUOTED + 3) + 2  # each character at most "\\U0001xxxx", in quotes
+    assert len(message) <= len("quoted:") + sum(1 + (len(str(a)) if isinstance(a, int) else quoted) for a in args)
+
+
+def test_a_client_is_its_address_or_its_ipv6_64():
+    """Conn.peer, the fair share's key: an IPv4 address (mapped into IPv6 or not), an IPv6 /64."""
+    assert peer_of(("127.0.0.2", 5)) == peer_of(("::ffff:127.0.0.2", 5, 0, 0)) == "127.0.0.2"
+    assert peer_of(("2001:db8::1", 5, 0, 0)) == peer_of(("2001:db8::ffff:1", 6, 0, 0)) != peer_of(("2001:db8:0:1::1", 5, 0, 0))
+    assert peer_of("") == ""  # a unix socket's peer

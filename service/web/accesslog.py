@@ -21,7 +21,9 @@ line; plain, one line for a person at a terminal (`make run` uses it). A request
     pid          the worker process
 
 Never a body, a header other than X-Request-Id and traceparent, or a query string: an API key or
-a secret in a URL never reaches the log. The worker's event loop answers some requests itself
+a secret in a URL never reaches the log. In the plain format what a client chose (method, path, a
+field it named) is escaped if it holds a character that is not printable (printable()), and so
+are the values gunicorn's messages quote (ClientBytes): no client can forge a line. The worker's event loop answers some requests itself
 (408, 413, 431, 400 bad_framing, ...: service/transport/worker.py); worker_answer() logs those in
 the same format (service/web/front.py). Cost: one orjson.dumps and one write(2) per request (bench/accesslog_cost.py).
 """

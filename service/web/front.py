@@ -87,7 +87,7 @@ class Front:
         if not path.startswith("/"):
             return "unmatched"
         try:
-            rule, _ = self.app.url_map.bind("localhost").match(path.partition("?")[0], method=method or "GET", return_rule=True)
+            rule, _ = self.app.url_map.bind("localhost").match(route_path(path), method=method or "GET", return_rule=True)
         except Exception:  # werkzeug's NotFound, MethodNotAllowed, RequestRedirect
             return "unmatched"
         return rule.rule
