@@ -407,6 +407,26 @@ def test_an_error_echoes_at_most_a_bounded_prefix_of_a_header(server):
     assert max(len(line) for line in log_bytes(server)[before:].split(b"\n")) < 2000
 
 
+@pytest.mark.parametrize(
+    "path, header, status",
+    [
+        ("/attention", "Content-Encoding", 415),
+        ("/attention", "Content-Type", 415),
+        ("/v2/models/attention/infer", "Inference-Header-Content-Length", 400),
+    ],
+)
+def test_an_app_error_quotes_at_most_a_bounded_prefix_of_a_header(path, header, status):
+    """A header's value the app's refusal names (a Content-Encoding or Content-Type it does not
+    take, a binary header length it cannot read), 8,000 characters long: the message quotes a
+    short prefix of it (before, all of it)."""
+    app = create_app(Settings(warmup=False))
+    headers = {"Content-Type": "application/json", header: "x" * 8000}
+    r = app.test_client().post(path, data=json.dumps(WORKED), headers=headers)
+    error = r.get_json()["error"]  # /v2's shape: {"error": message}
+    message = error if isinstance(error, str) else error["message"]
+    assert r.status_code == status and "xxxx" in message and len(r.get_data()) < 1000
+
+
 # --- 6. idle floods, Upgrade ----------------------------------------------------------------------
 
 

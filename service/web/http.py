@@ -57,7 +57,7 @@ def check_media_type(require_json: bool = True) -> None:
     and, when require_json, for one that is not application/json."""
     compression.request_coding(request.headers.get("Content-Encoding"))
     if require_json and request.mimetype != "application/json":
-        got = request.mimetype or "none"
+        got = wire.show(request.mimetype) if request.mimetype else "none"  # cut: a client's header
         raise RequestError("unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
 
 
