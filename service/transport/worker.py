@@ -14,7 +14,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   ATTN_BODY_MIN_RATE bytes received (Apache's mod_reqtimeout rule) and ATTN_BODY_TOTAL_TIMEOUT_S
   in all. Past a deadline the client gets 408 `timeout` and the connection closes. Once a head is
   in, what the app refuses from it alone (hooks.check_head: no valid key, an unreadable deadline)
-  is answered before a byte of the body is read or 100 Continue sent, and the connection closes. A request whose framing cannot be trusted gets 400
+  is answered before a byte of the body is read or 100 Continue sent, and the connection closes.
+  A request whose framing cannot be trusted gets 400
   `bad_framing` (a bad Content-Length or chunk, both Content-Length and Transfer-Encoding), an
   unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
   request is complete 400 `incomplete_request` (it can still read the answer); each then closes.
@@ -345,9 +346,11 @@ def peer_of(client) -> str:
         address = ipaddress.ip_address(client[0])
     except ValueError:
         return str(client[0])
-    if address.version == 6 and address.ipv4_mapped is None:
-        return str(ipaddress.ip_network(f"{address}/64", strict=False))
-    return str(address.ipv4_mapped or address) if address.version == 6 else str(address)
+    if address.version == 4:
+        return str(address)
+    if address.ipv4_mapped is not None:  # ::ffff:a.b.c.d, an IPv4 client on a dual-stack socket
+        return str(address.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{address}/64", strict=False))
 
 
 def _call_written(conn: Conn, written: bool) -> None:
