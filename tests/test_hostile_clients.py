@@ -1,7 +1,8 @@
-"""Hostile clients against the real server (gunicorn, service/transport/worker.py): uploads that
-hold the worker's byte budget, refusals at the head, a body of exactly the limit, forged log lines,
-echoed headers, floods of idle connections and Upgrade. Each test is one row of
-docs/reliability.md ("Hostile clients").
+"""Hostile clients, mostly against the real server (gunicorn, service/transport/worker.py): uploads
+that hold the worker's byte budget, refusals at the head, a body of exactly the limit, forged log
+lines, echoed headers, floods of idle connections and Upgrade; and the laws under them (escaping,
+a client's address). docs/reliability.md ("Hostile clients: budgets, heads, logs and connections")
+maps each case to its test.
 
 Small settings keep each case quick (a budget of 4 MB, a body limit of 1 MB); waits are bounded
 by generous hang guards, and nothing asserts how long anything took."""
