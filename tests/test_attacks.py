@@ -246,6 +246,7 @@ NUMBERS = [
     Case("number-float-where-int-heads", mha(heads=2.0), 422, "bad_type", path="/mha"),
     Case("number-float-where-int-key-lengths", batched(key_lengths=[1.5]), 422, "bad_type"),
     Case("number-key-lengths-2**63", batched(key_lengths=[2**63]), 422, "bad_option"),
+    Case("number-key-lengths-negative", batched(key_lengths=[-1]), 422, "bad_option", message_has="key_lengths", field_is="key_lengths"),
     Case(
         "number-key-lengths-int32-4294967297",
         batched(key_lengths={"shape": [1], "dtype": "int32", "data": [4294967297]}),
@@ -1076,6 +1077,20 @@ PROTOCOL = [
         ),
         400,
         path=V2,
+    ),
+    Case(
+        "v2-key-lengths-negative",
+        v2(
+            inputs=[
+                {"name": n, "datatype": "FP32", "shape": [1, 3, 2], "data": d["data"]}
+                for n, d in zip("qkv", V2_SEED["inputs"], strict=True)
+            ]
+            + [{"name": "key_lengths", "datatype": "INT64", "shape": [1], "data": [-1]}]
+        ),
+        400,
+        path=V2,
+        message_has="key_lengths",
+        field_is="key_lengths",
     ),
     Case(
         "v2-overflow-no-weights",
