@@ -313,14 +313,26 @@ def raw_exchange(
     return out
 
 
-def set_blocks(monkeypatch, elements: int, rows: int) -> None:
-    """The numeric core's blocking made small for a test: BLOCK_ELEMENTS scores a block, at least
-    rows rows, and 3 causal blocks, so that small arrays make many blocks."""
+def set_blocks(monkeypatch, elements: int, rows: int) -> list:
+    """The numeric core's blocking made small for a test: every problem in blocks (none is sent to
+    reference() for being small), BLOCK_ELEMENTS scores a block, at least rows rows, and 3 causal
+    blocks, so that small arrays make many blocks. Returns the plans attention() makes from then
+    on (a list that fills), so that a test can check the blocks it meant to run did run."""
     from service.core import kernels
 
+    monkeypatch.setattr(kernels, "SMALL_SHARE", 2**62)
     monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", elements)
     monkeypatch.setattr(kernels, "MIN_ROWS", rows)
     monkeypatch.setattr(kernels, "CAUSAL_BLOCKS", 3)
+    plans: list = []
+    real = kernels.plan
+
+    def plan(*args, **kwargs):
+        plans.append(made := real(*args, **kwargs))
+        return made
+
+    monkeypatch.setattr(kernels, "plan", plan)  # attention()'s own; the cost model's core.plan is another name
+    return plans
 
 
 class JsonHandler(BaseHTTPRequestHandler):

@@ -11,6 +11,7 @@ from service.core import ScoreOverflow, Stopped, attention, causal_mask
 from service.core import kernels as core
 
 from . import oracle
+from .helpers import set_blocks
 
 
 def straightforward(q, k, v, mask=None, *, causal=False, key_lengths=None, scale=None):
@@ -37,12 +38,11 @@ def straightforward(q, k, v, mask=None, *, causal=False, key_lengths=None, scale
 @pytest.fixture(params=[(2**40, 16), (24, 3), (7, 1)], ids=["one block", "blocks of 3 rows", "rows and batch split"])
 def blocks(request, monkeypatch):
     """Block sizes: one block for everything, small blocks whose edges fall mid-diagonal, and
-    blocks of a single row and batch item."""
-    elements, rows = request.param
-    monkeypatch.setattr(core, "BLOCK_ELEMENTS", elements)
-    monkeypatch.setattr(core, "MIN_ROWS", rows)
-    monkeypatch.setattr(core, "CAUSAL_BLOCKS", 3)
-    return request.param
+    blocks of a single row and batch item; every problem in blocks, however small (checked after
+    the test: none went to reference())."""
+    plans = set_blocks(monkeypatch, *request.param)
+    yield request.param
+    assert plans and not any(p.reference for p in plans), "the blocked path never ran"
 
 
 CASES = [

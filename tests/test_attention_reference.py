@@ -62,8 +62,7 @@ def test_the_blocks_equal_the_reference_and_the_reference_the_oracle(problem, re
     kw = {name: value for name, value in options.items() if name != "mask"}
     ref_out, ref_w = reference(q, k, v, mask, return_weights=return_weights, **kw)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(core, "SMALL_SHARE", 2**62)  # every problem in blocks, small ones of a few rows
-        set_blocks(mp, 12, 2)
+        set_blocks(mp, 12, 2)  # every problem in blocks, small ones of a few rows
         out, w = attention(q, k, v, mask, return_weights=return_weights, **kw)
     expect_out, expect_w = oracle_of(q, k, v, options)
     tol = 1e-5 if q.dtype == np.float32 else 1e-12
@@ -93,7 +92,6 @@ def test_lse_equals_the_oracle_on_either_path(problem, return_weights):
     for blocks in (False, True):
         with pytest.MonkeyPatch.context() as mp:
             if blocks:
-                mp.setattr(core, "SMALL_SHARE", 2**62)
                 set_blocks(mp, 12, 2)
             out, w, lse = attention(q, k, v, mask, return_weights=return_weights, return_lse=True, **kw)
             plain_out, plain_w = attention(q, k, v, mask, return_weights=return_weights, **kw)
