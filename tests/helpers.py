@@ -313,6 +313,20 @@ def raw_exchange(
     return out
 
 
+# The promise (docs/api.md): each row of the weights with an allowed key sums to 1 within 1e-6 in
+# float32 and 1e-12 in float64; a row with none is all zeros.
+ROW_SUM_TOLERANCE = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-12}
+
+
+def assert_rows_sum_to_one(weights: np.ndarray, has_key) -> None:
+    """The promise above, for weights (..., T, S) whose rows has_key (broadcast to (..., T)) have
+    an allowed key. The sum is taken in float64: the error measured is the weights', not the sum's."""
+    sums = np.asarray(weights, np.float64).sum(-1)
+    has_key = np.broadcast_to(has_key, sums.shape)
+    np.testing.assert_allclose(sums[has_key], 1, rtol=0, atol=ROW_SUM_TOLERANCE[weights.dtype])
+    assert (sums[~has_key] == 0).all()
+
+
 def set_blocks(monkeypatch, elements: int, rows: int) -> list:
     """The numeric core's blocking made small for a test: every problem in blocks (none is sent to
     reference() for being small), BLOCK_ELEMENTS scores a block, at least rows rows, and 3 causal

@@ -14,7 +14,7 @@ from service.core import ResultOverflow, ScoreOverflow, attention, reference
 from service.core import kernels as core
 
 from . import oracle
-from .helpers import set_blocks
+from .helpers import assert_rows_sum_to_one, set_blocks
 
 CAUSAL = [False, True, "top_left", "bottom_right"]
 
@@ -73,6 +73,9 @@ def test_the_blocks_equal_the_reference_and_the_reference_the_oracle(problem, re
         np.testing.assert_allclose(w, ref_w, atol=tol, rtol=tol)
         np.testing.assert_allclose(ref_w, expect_w, atol=tol, rtol=tol)
         assert (ref_w[expect_w == 0] == 0).all() and (w[expect_w == 0] == 0).all()  # hidden keys: exactly 0
+        if not options["average_weights"]:  # (an average over heads sums to the share of heads with a key)
+            assert_rows_sum_to_one(w, expect_w.sum(-1) > 0)
+            assert_rows_sum_to_one(ref_w, expect_w.sum(-1) > 0)
     else:
         assert w is None and ref_w is None
 
