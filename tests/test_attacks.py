@@ -1174,6 +1174,7 @@ def test_v2_readiness_follows_draining(tmp_path):
         client.join(timeout=300)
         assert done.get("status") == 200
     finally:
+        held.release()  # so that a test that failed holding it stops its server at once
         stop_server(proc)
 
 

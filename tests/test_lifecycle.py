@@ -91,6 +91,7 @@ def test_sigterm_lets_the_request_in_flight_finish(tmp_path):
         np.testing.assert_allclose(outcome["doc"]["weights"], expect_w, rtol=1e-6)
         assert proc.wait(timeout=60) == 0  # a clean exit within graceful_timeout
     finally:
+        held.release()  # so that a test that failed holding it stops its server at once
         stop_server(proc)
 
 
