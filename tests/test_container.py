@@ -2,8 +2,8 @@
 
 Engine, in order: `ATTN_CONTAINER_ENGINE=docker|podman` forces one, used as it is; a Docker
 engine that answers is used as it is (such a machine reaches a registry); else, as root,
-`.ci/container-sandbox` installs podman and a local python:3.11-slim built from Debian, for
-machines with no registry (as .ci/run's are); else a podman on PATH. Only where none of these
+`../shared/tools/container-sandbox` (beside the repo, as CI lays it) installs podman and a local
+python:3.11-slim built from Debian, for machines with no registry (as .ci/run's are); else a podman on PATH. Only where none of these
 can be had do the tests skip, and they say why (they fail under ATTN_REQUIRE_TOOLS=1).
 
 The image is built once per session, under a tag of its own (removed at the end), so that two
@@ -35,7 +35,7 @@ from .helpers import ROOT, WORKED_OUT, WORKED_WEIGHTS, Q, V, free_port, unavaila
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(900)]
 
-SANDBOX = ROOT / ".ci" / "container-sandbox"
+SANDBOX = ROOT.parent / "shared" / "tools" / "container-sandbox"  # CI lays shared/ beside the clone
 SANDBOX_LOCK = Path(tempfile.gettempdir()) / "attention-container-sandbox.lock"
 IMAGE = f"localhost/attention-service:test-{uuid.uuid4().hex[:8]}"
 CONTAINER_PORT = 8000
