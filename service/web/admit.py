@@ -21,10 +21,10 @@ from service.config import Settings
 from service.transport import BODY_KEY
 
 from . import metrics
+from .auth import COMPUTE_PATH
 from .context import context, services
 from .http import when_sent
 
-COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
 DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
 DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")
 
@@ -38,7 +38,8 @@ def make(settings: Settings, predict) -> Admission:
 
 
 def parse_deadline(raw: str | None) -> float | None:
-    """X-Deadline-Ms as milliseconds (None without one), or 422 bad_option."""
+    """X-Deadline-Ms as milliseconds (None without one), or 422 bad_option. Also read at the head
+    by the event-loop worker (front.Front.check_head), before the body is."""
     if raw is None:
         return None
     # A decimal number only: float() also reads "1_000" and other scripts' digits.
