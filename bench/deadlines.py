@@ -15,7 +15,9 @@ case for the server). Per phase:
 At the end, the server's own count of answers whose last byte left after their deadline
 (attention_answers_after_deadline_total) and the cost model's measured spread (/limits).
 
-    python -m bench.deadlines [--clients 16] [--seconds 12] [--phases none 1000 none 300]
+    python -m bench.deadlines [--clients 16] [--seconds 12] [--phases none 1000 none 300] [--checkout DIR]
+
+--checkout serves another checkout of the service (an older commit, to compare) with this one's script.
 """
 
 from __future__ import annotations
@@ -27,11 +29,12 @@ import re
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import requests
 
-from bench.server import Server
+from bench.server import ROOT, Server
 
 TOTAL = re.compile(r"total;dur=([0-9.]+)")
 WARMUP_S = 4.0
@@ -110,9 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--phases", nargs="+", default=["none", "1000", "none", "300"], help="deadlines in ms, or none")
+    parser.add_argument("--checkout", type=Path, default=ROOT, help="the checkout to serve (default: this one)")
     args = parser.parse_args(argv)
     data = body()
-    server = Server("deadlines")
+    server = Server("deadlines", cwd=args.checkout)
     try:
         server.wait_ready(in_a_row=4)
         phase(server.url, data, args.clients, WARMUP_S, None)  # the cost model learns the load; not reported
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         limits = requests.get(f"{server.url}/limits", timeout=10).json()
         print(f"\nserver: answers whose last byte left after their deadline: {server_late(server.url):g}")
-        print(f"server: prediction spread (one worker's): {json.dumps(limits['cost_model']['prediction_spread'])}")
+        print(f"server: prediction spread (one worker's): {json.dumps(limits['cost_model'].get('prediction_spread'))}")
     finally:
         server.stop()
 
