@@ -343,14 +343,17 @@ def test_a_body_in_memory_is_charged_by_what_it_holds(settings, rng):
 def test_the_binary_header_lowers_no_charge_at_the_native_door(settings, rng):
     """The native door parses the whole body as JSON, whatever Inference-Header-Content-Length
     says: with that header (0: "all of it is binary") a body is still charged as JSON, so a body
-    that its JSON parse would take past ATTN_MAX_INFLIGHT_BYTES beside another request is 503, as
-    without the header (it was charged 1x, the binary rate, and admitted)."""
+    whose JSON parse would take the worker past ATTN_MAX_INFLIGHT_BYTES beside another request is
+    503, as without the header. (It was charged 1x, the binary rate, and admitted: the bound below
+    holds the body at that rate and then the job's working bytes.)"""
     from service.transport import BODY_KEY
 
-    q = rng.standard_normal((16, 256))  # working bytes well under the body's: only the parse charge decides
-    data = json.dumps({"q": b64(q), "k": b64(q), "v": b64(q), "return_weights": False}).encode()
-    assert parse_charge(data) > 2 * len(data) > parse_charge(data, 0) + 10
-    app = create_app(replace(settings, max_inflight_bytes=2 * len(data) + 10))  # the body and a 1x charge fit, a JSON charge does not
+    q = _nested(rng.standard_normal((16, 64)))
+    data = json.dumps({"q": q, "k": q, "v": q, "return_weights": False}).encode()
+    working = AttentionRequest(settings).load(json.loads(data)).working_bytes()
+    bound = 1 + len(data) + max(len(data), working) + 10  # another request's byte, the body, then its binary charge or its job
+    assert 1 + len(data) + parse_charge(data) > bound >= 1 + len(data) + parse_charge(data, 0)
+    app = create_app(replace(settings, max_inflight_bytes=bound))
     client = app.test_client()
     gate = services(app).admission
     held = gate.enter(1)
@@ -364,6 +367,8 @@ def test_the_binary_header_lowers_no_charge_at_the_native_door(settings, rng):
     finally:
         held.release()
     assert (gate.admitted, gate.bytes) == (0, 0)
+    r = client.post("/attention", data=data, content_type="application/json", environ_overrides={BODY_KEY: bytearray(data)})
+    assert r.status_code == 200  # alone, it is admitted
 
 
 def test_the_v2_door_charges_its_binary_tensors_their_size(rng):
