@@ -1,7 +1,7 @@
 """The Python client against tritonclient, end to end numpy to numpy, on the same server.
 
-    .venv/bin/python -m bench.client_wire                        # starts `python -m service` on a free port
-    .venv/bin/python -m bench.client_wire --url http://127.0.0.1:8000 --runs 400,20
+    .venv/bin/python -m bench client_wire                        # starts `python -m service` on a free port
+    .venv/bin/python -m bench client_wire --url http://127.0.0.1:8000 --runs 400,20
 
 One request: q, k, v (B, H, T, d) = (1, 8, T, 64) float32, causal, weights returned, at T=64 and
 T=1024. Six ways in, each with its own keep-alive connection (new ones every 20 repetitions, so

@@ -136,12 +136,12 @@ def b64(a: np.ndarray) -> dict:
 
 
 def attention_body(T: int, encoding: str = "b64", weights: bool = False, seed: int = 0, **options) -> bytes:
-    """A POST /attention body, causal: q, k, v of (1, H, T, D) in encoding (b64: the answer in b64
-    too; nested), with or without weights, and any other options."""
+    """A POST /attention body, causal: q, k, v of (1, H, T, D) in encoding (b64 or nested; the
+    answer comes in the same), with or without weights, and any other options."""
     q, k, v = tensors(T, seed)
     doc: dict = {"causal": True, "return_weights": weights, **options}
     if encoding == "b64":
-        doc.update(q=b64(q), k=b64(k), v=b64(v), response_encoding="b64")
+        doc.update(q=b64(q), k=b64(k), v=b64(v))
     else:
         doc.update(q=q, k=k, v=v)
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)

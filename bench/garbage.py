@@ -6,9 +6,9 @@ Each body of a catalogue of hostile (and a few valid) bodies is built at several
 once; prints ms per MB and the answer. The worst ms/MB over the catalogue is the figure to watch:
 work must be linear in the bytes with a small constant.
 
-    python -m bench.garbage                 # sizes 1 4 16 MB
-    python -m bench.garbage --sizes 1 4 16 64 --only rows1
-    python -m bench.garbage --rss           # also each case's peak RSS growth, in a fresh subprocess
+    python -m bench garbage                 # sizes 1 4 16 MB
+    python -m bench garbage --sizes 1 4 16 64 --only rows1
+    python -m bench garbage --rss           # also each case's peak RSS growth, in a fresh subprocess
 """
 
 from __future__ import annotations

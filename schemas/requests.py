@@ -53,7 +53,7 @@ class _Request(Schema):
         required one present): a present field is deserialized as marshmallow does, in the same
         order (so the same first error), an absent one takes its load_default at once. marshmallow
         passes each absent field through Field.deserialize to find that default, and most of a
-        usual request's fields are absent (`python -m bench.small_profile` shows the share)."""
+        usual request's fields are absent (`python -m bench small_profile` shows the share)."""
         fields = self.load_fields
         plain = self._plain and not many and partial is None and isinstance(data, dict)
         if not (plain and self._required <= data.keys() <= fields.keys()):

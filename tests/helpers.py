@@ -29,7 +29,7 @@ import numpy as np
 import requests
 from threadpoolctl import threadpool_limits
 
-from bench.server import terminate
+from bench.common import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 
