@@ -182,7 +182,10 @@ def install(app: Flask, level: int, min_bytes: int, max_bytes: int = 0, when: st
         if resp.status_code in UNCOMPRESSED or "Content-Encoding" in resp.headers or request.method == "HEAD":
             return resp
         resp.vary.add("Accept-Encoding")
-        coding, identity = answer_coding(request.headers.get("Accept-Encoding"))
+        header = request.headers.get("Accept-Encoding")
+        if not merely_accepted and (not header or ("identity" not in header.lower() and "*" not in header)):
+            return resp  # identity neither named nor refused (requests' `gzip, deflate`): no preference to parse
+        coding, identity = answer_coding(header)
         if coding is None or (identity == "acceptable" and not merely_accepted):
             return resp
         length = resp.content_length
