@@ -4,7 +4,7 @@
     .venv/bin/python -m bench client_wire --url http://127.0.0.1:8000 --runs 400,20
 
 One request: q, k, v (B, H, T, d) = (1, 8, T, 64) float32, causal, weights returned, at T=64 and
-T=1024. Six ways in, each with its own keep-alive connection (new ones every 20 repetitions, so
+T=1024. Five ways in, each with its own keep-alive connection (new ones every 20 repetitions, so
 that which server worker serves which path changes), taken in turn within every repetition, in a
 new (seeded) random order each time: drift from other load on the machine hits
 them alike, and each follows each other one as often (a fixed rotation would always put the same
@@ -12,8 +12,8 @@ path after the heaviest one, with its garbage to collect and its server-side aft
 
 - AttentionClient, wire="binary" (the default): /v2/models/attention/infer, raw bytes both ways;
 - AttentionClient, wire="json" (b64): POST /attention, orjson + pybase64;
-- the client's binary wire (its codecs) over urllib3, and over a requests.Session, instead of its
-  own sockets;
+- the client's binary wire (its codecs) over urllib3 (what requests rests on) instead of its own
+  sockets;
 - tritonclient.http, inputs set_data_from_numpy(binary_data=True), outputs binary_data=True: the
   same /v2 door, as a Triton/KServe user would call it;
 - requests + stdlib json and base64 to POST /attention: what a user writes by hand.
@@ -89,24 +89,6 @@ def requests_path(url: str) -> Path:
     return call, session.close
 
 
-def requests_binary_path(url: str) -> Path:
-    """The client's binary wire (its own request and response codecs) over a requests.Session
-    instead of its sockets: what the HTTP layer alone is worth."""
-    session = requests.Session()
-    session.headers["Accept-Encoding"] = "identity"  # as the client and tritonclient ask: no compressed answers
-
-    def call(q, k, v):
-        parts = _wire.v2_request({"q": q, "k": k, "v": v}, {"causal": True}, ["out", "weights"])
-        resp = session.post(
-            f"{url}/v2/models/attention/infer", data=b"".join(parts), headers={_wire.HEAD_LENGTH: str(len(parts[0]))}, timeout=120
-        )
-        resp.raise_for_status()
-        outputs = _wire.v2_outputs(memoryview(resp.content), int(resp.headers[_wire.HEAD_LENGTH]))
-        return outputs["out"], outputs["weights"]
-
-    return call, session.close
-
-
 def urllib3_binary_path(url: str) -> Path:
     """The client's binary wire over urllib3 (what requests rests on) at its best: the parts
     handed as they are (urllib3 writes each with its own sendall), the answer read with readinto
@@ -132,7 +114,6 @@ def urllib3_binary_path(url: str) -> Path:
 PATHS = {
     "AttentionClient binary (default)": lambda url: client_path(url, "binary"),
     "same binary wire over urllib3": urllib3_binary_path,
-    "same binary wire over requests.Session": requests_binary_path,
     "AttentionClient json (b64)": lambda url: client_path(url, "json"),
     "tritonclient.http binary": triton_path,
     "requests + json b64 /attention": requests_path,
