@@ -4,7 +4,6 @@ project's client; only the hostile ones write raw bytes on purpose."""
 
 from __future__ import annotations
 
-import http.client
 import os
 import socket
 import statistics
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pybase64
+import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -86,11 +86,8 @@ class Server:
                     f"{self.name} exited with status {self.proc.returncode} before it was ready; its log ends:\n{self.log_tail()}"
                 )
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", path)
-                ok = ok + 1 if conn.getresponse().status == 200 else 0
-                conn.close()
-            except OSError:
+                ok = ok + 1 if requests.get(self.url + path, timeout=2).status_code == 200 else 0  # a new connection each time
+            except requests.RequestException:
                 ok = 0
             if ok >= in_a_row:
                 return

@@ -24,6 +24,8 @@ MB = 2**20
 # The allocator settings deploy/gunicorn.conf.py gives a worker (its _tune_malloc), as environment
 # variables for a child process measured as a worker would run.
 WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "16777216", "MALLOC_ARENA_MAX": "2"}
+
+
 def _fill(head: bytes, unit: bytes, tail: bytes, size: int, sep: bytes = b",") -> bytes:
     n = max(1, (size - len(head) - len(tail)) // (len(unit) + len(sep)))
     return head + sep.join([unit] * n) + tail
