@@ -6,7 +6,6 @@ ready, and a graceful drain on SIGTERM."""
 
 import atexit
 import ctypes
-import gc
 import os
 import shutil
 import signal
@@ -155,10 +154,6 @@ def post_worker_init(worker):
     app = worker.wsgi
     if isinstance(worker, FrontWorker):  # worker_class, unless GUNICORN_CMD_ARGS chose another
         worker.hooks = front.Front(app)
-    # What the worker holds from here on for its life (modules, the app, its schemas: ~50,000
-    # objects) leaves the collector's generations: a full collection, every few hundred requests,
-    # traversed all of them each time, for nothing it could free.
-    gc.freeze()
     ops.start_warm_up(app)
     stop = signal.getsignal(signal.SIGTERM)
 
