@@ -93,7 +93,7 @@ DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused requ
 # ('{') a dict, at most OBJECT_BYTES; and every byte STRING_FACTOR, for the parser's string buffer
 # and the strings it makes (or the arrays b64 text decodes into). A b64 body, long strings and a few
 # values, is then charged about three times its size; nested numbers by their count; the hostile
-# bodies of `python -m bench garbage --sizes 32 --rss` (objects of empty b64, rows of one) within
+# bodies of `python -m bench.garbage --sizes 32 --rss` (objects of empty b64, rows of one) within
 # each bound (bench/README.md). Never more than PARSE_FACTOR x the body, the worst measured: the
 # charge is an upper bound, and /v2's binary tensors (after Inference-Header-Content-Length's JSON)
 # are charged their own size, the arrays they become.
