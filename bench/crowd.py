@@ -1,8 +1,8 @@
 """`python -m bench crowd`: what many clients see, against a server started as `make run` does
 (`python -m service`, 2 workers, the defaults; a free 127.0.0.1 port).
 
-    python -m bench crowd burst [--n 64 128] [--T 64] [--reps 3] [--triton]
-    python -m bench crowd closed [--clients 4 8] [--T 1024] [--seconds 10] [--weights] [--deadline MS ...]
+    python -m bench.crowd burst [--n 64 128] [--T 64] [--reps 3] [--triton]
+    python -m bench.crowd closed [--clients 4 8] [--T 1024] [--seconds 10] [--weights] [--deadline MS ...]
                                  [--set ATTN_QUEUE_ORDER=edf]
 
 burst: n requests at once, each on its own connection (B=1, H=8, d=64, float32 b64, causal, no
