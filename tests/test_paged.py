@@ -20,8 +20,8 @@ def paged(k: np.ndarray, v: np.ndarray, P: int) -> list[core.Page]:
     Hkv, S, _ = k.shape
     pages = []
     for p0 in range(0, S, P):
-        kp = np.full((Hkv, P, k.shape[-1]), 7e3, k.dtype)  # garbage past S: must never be seen
-        vp = np.full((Hkv, P, v.shape[-1]), -5e3, v.dtype)
+        kp = np.full((Hkv, P, k.shape[-1]), np.inf, k.dtype)  # garbage past S (a freed page's): must never be seen
+        vp = np.full((Hkv, P, v.shape[-1]), np.nan, v.dtype)
         n = min(P, S - p0)
         kp[:, :n], vp[:, :n] = k[:, p0 : p0 + n], v[:, p0 : p0 + n]
         pages.append((kp, vp))

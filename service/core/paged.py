@@ -116,8 +116,9 @@ def _chunk(qs, pages, c0, c1, S, T, t, upper, lower, slopes, weights) -> tuple[n
         e = np.exp(sc, out=sc)
         total = e.sum(axis=(0, 3))  # (Hkv, rows)
         o = np.zeros((Hkv, rows, pages[0][1].shape[-1]), dtype)
-        for j in range(n):
-            o += e[j] @ pages[c0 + j][1]
+        for j in range(n):  # a last page's values past S may hold anything (NaN): never multiplied, even by 0
+            valid = min(P, S - (c0 + j) * P)
+            o += e[j, :, :, :valid] @ pages[c0 + j][1][:, :valid]
     lse = log_sum_exp(top, total)
     norm = np.where(total > 0, total, 1)
     o /= norm[..., None]

@@ -357,6 +357,15 @@ class Pool:
 
     # --- what is seen -------------------------------------------------------------------------
 
+    def retry_after(self) -> int:
+        """Seconds until the idlest live session expires (and frees its room), 1 at least: what a
+        request the pool refused is told to wait."""
+        live = self.table["state"] == LIVE
+        if not live.any():
+            return 1
+        left = self.idle_s - (time.monotonic() - float(self.table["last_use"][live].min()))
+        return max(1, min(int(self.idle_s), int(left) + 1))
+
     def stats(self) -> dict:
         """The pool's size and use (a snapshot without the lock)."""
         return {

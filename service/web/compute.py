@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
+from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest, SessionBatchJob, SessionStepJob
 from service import core
 from service.cost import work_of
 
@@ -15,20 +15,26 @@ from .admission import admit, late, start_sending, stopper
 from .context import context, services
 from .http import phase
 
-Job = AttentionJob | MhaJob
+Job = AttentionJob | MhaJob | SessionStepJob | SessionBatchJob
 
 
 def validate(schema: AttentionRequest | MhaRequest, doc: dict) -> Job:
     """The decoded body validated into a job (the validate phase; 422 on anything invalid), then
     admitted: 504 if it cannot meet its deadline, 503 if it does not fit; waits for a compute slot."""
-    with phase("validate"):
-        job = schema.load(doc)
+    job = validate_only(schema, doc)
     admit(job)
     return job
 
 
+def validate_only(schema, doc: dict):
+    """The decoded body loaded by schema (the validate phase; 422 on anything invalid)."""
+    with phase("validate"):
+        return schema.load(doc)
+
+
 def run(job: Job) -> core.Result:
-    """Compute an admitted job, timed as the compute phase; the measured time (with the thread's
+    """Admit a job that is not yet (a session's step: admitted once its session is locked and its
+    keys known), then compute it, timed as the compute phase; the measured time (with the thread's
     CPU time, the requests busy in the server when it was admitted, and the threads it took)
     teaches the cost model and is counted against admit()'s prediction. (out, weights or None),
     and lse when the job asks for it. Under X-Deadline-Ms the core is stopped between blocks once
@@ -36,6 +42,8 @@ def run(job: Job) -> core.Result:
     those the worker is sending is refused as well (admission.start_sending): 504 deadline either
     way, never a late 200 as far as the worker's pipe of answers can tell."""
     ctx = context()
+    if ctx.job is None:
+        admit(job)
     work = ctx.work or work_of(job)
     threads = parallel.threads(work)  # more than one only for a large job alone on the server
     stop = stopper()

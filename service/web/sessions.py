@@ -1,0 +1,223 @@
+"""Blueprint for the sessions resource (contract 1.3, "Sessions"): attention state held by the
+server, so that a decode step sends its new tokens and queries, not the whole cache.
+
+Thin, as api.py: a body is read and validated (schemas/sessions.py), the session is locked for the
+request in the pool (service.sessions: requests on one session are serialised, on different
+sessions run in parallel, in any worker), new tokens are written past its length, the step is
+admitted and computed over its pages in place like any other job (compute.py), and the length is
+committed last: a request that fails, or a worker killed during it, leaves the session as it was."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+from flask import Blueprint, Response, request
+
+from schemas import RequestError, SessionBatchJob, SessionStepJob
+from schemas.sessions import (
+    SessionAppendRequest,
+    SessionBatchRequest,
+    SessionCreateRequest,
+    SessionLengthRequest,
+    SessionStepRequest,
+    step_job,
+    tokens,
+)
+from service import sessions, wire
+from service.sessions import Pool, Session, Shape
+
+from .compute import cost, run, validate_only
+from .context import services
+from .errors import ApiError
+from .http import json_response, phase, phases_ms, read_json
+
+bp = Blueprint("sessions", __name__)
+
+SCHEMAS = (SessionCreateRequest, SessionAppendRequest, SessionLengthRequest, SessionStepRequest, SessionBatchRequest)
+
+
+def _pool() -> Pool:
+    return services().sessions
+
+
+def _owner() -> bytes:
+    """Whose sessions this request sees: its API key's (auth.py has checked it), or everyone's
+    without keys."""
+    if not services().settings.api_keys:
+        return sessions.owner_hash(None)
+    return sessions.owner_hash(request.headers.get("Authorization", "").partition(" ")[2].strip())
+
+
+@contextlib.contextmanager
+def _refusals():
+    """The pool's refusals as the contract's errors."""
+    try:
+        yield
+    except sessions.NotFound:
+        raise RequestError(
+            "session_not_found", "There is no such session: unknown, expired, deleted, or made with another API key.", "id"
+        ) from None
+    except sessions.Conflict as exc:
+        raise ApiError(
+            "length_conflict",
+            f"The session's length is {exc.length}, not the length this request expects; nothing was changed.",
+            "at",
+            extra={"length": exc.length},
+        ) from None
+    except sessions.TooLong as exc:
+        raise RequestError("too_long", f"The session would pass its max_tokens of {exc.max_tokens}; nothing was appended.", "k") from None
+    except sessions.PoolFull as exc:
+        retry = _pool().retry_after()
+        raise ApiError(
+            "overloaded",
+            f"The sessions' memory is full ({exc}); no live session is evicted. Delete sessions, or retry after {retry} s.",
+            headers={"Retry-After": str(retry)},
+        ) from None
+
+
+def _load(schema_cls: type):
+    """The body validated by schema_cls (the decode and validate phases)."""
+    doc = read_json()
+    return doc, validate_only(services().schemas[schema_cls], doc)
+
+
+@contextlib.contextmanager
+def _session(sid: str):
+    with _refusals(), _pool().session(sid, _owner()) as s:
+        yield s
+
+
+@bp.post("/sessions")
+def create():
+    """A new empty session: 201, its description and Location."""
+    _, data = _load(SessionCreateRequest)
+    shape = Shape(data["heads"], data["kv_heads"], data["head_dim"], data["value_dim"], np.dtype(data["dtype"]))
+    with _refusals():
+        sid = _pool().create(shape, data["max_tokens"], _owner())
+    with _session(sid) as s:
+        resp = json_response(s.describe(), status=201)
+    resp.headers["Location"] = f"/sessions/{sid}"
+    return resp
+
+
+@bp.get("/sessions/<sid>")
+def describe(sid: str):
+    """The session's description, its current length."""
+    with _session(sid) as s:
+        return json_response(s.describe())
+
+
+@bp.delete("/sessions/<sid>")
+def delete(sid: str):
+    with _session(sid) as s:
+        s.delete()
+    return Response(status=204)
+
+
+def _append(s: Session, schema, k: np.ndarray | None, v: np.ndarray | None, at: int | None) -> int:
+    """New tokens checked against the session and written past its length (uncommitted): the
+    length they make. 409 unless at is None or the length."""
+    s.check_at(at)
+    if k is None or v is None:
+        return s.length
+    shape = s.shape
+    k, v = tokens(schema, k, v, shape.kv_heads, shape.head_dim, shape.value_dim, shape.dtype)
+    return s.append(k, v)
+
+
+@bp.post("/sessions/<sid>/append")
+def append(sid: str):
+    """Tokens appended; with at, only if the session's length is at (exactly once)."""
+    _, data = _load(SessionAppendRequest)
+    with _session(sid) as s, _refusals():
+        end = _append(s, services().schemas[SessionAppendRequest], data["k"], data["v"], data["at"])
+        s.commit(end)
+    return json_response({"length": end})
+
+
+def _encoding(data: dict, doc: dict) -> str:
+    return data.get("response_encoding") or wire.wire_encoding(doc.get("q"))
+
+
+@bp.post("/sessions/<sid>/attention")
+def attention(sid: str):
+    """One step: new tokens (if sent) appended, then q attends to all of the session's keys; the
+    length committed only once the answer is computed."""
+    doc, data = _load(SessionStepRequest)
+    schema = services().schemas[SessionStepRequest]
+    with _session(sid) as s, _refusals():
+        S = _append(s, schema, data["k"], data["v"], data["at"])
+        job = step_job(schema, data, data["q"], s.shape, S, _encoding(data, doc), s.pages(S))
+        out, weights, *lse = run(job)
+        s.commit(S)
+    return _respond(job, {"out": out, "weights": weights, "lse": lse[0] if lse else None, "length": S})
+
+
+@bp.post("/sessions/attention")
+def attention_many():
+    """One step for several sessions at once (their lengths may differ): each takes its new tokens
+    and attends; all are committed together once every answer is computed, or none is."""
+    doc, data = _load(SessionBatchRequest)
+    schema = services().schemas[SessionBatchRequest]
+    ids, q, k, v, at = data["sessions"], data["q"], data["k"], data["v"], data["at"]
+    with contextlib.ExitStack() as held, _refusals():
+        order = sorted(range(len(ids)), key=lambda i: ids[i])  # locked in one order: two batches never wait on each other
+        locked = {i: held.enter_context(_session(ids[i])) for i in order}
+        jobs, lengths = [], []
+        for i, s in sorted(locked.items()):
+            S = _append(s, schema, None if k is None else k[i], None if v is None else v[i], None if at is None else at[i])
+            jobs.append(step_job(schema, data, q[i], s.shape, S, _encoding(data, doc), s.pages(S)))
+            lengths.append(S)
+        batch = SessionBatchJob(tuple(jobs))
+        out, weights, *lse = run(batch)
+        for (_, s), S in zip(sorted(locked.items()), lengths, strict=True):
+            s.commit(S)
+    return _respond(batch, {"out": out, "weights": weights, "lse": lse[0] if lse else None, "lengths": lengths})
+
+
+def _respond(job: SessionStepJob | SessionBatchJob, fields: dict) -> Response:
+    """The 200 body: tensors in the job's encoding, the length(s), the cost and the phases so far."""
+    timing = phases_ms()
+    with phase("encode"):
+        body = {}
+        for name in ("out", "weights", "lse"):
+            if fields.get(name) is not None:
+                body[name] = wire.encode(fields[name], job.encoding, lazy=True, dtype=job.weights_dtype if name == "weights" else None)
+        body.update({k: v for k, v in fields.items() if k in ("length", "lengths")})
+        body["cost"] = cost(job)
+        body["timing_ms"] = timing
+        return json_response(body)
+
+
+def _length_body() -> int | None:
+    _, data = _load(SessionLengthRequest)
+    return data["length"]
+
+
+@bp.post("/sessions/<sid>/fork")
+def fork(sid: str):
+    """A new session whose first length tokens (default all) are this one's, shared: 201."""
+    length = _length_body()
+    with _session(sid) as s, _refusals():
+        length = s.length if length is None else length
+        if length > s.length:
+            raise sessions.Conflict(s.length)
+        child = s.fork(length, _owner())
+    with _session(child) as c:
+        resp = json_response(c.describe(), status=201)
+    resp.headers["Location"] = f"/sessions/{child}"
+    return resp
+
+
+@bp.post("/sessions/<sid>/truncate")
+def truncate(sid: str):
+    """Tokens after length dropped (rejected draft tokens)."""
+    length = _length_body()
+    if length is None:
+        raise RequestError("missing_field", "length is required: the tokens to keep.", "length")
+    with _session(sid) as s, _refusals():
+        if length > s.length:
+            raise sessions.Conflict(s.length)
+        s.truncate(length)
+    return json_response({"length": length})
