@@ -5,4 +5,13 @@ from .errors import RequestError
 from .jobs import COMPUTE_DTYPES, AttentionJob, MhaJob, SessionBatchJob, SessionStepJob
 from .requests import AttentionRequest, MhaRequest
 
-__all__ = ["COMPUTE_DTYPES", "AttentionJob", "AttentionRequest", "MhaJob", "MhaRequest", "RequestError", "SessionBatchJob", "SessionStepJob"]
+__all__ = [
+    "COMPUTE_DTYPES",
+    "AttentionJob",
+    "AttentionRequest",
+    "MhaJob",
+    "MhaRequest",
+    "RequestError",
+    "SessionBatchJob",
+    "SessionStepJob",
+]

@@ -165,7 +165,6 @@ class _Strict(Schema):
         return data.get("response_encoding") or wire.wire_encoding(original.get(field))
 
 
-
 class _Request(_Strict):
     """Options every compute request shares."""
 
@@ -179,6 +178,7 @@ class _Request(_Strict):
         load_default=None,
         metadata={"description": 'precision of the returned weights; default the compute dtype ("float16" halves their bytes)'},
     )
+
 
 class AttentionRequest(_Request):
     q = Tensor(required=True, metadata={"description": "queries (..., T, d)"})

@@ -41,7 +41,7 @@ class SessionCreateRequest(_Strict):
                 "max_tokens",
             )
 
-    def load(self, *args, **kwargs) -> dict:  # type: ignore[override]  # a plain dict: the pool makes the session
+    def load(self, *args, **kwargs) -> dict:  # a plain dict: the pool makes the session
         data = super().load(*args, **kwargs)
         data["kv_heads"] = data["kv_heads"] or data["heads"]
         data["value_dim"] = data["value_dim"] or data["head_dim"]
@@ -68,7 +68,9 @@ class _Step(_Request):
         exclude = ("dtype",)
 
     return_weights = Bool(load_default=False, metadata={"description": "return the weights (H, t, S)"})
-    causal = Choice(CAUSAL, load_default="bottom_right", metadata={"description": 'default "bottom_right": query i of t sees s <= S - t + i'})
+    causal = Choice(
+        CAUSAL, load_default="bottom_right", metadata={"description": 'default "bottom_right": query i of t sees s <= S - t + i'}
+    )
     scale = PositiveFloat(load_default=None, metadata={"description": "multiplies the scores; default 1/sqrt(d)"})
     window = Window(load_default=None)
     alibi_slopes = Tensor(ranks=(1, 1), load_default=None, metadata={"description": "ALiBi slopes, one a query head (H,)"})
@@ -157,7 +159,9 @@ def step_job(schema: _Strict, data: dict, q: np.ndarray, shape, S: int, encoding
         raise RequestError("shape_mismatch", f"q has shape {list(q.shape)}; the session takes queries (H, t, d) = {list(want)}.", "q")
     slopes = data["alibi_slopes"]
     if slopes is not None and slopes.shape != (heads,):
-        raise RequestError("shape_mismatch", f"alibi_slopes has shape {list(slopes.shape)}; it needs one slope a query head, [{heads}].", "alibi_slopes")
+        raise RequestError(
+            "shape_mismatch", f"alibi_slopes has shape {list(slopes.shape)}; it needs one slope a query head, [{heads}].", "alibi_slopes"
+        )
     if q.shape[1] > schema.settings.max_t:
         raise RequestError("too_long", f"q has t={q.shape[1]}, over the maximum of {schema.settings.max_t} (ATTN_MAX_T).", "q")
     score_elements = heads * q.shape[1] * S

@@ -5,6 +5,7 @@ and the cost summary of its answer. The doors differ only in their envelopes."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest, SessionBatchJob, SessionStepJob
 from service import core
@@ -15,7 +16,8 @@ from .admission import admit, late, start_sending, stopper
 from .context import context, services
 from .http import phase
 
-Job = AttentionJob | MhaJob | SessionStepJob | SessionBatchJob
+Job = AttentionJob | MhaJob
+AnyJob = Job | SessionStepJob | SessionBatchJob  # a session's step too (sessions.py)
 
 
 def validate(schema: AttentionRequest | MhaRequest, doc: dict) -> Job:
@@ -26,13 +28,13 @@ def validate(schema: AttentionRequest | MhaRequest, doc: dict) -> Job:
     return job
 
 
-def validate_only(schema, doc: dict):
+def validate_only(schema, doc: dict) -> Any:
     """The decoded body loaded by schema (the validate phase; 422 on anything invalid)."""
     with phase("validate"):
         return schema.load(doc)
 
 
-def run(job: Job) -> core.Result:
+def run(job: AnyJob) -> core.Result:
     """Admit a job that is not yet (a session's step: admitted once its session is locked and its
     keys known), then compute it, timed as the compute phase; the measured time (with the thread's
     CPU time, the requests busy in the server when it was admitted, and the threads it took)
@@ -60,7 +62,7 @@ def run(job: Job) -> core.Result:
     return result
 
 
-def cost(job: Job) -> dict:
+def cost(job: AnyJob) -> dict:
     """The cost summary of a response: what the job is, and what the cost model predicted for it
     when admitting it."""
     return {"flops": job.flops, "score_elements": job.score_elements, "predicted_ms": round(context().predicted_ms or 0.0, 3)}

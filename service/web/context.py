@@ -32,7 +32,7 @@ class Services:
     """What the app holds for its life: made by create_app(), read by every hook and view."""
 
     settings: Settings
-    schemas: dict[type, AttentionRequest | MhaRequest]  # the native schemas by class
+    schemas: dict[type, Any]  # the native schemas by class (AttentionRequest, MhaRequest, the sessions')
     kserve_schemas: dict[str, AttentionRequest | MhaRequest]  # the Open Inference Protocol's, by model name
     cost: CostModel
     gate: Gate  # admission: this worker's requests, bytes and compute slots
