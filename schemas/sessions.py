@@ -144,8 +144,6 @@ def tokens(schema: _Strict, k: np.ndarray, v: np.ndarray, kv_heads: int, head_di
         raise RequestError("shape_mismatch", f"k has shape {list(k.shape)}; the session takes keys (Hkv, t, d) = {list(want_k)}.", "k")
     if v.shape != want_v:
         raise RequestError("shape_mismatch", f"v has shape {list(v.shape)}; the session takes values (Hkv, t, dv) = {list(want_v)}.", "v")
-    if k.shape[1] > schema.settings.max_t:
-        raise RequestError("too_long", f"k has t={k.shape[1]} new tokens, over the maximum of {schema.settings.max_t} (ATTN_MAX_T).", "k")
     return schema._cast("k", k, dtype), schema._cast("v", v, dtype)
 
 
