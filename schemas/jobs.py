@@ -489,7 +489,12 @@ class SessionBatchJob(_Job):
         return sum(step.working_bytes() for step in self.steps)
 
     def _compute(self, threads, pool, stop):
-        results = [step._compute(1, None, stop) for step in self.steps]
+        """The steps in turn, or (a batch alone on the server: threads > 1) shared by threads threads,
+        the caller's and pool's (numpy releases the GIL in the matmuls)."""
+        groups = [self.steps[i::threads] for i in range(min(threads, len(self.steps)))] if pool is not None else [self.steps]
+        futures = [pool.submit(lambda g=group: [step._compute(1, None, stop) for step in g]) for group in groups[1:]] if pool else []
+        done = [[step._compute(1, None, stop) for step in groups[0]], *(f.result() for f in futures)]
+        results = [done[i % len(groups)][i // len(groups)] for i in range(len(self.steps))]
         out = np.stack([r[0] for r in results])
         weights = None
         if self.steps[0].return_weights:

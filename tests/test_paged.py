@@ -15,8 +15,9 @@ from service import core
 from . import oracle
 
 
-def paged(k: np.ndarray, v: np.ndarray, P: int) -> list[core.Page]:
-    """k (Hkv, S, d), v (Hkv, S, dv) cut into pages of P tokens, the last padded with garbage."""
+def paged(k: np.ndarray, v: np.ndarray, P: int, cuts: list[int] | None = None) -> list[core.Page]:
+    """k (Hkv, S, d), v (Hkv, S, dv) cut into pages of P tokens, the last padded with garbage; with
+    cuts, the pages come as runs (m, Hkv, P, ...) split at those page indices (views of one array)."""
     Hkv, S, _ = k.shape
     pages = []
     for p0 in range(0, S, P):
@@ -25,7 +26,11 @@ def paged(k: np.ndarray, v: np.ndarray, P: int) -> list[core.Page]:
         n = min(P, S - p0)
         kp[:, :n], vp[:, :n] = k[:, p0 : p0 + n], v[:, p0 : p0 + n]
         pages.append((kp, vp))
-    return pages
+    if cuts is None:
+        return pages
+    ks, vs = np.stack([kp for kp, _ in pages]), np.stack([vp for _, vp in pages])
+    bounds = sorted({0, len(pages), *(c for c in cuts if 0 < c < len(pages))})
+    return [(ks[a:b], vs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 @st.composite
@@ -46,15 +51,18 @@ def problems(draw):
     if draw(st.booleans()):
         kw["scale"] = draw(st.floats(0.1, 2))
     scratch = draw(st.sampled_from([1, H * T * P * 2, core.paged.SCRATCH_ELEMENTS]))
-    return q, k, v, P, kw, scratch
+    cuts = draw(st.none() | st.lists(st.integers(0, 12), max_size=4))
+    return q, k, v, P, kw, scratch, cuts
 
 
 @settings(max_examples=300, deadline=None)
 @given(problems())
 def test_equal_to_the_oracle_over_the_whole_sequence(problem):
-    q, k, v, P, kw, scratch = problem
+    q, k, v, P, kw, scratch, cuts = problem
     S = k.shape[1]
-    out, weights, lse = core.paged_attention(q, paged(k, v, P), S, return_weights=True, return_lse=True, scratch_elements=scratch, **kw)
+    out, weights, lse = core.paged_attention(
+        q, paged(k, v, P, cuts), S, return_weights=True, return_lse=True, scratch_elements=scratch, **kw
+    )
     want_out, want_w, want_lse = oracle.reference(q, k, v, enable_gqa=True, return_lse=True, **kw)
     tol = 2e-5 if q.dtype == np.float32 else 1e-12
     assert out.dtype == q.dtype and out.shape == want_out.shape

@@ -33,8 +33,10 @@ def read(pool: Pool, sid: str) -> tuple[np.ndarray, np.ndarray]:
         L = s.length
         if not L:
             return np.zeros((1, 0, 3)), np.zeros((1, 0, 2))
-        pages = s.pages(L)
-        return np.concatenate([k for k, _ in pages], axis=1)[:, :L], np.concatenate([v for _, v in pages], axis=1)[:, :L]
+        runs = s.pages(L)  # runs of pages (m, Hkv, P, ...): their tokens in order
+        k = np.concatenate([np.concatenate(list(k), axis=1) for k, _ in runs], axis=1)
+        v = np.concatenate([np.concatenate(list(v), axis=1) for _, v in runs], axis=1)
+        return k[:, :L], v[:, :L]
 
 
 class PoolLaws(RuleBasedStateMachine):

@@ -4,6 +4,10 @@ a decode loop, computed over the pages where they lie, never gathered into one c
     pages = [(k_0, v_0), (k_1, v_1), ...]   k_i (Hkv, P, d), v_i (Hkv, P, dv): keys i*P .. i*P+P-1
     q (H, T, d)                              query head h reads key/value head h // (H / Hkv)
 
+A run of m pages may come as one (k (m, Hkv, P, d), v (m, Hkv, P, dv)): a strided view of pages
+that lie at equal distances in memory (a pool hands consecutive pages so), computed in one matmul
+instead of m.
+
 The pages are taken a chunk at a time (as many as fit a scratch of scratch_elements scores); in a
 chunk each page's scores are one matmul into the chunk's buffer, the chunk's softmax is taken over
 all of them, and the chunks' partial results are merged by their lse, exactly (FlashInfer's
@@ -24,7 +28,7 @@ import numpy as np
 
 from .reference import Result, ScoreOverflow, Stopped, bounds, check_finite, log_sum_exp
 
-Page = tuple[np.ndarray, np.ndarray]  # (k (Hkv, P, d), v (Hkv, P, dv))
+Page = tuple[np.ndarray, np.ndarray]  # (k (Hkv, P, d), v (Hkv, P, dv)), or a run of m: (m, Hkv, P, d), (m, Hkv, P, dv)
 SCRATCH_ELEMENTS = 2**21  # scores held at once: 8 MiB of float32
 
 
@@ -42,17 +46,20 @@ def paged_attention(
     scratch_elements: int = SCRATCH_ELEMENTS,
     stop: Callable[[], bool] | None = None,
 ) -> Result:
-    """Attention of q (H, T, d) over the first S keys of pages (each (Hkv, P, d), (Hkv, P, dv);
-    ceil(S / P) of them, the last filled up to S). Computed in q's dtype; reference()'s results and
-    errors (ScoreOverflow, ResultOverflow); Stopped when stop() says so between chunks."""
+    """Attention of q (H, T, d) over the first S keys of pages (each (Hkv, P, d), (Hkv, P, dv), or
+    a run of them; ceil(S / P) pages in all, the last filled up to S). Computed in q's dtype;
+    reference()'s results and errors (ScoreOverflow, ResultOverflow); Stopped when stop() says so
+    between chunks."""
     H, T, d = q.shape
     dtype = q.dtype
-    if not pages:
+    runs = _runs(pages)
+    if not runs:
         raise ValueError("paged_attention needs at least one page")
-    Hkv, P, _ = pages[0][0].shape
-    dv = pages[0][1].shape[-1]
-    if H % Hkv or len(pages) * P < S or S < 1:
-        raise ValueError(f"q {q.shape} does not fit {len(pages)} pages of {pages[0][0].shape} holding {S} keys")
+    _, Hkv, P, _ = runs[0][1].shape
+    dv = runs[0][2].shape[-1]
+    count = runs[-1][0] + runs[-1][1].shape[0]
+    if H % Hkv or count * P < S or S < 1:
+        raise ValueError(f"q {q.shape} does not fit {count} pages of {runs[0][1].shape[1:]} holding {S} keys")
     g, rows = H // Hkv, H // Hkv * T
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qs = (q * dtype.type(scale)).reshape(Hkv, rows, d)  # head h = kv * g + j: rows (j, t)
@@ -73,7 +80,7 @@ def paged_attention(
         if stop is not None and stop():
             raise Stopped
         c1 = min(last, c0 + per)
-        o_c, lse_c = _chunk(qs, pages, c0, c1, S, T, t, upper, lower, slopes, weights)
+        o_c, lse_c = _chunk(qs, runs, c0, c1, S, T, t, upper, lower, slopes, weights)
         if weights is not None:
             chunks.append((c0 * P, min(S, c1 * P), lse_c))
         out, lse = _merge(out, lse, o_c, lse_c)
@@ -86,16 +93,37 @@ def paged_attention(
     return (*result, lse.reshape(H, T)) if return_lse else result
 
 
-def _chunk(qs, pages, c0, c1, S, T, t, upper, lower, slopes, weights) -> tuple[np.ndarray, np.ndarray]:
+def _runs(pages: Sequence[Page]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """(index of its first page, k (m, Hkv, P, d), v (m, Hkv, P, dv)) for each run of pages."""
+    runs, at = [], 0
+    for k, v in pages:
+        k, v = (k, v) if k.ndim == 4 else (k[None], v[None])
+        runs.append((at, k, v))
+        at += k.shape[0]
+    return runs
+
+
+def _pieces(runs, c0: int, c1: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """The runs' parts within pages c0 .. c1 - 1: (their first page's index from c0, k, v)."""
+    out = []
+    for at, k, v in runs:
+        a, b = max(c0, at), min(c1, at + k.shape[0])
+        if a < b:
+            out.append((a - c0, k[a - at : b - at], v[a - at : b - at]))
+    return out
+
+
+def _chunk(qs, runs, c0, c1, S, T, t, upper, lower, slopes, weights) -> tuple[np.ndarray, np.ndarray]:
     """One chunk of pages c0 .. c1 - 1: (out normalised over its keys, its lse), both (Hkv, rows, ...);
     its weights written into weights' columns (normalised over the chunk)."""
     Hkv, rows, _ = qs.shape
-    P, dtype = pages[0][0].shape[1], qs.dtype
+    P, dtype = runs[0][1].shape[2], qs.dtype
     n = c1 - c0
+    pieces = _pieces(runs, c0, c1)
     sc = np.empty((n, Hkv, rows, P), dtype)
     with np.errstate(over="ignore", invalid="ignore"):
-        for j in range(n):
-            np.matmul(qs, pages[c0 + j][0].transpose(0, 2, 1), out=sc[j])
+        for j, k, _ in pieces:
+            np.matmul(qs, k.transpose(0, 1, 3, 2), out=sc[j : j + k.shape[0]])
         pos = (np.arange(c0 * P, c1 * P).reshape(n, 1, 1, P)).astype(np.int64)  # each column's key position
         if slopes is not None:
             sc -= slopes * np.abs(t + (S - T) - pos).astype(dtype)
@@ -115,10 +143,15 @@ def _chunk(qs, pages, c0, c1, S, T, t, upper, lower, slopes, weights) -> tuple[n
         sc -= top[None, :, :, None]
         e = np.exp(sc, out=sc)
         total = e.sum(axis=(0, 3))  # (Hkv, rows)
-        o = np.zeros((Hkv, rows, pages[0][1].shape[-1]), dtype)
-        for j in range(n):  # a last page's values past S may hold anything (NaN): never multiplied, even by 0
-            valid = min(P, S - (c0 + j) * P)
-            o += e[j, :, :, :valid] @ pages[c0 + j][1][:, :valid]
+        o = np.zeros((Hkv, rows, runs[0][2].shape[-1]), dtype)
+        for j, _, v in pieces:
+            m = v.shape[0]
+            full = min(m, S // P - (c0 + j))  # pages filled whole; the last page's values past S may hold anything (NaN)
+            if full > 0:
+                o += (e[j : j + full] @ v[:full]).sum(axis=0)
+            for i in range(max(0, full), m):  # never multiplied, even by 0
+                valid = S - (c0 + j + i) * P
+                o += e[j + i, :, :, :valid] @ v[i, :, :valid]
     lse = log_sum_exp(top, total)
     norm = np.where(total > 0, total, 1)
     o /= norm[..., None]

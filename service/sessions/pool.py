@@ -145,6 +145,7 @@ class Pool:
         self.table = np.ndarray((max_sessions,), self.record, self._map, table_at)
         self.refs = np.ndarray((self.units,), np.int32, self._map, refs_at)
         self.data = np.ndarray((self.units * UNIT,), np.uint8, self._map, data_at)
+        self._data_at = data_at
         self.table["spare"] = -1
         self._threads = [threading.Lock() for _ in range(max_sessions + 1)]  # a record lock is a process's: its threads queue here
 
@@ -355,6 +356,21 @@ class Pool:
         v = self.data[base + kb : base + kb + vb].view(shape.dtype).reshape(Hkv, P, shape.value_dim)
         return k, v
 
+    def run_views(self, u: int, m: int, shape: Shape) -> tuple[np.ndarray, np.ndarray]:
+        """The m pages from unit u on, each upp units after the last, as one strided view each of
+        keys (m, Hkv, P, d) and values (m, Hkv, P, dv): no copy."""
+        P, Hkv, size = self.page_tokens, shape.kv_heads, shape.dtype.itemsize
+        step = self.page_bytes(shape)
+        at = self._data_at + u * UNIT
+        k = np.ndarray(
+            (m, Hkv, P, shape.head_dim), shape.dtype, self._map, at, (step, P * shape.head_dim * size, shape.head_dim * size, size)
+        )
+        v_at = at + Hkv * P * shape.head_dim * size
+        v = np.ndarray(
+            (m, Hkv, P, shape.value_dim), shape.dtype, self._map, v_at, (step, P * shape.value_dim * size, shape.value_dim * size, size)
+        )
+        return k, v
+
     # --- what is seen -------------------------------------------------------------------------
 
     def retry_after(self) -> int:
@@ -457,8 +473,16 @@ class Session:
         self.rec["length"] = length
 
     def pages(self, S: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The (k, v) views of the pages that hold tokens 0 .. S - 1."""
-        return [self.pool.views(int(u), self.shape) for u in self.rec["pages"][0, : -(-S // self.pool.page_tokens)]]
+        """The pages that hold tokens 0 .. S - 1, as views: each run of pages that lie one after
+        another in the pool as one (k (m, Hkv, P, d), v (m, Hkv, P, dv)) (core.paged_attention)."""
+        table = self.rec["pages"][0, : -(-S // self.pool.page_tokens)].astype(np.int64)
+        if not table.size:
+            return []
+        upp = self.pool.page_bytes(self.shape) // UNIT
+        breaks = np.flatnonzero(np.diff(table) != upp) + 1
+        starts = np.concatenate(([0], breaks))
+        ends = np.concatenate((breaks, [table.size]))
+        return [self.pool.run_views(int(table[a]), int(b - a), self.shape) for a, b in zip(starts, ends, strict=True)]
 
     def truncate(self, length: int) -> None:
         """Tokens from length on are dropped (length <= the session's)."""
