@@ -59,10 +59,19 @@ V2_OPERATIONS = {
 }
 
 
+SESSION_OPERATIONS = {
+    ("POST", "/sessions"),
+    ("GET", "/sessions/{sid}"),
+    ("DELETE", "/sessions/{sid}"),
+    *(("POST", f"/sessions/{{sid}}/{action}") for action in ("append", "attention", "fork", "truncate")),
+    ("POST", "/sessions/attention"),
+}
+
+
 @pytest.mark.live
 def test_every_served_operation_is_documented(live_server, operations):
     served = {path for path in OPS_PATHS if requests.get(f"{live_server}{path}", timeout=10).status_code != 404}
-    assert operations == {("POST", "/attention"), ("POST", "/mha")} | {("GET", path) for path in served} | V2_OPERATIONS
+    assert operations == {("POST", "/attention"), ("POST", "/mha")} | {("GET", path) for path in served} | V2_OPERATIONS | SESSION_OPERATIONS
 
 
 @pytest.mark.live

@@ -339,6 +339,14 @@ def test_hostile_bodies_on_a_session():
     assert length(c, sid) == 2
 
 
+def test_a_batch_of_sessions_of_different_shapes_is_refused():
+    c = client()
+    a, b = make(c), make(c, value_dim=3)
+    r = c.post("/sessions/attention", json={"sessions": [a, b], "q": [[[[1, 1]]] * 2] * 2})
+    assert r.status_code == 422 and r.get_json()["error"]["field"] == "sessions", r.get_json()
+    assert "value_dim=3" in r.get_json()["error"]["message"]
+
+
 def test_a_batch_with_one_conflict_changes_no_session():
     c = client()
     a, b = make(c), make(c)

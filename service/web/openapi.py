@@ -505,7 +505,7 @@ def _session_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
     }
     paths: dict[str, dict] = {}
     for (path, method), (op_id, summary, request_body, responses, statuses) in routes.items():
-        if path.replace("{sid}", "<sid>") not in served:
+        if path.replace("{sid}", "<sid:sid>") not in served:
             continue
         op: dict[str, Any] = {"operationId": op_id, "tags": [SESSIONS_TAG], "summary": summary, "responses": {**responses}}
         if "{sid}" in path:

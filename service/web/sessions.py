@@ -13,6 +13,7 @@ import contextlib
 
 import numpy as np
 from flask import Blueprint, Response, request
+from werkzeug.routing import BaseConverter
 
 from schemas import RequestError, SessionBatchJob, SessionStepJob
 from schemas.sessions import (
@@ -33,6 +34,16 @@ from .errors import ApiError
 from .http import json_response, phase, phases_ms, read_json
 
 bp = Blueprint("sessions", __name__)
+
+
+class SessionId(BaseConverter):
+    """A session id in a path: any segment but "attention" (POST /sessions/attention is the batch,
+    not a session: OPTIONS and 405s list each route's own methods)."""
+
+    regex = r"(?!attention$)[^/]+"
+
+
+bp.record_once(lambda state: state.app.url_map.converters.setdefault("sid", SessionId))  # before the routes below
 
 SCHEMAS = (SessionCreateRequest, SessionAppendRequest, SessionLengthRequest, SessionStepRequest, SessionBatchRequest)
 
@@ -101,14 +112,14 @@ def create():
     return resp
 
 
-@bp.get("/sessions/<sid>")
+@bp.get("/sessions/<sid:sid>")
 def describe(sid: str):
     """The session's description, its current length."""
     with _session(sid) as s:
         return json_response(s.describe())
 
 
-@bp.delete("/sessions/<sid>")
+@bp.delete("/sessions/<sid:sid>")
 def delete(sid: str):
     with _session(sid) as s:
         s.delete()
@@ -126,7 +137,7 @@ def _append(s: Session, schema, k: np.ndarray | None, v: np.ndarray | None, at: 
     return s.append(k, v)
 
 
-@bp.post("/sessions/<sid>/append")
+@bp.post("/sessions/<sid:sid>/append")
 def append(sid: str):
     """Tokens appended; with at, only if the session's length is at (exactly once)."""
     _, data = _load(SessionAppendRequest)
@@ -140,7 +151,7 @@ def _encoding(data: dict, doc: dict) -> str:
     return data.get("response_encoding") or wire.wire_encoding(doc.get("q"))
 
 
-@bp.post("/sessions/<sid>/attention")
+@bp.post("/sessions/<sid:sid>/attention")
 def attention(sid: str):
     """One step: new tokens (if sent) appended, then q attends to all of the session's keys; the
     length committed only once the answer is computed."""
@@ -165,15 +176,32 @@ def attention_many():
         order = sorted(range(len(ids)), key=lambda i: ids[i])  # locked in one order: two batches never wait on each other
         locked = {i: held.enter_context(_session(ids[i])) for i in order}
         jobs, lengths = [], []
+        shapes = {s.shape for s in locked.values()}
+        if len(shapes) > 1:
+            raise RequestError(
+                "shape_mismatch",
+                f"sessions have different shapes ({', '.join(sorted(_shape_text(shape) for shape in shapes))}); a batched step takes sessions of one shape.",
+                "sessions",
+            )
         for i, s in sorted(locked.items()):
             S = _append(s, schema, None if k is None else k[i], None if v is None else v[i], None if at is None else at[i])
             jobs.append(step_job(schema, data, q[i], s.shape, S, _encoding(data, doc), s.pages(S)))
             lengths.append(S)
         batch = SessionBatchJob(tuple(jobs))
+        schema._check_scores(
+            batch.score_elements,
+            data["return_weights"],
+            f"q {list(q.shape)} against the sessions' lengths {lengths}",
+            len(jobs) * q.shape[1] * q.shape[2] * max(lengths),
+        )
         out, weights, *lse = run(batch)
         for (_, s), S in zip(sorted(locked.items()), lengths, strict=True):
             s.commit(S)
     return _respond(batch, {"out": out, "weights": weights, "lse": lse[0] if lse else None, "lengths": lengths})
+
+
+def _shape_text(shape: Shape) -> str:
+    return f"heads={shape.heads}, kv_heads={shape.kv_heads}, head_dim={shape.head_dim}, value_dim={shape.value_dim}, {shape.dtype.name}"
 
 
 def _respond(job: SessionStepJob | SessionBatchJob, fields: dict) -> Response:
@@ -195,7 +223,7 @@ def _length_body() -> int | None:
     return data["length"]
 
 
-@bp.post("/sessions/<sid>/fork")
+@bp.post("/sessions/<sid:sid>/fork")
 def fork(sid: str):
     """A new session whose first length tokens (default all) are this one's, shared: 201."""
     length = _length_body()
@@ -210,7 +238,7 @@ def fork(sid: str):
     return resp
 
 
-@bp.post("/sessions/<sid>/truncate")
+@bp.post("/sessions/<sid:sid>/truncate")
 def truncate(sid: str):
     """Tokens after length dropped (rejected draft tokens)."""
     length = _length_body()
