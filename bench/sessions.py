@@ -156,21 +156,23 @@ def run(url: str, runs: int, batch: int) -> None:
             )
         http.delete(f"{url}/sessions/{s.id}", timeout=60)
     sessions = [Session(http, url, 4096, rng) for _ in range(batch)]
-    times = []
+    times, timing = [], []
     for _ in range(max(5, runs // 4)):
         q, k, v = (rng.standard_normal((batch, H, 1, D)).astype(np.float32) for _ in range(3))
         body = {"sessions": [s.id for s in sessions], "q": enc(q), "k": enc(k), "v": enc(v), "response_encoding": "b64"}
         body["at"] = [s.k.shape[1] for s in sessions]
         t0 = time.perf_counter()
-        post(http, f"{url}/sessions/attention", body).raise_for_status()
+        r = post(http, f"{url}/sessions/attention", body)
+        r.raise_for_status()
         times.append(time.perf_counter() - t0)
+        timing.append(r.headers.get("Server-Timing", ""))
         for i, s in enumerate(sessions):
             s.k, s.v = np.concatenate([s.k, k[i]], 1), np.concatenate([s.v, v[i]], 1)
     batch_ms = statistics.median(times) * 1000
     tokens_s, steps_s = batch / batch_ms * 1000, 1000 / single_ms[4096]
     print(
         f"batched step of {batch} sessions at S=4096: {batch_ms:.1f} ms, {tokens_s:.0f} tokens/s against one session's "
-        f"{steps_s:.0f} steps/s ({tokens_s / steps_s:.1f}x)"
+        f"{steps_s:.0f} steps/s ({tokens_s / steps_s:.1f}x); the server's phases (one of them): {timing[len(timing) // 2]}"
     )
     for s in sessions:
         http.delete(f"{url}/sessions/{s.id}", timeout=60)
