@@ -14,11 +14,9 @@ import numpy as np
 import pytest
 import requests
 
-from . import oracle
+from . import faults, oracle
 from .helpers import b64, serving, tensor, wait_until, worker_pids
 from .test_sessions import Loop
-
-SLOW = {"ATTN_MAX_SCORE_ELEMENTS": str(2**28), "ATTN_MAX_T": "4096", "ATTN_MAX_BODY_BYTES": str(64 * 2**20)}
 
 
 class Http:
@@ -46,8 +44,16 @@ class Http:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with serving({"ATTN_WARMUP": "0", "WEB_CONCURRENCY": "2", **SLOW}) as srv:
+def held(tmp_path_factory) -> faults.Held:
+    return faults.Held(tmp_path_factory.mktemp("held"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, held):
+    """Two workers; a step sent with scale=faults.TRIGGER is held in the core until its worker is
+    killed (tests/faults.py): a step slow on purpose."""
+    env = faults.faulty_env(tmp_path_factory.mktemp("site"), "hold", held.directory)
+    with serving({"ATTN_WARMUP": "0", "WEB_CONCURRENCY": "2", **env}) as srv:
         yield srv
 
 
@@ -121,28 +127,29 @@ def test_workers_killed_between_steps_leave_sessions_intact(server):
     loop.step(2)
 
 
-def test_a_worker_killed_during_a_step_leaves_the_session_as_it_was(server):
+def test_a_worker_killed_during_a_step_leaves_the_session_as_it_was(server, held):
     c, rng = Http(server.url), np.random.default_rng(9)
-    H, Hkv, d, S0, t = 8, 1, 64, 8192, 2048
-    loop = Loop(c, H, Hkv, d, d, "float32", {}, rng)
-    k, v = loop.tokens(S0)
-    assert c.post(f"/sessions/{loop.id}/append", json={"k": b64(k), "v": b64(v), "at": 0}).get_json() == {"length": S0}
-    loop.k, loop.v = k.astype(np.float64), v.astype(np.float64)
+    loop = Loop(c, 4, 2, 8, 8, "float32", {}, rng)
+    loop.step(700)  # three pages (of 256) and a part
     used = requests.get(server.url + "/limits", timeout=10).json()["sessions"]["used_bytes"]
-    # A slow step (2048 queries over 10240 keys, 2048 of them new): killed while it computes.
-    nk, nv = loop.tokens(t)
-    q = rng.standard_normal((H, t, d)).astype(np.float32)
-    body = {"q": b64(q), "k": b64(nk), "v": b64(nv), "at": S0}
+    # A step with 300 new tokens (two more pages), held in the core until its worker is killed.
+    nk, nv = loop.tokens(300)
+    q = rng.standard_normal((4, 300, 8)).astype(np.float32)
+    body = {"q": b64(q), "k": b64(nk), "v": b64(nv), "at": 700, "scale": faults.TRIGGER}
     outcome: list = []
     step = threading.Thread(target=lambda: outcome.append(_post_or_error(server.url + f"/sessions/{loop.id}/attention", body)))
     step.start()
-    wait_until(lambda: _computing(server.url) >= 1, timeout=120, what="the slow step computing")
-    _kill_workers(server)
-    step.join(120)
+    wait_until(lambda: held.entered() >= 1, timeout=60, what="the step held in the core")
+    (entered,) = held.directory.glob("entered-*")
+    computing = int(entered.name.split("-")[1])  # the worker holding the session's lock, its new tokens written
+    os.kill(computing, signal.SIGKILL)
+    step.join(60)
     assert isinstance(outcome[0], requests.RequestException), outcome  # its worker died: no answer
-    assert c.get(f"/sessions/{loop.id}").get_json()["length"] == S0  # as before the request
+    entered.unlink()
+    assert c.get(f"/sessions/{loop.id}").get_json()["length"] == 700  # as before the request (the other worker answers)
     assert requests.get(server.url + "/limits", timeout=10).json()["sessions"]["used_bytes"] == used  # its pages given back
     loop.step(1)  # the keys are the ones before it, and the session goes on
+    wait_until(lambda: len(worker_pids(server.proc)) == 2 and computing not in worker_pids(server.proc), timeout=60, what="a new worker")
 
 
 def _post_or_error(url, body):
@@ -150,12 +157,6 @@ def _post_or_error(url, body):
         return requests.post(url, json=body, timeout=300)
     except requests.RequestException as exc:
         return exc
-
-
-def _computing(url: str) -> float:
-    text = requests.get(url + "/metrics", timeout=10).text
-    found = re.search(r"^attention_admission_running_requests (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
 
 
 KEYS = {"alice": {"Authorization": "Bearer alice-key"}, "bob": {"Authorization": "Bearer bob-key"}}
