@@ -71,7 +71,9 @@ SESSION_OPERATIONS = {
 @pytest.mark.live
 def test_every_served_operation_is_documented(live_server, operations):
     served = {path for path in OPS_PATHS if requests.get(f"{live_server}{path}", timeout=10).status_code != 404}
-    assert operations == {("POST", "/attention"), ("POST", "/mha")} | {("GET", path) for path in served} | V2_OPERATIONS | SESSION_OPERATIONS
+    assert (
+        operations == {("POST", "/attention"), ("POST", "/mha")} | {("GET", path) for path in served} | V2_OPERATIONS | SESSION_OPERATIONS
+    )
 
 
 @pytest.mark.live
