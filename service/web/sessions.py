@@ -43,7 +43,9 @@ class SessionId(BaseConverter):
     regex = r"(?!attention$)[^/]+"
 
 
-bp.record_once(lambda state: state.app.url_map.converters.setdefault("sid", SessionId))  # before the routes below
+@bp.record_once
+def _converter(state) -> None:
+    state.app.url_map.converters["sid"] = SessionId  # recorded before the routes below: known when they are added
 
 SCHEMAS = (SessionCreateRequest, SessionAppendRequest, SessionLengthRequest, SessionStepRequest, SessionBatchRequest)
 
