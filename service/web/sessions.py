@@ -47,6 +47,7 @@ class SessionId(BaseConverter):
 def _converter(state) -> None:
     state.app.url_map.converters["sid"] = SessionId  # recorded before the routes below: known when they are added
 
+
 SCHEMAS = (SessionCreateRequest, SessionAppendRequest, SessionLengthRequest, SessionStepRequest, SessionBatchRequest)
 
 
