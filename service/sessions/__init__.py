@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from service.config import Settings
 
-from .pool import UNIT, Conflict, NotFound, Pool, PoolFull, Session, SessionError, Shape, TooLong, owner_hash
+from .pool import UNIT, Conflict, NotFound, Pool, PoolFull, Session, SessionError, Shape, TooLong, name_hash, owner_hash
 
 __all__ = [
     "UNIT",
@@ -19,6 +19,7 @@ __all__ = [
     "Shape",
     "TooLong",
     "create",
+    "name_hash",
     "owner_hash",
     "pool_for",
     "shared",

@@ -103,6 +103,11 @@ class Shape:
         return self.kv_heads * (self.head_dim + self.value_dim) * self.dtype.itemsize
 
 
+def name_hash(name: str) -> bytes:
+    """What a session stores of a name it is found by (Pool.find)."""
+    return hashlib.sha256(b"name:" + name.encode()).digest()
+
+
 def owner_hash(key: str | None) -> bytes:
     """What a session stores of the API key that made it (zeros without keys)."""
     return hashlib.sha256(key.encode()).digest() if key else bytes(OWNER_BYTES)
@@ -131,6 +136,7 @@ class Pool:
                 ("last_use", "f8"),  # time.monotonic(): the same clock in every process
                 ("token", "u1", (ID_TOKEN_BYTES,)),
                 ("owner", "u1", (OWNER_BYTES,)),
+                ("name", "u1", (OWNER_BYTES,)),  # a name its owner finds it by (a /v2 sequence id's hash), zeros if none
                 ("pages", "i4", (self.max_pages,)),
             ],
             align=True,
@@ -203,8 +209,9 @@ class Pool:
 
     # --- sessions -----------------------------------------------------------------------------
 
-    def create(self, shape: Shape, max_tokens: int, owner: bytes) -> str:
-        """A new empty session's id; PoolFull when every slot is live."""
+    def create(self, shape: Shape, max_tokens: int, owner: bytes, name: bytes = b"") -> str:
+        """A new empty session's id; PoolFull when every slot is live. name: what find() knows it
+        by (OWNER_BYTES; a live session of the same owner and name is the caller's to delete first)."""
         self.sweep()
         with self._pool_locked():
             free = np.flatnonzero(self.table["state"] == FREE)
@@ -212,10 +219,23 @@ class Pool:
                 raise PoolFull(f"all {self.max_sessions} sessions are live")
             slot = int(free[0])
             token = secrets.token_bytes(ID_TOKEN_BYTES)
-            self._fill(slot, shape, max_tokens, owner, token, length=0, pages=[])
+            self._fill(slot, shape, max_tokens, owner, token, length=0, pages=[], name=name)
             return _id(slot, token)
 
-    def _fill(self, slot: int, shape: Shape, max_tokens: int, owner: bytes, token: bytes, length: int, pages: list[int]) -> None:
+    def find(self, name: bytes, owner: bytes) -> str | None:
+        """The id of owner's live session named name, or None (a snapshot: it may expire or be
+        deleted before it is used, which session() then says)."""
+        table = self.table
+        hits = np.flatnonzero(
+            (table["state"] == LIVE)
+            & (table["name"] == np.frombuffer(name, np.uint8)).all(axis=1)
+            & (table["owner"] == np.frombuffer(owner, np.uint8)).all(axis=1)
+        )
+        return _id(int(hits[0]), table["token"][hits[0]].tobytes()) if hits.size else None
+
+    def _fill(
+        self, slot: int, shape: Shape, max_tokens: int, owner: bytes, token: bytes, length: int, pages: list[int], name: bytes = b""
+    ) -> None:
         """Write a free slot's record (under the pool lock); its state last, so that a slot is live
         only once whole."""
         rec = self.table[slot : slot + 1]
@@ -227,6 +247,7 @@ class Pool:
             np.frombuffer(token, np.uint8),
             np.frombuffer(owner, np.uint8),
         )
+        rec["name"][0] = np.frombuffer(name or bytes(OWNER_BYTES), np.uint8)
         rec["last_use"] = time.monotonic()
         rec["pages"][0, : len(pages)] = pages
         rec["state"] = LIVE

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
-from flask import Blueprint, Response, request
+from flask import Blueprint, Response
 from werkzeug.routing import BaseConverter
 
 from schemas import RequestError, SessionBatchJob, SessionStepJob
@@ -23,14 +23,13 @@ from schemas.sessions import (
     SessionLengthRequest,
     SessionStepRequest,
     step_job,
-    tokens,
 )
 from service import sessions, wire
-from service.sessions import Pool, Session, Shape
+from service.sessions import Shape
 
+from . import held
 from .compute import cost, run, validate_only
 from .context import services
-from .errors import ApiError
 from .http import json_response, phase, phases_ms, read_json
 
 bp = Blueprint("sessions", __name__)
@@ -51,55 +50,10 @@ def _converter(state) -> None:
 SCHEMAS = (SessionCreateRequest, SessionAppendRequest, SessionLengthRequest, SessionStepRequest, SessionBatchRequest)
 
 
-def _pool() -> Pool:
-    return services().sessions
-
-
-def _owner() -> bytes:
-    """Whose sessions this request sees: its API key's (auth.py has checked it), or everyone's
-    without keys."""
-    if not services().settings.api_keys:
-        return sessions.owner_hash(None)
-    return sessions.owner_hash(request.headers.get("Authorization", "").partition(" ")[2].strip())
-
-
-@contextlib.contextmanager
-def _refusals():
-    """The pool's refusals as the contract's errors."""
-    try:
-        yield
-    except sessions.NotFound:
-        raise RequestError(
-            "session_not_found", "There is no such session: unknown, expired, deleted, or made with another API key.", "id"
-        ) from None
-    except sessions.Conflict as exc:
-        raise ApiError(
-            "length_conflict",
-            f"The session's length is {exc.length}, not the length this request expects; nothing was changed.",
-            "at",
-            extra={"length": exc.length},
-        ) from None
-    except sessions.TooLong as exc:
-        raise RequestError("too_long", f"The session would pass its max_tokens of {exc.max_tokens}; nothing was appended.", "k") from None
-    except sessions.PoolFull as exc:
-        retry = _pool().retry_after()
-        raise ApiError(
-            "overloaded",
-            f"The sessions' memory is full ({exc}); no live session is evicted. Delete sessions, or retry after {retry} s.",
-            headers={"Retry-After": str(retry)},
-        ) from None
-
-
 def _load(schema_cls: type):
     """The body validated by schema_cls (the decode and validate phases)."""
     doc = read_json()
     return doc, validate_only(services().schemas[schema_cls], doc)
-
-
-@contextlib.contextmanager
-def _session(sid: str):
-    with _refusals(), _pool().session(sid, _owner()) as s:
-        yield s
 
 
 @bp.post("/sessions")
@@ -107,9 +61,9 @@ def create():
     """A new empty session: 201, its description and Location."""
     _, data = _load(SessionCreateRequest)
     shape = Shape(data["heads"], data["kv_heads"], data["head_dim"], data["value_dim"], np.dtype(data["dtype"]))
-    with _refusals():
-        sid = _pool().create(shape, data["max_tokens"], _owner())
-    with _session(sid) as s:
+    with held.refusals():
+        sid = held.pool().create(shape, data["max_tokens"], held.owner())
+    with held.session(sid) as s:
         resp = json_response(s.describe(), status=201)
     resp.headers["Location"] = f"/sessions/{sid}"
     return resp
@@ -118,34 +72,23 @@ def create():
 @bp.get("/sessions/<sid:sid>")
 def describe(sid: str):
     """The session's description, its current length."""
-    with _session(sid) as s:
+    with held.session(sid) as s:
         return json_response(s.describe())
 
 
 @bp.delete("/sessions/<sid:sid>")
 def delete(sid: str):
-    with _session(sid) as s:
+    with held.session(sid) as s:
         s.delete()
     return Response(status=204)
-
-
-def _append(s: Session, schema, k: np.ndarray | None, v: np.ndarray | None, at: int | None) -> int:
-    """New tokens checked against the session and written past its length (uncommitted): the
-    length they make. 409 unless at is None or the length."""
-    s.check_at(at)
-    if k is None or v is None:
-        return s.length
-    shape = s.shape
-    k, v = tokens(schema, k, v, shape.kv_heads, shape.head_dim, shape.value_dim, shape.dtype)
-    return s.append(k, v)
 
 
 @bp.post("/sessions/<sid:sid>/append")
 def append(sid: str):
     """Tokens appended; with at, only if the session's length is at (exactly once)."""
     _, data = _load(SessionAppendRequest)
-    with _session(sid) as s, _refusals():
-        end = _append(s, services().schemas[SessionAppendRequest], data["k"], data["v"], data["at"])
+    with held.session(sid) as s, held.refusals():
+        end = held.append(s, services().schemas[SessionAppendRequest], data["k"], data["v"], data["at"])
         s.commit(end)
     return json_response({"length": end})
 
@@ -160,8 +103,8 @@ def attention(sid: str):
     length committed only once the answer is computed."""
     doc, data = _load(SessionStepRequest)
     schema = services().schemas[SessionStepRequest]
-    with _session(sid) as s, _refusals():
-        S = _append(s, schema, data["k"], data["v"], data["at"])
+    with held.session(sid) as s, held.refusals():
+        S = held.append(s, schema, data["k"], data["v"], data["at"])
         job = step_job(schema, data, data["q"], s.shape, S, _encoding(data, doc), s.pages(S))
         out, weights, *lse = run(job)
         s.commit(S)
@@ -175,9 +118,9 @@ def attention_many():
     doc, data = _load(SessionBatchRequest)
     schema = services().schemas[SessionBatchRequest]
     ids, q, k, v, at = data["sessions"], data["q"], data["k"], data["v"], data["at"]
-    with contextlib.ExitStack() as held, _refusals():
+    with contextlib.ExitStack() as locks, held.refusals():
         order = sorted(range(len(ids)), key=lambda i: ids[i])  # locked in one order: two batches never wait on each other
-        locked = {i: held.enter_context(_session(ids[i])) for i in order}
+        locked = {i: locks.enter_context(held.session(ids[i])) for i in order}
         jobs, lengths = [], []
         shapes = {s.shape for s in locked.values()}
         if len(shapes) > 1:
@@ -187,7 +130,7 @@ def attention_many():
                 "sessions",
             )
         for i, s in sorted(locked.items()):
-            S = _append(s, schema, None if k is None else k[i], None if v is None else v[i], None if at is None else at[i])
+            S = held.append(s, schema, None if k is None else k[i], None if v is None else v[i], None if at is None else at[i])
             jobs.append(step_job(schema, data, q[i], s.shape, S, _encoding(data, doc), s.pages(S)))
             lengths.append(S)
         batch = SessionBatchJob(tuple(jobs))
@@ -230,12 +173,12 @@ def _length_body() -> int | None:
 def fork(sid: str):
     """A new session whose first length tokens (default all) are this one's, shared: 201."""
     length = _length_body()
-    with _session(sid) as s, _refusals():
+    with held.session(sid) as s, held.refusals():
         length = s.length if length is None else length
         if length > s.length:
             raise sessions.Conflict(s.length)
-        child = s.fork(length, _owner())
-    with _session(child) as c:
+        child = s.fork(length, held.owner())
+    with held.session(child) as c:
         resp = json_response(c.describe(), status=201)
     resp.headers["Location"] = f"/sessions/{child}"
     return resp
@@ -247,7 +190,7 @@ def truncate(sid: str):
     length = _length_body()
     if length is None:
         raise RequestError("missing_field", "length is required: the tokens to keep.", "length")
-    with _session(sid) as s, _refusals():
+    with held.session(sid) as s, held.refusals():
         if length > s.length:
             raise sessions.Conflict(s.length)
         s.truncate(length)
