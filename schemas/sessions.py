@@ -65,7 +65,7 @@ class _Step(_Request):
     """The options of a step (POST /attention's that make sense on one; dtype is the session's)."""
 
     class Meta(_Request.Meta):
-        exclude = ("dtype",)
+        exclude: tuple[str, ...] = ("dtype",)
 
     return_weights = Bool(load_default=False, metadata={"description": "return the weights (H, t, S)"})
     causal = Choice(
@@ -86,6 +86,37 @@ class SessionStepRequest(_Step):
     @validates_schema
     def _pair(self, data, **kwargs):
         _paired(data)
+
+
+class SequenceId(_Coded, fields.Field):
+    """Triton's sequence_id: a number > 0 or a non-empty string, the client's -> its text."""
+
+    def _deserialize(self, value, attr, data, **kwargs) -> str:
+        if type(value) is int and value > 0:
+            return f"int:{value}"
+        if isinstance(value, str) and value:
+            return f"str:{value}"
+        raise self._error("bad_type", f"{self.label} must be a number > 0 or a non-empty string, not {wire.show(value)}.")
+
+
+class SequenceStepRequest(_Step):
+    """A step of /v2's model attention_sequence (Triton's sequence extension): the new tokens' q,
+    k, v, and the sequence's id, its start and its end."""
+
+    class Meta(_Step.Meta):
+        exclude = ("dtype", "alibi_slopes", "return_weights", "weights_dtype")
+
+    q = Tensor(ranks=(3, 3), required=True, metadata={"description": "queries (H, t, d)"})
+    k = Tensor(ranks=(3, 3), required=True, metadata={"description": "the new tokens' keys (Hkv, t, d)"})
+    v = Tensor(ranks=(3, 3), required=True, metadata={"description": "their values (Hkv, t, dv)"})
+    sequence_id = SequenceId(required=True, metadata={"description": "the sequence (Triton's sequence_id): a number > 0 or a string"})
+    sequence_start = Bool(load_default=False, metadata={"description": "this request starts the sequence: its shapes from q, k, v"})
+    sequence_end = Bool(load_default=False, metadata={"description": "the sequence ends with this request (its state is freed)"})
+
+    def load(self, *args, **kwargs) -> dict:  # the options a step reads that this model does not take
+        data = super().load(*args, **kwargs)
+        data.update(alibi_slopes=None, return_weights=False, weights_dtype=None, at=None)
+        return data
 
 
 class SessionIds(_Coded, fields.Field):

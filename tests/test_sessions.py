@@ -397,3 +397,37 @@ def test_limits_and_openapi_show_sessions():
     paths = c.get("/openapi.json").get_json()["paths"]
     for path in ("/sessions", "/sessions/{sid}", "/sessions/{sid}/append", "/sessions/{sid}/attention", "/sessions/attention"):
         assert path in paths, sorted(paths)
+
+
+def sequence(c, seq_id, q, k, v, headers=None, **parameters):
+    inputs = [
+        {"name": n, "datatype": "FP32", "shape": list(a.shape), "data": a.reshape(-1).tolist()} for n, a in (("q", q), ("k", k), ("v", v))
+    ]
+    body = {"inputs": inputs, "parameters": {**({"sequence_id": seq_id} if seq_id is not None else {}), **parameters}}
+    return c.post("/v2/models/attention_sequence/infer", json=body, headers=headers or {})
+
+
+def test_v2_sequences_refuse_clearly():
+    c = client(api_keys=("alice-key", "bob-key"))
+    alice, bob = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+    q, k, v = np.ones((2, 1, 2)), np.ones((1, 1, 2)), np.ones((1, 1, 2))
+    r = sequence(c, 7, q, k, v, alice)
+    assert r.status_code == 404 and r.headers["X-Error-Code"] == "session_not_found"  # never started
+    assert sequence(c, 7, q, k, np.array([[[1.0, 2.0]]]), alice, sequence_start=True).status_code == 200
+    assert sequence(c, 7, q, k, v, bob).status_code == 404  # another key's sequence of the same id does not exist for bob
+    r = sequence(c, 7, np.ones((3, 1, 2)), k, v, alice)
+    assert r.status_code == 400 and r.headers["X-Error-Code"] == "shape_mismatch"  # the protocol's 400
+    r = sequence(c, None, q, k, v, alice, sequence_start=True)
+    assert r.status_code == 400 and r.headers["X-Error-Code"] == "missing_field"
+    r = sequence(c, 0, q, k, v, alice, sequence_start=True)
+    assert r.status_code == 400 and r.headers["X-Error-Code"] == "bad_type"
+    r = sequence(c, 7, q, k, np.array([[[3.0, 4.0]]]), alice, sequence_end=True)
+    assert r.status_code == 200
+    out = tensor_of(r.get_json(), "out")
+    np.testing.assert_allclose(out, [[[2.0, 3.0]]] * 2)  # two equal keys, their values' mean: the refused requests appended nothing
+    assert sequence(c, 7, q, k, v, alice).status_code == 404  # ended
+
+
+def tensor_of(doc: dict, name: str) -> np.ndarray:
+    (entry,) = [o for o in doc["outputs"] if o["name"] == name]
+    return np.array(entry["data"]).reshape(entry["shape"])

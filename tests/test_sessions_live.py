@@ -199,3 +199,39 @@ def _touch(c) -> bool:
     if made.status_code == 201:
         c.delete(f"/sessions/{made.get_json()['id']}", headers=KEYS["bob"])
     return False
+
+
+def test_a_v2_sequence_through_tritonclient(server):
+    """Triton's sequence extension, unchanged tritonclient: sequence_start makes the state, each
+    request appends its k, v and attends over the whole sequence (equal to the float64 reference),
+    sequence_end frees it; the model's configuration declares its sequence batching."""
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    c = httpclient.InferenceServerClient(server.url.removeprefix("http://"))
+    config = c.get_model_config("attention_sequence")
+    assert config["sequence_batching"]["max_sequence_idle_microseconds"] == 600 * 10**6
+    rng = np.random.default_rng(11)
+    H, Hkv, d, dv = 4, 2, 8, 4
+    keys, values = np.zeros((Hkv, 0, d)), np.zeros((Hkv, 0, dv))
+    steps = [5, 1, 1, 3, 1]
+    for i, t in enumerate(steps):
+        q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((H, t, d), (Hkv, t, d), (Hkv, t, dv)))
+        inputs = []
+        for name, arr in (("q", q), ("k", k), ("v", v)):
+            tensor_in = httpclient.InferInput(name, list(arr.shape), "FP32")
+            tensor_in.set_data_from_numpy(arr, binary_data=True)
+            inputs.append(tensor_in)
+        outputs = [httpclient.InferRequestedOutput("out", binary_data=True), httpclient.InferRequestedOutput("lse", binary_data=True)]
+        answer = c.infer(
+            "attention_sequence", inputs, outputs=outputs, sequence_id=4242, sequence_start=i == 0, sequence_end=i == len(steps) - 1
+        )
+        keys, values = np.concatenate([keys, k], 1), np.concatenate([values, v], 1)
+        want_out, _, want_lse = oracle.reference(q, keys, values, causal="bottom_right", enable_gqa=True, return_lse=True)
+        np.testing.assert_allclose(answer.as_numpy("out"), want_out, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(answer.as_numpy("lse"), want_lse, rtol=1e-4, atol=1e-4)
+    one = [httpclient.InferInput(n, [H if n == "q" else Hkv, 1, d if n != "v" else dv], "FP32") for n in ("q", "k", "v")]
+    for tensor_in in one:
+        tensor_in.set_data_from_numpy(np.ones(tensor_in.shape(), np.float32))
+    with pytest.raises(InferenceServerException, match="not held"):  # ended: its state is gone
+        c.infer("attention_sequence", one, sequence_id=4242)

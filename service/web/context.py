@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, current_app, g
 
 if TYPE_CHECKING:  # annotations only: this module is imported by every other of the web layer
-    from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest, SessionBatchJob, SessionStepJob
+    from schemas import AttentionJob, MhaJob, SessionBatchJob, SessionStepJob
     from service.config import Settings
     from service.cost import CostModel, Work
     from service.sessions import Pool
@@ -33,7 +33,7 @@ class Services:
 
     settings: Settings
     schemas: dict[type, Any]  # the native schemas by class (AttentionRequest, MhaRequest, the sessions')
-    kserve_schemas: dict[str, AttentionRequest | MhaRequest]  # the Open Inference Protocol's, by model name
+    kserve_schemas: dict[str, Any]  # the Open Inference Protocol's, by model name
     cost: CostModel
     gate: Gate  # admission: this worker's requests, bytes and compute slots
     pool: Executor | None  # the threads a split computation shares (None: splitting is off)

@@ -23,7 +23,14 @@ from swagger_ui_bundle import swagger_ui_path
 
 from schemas import AttentionRequest, MhaRequest, RequestError
 from schemas.fields import Tensor, Window
-from schemas.sessions import SessionAppendRequest, SessionBatchRequest, SessionCreateRequest, SessionLengthRequest, SessionStepRequest
+from schemas.sessions import (
+    SequenceStepRequest,
+    SessionAppendRequest,
+    SessionBatchRequest,
+    SessionCreateRequest,
+    SessionLengthRequest,
+    SessionStepRequest,
+)
 from service.config import VERSION, Settings
 from service.cost import FORMULA
 from service.wire import WIRE_DTYPES
@@ -397,6 +404,7 @@ def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
 
 
 SESSION_SCHEMAS = {
+    "SequenceStepRequest": SequenceStepRequest,  # /v2's attention_sequence
     "SessionCreateRequest": SessionCreateRequest,
     "SessionAppendRequest": SessionAppendRequest,
     "SessionLengthRequest": SessionLengthRequest,
@@ -933,7 +941,12 @@ def _model_config_schema(model_name: dict) -> dict:
                 "type": "array",
                 "items": _obj({"name": string, "data_type": data_type, "dims": dims, "label_filename": string, "is_shape_tensor": boolean}),
             },
-        }
+            "sequence_batching": _obj(
+                {"max_sequence_idle_microseconds": {"type": "integer", "description": "a sequence idle this long is freed"}},
+                description="a sequence model's only (attention_sequence): Triton's sequence batcher, its state held by the server",
+            ),
+        },
+        ["name", "platform", "backend", "version_policy", "max_batch_size", "input", "output"],
     )
 
 
@@ -990,6 +1003,17 @@ def _v2_infer_examples() -> dict:
         "attention_flat_out_only": {
             "summary": "attention: flat data, float64, only the out output",
             "value": {"id": "flat-1", "inputs": flat, "outputs": [{"name": "out"}], "parameters": {"causal": True, "dtype": "float64"}},
+        },
+        "attention_sequence_one_step": {
+            "summary": "attention_sequence: a sequence of one step (started and ended by this request)",
+            "value": {
+                "inputs": [
+                    {"name": "q", "datatype": "FP32", "shape": [2, 1, 2], "data": [1, 0, 0, 1]},
+                    {"name": "k", "datatype": "FP32", "shape": [1, 1, 2], "data": [1, 0]},
+                    {"name": "v", "datatype": "FP32", "shape": [1, 1, 2], "data": [1, 2]},
+                ],
+                "parameters": {"sequence_id": "example", "sequence_start": True, "sequence_end": True, "return_lse": True},
+            },
         },
         "mha_identity_projections": {
             "summary": "mha: identity projections, 2 heads (name: mha)",
