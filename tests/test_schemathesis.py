@@ -128,7 +128,7 @@ def test_documented_examples_pass_every_check(api_schema, path):
     examples = operation.definition.raw["requestBody"]["content"]["application/json"]["examples"]
     assert examples
     for key, example in examples.items():
-        model = max((m for m in ("attention", "attention_sequence", "mha") if key.startswith(f"{m}_")), key=len)
+        model = max((m for m in ("attention", "attention_sequence", "mha") if key.startswith(f"{m}_")), key=len, default=None)
         path_parameters = {"name": model, "version": "1"} if path.startswith("/v2") else None
         case = operation.Case(body=example["value"], media_type="application/json", path_parameters=path_parameters)
         response = case.call_and_validate(checks=RESPONSE_CHECKS + [checks.positive_data_acceptance], timeout=30)
