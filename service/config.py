@@ -50,7 +50,7 @@ RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
     "compress_level": ("ATTN_COMPRESS_LEVEL", 1, 9),  # zlib's levels (0 would send stored blocks: larger than identity)
     "compress_min_bytes": ("ATTN_COMPRESS_MIN_BYTES", 0, 2**62),
     "compress_max_bytes": ("ATTN_COMPRESS_MAX_BYTES", 0, 2**62),
-    "session_memory_bytes": ("ATTN_SESSION_MEMORY_BYTES", 1, 2**46),  # below one page of 4 KiB: a pool of one
+    "session_memory_bytes": ("ATTN_SESSION_MEMORY_BYTES", 1, 2**43),  # below 4 KiB: one unit; 8 TiB: page tables hold int32 units
     "session_page_tokens": ("ATTN_SESSION_PAGE_TOKENS", 1, 2**16),
     "session_idle_s": ("ATTN_SESSION_IDLE_S", 1, 30 * DAY_S),
     "session_max_tokens": ("ATTN_SESSION_MAX_TOKENS", 1, 2**24),
