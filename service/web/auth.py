@@ -17,6 +17,12 @@ COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/
 SESSIONS_PATH = re.compile(r"/sessions(/.*)?")  # every method: a session is its key's alone
 
 
+def guarded(method: str, path: str) -> bool:
+    """Whether a request needs a key (when keys are set): a compute POST, or any request under
+    /sessions."""
+    return (method == "POST" and COMPUTE_PATH.fullmatch(path) is not None) or SESSIONS_PATH.fullmatch(path) is not None
+
+
 def key_ok(authorization: str | None, keys: tuple[str, ...]) -> bool:
     """Whether an Authorization header value carries one of keys as a Bearer token."""
     scheme, _, given = (authorization or "").partition(" ")
@@ -45,7 +51,7 @@ def install(app: Flask) -> None:
 
     @app.before_request
     def _authenticate():
-        if (request.method == "POST" and COMPUTE_PATH.fullmatch(request.path)) or SESSIONS_PATH.fullmatch(request.path):
+        if guarded(request.method, request.path):
             header = request.headers.get("Authorization")
             if not key_ok(header, keys):
                 raise refusal(header)
