@@ -175,6 +175,12 @@ def test_two_keys_a_full_pool_and_expiry():
         c = Http(srv.url)
         made = c.post("/sessions", json={"heads": 2, "head_dim": 8}, headers=KEYS["alice"])
         sid = made.get_json()["id"]
+        for method in ("get", "delete"):  # refused at the head by the worker, before any body: no key, no session
+            assert getattr(requests, method)(f"{srv.url}/sessions/{sid}", timeout=10).status_code == 401
+        assert (
+            requests.post(f"{srv.url}/sessions/{sid}/append", json={}, headers={"Authorization": "Bearer nope"}, timeout=10).status_code
+            == 401
+        )
         for _ in range(8):  # whichever worker answers: another key's session does not exist
             assert c.get(f"/sessions/{sid}", headers=KEYS["bob"]).status_code == 404
             assert c.get(f"/sessions/{sid}", headers=KEYS["alice"]).status_code == 200
