@@ -18,6 +18,8 @@ from . import faults, oracle
 from .helpers import b64, serving, tensor, wait_until, worker_pids
 from .test_sessions import Loop
 
+pytestmark = pytest.mark.live
+
 
 class Http:
     """requests behind the test client's interface (post/get/delete, status_code, get_json()):
