@@ -1,4 +1,4 @@
-"""`python -m bench.deadlines`: what X-Deadline-Ms costs under overload (contract 1.3, "Deadlines").
+"""`python -m bench deadlines`: what X-Deadline-Ms costs under overload (contract 1.3, "Deadlines").
 
 16 closed-loop clients (threads of one process, `requests`, a keep-alive session each) post the same
 request back to back, H=8, T=S=2048, d=16, causal, no weights, b64 (4.2 MB up, 1.4 MB down), to a
@@ -15,7 +15,7 @@ case for the server). Per phase:
 At the end, the server's own count of answers whose last byte left after their deadline
 (attention_answers_after_deadline_total) and the cost model's measured spread (/limits).
 
-    python -m bench.deadlines [--clients 16] [--seconds 12] [--phases none 1000 none 300] [--checkout DIR]
+    python -m bench deadlines [--clients 16] [--seconds 12] [--phases none 1000 none 300] [--checkout DIR]
 
 --checkout serves another checkout of the service (an older commit, to compare) with this one's script.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from bench.server import ROOT, Server
+from bench.common import ROOT, Server
 
 TOTAL = re.compile(r"total;dur=([0-9.]+)")
 WARMUP_S = 4.0
@@ -109,7 +109,7 @@ def server_late(url: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.deadlines", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench deadlines", description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--phases", nargs="+", default=["none", "1000", "none", "300"], help="deadlines in ms, or none")

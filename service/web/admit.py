@@ -21,10 +21,10 @@ from service.config import Settings
 from service.transport import BODY_KEY
 
 from . import metrics
-from .auth import COMPUTE_PATH
 from .context import context, services
 from .http import when_sent
 
+COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer|/sessions(/[^/]+)?/attention")
 DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
 DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any
 
-from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
+from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest, SessionBatchJob, SessionStepJob
 from service import core
 from service.config import Settings
 from service.cost import work_of
@@ -17,14 +18,27 @@ from .context import context, services
 from .http import phase, record
 
 Job = AttentionJob | MhaJob
+AnyJob = Job | SessionStepJob | SessionBatchJob  # a session's step too (sessions.py)
 
 
 def validate(schema: AttentionRequest | MhaRequest, doc: dict) -> Job:
     """The decoded body validated into a job (the validate phase; 422 on anything invalid), then
-    admitted by its ticket (service.admission.Ticket.admit: 504 if it cannot meet its deadline,
-    503 if it does not fit), after waiting for a compute slot (the queue phase, if it waited)."""
+    admitted (admit())."""
+    job = validate_only(schema, doc)
+    admit(job)
+    return job
+
+
+def validate_only(schema, doc: dict) -> Any:
+    """The decoded body loaded by schema (the validate phase; 422 on anything invalid)."""
     with phase("validate"):
-        job = schema.load(doc)
+        return schema.load(doc)
+
+
+def admit(job: AnyJob) -> None:
+    """The job admitted by the request's ticket (service.admission.Ticket.admit: 504 if it cannot
+    meet its deadline, 503 if it does not fit), after waiting for a compute slot (the queue phase,
+    if it waited)."""
     ctx = context()
     ctx.job = job
     if (ticket := ctx.ticket) is not None:
@@ -33,16 +47,19 @@ def validate(schema: AttentionRequest | MhaRequest, doc: dict) -> Job:
         finally:
             if ticket.waited_ms:
                 record("queue", time.perf_counter() - ticket.waited_ms / 1000, ticket.waited_ms)
-    return job
 
 
-def run(job: Job) -> core.Result:
-    """Compute an admitted job, timed as the compute phase, on the threads its ticket was given
+def run(job: AnyJob) -> core.Result:
+    """Admit a job that is not yet (a session's step: admitted once its session is locked and its
+    keys known), then compute it, timed as the compute phase, on the threads its ticket was given
     (more than one only for a large job alone on the server), stopped between the core's blocks
     once its deadline passes (504); the measured time (with the thread's CPU time, the requests
     busy in the server when it was admitted, and the threads it took) teaches the cost model and
     is counted against the prediction. (out, weights or None), and lse when the job asks for it."""
-    ticket, held = context().ticket, services()
+    ctx, held = context(), services()
+    if ctx.job is None:
+        admit(job)
+    ticket = ctx.ticket
     work = ticket.work if ticket is not None and ticket.work is not None else work_of(job)
     threads = ticket.threads if ticket is not None else 1
     cpu_start = time.thread_time()
@@ -59,7 +76,7 @@ def run(job: Job) -> core.Result:
     return result
 
 
-def cost(job: Job) -> dict:
+def cost(job: AnyJob) -> dict:
     """The cost summary of a response: what the job is, and what the cost model predicted for it
     when admitting it."""
     ticket = context().ticket

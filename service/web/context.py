@@ -10,17 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app, g
 
 if TYPE_CHECKING:  # annotations only; and only of what sits below this module (no cycle: tests/test_layers.py)
     from flask import Response
 
-    from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest, RequestError
+    from schemas import AttentionJob, MhaJob, RequestError, SessionBatchJob, SessionStepJob
     from service.admission import Admission, Deadline, Ticket
     from service.config import Settings
     from service.cost import CostModel
+    from service.sessions import Pool
 
     from .spans import Spans, Trace
 
@@ -33,11 +34,12 @@ class Services:
     """What the app holds for its life: made by create_app(), read by every hook and view."""
 
     settings: Settings
-    schemas: dict[type, AttentionRequest | MhaRequest]  # the native schemas by class
-    kserve_schemas: dict[str, AttentionRequest | MhaRequest]  # the Open Inference Protocol's, by model name
+    schemas: dict[type, Any]  # the native schemas by class (AttentionRequest, MhaRequest, the sessions')
+    kserve_schemas: dict[str, Any]  # the Open Inference Protocol's, by model name
     cost: CostModel
     admission: Admission  # this worker's requests, bytes and compute slots (service.admission)
     pool: Executor | None  # the threads a split computation shares (None: splitting is off)
+    sessions: Pool  # every session's keys and values (service.sessions): the server's, or this app's own
     spans: Spans | None = None  # OpenTelemetry, when an exporter is configured (tracing)
     answer_error: Callable[[RequestError], Response] | None = None  # a refusal as its front door answers it (errors.register)
     ready: bool = False  # warm-up done (ops.warm_up)
@@ -68,7 +70,7 @@ class RequestContext:
     deadline: Deadline | None = None  # X-Deadline-Ms (admit)
     ticket: Ticket | None = None  # its hold on admission, and what admission decided for its job (admit)
     trace: Trace | None = None  # its place in a trace, and its span when spans are on (tracing)
-    job: AttentionJob | MhaJob | None = None  # the validated job (compute)
+    job: AttentionJob | MhaJob | SessionStepJob | SessionBatchJob | None = None  # the validated job (compute)
     error_code: str | None = None  # the error it was answered with (errors)
     error_field: str | None = None
     counted: bool = False  # in the in-flight gauges until its answer is sent (metrics)

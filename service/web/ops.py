@@ -43,6 +43,7 @@ def limits():
         {
             **svc.settings.limits(),
             "server_slots": svc.admission.server_slots(),
+            "sessions": svc.sessions.stats(),
             "admission": {**svc.admission.policy(), "parse_charge": charge.POLICY},
             "cost_model": svc.cost.coefficients(),
             "version": VERSION,
