@@ -16,7 +16,24 @@ from service import wire
 from service.config import Settings
 from service.cost import CostModel
 
-from . import accesslog, admit, api, auth, compression, compute, errors, http, kserve, metrics, openapi, ops, playground, sessions, spans, tracing
+from . import (
+    accesslog,
+    admit,
+    api,
+    auth,
+    compression,
+    compute,
+    errors,
+    http,
+    kserve,
+    metrics,
+    openapi,
+    ops,
+    playground,
+    sessions,
+    spans,
+    tracing,
+)
 from .context import EXTENSION, Services, services
 
 
