@@ -2,14 +2,18 @@
 field: a type error is bad_type, a failed validator bad_option, an absent required field
 missing_field. Messages call the field by its label, which the schema sets (the name itself, or
 the front door's term for it, say "input q"). The Tensor field decodes once with wire.decode
-and checks the whole array."""
+and checks the whole array.
+
+Only marshmallow's public interface is used: a field's `deserialize` (wrapped, to turn its
+refusals into coded errors and to answer an absent field at once), its `_deserialize` (the
+documented method a custom field implements) and `error_messages`."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from marshmallow import ValidationError, fields, validate
+from marshmallow import ValidationError, fields, missing, validate
 
 from service import wire
 from service.wire import show  # a client's value as a message shows it, cut if long
@@ -18,10 +22,17 @@ from .errors import RequestError
 
 
 class _Coded:
-    """Mixin: marshmallow's ValidationErrors become RequestErrors with a code and the field's name."""
+    """Mixin: marshmallow's ValidationErrors become RequestErrors with a code and the field's name
+    (or `error_field`, when a front door names another)."""
 
     name: str | None  # marshmallow's Field sets it when the schema binds the field
+    required: bool
+    allow_none: bool
+    load_default: object
+    error_messages: dict[str, str]
+    default_error_messages = {"required": "{label} is required.", "null": "{label} may not be null."}
     _label: str | None = None
+    error_field: str | None = None
 
     @property
     def label(self) -> str:
@@ -33,27 +44,28 @@ class _Coded:
         self._label = text
 
     def _error(self, code: str, text: str) -> RequestError:
-        return RequestError(code, text, self.name)
+        return RequestError(code, text, self.error_field or self.name)
 
-    def _validate_missing(self, value):
+    def deserialize(self, value, attr=None, data=None, **kwargs):
+        """marshmallow's, but an absent field is answered at once (its default, or missing_field),
+        null is bad_type, and a failed validator is bad_option."""
+        if value is missing:
+            if self.required:
+                raise self._error("missing_field", self.error_messages["required"].format(label=self.label))
+            default = self.load_default
+            return default() if callable(default) else default
+        if value is None and not self.allow_none:
+            raise self._error("bad_type", self.error_messages["null"].format(label=self.label))
         try:
-            super()._validate_missing(value)
-        except ValidationError:
-            if value is None:
-                raise self._error("bad_type", f"{self.label} may not be null.") from None
-            raise self._error("missing_field", f"{self.label} is required.") from None
+            return super().deserialize(value, attr, data, **kwargs)  # type: ignore[misc]  # the Field this is mixed into
+        except ValidationError as exc:  # _deserialize turns its own into bad_type: this is a validator's
+            raise self._error("bad_option", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
 
     def _deserialize(self, value, attr, data, **kwargs):
         try:
-            return super()._deserialize(value, attr, data, **kwargs)
+            return super()._deserialize(value, attr, data, **kwargs)  # type: ignore[misc]
         except ValidationError as exc:
             raise self._error("bad_type", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
-
-    def _validate(self, value):
-        try:
-            super()._validate(value)
-        except ValidationError as exc:
-            raise self._error("bad_option", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
 
 
 def _text(exc: ValidationError) -> str:
@@ -78,11 +90,13 @@ class Choice(_Coded, fields.Raw):
 
     def __init__(self, choices, **kwargs):
         self.choices = tuple(choices)
-        super().__init__(validate=validate.OneOf(self.choices), **kwargs)  # the validator documents the enum
+        metadata = {"enum": list(self.choices), **kwargs.pop("metadata", {})}  # the document's enum
+        super().__init__(metadata=metadata, **kwargs)
 
-    def _validate(self, value):
+    def _deserialize(self, value, attr, data, **kwargs):
         if not any(type(value) is type(c) and value == c for c in self.choices):
             raise self._error("bad_option", f"{self.label} must be one of {_choices(self.choices)}, not {show(value)}.")
+        return value
 
 
 def _choices(choices) -> str:
@@ -103,14 +117,21 @@ class PositiveFloat(_Coded, fields.Float):
         return float(value)
 
 
-class PositiveInt(_Coded, fields.Integer):
-    def __init__(self, **kwargs):
-        super().__init__(strict=True, validate=validate.Range(min=1), **kwargs)
+class Int(_Coded, fields.Integer):
+    """An integer >= minimum (booleans are not integers here)."""
+
+    def __init__(self, minimum: int = 0, **kwargs):
+        super().__init__(strict=True, validate=validate.Range(min=minimum), **kwargs)
 
     def _deserialize(self, value, attr, data, **kwargs):
         if isinstance(value, bool):
             raise self._error("bad_type", f"{self.label} must be an integer, not {show(value)}.")
         return super()._deserialize(value, attr, data, **kwargs)
+
+
+class PositiveInt(Int):
+    def __init__(self, **kwargs):
+        super().__init__(minimum=1, **kwargs)
 
 
 class Tensor(_Coded, fields.Field):
