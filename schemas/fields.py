@@ -29,10 +29,12 @@ class _Coded:
     required: bool
     allow_none: bool
     load_default: object
+    validators: list
     error_messages: dict[str, str]
     default_error_messages = {"required": "{label} is required.", "null": "{label} may not be null."}
     _label: str | None = None
     error_field: str | None = None
+    typed_null = False  # null refused by _deserialize, as any other value of the wrong type (a front door's choice)
 
     @property
     def label(self) -> str:
@@ -47,19 +49,26 @@ class _Coded:
         return RequestError(code, text, self.error_field or self.name)
 
     def deserialize(self, value, attr=None, data=None, **kwargs):
-        """marshmallow's, but an absent field is answered at once (its default, or missing_field),
-        null is bad_type, and a failed validator is bad_option."""
+        """marshmallow's (Field.deserialize: the default of an absent field, null, _deserialize, the
+        validators; these fields take no field-level pre_load or post_load functions), with coded
+        errors: an absent required field is missing_field, null bad_type, a failed validator bad_option."""
         if value is missing:
             if self.required:
                 raise self._error("missing_field", self.error_messages["required"].format(label=self.label))
             default = self.load_default
             return default() if callable(default) else default
-        if value is None and not self.allow_none:
-            raise self._error("bad_type", self.error_messages["null"].format(label=self.label))
-        try:
-            return super().deserialize(value, attr, data, **kwargs)  # type: ignore[misc]  # the Field this is mixed into
-        except ValidationError as exc:  # _deserialize turns its own into bad_type: this is a validator's
-            raise self._error("bad_option", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
+        if value is None:
+            if self.allow_none:
+                return None
+            if not self.typed_null:
+                raise self._error("bad_type", self.error_messages["null"].format(label=self.label))
+        output = self._deserialize(value, attr, data, **kwargs)
+        for validator in self.validators:
+            try:
+                validator(output)
+            except ValidationError as exc:  # _deserialize turns its own into bad_type: this is a validator's
+                raise self._error("bad_option", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
+        return output
 
     def _deserialize(self, value, attr, data, **kwargs):
         try:
