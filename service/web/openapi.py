@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import fields as dataclass_fields
+from pathlib import Path
 from typing import Any
 
 from apispec import APISpec
@@ -32,9 +33,9 @@ from service.config import VERSION, Settings
 from service.cost import FORMULA
 from service.wire import WIRE_DTYPES
 
-from . import examples, kserve
+from . import apidoc, kserve
 from .context import services
-from .http import MAX_REQUEST_ID, html_policy, json_response
+from .http import html_policy, json_response
 
 bp = Blueprint("openapi", __name__)
 
@@ -172,68 +173,6 @@ def _name(schema) -> str | None:
 
 # --- the document -----------------------------------------------------------------------------
 
-ERROR_DESCRIPTIONS = {
-    400: "body is not strict JSON or not an object (bad_json), or its Content-Encoding does not decode (bad_compression)",
-    401: "no valid API key",
-    413: "body, T, S or score elements over a limit",
-    415: "not application/json, or a Content-Encoding other than identity, gzip or deflate",
-    422: "JSON but not a valid request",
-    503: "overloaded: retry after Retry-After seconds",
-    504: "the X-Deadline-Ms deadline cannot be met",
-}
-TIMING_HEADERS = {
-    "Server-Timing": {
-        "required": True,
-        "schema": {"type": "string"},
-        "description": "W3C Server-Timing: decode, validate, compute, encode, total (ms)",
-    },
-    "X-Request-Id": {"required": True, "schema": {"type": "string"}, "description": "echoed if the client sent one"},
-    "traceparent": {
-        "required": True,
-        "schema": {"type": "string"},
-        "description": "W3C Trace Context: the caller's trace (or a new one) and this request's span id",
-    },
-}
-# X-Deadline-Ms is described in words, not as a parameter: a deadline too short to meet is
-# answered 504 by design, which a fuzzer sending tiny deadlines would report as a server error.
-COMPUTE_PARAMETERS = [
-    {
-        "name": "X-Request-Id",
-        "in": "header",
-        "required": False,
-        "schema": {"type": "string"},
-        "description": f"echoed in the response's X-Request-Id if it is 1 to {MAX_REQUEST_ID} printable ASCII characters (else a fresh one is made)",
-    },
-    {
-        "name": "traceparent",
-        "in": "header",
-        "required": False,
-        "schema": {"type": "string"},
-        "description": "W3C Trace Context (version 00): the request's span continues this trace; a malformed one is ignored",
-    },
-]
-DEADLINE_NOTE = (
-    " Send X-Deadline-Ms (milliseconds, > 0) to have work that cannot finish in time refused with 504"
-    " before computing; anything but a positive number there is 422 bad_option."
-)
-
-
-NATIVE_TAG, OPS_TAG, V2_TAG = "Attention", "Operations", "Open Inference Protocol"
-TAGS: list[dict[str, Any]] = [
-    {
-        "name": NATIVE_TAG,
-        "description": "The native API: tensors in any of three encodings, errors as {error: {status, code, message, field}}",
-    },
-    {"name": OPS_TAG, "description": "Health, readiness, limits and metrics"},
-    {
-        "name": V2_TAG,
-        "description": "The same computations under the Open Inference Protocol (KServe v2, as Triton speaks it): "
-        "models attention and mha, inputs named as the native fields, options as request parameters, the binary "
-        "tensor data extension, errors as {error: message}",
-        "externalDocs": {"url": "https://github.com/kserve/open-inference-protocol"},
-    },
-]
-
 
 def build(app: Flask) -> dict:
     """The OpenAPI 3.0 document of the routes registered on app."""
@@ -244,15 +183,13 @@ def build(app: Flask) -> dict:
     _ops_paths(spec, served)
     doc = spec.to_dict()
     schemas = doc["components"]["schemas"]
-    for name in ("AttentionRequest", "MhaRequest"):
-        schemas[name]["additionalProperties"] = False  # unknown fields are refused
     v2_rules = [rule for rule in app.url_map.iter_rules() if rule.endpoint.startswith(f"{kserve.bp.name}.")]
     if v2_rules:
         doc["paths"].update(_v2_paths(settings, v2_rules, app.view_functions))
     else:
         for name in (*protocol.components(), "tensor_data"):
             del schemas[name]
-    doc["tags"] = [tag for tag in TAGS if tag["name"] != V2_TAG or v2_rules]
+    doc["tags"] = [tag for tag in apidoc.TAGS if tag["name"] != apidoc.V2_TAG or v2_rules]
     if settings.api_keys:
         doc["security"] = [{"bearer": []}]
     return doc
@@ -261,66 +198,29 @@ def build(app: Flask) -> dict:
 def _spec(settings: Settings) -> APISpec:
     """The document's frame: info, and every component schema (tensors, requests, responses)."""
     plugin = MarshmallowPlugin(schema_name_resolver=_name)
-    spec = APISpec(
-        title="Attention service",
-        version=VERSION,
-        openapi_version="3.0.3",
-        plugins=[plugin],
-        info={
-            "description": "Scaled dot-product attention and multi-head attention over HTTP, natively and "
-            "under the Open Inference Protocol (KServe v2) at /v2."
-        },
-    )
+    spec = APISpec(title="Attention service", version=VERSION, openapi_version="3.0.3", plugins=[plugin], info=apidoc.INFO)
     assert plugin.converter is not None  # APISpec(plugins=[plugin]) made it
-    plugin.converter.add_attribute_function(_tensor_property)
-    plugin.converter.add_attribute_function(_window_property)
-    plugin.converter.add_attribute_function(_nullable_enum)
-    plugin.converter.add_attribute_function(_exclusive_minimum)
-    plugin.converter.add_attribute_function(_option_property)
-    plugin.converter.add_attribute_function(_tensor_data_property)
+    for function in (_tensor_property, _window_property, _nullable_enum, _exclusive_minimum, _option_property, _tensor_data_property):
+        plugin.converter.add_attribute_function(function)
     for kind, (name, *_) in _KINDS.items():
         spec.components.schema(name, _tensor_schema(kind))
-    spec.components.schema("Error", schema=Error)
-    spec.components.schema("ComputeResponse", schema=ComputeResponse)
-    spec.components.schema("AttentionRequest", schema=AttentionRequest(settings))
-    spec.components.schema("MhaRequest", schema=MhaRequest(settings))
-    spec.components.schema("Status", schema=Status)
     spec.components.schema("Limits", _limits_schema(settings))
     spec.components.schema("tensor_data", TENSOR_DATA)
-    for name, schema in protocol.components().items():
+    described = {"Error": Error, "ComputeResponse": ComputeResponse, "Status": Status, **protocol.components()}
+    for name, schema in {"AttentionRequest": AttentionRequest(settings), "MhaRequest": MhaRequest(settings), **described}.items():
         spec.components.schema(name, schema=schema)
     if settings.api_keys:
         spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
     return spec
 
 
-# On every error answer of both doors (the /v2 protocol's body carries only a message).
-ERROR_HEADERS = {
-    "X-Error-Code": {
-        "required": True,
-        "schema": {"type": "string"},
-        "description": "the error's code (in the native body too, as error.code; the /v2 body is only a message)",
-    },
-    "X-Error-Field": {
-        "schema": {"type": "string"},
-        "description": "the request field the error names, when it names one: percent-encoded (UTF-8) but for printable ASCII other than %, and left out past 256 characters",
-    },
-}
-
-
-def _errors(*statuses: int, body: str = "Error", descriptions: dict[int, str] = ERROR_DESCRIPTIONS) -> dict:
+def _errors(*statuses: int, body: str = "Error", descriptions: dict[int, str] = apidoc.ERROR_DESCRIPTIONS) -> dict:
     """The error responses of an operation, each with its door's body and the error headers."""
-    out = {}
-    for status in sorted(set(statuses)):
-        headers = dict(ERROR_HEADERS)
-        if status == 503:
-            headers["Retry-After"] = {"required": True, "schema": {"type": "integer"}, "description": "seconds"}
-        out[str(status)] = {
-            "description": descriptions[status],
-            "content": {"application/json": {"schema": _ref(body)}},
-            "headers": headers,
-        }
-    return out
+    retry = {"Retry-After": apidoc.header("seconds", kind="integer")}
+    return {
+        str(status): {**_json(descriptions[status], body), "headers": {**apidoc.ERROR_HEADERS, **(retry if status == 503 else {})}}
+        for status in sorted(set(statuses))
+    }
 
 
 def _auth(settings: Settings) -> tuple[int, ...]:
@@ -333,23 +233,7 @@ def _ref(name: str) -> dict:
 
 
 def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
-    compute = {
-        "/attention": (
-            "attention",
-            "AttentionRequest",
-            "Scaled dot-product attention over any leading axes",
-            "out = softmax(q kᵀ · scale, masked) v. Masked weights are exactly 0; a row with no allowed key gives zeros.",
-            examples.ATTENTION,
-        ),
-        "/mha": (
-            "mha",
-            "MhaRequest",
-            "Multi-head self-attention with projections (the GPT block)",
-            "Q,K,V = x Wq, x Wk, x Wv, split into heads, attention scaled by 1/sqrt(d/h), heads concatenated, then @ Wo.",
-            examples.MHA,
-        ),
-    }
-    for path, (op_id, request_schema, summary, description, shown) in compute.items():
+    for path, (op_id, request_schema, summary, description, shown) in apidoc.COMPUTE.items():
         if path not in served:
             continue
         spec.path(
@@ -357,15 +241,15 @@ def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
             operations={
                 "post": {
                     "operationId": op_id,
-                    "tags": [NATIVE_TAG],
+                    "tags": [apidoc.NATIVE_TAG],
                     "summary": summary,
-                    "description": description + DEADLINE_NOTE,
-                    "parameters": COMPUTE_PARAMETERS,
+                    "description": description + apidoc.DEADLINE_NOTE,
+                    "parameters": apidoc.COMPUTE_PARAMETERS,
                     "requestBody": {"required": True, "content": {"application/json": {"schema": request_schema, "examples": shown}}},
                     "responses": {
                         "200": {
                             "description": "the result",
-                            "headers": TIMING_HEADERS,
+                            "headers": apidoc.TIMING_HEADERS,
                             "content": {"application/json": {"schema": "ComputeResponse"}},
                         },
                         **_errors(400, 413, 415, 422, 503, 504, *_auth(settings)),
@@ -376,27 +260,12 @@ def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
 
 
 def _ops_paths(spec: APISpec, served: set[str]) -> None:
-    ops = {
-        "/healthz": ("healthz", "Liveness: 200 while the process lives", {"200": _json("alive", "Status")}),
-        "/readyz": (
-            "readyz",
-            "Readiness: 200 when it can serve, 503 while starting or draining",
-            {"200": _json("ready", "Status"), "503": _json("starting or draining", "Status")},
-        ),
-        "/limits": (
-            "limits",
-            "The limits in force, the default dtype, the cost model and the version",
-            {"200": _json("the limits", "Limits")},
-        ),
-        "/metrics": (
-            "metrics",
-            "Prometheus metrics",
-            {"200": {"description": "Prometheus text exposition", "content": {"text/plain": {"schema": {"type": "string"}}}}},
-        ),
-    }
-    for path, (op_id, summary, responses) in ops.items():
+    for path, (op_id, summary, responses) in apidoc.OPERATIONS.items():
         if path in served:
-            spec.path(path=path, operations={"get": {"operationId": op_id, "tags": [OPS_TAG], "summary": summary, "responses": responses}})
+            answers = {status: _json(what, body) if body else apidoc.METRICS_ANSWER for status, (what, body) in responses.items()}
+            spec.path(
+                path=path, operations={"get": {"operationId": op_id, "tags": [apidoc.OPS_TAG], "summary": summary, "responses": answers}}
+            )
 
 
 def _json(description: str, schema: str) -> dict:
@@ -406,14 +275,7 @@ def _json(description: str, schema: str) -> dict:
 def _limits_schema(settings: Settings) -> dict:
     kinds = {int: "integer", "int": "integer", str: "string", "str": "string"}
     props = {f.name: {"type": kinds.get(f.type, "string")} for f in dataclass_fields(settings) if f.name in settings.limits()}
-    props["server_slots"] = {
-        "type": "integer",
-        "description": "compute requests the whole server holds at once, a safety cap: (max_inflight + max_queue) x the workers running; past it, 503",
-    }
-    props["admission"] = {
-        "type": "object",
-        "description": "the admission policy: by predicted time until the answer is sent, the queue order, the wait bound, the slots, memory and parse charges",
-    }
+    props.update({name: dict(schema) for name, schema in apidoc.LIMITS.items()})
     props["cost_model"] = {"type": "object", "description": FORMULA}
     props["version"] = {"type": "string"}
     return {"type": "object", "required": sorted(props), "properties": props}
@@ -428,36 +290,6 @@ TENSOR_DATA = {
     "items": {"oneOf": [{"type": "number"}, {"type": "boolean"}, {"$ref": "#/components/schemas/tensor_data"}]},
 }
 
-V2_ERROR_DESCRIPTIONS = {
-    **ERROR_DESCRIPTIONS,
-    400: "not a valid infer request for this model, as the protocol answers it: the body (or its JSON header) not strict"
-    " JSON, Inference-Header-Content-Length not the header's length, a Content-Encoding that does not decode, or any"
-    " invalid input or parameter (the native door's 422); the code is in X-Error-Code",
-    404: "no such model, or no such version of it",
-    415: "a Content-Encoding other than identity, gzip or deflate (the Content-Type is not checked: the protocol's clients send none)",
-}
-
-
-# The protocol's summary of each view of kserve.bp: a /v2 route added without one fails the build.
-V2_SUMMARIES = {
-    "server_metadata": "Server Metadata",
-    "live": "Server Live",
-    "ready": "Server Ready",
-    "model_metadata": "Model Metadata",
-    "model_config": "Model Configuration (Triton's extension)",
-    "model_ready": "Model Ready",
-    "infer": "Inference",
-}
-BINARY_NOTE = (
-    " The binary tensor data extension: an input may carry parameters.binary_data_size (bytes) instead of data; "
-    "its raw little-endian row-major bytes then follow the JSON header, in input order, and the header "
-    "Inference-Header-Content-Length gives the JSON header's length (any Content-Type; application/octet-stream is "
-    "usual). Outputs come as raw bytes too with parameters.binary_data_output: true, or per output with "
-    "outputs[].parameters.binary_data: the answer is then application/octet-stream, the JSON header (each binary "
-    "output with parameters.binary_data_size in place of data) followed by the outputs' bytes in order, its length "
-    "in Inference-Header-Content-Length."
-)
-
 
 def _v2_paths(settings: Settings, rules: list, views: dict) -> dict:
     """The /v2 operations, one per route of kserve.bp (Flask's <name> becomes OpenAPI's {name}),
@@ -470,22 +302,22 @@ def _v2_paths(settings: Settings, rules: list, views: dict) -> dict:
         versioned = "version" in rule.arguments
         op: dict[str, Any] = {
             "operationId": f"v2_{endpoint}{'_version' if versioned else ''}",
-            "tags": [V2_TAG],
-            "summary": V2_SUMMARIES[endpoint],
+            "tags": [apidoc.V2_TAG],
+            "summary": apidoc.V2_SUMMARIES[endpoint],
             "description": " ".join((views[rule.endpoint].__doc__ or "").split()),  # the view's docstring: said once
             "responses": _v2_responses(settings, endpoint),
         }
-        params = [_V2_PATH_PARAMETERS[name] for name in re.findall(r"{([^}]+)}", path)]
+        params = [apidoc.V2_PATH_PARAMETERS[name] for name in re.findall(r"{([^}]+)}", path)]
         if endpoint == "model_metadata":
-            op["description"] += " " + _models_summary()
+            op["description"] += " " + apidoc.models_summary()
         if endpoint == "infer":
-            op["description"] += BINARY_NOTE + DEADLINE_NOTE
-            params += [*COMPUTE_PARAMETERS, INFERENCE_HEADER_PARAMETER]
+            op["description"] += apidoc.BINARY_NOTE + apidoc.DEADLINE_NOTE
+            params += [*apidoc.COMPUTE_PARAMETERS, apidoc.INFERENCE_HEADER_PARAMETER]
             op["requestBody"] = {
                 "required": True,
                 "description": "JSON; or, with binary inputs, the JSON header and then the inputs' bytes (any Content-Type)",
                 "content": {
-                    "application/json": {"schema": _ref("inference_request"), "examples": examples.V2_INFER},
+                    "application/json": {"schema": _ref("inference_request"), "examples": apidoc.V2_INFER_EXAMPLES},
                     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
                 },
             }
@@ -496,42 +328,17 @@ def _v2_paths(settings: Settings, rules: list, views: dict) -> dict:
     return paths
 
 
-_V2_PATH_PARAMETERS = {
-    "name": {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "enum": list(protocol.MODELS)}},
-    "version": {
-        "name": "version",
-        "in": "path",
-        "required": True,
-        "schema": {"type": "string", "enum": [protocol.MODEL_VERSION]},
-        "description": "the only version of each model",
-    },
-}
-INFERENCE_HEADER_PARAMETER = {
-    "name": "Inference-Header-Content-Length",
-    "in": "header",
-    "required": False,
-    "schema": {"type": "integer", "minimum": 0},
-    "description": "binary tensor data extension: the byte length of the JSON header, the inputs' bytes after it",
-}
-
-
 def _v2_responses(settings: Settings, endpoint: str) -> dict:
-    errors: dict[str, Any] = {"body": "inference_error_response", "descriptions": V2_ERROR_DESCRIPTIONS}
+    errors: dict[str, Any] = {"body": "inference_error_response", "descriptions": apidoc.V2_ERROR_DESCRIPTIONS}
     model = (404,) if endpoint.startswith("model_") else ()
     if endpoint in ("ready", "model_ready"):
         body = "server_ready_response" if endpoint == "ready" else "model_ready_response"
         return {"200": _json("ready", body), "503": _json("starting or draining", body), **_errors(*model, **errors)}
     if endpoint == "infer":
-        binary_header = {
-            "Inference-Header-Content-Length": {
-                "schema": {"type": "integer"},
-                "description": "on an application/octet-stream answer: the JSON header's byte length",
-            }
-        }
         return {
             "200": {
                 "description": "the outputs: JSON, or the JSON header and the outputs' bytes (binary tensor data extension)",
-                "headers": {**TIMING_HEADERS, **binary_header},
+                "headers": {**apidoc.TIMING_HEADERS, **apidoc.BINARY_ANSWER_HEADER},
                 "content": {
                     "application/json": {"schema": _ref("inference_response")},
                     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
@@ -539,23 +346,8 @@ def _v2_responses(settings: Settings, endpoint: str) -> dict:
             },
             **_errors(400, 404, 413, 415, 503, 504, *_auth(settings), **errors),
         }
-    bodies = {
-        "server_metadata": "metadata_server_response",
-        "live": "server_live_response",
-        "model_metadata": "metadata_model_response",
-        "model_config": "model_config_response",
-    }
-    body = bodies[endpoint]
+    body = apidoc.V2_BODIES[endpoint]
     return {"200": _json("OK", body), **_errors(*model, **errors)}
-
-
-def _models_summary() -> str:
-    """Each model's inputs, outputs and parameters, from the model table."""
-    parts = []
-    for model in protocol.MODELS.values():
-        inputs = ", ".join(f"{n} (optional)" if n in model.optional else n for n in model.inputs)
-        parts.append(f"{model.name}: inputs {inputs}; outputs {', '.join(model.outputs)}; parameters {', '.join(model.parameters)}.")
-    return "The models: " + " ".join(parts)
 
 
 def document() -> dict:
@@ -597,51 +389,8 @@ def landing():
     return Response(LANDING_HTML.replace("{version}", VERSION), mimetype="text/html")
 
 
-# Relative URLs, so the pages also work behind a path prefix (/docs -> docs/..., openapi.json).
-DOCS_HTML = """<!doctype html>
-<html lang="en">
-<head>
-  <meta charset="utf-8">
-  <title>Attention service: API</title>
-  <link rel="stylesheet" href="docs/swagger-ui.css">
-  <link rel="icon" type="image/png" href="docs/favicon-32x32.png">
-</head>
-<body>
-  <div id="swagger-ui"></div>
-  <script src="docs/swagger-ui-bundle.js"></script>
-  <script src="docs/swagger-ui-standalone-preset.js"></script>
-  <script>{script}</script>
-</body>
-</html>
-"""
-DOCS_SCRIPT = """
-    window.ui = SwaggerUIBundle({
-      url: "openapi.json",
-      dom_id: "#swagger-ui",
-      deepLinking: true,
-      validatorUrl: null,
-      presets: [SwaggerUIBundle.presets.apis, SwaggerUIStandalonePreset],
-      layout: "StandaloneLayout"
-    });
-  """
-DOCS_HTML = DOCS_HTML.replace("{script}", DOCS_SCRIPT)
-DOCS_POLICY = html_policy(DOCS_SCRIPT)  # the inline script above, by its hash, and no other
-
-LANDING_HTML = """<!doctype html>
-<html lang="en">
-<head><meta charset="utf-8"><title>Attention service</title></head>
-<body style="font-family: sans-serif; max-width: 40em; margin: 2em auto">
-  <h1>Attention service <small>{version}</small></h1>
-  <p>Scaled dot-product attention (<code>POST /attention</code>) and multi-head attention
-  (<code>POST /mha</code>) over HTTP, with numpy-exact semantics.</p>
-  <ul>
-    <li><a href="playground">playground</a>: see the attention weights of a few cases, or of your own q, k, v</li>
-    <li><a href="docs">docs</a>: try the API in the browser</li>
-    <li><a href="openapi.json">openapi.json</a>: the OpenAPI 3 document</li>
-    <li><a href="limits">limits</a>: the limits in force</li>
-    <li><a href="v2">v2</a>: the Open Inference Protocol (KServe v2, Triton clients); models
-      <a href="v2/models/attention">attention</a> and <a href="v2/models/mha">mha</a></li>
-  </ul>
-</body>
-</html>
-"""
+# The pages, from static/ (relative URLs, so they also work behind a path prefix: /docs -> docs/..., openapi.json).
+STATIC = Path(__file__).parent / "static"
+DOCS_HTML = (STATIC / "docs.html").read_text()
+DOCS_POLICY = html_policy(*re.findall(r"<script>(.*?)</script>", DOCS_HTML, re.S))  # its inline script, by its hash, and no other
+LANDING_HTML = (STATIC / "landing.html").read_text()
