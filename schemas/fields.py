@@ -20,18 +20,15 @@ from service.wire import show  # a client's value as a message shows it, cut if 
 
 from .errors import RequestError
 
+Messages = dict[str, str | list | dict]  # marshmallow's type of a field's error_messages
 
-class _Coded:
-    """Mixin: marshmallow's ValidationErrors become RequestErrors with a code and the field's name
-    (or `error_field`, when a front door names another)."""
 
-    name: str | None  # marshmallow's Field sets it when the schema binds the field
-    required: bool
-    allow_none: bool
-    load_default: object
-    validators: list
-    error_messages: dict[str, str]
-    default_error_messages = {"required": "{label} is required.", "null": "{label} may not be null."}
+class _Coded(fields.Field):
+    """Put before a marshmallow field class (class Bool(_Coded, fields.Boolean)): its
+    ValidationErrors become RequestErrors with a code and the field's name (or `error_field`, when
+    a front door names another)."""
+
+    default_error_messages: Messages = {"required": "{label} is required.", "null": "{label} may not be null."}
     _label: str | None = None
     error_field: str | None = None
     typed_null = False  # null refused by _deserialize, as any other value of the wrong type (a front door's choice)
@@ -54,14 +51,14 @@ class _Coded:
         errors: an absent required field is missing_field, null bad_type, a failed validator bad_option."""
         if value is missing:
             if self.required:
-                raise self._error("missing_field", self.error_messages["required"].format(label=self.label))
+                raise self._error("missing_field", str(self.error_messages["required"]).format(label=self.label))
             default = self.load_default
             return default() if callable(default) else default
         if value is None:
             if self.allow_none:
                 return None
             if not self.typed_null:
-                raise self._error("bad_type", self.error_messages["null"].format(label=self.label))
+                raise self._error("bad_type", str(self.error_messages["null"]).format(label=self.label))
         output = self._deserialize(value, attr, data, **kwargs)
         for validator in self.validators:
             try:
@@ -72,7 +69,7 @@ class _Coded:
 
     def _deserialize(self, value, attr, data, **kwargs):
         try:
-            return super()._deserialize(value, attr, data, **kwargs)  # type: ignore[misc]
+            return super()._deserialize(value, attr, data, **kwargs)
         except ValidationError as exc:
             raise self._error("bad_type", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
 

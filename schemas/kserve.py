@@ -13,15 +13,16 @@ splitting the body and taking the inputs' bytes are the web layer's."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from marshmallow import EXCLUDE, INCLUDE, RAISE, Schema, fields, missing, post_load, pre_load, validate
 
 from service import wire
 
 from .errors import RequestError
-from .fields import Bool, Int, _Coded, show
+from .fields import Bool, Int, Messages, _Coded, show
 from .requests import AttentionRequest, MhaRequest
 from .responses import Cost
 
@@ -162,7 +163,7 @@ class Text(_Coded, fields.String):
 class Datatype(_Coded, fields.String):
     """One of the protocol's datatypes this tensor accepts (a server-wide enum in the document)."""
 
-    default_error_messages = {"required": "{label} needs a datatype."}
+    default_error_messages: Messages = {"required": "{label} needs a datatype."}
 
     def __init__(self, accepted: tuple[str, ...] = tuple(DATATYPES), **kwargs):
         self.accepted = accepted
@@ -177,7 +178,7 @@ class Datatype(_Coded, fields.String):
 class Shape(_Coded, fields.List):
     """The tensor's shape, passed on as sent: wire.decode checks it (a list of positive integers)."""
 
-    default_error_messages = {"required": "{label} needs a shape."}
+    default_error_messages: Messages = {"required": "{label} needs a shape."}
 
     def __init__(self, **kwargs):
         super().__init__(fields.Integer(validate=validate.Range(min=1)), **kwargs)
@@ -219,13 +220,13 @@ class Tensors(_Coded, fields.List):
     """inputs or outputs: a non-empty list of objects, each loaded by the schema of the tensor it
     names (by_name: its model's), none twice -> {name: loaded, in the order sent}."""
 
-    default_error_messages = {"required": "{label} must be a non-empty list."}
+    default_error_messages: Messages = {"required": "{label} must be a non-empty list."}
 
-    def __init__(self, kind: str, item: Schema | type[Schema], by_name: dict[str, Schema] | None = None, model: str = "", **kwargs):
+    def __init__(self, kind: str, item: type[Schema], by_name: Mapping[str, _Envelope] | None = None, model: str = "", **kwargs):
         self.kind, self.by_name, self.model = kind, by_name or {}, model
         super().__init__(fields.Nested(item), validate=validate.Length(min=1), **kwargs)
 
-    def _deserialize(self, value, attr, data, **kwargs) -> dict[str, Any]:
+    def _deserialize(self, value, attr, data, **kwargs) -> Any:  # {name: loaded}, not a list
         kind, field = self.kind, self.name
         if not isinstance(value, list) or not value:
             raise self._error("missing_field" if value is None else "bad_type", f"{self.label} must be a non-empty list.")
@@ -483,30 +484,44 @@ class InferenceRequest(_Envelope):
         return Envelope(id=data.get("id"), native=native, requested=requested, binary=binary)
 
 
+E = TypeVar("E", bound=Schema)
+
+
+def _with(cls: type[E], name: str, **declared: fields.Field) -> type[E]:
+    """cls with these fields in place of or beside its own (Schema.from_dict's subclass, typed)."""
+    return cast(type[E], cls.from_dict(declared, name=name))
+
+
+def _option(name: str, natives: list[fields.Field], **kwargs) -> Option:
+    return (WindowOption if name == "window" else Option)(natives, **kwargs)
+
+
 def envelope(model: Model) -> InferenceRequest:
     """The infer request's schema for one model: its inputs (each with its datatypes and labels),
     outputs and options."""
     natives = model.schema().fields
-    options = {name: (WindowOption if name == "window" else Option)([natives[name]]) for name in model.options}
-    parameters = RequestParameters.from_dict(options, name=f"{model.name}_parameters")
+    parameters = _with(RequestParameters, f"{model.name}_parameters", **{name: _option(name, [natives[name]]) for name in model.options})
     inputs = {
-        name: RequestInput.from_dict(
-            {"datatype": Datatype(types, required=True), "parameters": Object(InputParameters(f"input {name}", name))},
-            name=f"{model.name}_{name}",
+        name: _with(
+            RequestInput,
+            f"{model.name}_{name}",
+            datatype=Datatype(types, required=True),
+            parameters=Object(InputParameters(f"input {name}", name)),
         )(f"input {name}", name)
         for name, (types, *_) in model.inputs.items()
     }
     outputs = {
-        name: RequestOutput.from_dict({"parameters": Object(OutputParameters(f"output {name}", "outputs"))})(f"output {name}", "outputs")
+        name: _with(RequestOutput, f"{model.name}_{name}", parameters=Object(OutputParameters(f"output {name}", "outputs")))(
+            f"output {name}", "outputs"
+        )
         for name in model.outputs
     }
-    schema = InferenceRequest.from_dict(
-        {
-            "parameters": Object(parameters(model.name)),
-            "inputs": Tensors("input", RequestInput, inputs, model.name, required=True),
-            "outputs": Tensors("output", RequestOutput, outputs, model.name),
-        },
-        name=f"{model.name}_request",
+    schema = _with(
+        InferenceRequest,
+        f"{model.name}_request",
+        parameters=Object(parameters(model.name)),
+        inputs=Tensors("input", RequestInput, inputs, model.name, required=True),
+        outputs=Tensors("output", RequestOutput, outputs, model.name),
     )
     return schema(model)
 
@@ -521,11 +536,8 @@ def described_parameters() -> RequestParameters:
             kinds, whats = options.setdefault(name, ([], []))
             kinds.append(natives[name])
             whats.append((model.name, what))
-    described = {
-        name: (WindowOption if name == "window" else Option)(kinds, metadata={"description": _per_model(whats)})
-        for name, (kinds, whats) in options.items()
-    }
-    return RequestParameters.from_dict(described, name="request_parameters")()
+    described = {name: _option(name, kinds, metadata={"description": _per_model(whats)}) for name, (kinds, whats) in options.items()}
+    return _with(RequestParameters, "request_parameters", **described)()
 
 
 def _per_model(whats: list[tuple[str, str]]) -> str:
@@ -542,9 +554,16 @@ def _one_of(values) -> validate.OneOf:
     return validate.OneOf(list(values))
 
 
-MODEL_NAME = {"required": True, "validate": _one_of(MODELS)}
-DIMS = {"metadata": {"description": "-1: any length"}}
-CONFIG_DATATYPE = {"required": True, "validate": _one_of(f"TYPE_{d}" for d in DATATYPES)}
+def _model_name() -> fields.String:
+    return fields.String(required=True, validate=_one_of(MODELS))
+
+
+def _dims() -> fields.List:
+    return fields.List(fields.Integer(validate=validate.Range(min=-1)), required=True, metadata={"description": "-1: any length"})
+
+
+def _config_datatype() -> fields.String:
+    return fields.String(required=True, validate=_one_of(f"TYPE_{d}" for d in DATATYPES))
 
 
 class _Answer(Schema):
@@ -569,7 +588,7 @@ class ServerReady(_Answer):
 
 
 class ModelReady(_Answer):
-    name = fields.String(**MODEL_NAME)
+    name = _model_name()
     ready = fields.Boolean(required=True)
 
 
@@ -582,12 +601,12 @@ class TensorMetadataParameters(_Answer):
 class TensorMetadata(_Answer):
     name = fields.String(required=True, validate=_one_of(dict.fromkeys([*INPUT_NAMES, *OUTPUT_NAMES])))
     datatype = fields.String(required=True, validate=_one_of(DATATYPES), metadata={"description": "the one advertised"})
-    shape = fields.List(fields.Integer(validate=validate.Range(min=-1)), required=True, **DIMS)
+    shape = _dims()
     parameters = fields.Nested(TensorMetadataParameters, required=True)
 
 
 class ModelMetadata(_Answer):
-    name = fields.String(**MODEL_NAME)
+    name = _model_name()
     versions = fields.List(fields.String(validate=_one_of([MODEL_VERSION])), required=True)
     platform = fields.String(required=True, validate=_one_of([PLATFORM]))
     inputs = fields.List(fields.Nested(TensorMetadata), required=True)
@@ -602,9 +621,9 @@ class ModelMetadata(_Answer):
 
 class ConfigInput(_Answer):
     name = fields.String(required=True)
-    data_type = fields.String(**CONFIG_DATATYPE)
+    data_type = _config_datatype()
     format = fields.String(required=True)
-    dims = fields.List(fields.Integer(validate=validate.Range(min=-1)), required=True, **DIMS)
+    dims = _dims()
     is_shape_tensor = fields.Boolean(required=True)
     allow_ragged_batch = fields.Boolean(required=True)
     optional = fields.Boolean(required=True)
@@ -612,8 +631,8 @@ class ConfigInput(_Answer):
 
 class ConfigOutput(_Answer):
     name = fields.String(required=True)
-    data_type = fields.String(**CONFIG_DATATYPE)
-    dims = fields.List(fields.Integer(validate=validate.Range(min=-1)), required=True, **DIMS)
+    data_type = _config_datatype()
+    dims = _dims()
     label_filename = fields.String(required=True)
     is_shape_tensor = fields.Boolean(required=True)
 
@@ -625,7 +644,7 @@ class VersionPolicy(_Answer):
 class ModelConfig(_Answer):
     """Triton's model_config.proto as JSON."""
 
-    name = fields.String(**MODEL_NAME)
+    name = _model_name()
     platform = fields.String(required=True, validate=_one_of([PLATFORM]))
     backend = fields.String(required=True, validate=_one_of([PLATFORM]))
     version_policy = fields.Nested(VersionPolicy, required=True)
@@ -650,7 +669,7 @@ class InferenceResponseParameters(_Answer, Cost):
 
 
 class InferenceResponse(_Answer):
-    model_name = fields.String(**MODEL_NAME)
+    model_name = _model_name()
     model_version = fields.String(required=True, validate=_one_of([MODEL_VERSION]))
     id = fields.String(metadata={"description": "the request's id, when it gave one"})
     parameters = fields.Nested(InferenceResponseParameters, required=True)
@@ -665,7 +684,9 @@ def components() -> dict[str, Schema]:
     """The /v2 part of the document, named as in the protocol's own (open_inference_rest.yaml)
     where it has a name; a schema nested in another comes before it."""
     parameters = described_parameters()
-    request = InferenceRequest.from_dict({"parameters": Object(parameters, metadata=InferenceRequest().fields["parameters"].metadata)})()
+    request = _with(
+        InferenceRequest, "inference_request", parameters=Object(parameters, metadata=InferenceRequest().fields["parameters"].metadata)
+    )()
     return {
         "metadata_server_response": ServerMetadata(),
         "server_live_response": ServerLive(),

@@ -212,7 +212,7 @@ COMPUTE = {  # path: (operationId, request schema, summary, description, example
 }
 
 # The operations endpoints: path -> (operationId, summary, {status: (description, body schema)}).
-OPERATIONS = {
+OPERATIONS: dict[str, tuple[str, str, dict[str, tuple[str, str | None]]]] = {
     "/healthz": ("healthz", "Liveness: 200 while the process lives", {"200": ("alive", "Status")}),
     "/readyz": (
         "readyz",

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from apispec import APISpec
 from apispec.ext.marshmallow import MarshmallowPlugin, resolver
 from apispec.ext.marshmallow.common import resolve_schema_cls
 from flask import Blueprint, Flask, Response, current_app, send_from_directory
-from marshmallow import validate
+from marshmallow import Schema, validate
 from swagger_ui_bundle import swagger_ui_path
 
 from schemas import AttentionRequest, MhaRequest, RequestError
@@ -197,7 +198,7 @@ def build(app: Flask) -> dict:
 
 def _spec(settings: Settings) -> APISpec:
     """The document's frame: info, and every component schema (tensors, requests, responses)."""
-    plugin = MarshmallowPlugin(schema_name_resolver=_name)
+    plugin = MarshmallowPlugin(schema_name_resolver=cast(Callable[[type[Schema]], str], _name))  # None: inline, as apispec documents
     spec = APISpec(title="Attention service", version=VERSION, openapi_version="3.0.3", plugins=[plugin], info=apidoc.INFO)
     assert plugin.converter is not None  # APISpec(plugins=[plugin]) made it
     for function in (_tensor_property, _window_property, _nullable_enum, _exclusive_minimum, _option_property, _tensor_data_property):
