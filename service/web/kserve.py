@@ -1,9 +1,10 @@
 """Blueprint for the Open Inference Protocol (KServe v2 REST, as Triton speaks it): /v2/...
 
-One computation, two front doors. An infer request is translated into the very dict that the
-native endpoint's schema loads -- each input becomes its tensor field, each request parameter its
-option -- so the same validation, limits, error codes, timing phases and numeric core apply; only
-the envelope differs:
+One computation, two front doors. An infer request is read by its model's envelope schema
+(schemas/kserve.py, built from the model table there, which is also the metadata, the
+configuration and the OpenAPI document) into the very dict that the native endpoint's schema
+loads -- each input becomes its tensor field, each request parameter its option -- so the same
+validation, limits, error codes, timing phases and numeric core apply; only the envelope differs:
 
   JSON input    {"name": "q", "datatype": "FP32", "shape": [2, 3], "data": [flat or nested]}
                   -> {"shape": [2, 3], "dtype": "float32", "data": [flat] or NestedData([nested])}
