@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 from marshmallow import EXCLUDE, INCLUDE, RAISE, Schema, fields, missing, post_load, pre_load, validate
 
@@ -127,8 +127,7 @@ INPUT_NAMES = list(dict.fromkeys(n for m in MODELS.values() for n in m.inputs))
 OUTPUT_NAMES = list(dict.fromkeys(n for m in MODELS.values() for n in m.outputs))
 
 
-@dataclass(frozen=True)
-class BinaryInput:
+class BinaryInput(NamedTuple):
     """An input whose bytes follow the JSON header (binary_data_size), in input order."""
 
     shape: Any
