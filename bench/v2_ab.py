@@ -2,7 +2,8 @@
 binary door (T=64: q, k, v of (1, 8, 64, 64) FP32 as binary_data_size inputs, causal, only `out`,
 as binary), one server per checkout as `make run` starts them, requests alternating between them
 over one keep-alive connection each; per checkout the median latency and the workers' CPU per
-request, and the ratio of this checkout's to the baseline's.
+request, the decode and validate phases the server reports (Server-Timing: the envelope is read in
+decode), and the ratios of this checkout's to the baseline's.
 
     python -m bench.v2_ab ../main                 # 7 rounds of 200 requests each, ~1 min
     python -m bench.v2_ab ../main --rounds 9 --requests 300
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import requests
+
+from attention_client.loadtest.transport import parse_server_timing
 
 from .server import ROOT, Server
 from .small_requests import cpu_s
@@ -48,6 +51,7 @@ def main() -> None:
     servers = {name: Server(name, cwd=tree, env={"PYTHONPATH": str(tree)}, inherit_settings=False) for name, tree in trees.items()}
     latency: dict[str, list[float]] = {name: [] for name in trees}
     cpu: dict[str, list[float]] = {name: [] for name in trees}
+    phases: dict[str, dict[str, list[float]]] = {name: {"decode": [], "validate": []} for name in trees}
     try:
         sessions = {}
         for name, server in servers.items():
@@ -61,8 +65,12 @@ def main() -> None:
                 before = cpu_s(server.workers())
                 for _ in range(args.requests):
                     t = time.perf_counter()
-                    session.post(f"{server.url}/v2/models/attention/infer", data=data, headers=headers, timeout=30).raise_for_status()
+                    resp = session.post(f"{server.url}/v2/models/attention/infer", data=data, headers=headers, timeout=30)
                     times.append(time.perf_counter() - t)
+                    resp.raise_for_status()
+                    timing = parse_server_timing(resp.headers["Server-Timing"])
+                    for phase, ms in phases[name].items():
+                        ms.append(timing[phase] * 1000)
                 cpu[name].append((cpu_s(server.workers()) - before) / args.requests * 1e6)
                 latency[name].append(statistics.median(times) * 1e6)
                 print(f"round {r + 1} {name:8s} median {latency[name][-1]:.0f} us, worker CPU {cpu[name][-1]:.0f} us/request", flush=True)
@@ -70,11 +78,17 @@ def main() -> None:
         for server in servers.values():
             server.stop()
     print(f"\n{args.rounds} rounds of {args.requests}, medians; load average {os.getloadavg()[0]:.1f}\n")
-    print("| checkout | latency us | worker CPU us/request |\n|---|---|---|")
-    med = {name: (statistics.median(latency[name]), statistics.median(cpu[name])) for name in trees}
-    for name, (lat, c) in med.items():
-        print(f"| {name} | {lat:.0f} | {c:.0f} |")
-    print(f"\nthis / baseline: latency {med['this'][0] / med['baseline'][0]:.3f}, CPU {med['this'][1] / med['baseline'][1]:.3f}")
+    print("| checkout | latency us | worker CPU us/request | decode us | validate us |\n|---|---|---|---|---|")
+    med = {
+        name: [statistics.median(xs) for xs in (latency[name], cpu[name], phases[name]["decode"], phases[name]["validate"])]
+        for name in trees
+    }
+    for name, row in med.items():
+        print(f"| {name} | " + " | ".join(f"{x:.0f}" for x in row) + " |")
+    ratios = ", ".join(
+        f"{what} {a / b:.3f}" for what, a, b in zip(("latency", "CPU", "decode", "validate"), med["this"], med["baseline"], strict=True)
+    )
+    print(f"\nthis / baseline: {ratios}")
 
 
 if __name__ == "__main__":
