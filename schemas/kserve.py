@@ -356,7 +356,7 @@ class InputParameters(_Envelope):
 
 
 class RequestInput(_Envelope):
-    name = fields.String(
+    name = Text(
         required=True, metadata={"enum": INPUT_NAMES, "description": "; ".join(f"{m.name}: {', '.join(m.inputs)}" for m in MODELS.values())}
     )
     datatype = Datatype(
