@@ -130,11 +130,14 @@ sendfile = False  # every byte goes through the worker's sendall, which never bl
 
 
 def on_starting(server):
-    """Arbiter start: the admission census the workers will share (they inherit it when they fork),
-    and an empty metrics directory, so a previous run's counts do not come back."""
+    """Arbiter start: the admission census and the sessions' pool the workers will share (they
+    inherit both when they fork), and an empty metrics directory, so a previous run's counts do not
+    come back."""
+    from service import sessions
     from service.web import census
 
     census.create()
+    sessions.create(_settings)
     for said in warnings(_settings):
         server.log.warning("configuration: %s", said)
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]

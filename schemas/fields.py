@@ -136,8 +136,17 @@ class Int(_Coded, fields.Integer):
 
 
 class PositiveInt(Int):
+    """An integer >= 1 (a count, a width)."""
+
     def __init__(self, **kwargs):
         super().__init__(minimum=1, **kwargs)
+
+
+class NonNegativeInt(Int):
+    """An integer >= 0 (a length, a position)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(minimum=0, **kwargs)
 
 
 class Tensor(_Coded, fields.Field):

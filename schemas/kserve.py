@@ -25,6 +25,7 @@ from .errors import RequestError
 from .fields import Bool, Int, Messages, _Coded, show
 from .requests import AttentionRequest, MhaRequest
 from .responses import Cost
+from .sessions import SequenceStepRequest
 
 MODEL_VERSION = "1"
 PLATFORM = "numpy"  # the metadata's platform, and the configuration's platform and backend
@@ -44,7 +45,7 @@ class Model:
     metadata shape with -1 for a variable axis, description); the first datatype is advertised."""
 
     name: str
-    schema: type[AttentionRequest] | type[MhaRequest]
+    schema: type[AttentionRequest] | type[MhaRequest] | type[SequenceStepRequest]
     inputs: dict[str, tuple[tuple[str, ...], list[int], str]]
     optional: frozenset[str]
     outputs: dict[str, tuple[list[int], str]]  # out and weights, then those sent only when asked for
@@ -97,6 +98,29 @@ MODELS = {
             "average_weights": "bool: weights averaged over the heads axis -3",
             "weights_dtype": '"float16", "float32" or "float64": the weights output\'s datatype',
             "return_lse": "bool; default false: also the lse output (FlashAttention's softmax_lse)",
+        },
+    ),
+    "attention_sequence": Model(
+        name="attention_sequence",
+        schema=SequenceStepRequest,
+        inputs={
+            "q": (FLOAT, [-1, -1, -1], "the new tokens' queries (H, t, d)"),
+            "k": (FLOAT, [-1, -1, -1], "their keys (Hkv, t, d), appended to the sequence's"),
+            "v": (FLOAT, [-1, -1, -1], "their values (Hkv, t, dv)"),
+        },
+        optional=frozenset(),
+        outputs={
+            "out": ([-1, -1, -1], "(H, t, dv): the new tokens' attention over the whole sequence"),
+            "lse": ([-1, -1], "(H, t): optional, sent when parameter return_lse is true"),
+        },
+        parameters={
+            "sequence_id": "the sequence (Triton's sequence extension): a number > 0 or a string",
+            "sequence_start": "bool: this request starts the sequence, its shapes from q, k, v (and ends one of that id)",
+            "sequence_end": "bool: the sequence ends with this request",
+            "causal": 'default "bottom_right" (query i of t sees the keys up to its own); false sees all',
+            "scale": "number > 0; default 1/sqrt(d)",
+            "window": '"left,right" (or [left, right]), integers >= -1: FlashAttention\'s window_size',
+            "return_lse": "bool; default false: also the lse output",
         },
     ),
     "mha": Model(
@@ -477,7 +501,8 @@ class InferenceRequest(_Envelope):
         requested = None if outputs is None else list(outputs)
         if outputs is not None:
             binary.update((name, flag) for name, flag in outputs.items() if flag is not None)
-            native.setdefault("return_weights", "weights" in outputs)
+            if "return_weights" in model.parameters:  # a model without a weights output has no such option
+                native.setdefault("return_weights", "weights" in outputs)
             if "lse" in outputs:
                 native.setdefault("return_lse", True)
         return Envelope(id=data.get("id"), native=native, requested=requested, binary=binary)
@@ -650,6 +675,16 @@ class ModelConfig(_Answer):
     max_batch_size = fields.Integer(required=True, metadata={"description": "0: no batching, each request is one call"})
     input = fields.List(fields.Nested(ConfigInput), required=True)
     output = fields.List(fields.Nested(ConfigOutput), required=True)
+    sequence_batching = fields.Nested(
+        _Answer.from_dict(
+            {
+                "max_sequence_idle_microseconds": fields.Integer(
+                    required=True, metadata={"description": "a sequence idle this long is freed"}
+                )
+            }
+        ),
+        metadata={"description": "a sequence model's only (attention_sequence): Triton's sequence batcher, its state held by the server"},
+    )
 
 
 class ResponseOutput(_Answer):

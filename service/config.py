@@ -51,6 +51,11 @@ RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
     "compress_level": ("ATTN_COMPRESS_LEVEL", 1, 9),  # zlib's levels (0 would send stored blocks: larger than identity)
     "compress_min_bytes": ("ATTN_COMPRESS_MIN_BYTES", 0, 2**62),
     "compress_max_bytes": ("ATTN_COMPRESS_MAX_BYTES", 0, 2**62),
+    "session_memory_bytes": ("ATTN_SESSION_MEMORY_BYTES", 1, 2**43),  # below 4 KiB: one unit; 8 TiB: page tables hold int32 units
+    "session_page_tokens": ("ATTN_SESSION_PAGE_TOKENS", 1, 2**16),
+    "session_idle_s": ("ATTN_SESSION_IDLE_S", 1, 30 * DAY_S),
+    "session_max_tokens": ("ATTN_SESSION_MAX_TOKENS", 1, 2**24),
+    "session_max_count": ("ATTN_SESSION_MAX_COUNT", 1, 2**20),
 }
 DEFAULT_DTYPES = ("float32", "float64")  # as schemas.COMPUTE_DTYPES (config imports nothing of the layers)
 
@@ -202,6 +207,15 @@ class Settings:
     compress_level: int = 1
     compress_min_bytes: int = 1024
     compress_max_bytes: int = 2**20
+    # Sessions (service/sessions/): every session's keys and values share one pool of this many
+    # bytes, made before the workers fork, in pages of session_page_tokens tokens; a session idle
+    # session_idle_s expires; one holds at most session_max_tokens tokens; at most
+    # session_max_count sessions live at once.
+    session_memory_bytes: int = 2**30
+    session_page_tokens: int = 256
+    session_idle_s: int = 600
+    session_max_tokens: int = 65536
+    session_max_count: int = 1024
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -238,6 +252,11 @@ class Settings:
                 compress_level=_env("ATTN_COMPRESS_LEVEL", d.compress_level, int),
                 compress_min_bytes=_env("ATTN_COMPRESS_MIN_BYTES", d.compress_min_bytes, int),
                 compress_max_bytes=_env("ATTN_COMPRESS_MAX_BYTES", d.compress_max_bytes, int),
+                session_memory_bytes=_env("ATTN_SESSION_MEMORY_BYTES", d.session_memory_bytes, int),
+                session_page_tokens=_env("ATTN_SESSION_PAGE_TOKENS", d.session_page_tokens, int),
+                session_idle_s=_env("ATTN_SESSION_IDLE_S", d.session_idle_s, int),
+                session_max_tokens=_env("ATTN_SESSION_MAX_TOKENS", d.session_max_tokens, int),
+                session_max_count=_env("ATTN_SESSION_MAX_COUNT", d.session_max_count, int),
             )
         )
 

@@ -441,7 +441,7 @@ def test_options_on_a_served_model_lists_its_methods(client, path):
 def test_unknown_model_infer_is_404(client):
     resp = infer(client, SEED, model="nope")
     assert resp.status_code == 404
-    assert resp.get_json() == {"error": "Model 'nope' is not served here; the models are: attention, mha."}
+    assert resp.get_json() == {"error": "Model 'nope' is not served here; the models are: attention, attention_sequence, mha."}
 
 
 def test_not_ready_answers_503(app, client):
@@ -728,7 +728,7 @@ def _outcome(read, body: dict):
     return "read", env.id, native, env.requested, env.binary
 
 
-@pytest.mark.parametrize("model", ["attention", "mha"])
+@pytest.mark.parametrize("model", ["attention", "attention_sequence", "mha"])
 @pytest.mark.parametrize("body", [SEED] + [r[1] for r in REFUSALS + VARIANT_REFUSALS if isinstance(r[1], dict)])
 def test_the_envelope_reads_as_marshmallow_loads(model, body):
     """The hot path's read (field by field, marshmallow's public Field.deserialize) and the

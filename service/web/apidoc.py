@@ -4,7 +4,7 @@ as examples (what /docs pre-fills; each is answered 200, as tests/test_openapi.p
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from schemas import kserve as protocol
 
@@ -56,18 +56,23 @@ INFO = {
     "description": "Scaled dot-product attention and multi-head attention over HTTP, natively and "
     "under the Open Inference Protocol (KServe v2) at /v2."
 }
-NATIVE_TAG, OPS_TAG, V2_TAG = "Attention", "Operations", "Open Inference Protocol"
+NATIVE_TAG, SESSIONS_TAG, OPS_TAG, V2_TAG = "Attention", "Sessions", "Operations", "Open Inference Protocol"
 TAGS: list[dict[str, Any]] = [
     {
         "name": NATIVE_TAG,
         "description": "The native API: tensors in any of three encodings, errors as {error: {status, code, message, field}}",
     },
+    {
+        "name": SESSIONS_TAG,
+        "description": "Attention state held by the server: a session keeps a sequence's keys and values, so that a decode "
+        "step sends its new tokens and queries, not the whole cache",
+    },
     {"name": OPS_TAG, "description": "Health, readiness, limits and metrics"},
     {
         "name": V2_TAG,
         "description": "The same computations under the Open Inference Protocol (KServe v2, as Triton speaks it): "
-        "models attention and mha, inputs named as the native fields, options as request parameters, the binary "
-        "tensor data extension, errors as {error: message}",
+        "models attention, attention_sequence (Triton's sequence extension, on a session) and mha, inputs named as the "
+        "native fields, options as request parameters, the binary tensor data extension, errors as {error: message}",
         "externalDocs": {"url": "https://github.com/kserve/open-inference-protocol"},
     },
 ]
@@ -94,6 +99,13 @@ V2_ERROR_DESCRIPTIONS = {
 }
 
 
+SESSION_ERROR_DESCRIPTIONS = {
+    **ERROR_DESCRIPTIONS,
+    404: "session_not_found: unknown, expired, deleted, or another API key's",
+    409: "length_conflict: the session's length is not at (or the length asked); error.length is its length",
+    413: "too_long: past the session's max_tokens",
+    503: "overloaded: the sessions' memory or table is full (no live session is evicted); retry after Retry-After",
+}
 # The protocol's summary of each view of kserve.bp: a /v2 route added without one fails the build.
 V2_SUMMARIES = {
     "server_metadata": "Server Metadata",
@@ -115,7 +127,8 @@ BINARY_NOTE = (
 )
 
 
-V2_PATH_PARAMETERS = {
+PATH_PARAMETERS = {  # by name, wherever a path has it
+    "sid": parameter("sid", "path", "the session's id", required=True),
     "name": parameter("name", "path", "the model", {"type": "string", "enum": list(protocol.MODELS)}, required=True),
     "version": parameter("version", "path", "the only version of each model", {"type": "string", "enum": [protocol.MODEL_VERSION]}, True),
 }
@@ -170,7 +183,7 @@ def _v2_input(name: str, data: list, datatype: str = "FP32") -> dict:
 
 
 _WORKED = [_v2_input("q", WORKED_Q), _v2_input("k", WORKED_Q), _v2_input("v", WORKED_V)]
-# Keyed model_..., so that each is sent to its model.
+# Keyed <model>_..., so that each is sent to its model (the longest model name the key starts with).
 V2_INFER_EXAMPLES = {
     "attention_worked_example": {
         "summary": "attention: the worked example, causal",
@@ -185,6 +198,17 @@ V2_INFER_EXAMPLES = {
             "parameters": {"causal": True, "dtype": "float64"},
         },
     },
+    "attention_sequence_one_step": {
+        "summary": "attention_sequence: a sequence of one step (started and ended by this request)",
+        "value": {
+            "inputs": [
+                {"name": "q", "datatype": "FP32", "shape": [2, 1, 2], "data": [1, 0, 0, 1]},
+                {"name": "k", "datatype": "FP32", "shape": [1, 1, 2], "data": [1, 0]},
+                {"name": "v", "datatype": "FP32", "shape": [1, 1, 2], "data": [1, 2]},
+            ],
+            "parameters": {"sequence_id": "example", "sequence_start": True, "sequence_end": True, "return_lse": True},
+        },
+    },
     "mha_identity_projections": {
         "summary": "mha: identity projections, 2 heads (name: mha)",
         "value": {
@@ -194,20 +218,89 @@ V2_INFER_EXAMPLES = {
     },
 }
 
-COMPUTE = {  # path: (operationId, request schema, summary, description, examples)
-    "/attention": (
+
+Answer = tuple[str, str, str | None, dict | None]  # an operation's status, description, body's schema and headers
+
+
+class Operation(NamedTuple):
+    """A native operation as the document says it (its schemas, named, are drawn from schemas/)."""
+
+    op_id: str
+    tag: str
+    summary: str
+    request: str | None  # the request body's schema
+    answer: Answer
+    errors: tuple[int, ...]  # its error statuses (400 and 415 too with a request body)
+    description: str = ""
+    examples: dict | None = None
+    parameters: tuple[dict, ...] = ()  # beyond those in its path (PATH_PARAMETERS)
+    said: dict[int, str] = ERROR_DESCRIPTIONS  # what each error status means here
+
+
+_COMPUTED: Answer = ("200", "the result", "ComputeResponse", TIMING_HEADERS)
+_CREATED = ("201", "created", "Session", {"Location": header("/sessions/{id}", required=False)})
+_STEPPED = ("200", "the step", "SessionStepResponse", TIMING_HEADERS)
+_LENGTH = ("200", "the length", "SessionLength", None)
+
+
+def _session(op_id: str, summary: str, request: str | None, answer: Answer, errors: tuple[int, ...]) -> Operation:
+    return Operation(op_id, SESSIONS_TAG, summary, request, answer, errors, said=SESSION_ERROR_DESCRIPTIONS)
+
+
+NATIVE: dict[tuple[str, str], Operation] = {  # (path, method): the operation
+    ("/attention", "post"): Operation(
         "attention",
-        "AttentionRequest",
+        NATIVE_TAG,
         "Scaled dot-product attention over any leading axes",
-        "out = softmax(q kᵀ · scale, masked) v. Masked weights are exactly 0; a row with no allowed key gives zeros.",
+        "AttentionRequest",
+        _COMPUTED,
+        (413, 422, 503, 504),
+        "out = softmax(q kᵀ · scale, masked) v. Masked weights are exactly 0; a row with no allowed key gives zeros." + DEADLINE_NOTE,
         ATTENTION_EXAMPLES,
+        tuple(COMPUTE_PARAMETERS),
     ),
-    "/mha": (
+    ("/mha", "post"): Operation(
         "mha",
-        "MhaRequest",
+        NATIVE_TAG,
         "Multi-head self-attention with projections (the GPT block)",
-        "Q,K,V = x Wq, x Wk, x Wv, split into heads, attention scaled by 1/sqrt(d/h), heads concatenated, then @ Wo.",
+        "MhaRequest",
+        _COMPUTED,
+        (413, 422, 503, 504),
+        "Q,K,V = x Wq, x Wk, x Wv, split into heads, attention scaled by 1/sqrt(d/h), heads concatenated, then @ Wo." + DEADLINE_NOTE,
         MHA_EXAMPLES,
+        tuple(COMPUTE_PARAMETERS),
+    ),
+    ("/sessions", "post"): _session("createSession", "Create a session", "SessionCreateRequest", _CREATED, (413, 422, 503)),
+    ("/sessions/{sid}", "get"): _session(
+        "getSession", "A session's description and length", None, ("200", "the session", "Session", None), (404,)
+    ),
+    ("/sessions/{sid}", "delete"): _session("deleteSession", "Delete a session", None, ("204", "deleted", None, None), (404,)),
+    ("/sessions/{sid}/append", "post"): _session(
+        "appendSession",
+        "Append tokens (k, v); with at, only if the length is at",
+        "SessionAppendRequest",
+        _LENGTH,
+        (404, 409, 413, 422, 503),
+    ),
+    ("/sessions/{sid}/attention", "post"): _session(
+        "stepSession",
+        "A step: new tokens appended (atomically), then q attends to all the session's keys",
+        "SessionStepRequest",
+        _STEPPED,
+        (404, 409, 413, 422, 503, 504),
+    ),
+    ("/sessions/attention", "post"): _session(
+        "stepSessions",
+        "One step for several sessions at once (their lengths may differ)",
+        "SessionBatchRequest",
+        _STEPPED,
+        (404, 409, 413, 422, 503, 504),
+    ),
+    ("/sessions/{sid}/fork", "post"): _session(
+        "forkSession", "A new session sharing this one's first length tokens", "SessionLengthRequest", _CREATED, (404, 409, 422, 503)
+    ),
+    ("/sessions/{sid}/truncate", "post"): _session(
+        "truncateSession", "Drop the tokens after length", "SessionLengthRequest", _LENGTH, (404, 409, 422)
     ),
 }
 

@@ -30,7 +30,7 @@ import numpy as np
 from flask import Blueprint, Response, request
 
 from schemas import AttentionRequest, MhaRequest, RequestError
-from schemas.jobs import AttentionJob, MhaJob
+from schemas.jobs import AttentionJob, MhaJob, SessionStepJob
 from schemas.kserve import (
     DATATYPES,
     IGNORED_PARAMETERS,
@@ -40,13 +40,16 @@ from schemas.kserve import (
     OUTPUT_DATATYPES,
     PLATFORM,
     BinaryInput,
+    Envelope,
     Model,
     envelope,
 )
-from service import wire
+from schemas.sessions import SequenceStepRequest, step_job
+from service import sessions, wire
 from service.config import VERSION, Settings
 
-from .compute import cost, run, validate
+from . import held
+from .compute import cost, run, validate, validate_only
 from .context import services
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
 
@@ -59,7 +62,7 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 ENVELOPES = {name: envelope(model) for name, model in MODELS.items()}  # each model's infer request (schemas/kserve.py)
 
 
-def build_schemas(settings: Settings) -> dict[str, AttentionRequest | MhaRequest]:
+def build_schemas(settings: Settings) -> dict[str, AttentionRequest | MhaRequest | SequenceStepRequest]:
     """Each model's schema, the native one with the protocol's labels."""
     return {name: model.schema(settings, labels=model.labels()) for name, model in MODELS.items()}
 
@@ -166,8 +169,15 @@ def model_config(name: str, version: str | None = None):
                 {"name": n, "data_type": f"TYPE_{OUTPUT_DATATYPE}", "dims": shape, "label_filename": "", "is_shape_tensor": False}
                 for n, (shape, _) in model.outputs.items()
             ],
+            **(_sequence_batching() if model.schema is SequenceStepRequest else {}),
         }
     )
+
+
+def _sequence_batching() -> dict:
+    """A sequence model's scheduling, as Triton's configuration declares it: a sequence idle past
+    ATTN_SESSION_IDLE_S is freed (the server holds its state: a session)."""
+    return {"sequence_batching": {"max_sequence_idle_microseconds": services().settings.session_idle_s * 1_000_000}}
 
 
 @bp.get("/models/<name>/ready")
@@ -187,20 +197,72 @@ def model_ready(name: str, version: str | None = None):
 def infer(name: str, version: str | None = None):
     """Run a model: the native schema, limits and core behind the protocol's envelope."""
     model = _model(name, version)
+    if model.schema is SequenceStepRequest:
+        return infer_sequence(model)
     req = load_infer(model)
     out, weights, *lse = run(req.job)
     return respond_infer(model, req, {"out": out, "weights": weights, "lse": lse[0] if lse else None})
 
 
+def infer_sequence(model: Model) -> Response:
+    """A step of a sequence (Triton's sequence extension) on the sessions' pool: sequence_start
+    makes the session (its shapes from q, k, v; one of the same id is ended first), every request
+    appends its k, v and attends, sequence_end frees it. The sequence is found by its id among the
+    sessions of the request's API key."""
+    env, native = _read(model)
+    schema = services().kserve_schemas[model.name]
+    data = validate_only(schema, native)
+    outputs = _outputs(env, weights=False, lse=data["return_lse"])
+    q, k, v = data["q"], data["k"], data["v"]
+    name, owner, pool = sessions.name_hash(data["sequence_id"]), held.owner(), held.pool()
+    sid = pool.find(name, owner)
+    if data["sequence_start"]:
+        if sid is not None:  # a sequence of that id still held: ended, as a new one starts
+            with held.session(sid) as old:
+                old.delete()
+        dtype = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
+        heads, kv_heads = q.shape[0], k.shape[0]
+        if kv_heads < 1 or heads % kv_heads:
+            raise RequestError(
+                "shape_mismatch", f"input k has {kv_heads} key/value heads, which do not divide input q's {heads} heads.", "k"
+            )
+        shape = sessions.Shape(heads, kv_heads, q.shape[2], v.shape[2], dtype)
+        with held.refusals():
+            sid = pool.create(shape, services().settings.session_max_tokens, owner, name=name)
+    elif sid is None:
+        raise RequestError(
+            "session_not_found",
+            f"Sequence {data['sequence_id'].partition(':')[2]} is not held: start it with parameter sequence_start, or it has ended or expired.",
+            "sequence_id",
+        )
+    encoding = "b64"
+    with held.session(sid) as s, held.refusals():
+        S = held.append(s, schema, k, v, None)
+        job = step_job(schema, data, q, s.shape, S, encoding, s.pages(S))
+        out, _, *lse = run(job)
+        s.commit(S)
+        if data["sequence_end"]:
+            s.delete()
+    return respond_infer(model, InferRequest(job=job, id=env.id, outputs=outputs), {"out": out, "lse": lse[0] if lse else None})
+
+
 @dataclass(frozen=True)
 class InferRequest:
-    job: AttentionJob | MhaJob
+    job: AttentionJob | MhaJob | SessionStepJob
     id: str | None
     outputs: list[tuple[str, bool]]  # (name, as binary) in response order
 
 
 def load_infer(model: Model) -> InferRequest:
     """Read the envelope (decode), then validate it with the native schema (validate)."""
+    env, native = _read(model)
+    job = validate(services().kserve_schemas[model.name], native)
+    return InferRequest(job=job, id=env.id, outputs=_outputs(env, weights=job.return_weights, lse=getattr(job, "return_lse", False)))
+
+
+def _read(model: Model) -> tuple[Envelope, dict[str, Any]]:
+    """The decode phase: the envelope read by its model's schema, into the native request with
+    the binary inputs' bytes in place."""
     check_media_type(require_json=False)  # the official client sends no Content-Type
     with phase("decode"):
         header, data = _split_body(read_body())
@@ -208,20 +270,22 @@ def load_infer(model: Model) -> InferRequest:
         blobs = _Blobs(data)
         native = {name: _take(blobs, name, value) if isinstance(value, BinaryInput) else value for name, value in env.native.items()}
         blobs.check_consumed()
-    job = validate(services().kserve_schemas[model.name], native)
-    return_lse = getattr(job, "return_lse", False)
+    return env, native
+
+
+def _outputs(env: Envelope, weights: bool, lse: bool) -> list[tuple[str, bool]]:
+    """The outputs sent, in order, each as bytes or not: those asked for (each one the job
+    computes), else out, and weights and lse when the job computes them."""
     requested = env.requested
     if requested is None:
-        requested = ["out", "weights"] if job.return_weights else ["out"]
-        requested += ["lse"] if return_lse else []
-    elif "weights" in requested and not job.return_weights:
+        requested = ["out", *(["weights"] if weights else []), *(["lse"] if lse else [])]
+    elif "weights" in requested and not weights:
         raise RequestError(
             "bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights"
         )
-    elif "lse" in requested and not return_lse:
+    elif "lse" in requested and not lse:
         raise RequestError("bad_option", "parameter return_lse is false but the lse output was requested; drop one of them.", "return_lse")
-    outputs = [(n, env.binary.get(n, env.binary[None])) for n in requested]
-    return InferRequest(job=job, id=env.id, outputs=outputs)
+    return [(n, env.binary.get(n, env.binary[None])) for n in requested]
 
 
 def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray | None]) -> Response:
