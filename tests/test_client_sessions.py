@@ -1,0 +1,478 @@
+"""The client's sessions (contract 1.3, "Sessions"): api.session(), its steps, appends, forks and
+truncations, api.attention_sessions(), retries made safe by `at`, placement on replicas and one
+session's keys spread over several (shards), merged by lse.
+
+Three parts. Pure: the alignment of a step's queries on each segment of a sharded session, merged
+by merge_states, equals the float64 oracle over the whole sequence (numpy only). Stub: the
+client's own decisions (placement, where new tokens go, the merge, what a 409 means, undoing a
+failed step) against a small in-test stand-in for the /sessions resource that computes with the
+oracle. Live: the same against the real server (`live`; skipped while the server has no
+/sessions)."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from http.server import ThreadingHTTPServer
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from attention_client import AttentionClient, AttentionError, merge_states
+from attention_client._sessions import applied, segment_options
+
+from . import oracle
+from .helpers import JsonHandler, b64, tensor
+
+LOWEST = {"float32": float(np.finfo(np.float32).min), "float64": float(np.finfo(np.float64).min)}
+TOL = {"float32": 2e-5, "float64": 1e-10}
+
+
+def whole(q, K, V, *, causal="bottom_right", window=None, alibi_slopes=None, scale=None):
+    """The float64 oracle over the whole sequence: out (H, t, dv), weights (H, t, S), lse (H, t)."""
+    gqa = K.shape[0] != q.shape[0]
+    return oracle.reference(
+        q, K, V, causal=causal or False, window=window, alibi_slopes=alibi_slopes, scale=scale, enable_gqa=gqa, return_lse=True
+    )
+
+
+# --- pure: segments aligned and merged ------------------------------------------------------------------
+
+
+def merged_segments(q, K, V, cuts, causal, window, slopes):
+    """What a sharded step computes, with the oracle as each segment's server: the segments
+    K[a:b], each asked as segment_options says, their lse moved by ALiBi's shift, merged."""
+    H, t = q.shape[:2]
+    S, edges = K.shape[1], [0, *cuts, K.shape[1]]
+    outs, lses, ws = [], [], []
+    for a, b in zip(edges[:-1], edges[1:], strict=True):
+        aligned = segment_options(a, b, S, t, causal, window, slopes is not None)
+        if aligned is None:
+            outs.append(np.zeros((H, t, V.shape[2])))
+            lses.append(np.full((H, t), LOWEST["float64"]))
+            ws.append(np.zeros((H, t, b - a)))
+            continue
+        rows = aligned["rows"]
+        out, w, lse = np.zeros((H, t, V.shape[2])), np.zeros((H, t, b - a)), np.full((H, t), -np.inf)
+        out[:, :rows], w[:, :rows], lse[:, :rows] = whole(
+            q[:, :rows], K[:, a:b], V[:, a:b], causal=aligned["causal"], window=aligned["window"], alibi_slopes=slopes
+        )
+        lse = np.where(np.isfinite(lse), lse, LOWEST["float64"])
+        if slopes is not None:
+            lse = np.where(lse > LOWEST["float64"] / 2, lse - slopes[:, None] * (S - b), lse)
+        outs.append(out)
+        lses.append(lse)
+        ws.append(w)
+    return merge_states(outs, lses, ws)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_segments_aligned_and_merged_are_the_whole(data):
+    """Keys cut into segments anywhere (new tokens on both sides of a cut too), t queries at the
+    end, causal bottom_right or none, a window, ALiBi at t=1, grouped-query heads: each segment
+    asked as segment_options says, merged by lse, is the float64 oracle over the whole sequence,
+    out, weights and lse; where segment_options refuses, the case is one it names."""
+    Hkv, group = data.draw(st.integers(1, 2)), data.draw(st.integers(1, 2))
+    H, S, d = Hkv * group, data.draw(st.integers(1, 14)), data.draw(st.integers(1, 3))
+    t = data.draw(st.integers(1, S))
+    elems = st.floats(-2, 2, allow_nan=False)
+    q = data.draw(hnp.arrays(np.float64, (H, t, d), elements=elems))
+    K = data.draw(hnp.arrays(np.float64, (Hkv, S, d), elements=elems))
+    V = data.draw(hnp.arrays(np.float64, (Hkv, S, 2), elements=elems))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, S - 1), max_size=3)))) if S > 1 else []
+    causal = data.draw(st.sampled_from(["bottom_right", False]))
+    window = data.draw(st.none() | st.tuples(st.integers(-1, S + 1), st.integers(-1, S + 1)))
+    slopes = data.draw(st.none() | hnp.arrays(np.float64, (H,), elements=st.floats(0, 1)))
+    try:
+        out, lse, weights = merged_segments(q, K, V, cuts, causal, window, slopes)
+    except ValueError as exc:
+        assert cuts and slopes is not None and t > 1, exc
+        return
+    want_out, want_w, want_lse = whole(q, K, V, causal=causal, window=window, alibi_slopes=slopes)
+    want_lse = np.where(np.isfinite(want_lse), want_lse, LOWEST["float64"])
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(weights, want_w, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_a_decode_step_over_segments_is_the_whole_for_every_option():
+    """The common case named: t=1 after a prefill, keys in three segments, each option alone and
+    all together (a window narrower than the last segment hides the first: not asked)."""
+    rng = np.random.default_rng(3)
+    H, Hkv, S, d = 4, 2, 23, 5
+    q, K, V = rng.standard_normal((H, 1, d)), rng.standard_normal((Hkv, S, d)), rng.standard_normal((Hkv, S, 3))
+    slopes = rng.uniform(0, 0.5, H)
+    for causal, window, alibi in [
+        ("bottom_right", None, None),
+        (False, None, None),
+        ("bottom_right", (4, 0), None),
+        ("bottom_right", None, slopes),
+        (False, (9, 2), slopes),
+    ]:
+        out, lse, weights = merged_segments(q, K, V, [7, 15], causal, window, alibi)
+        want_out, want_w, want_lse = whole(q, K, V, causal=causal, window=window, alibi_slopes=alibi)
+        np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(weights, want_w, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    assert segment_options(0, 7, S, 1, "bottom_right", (4, 0), False) is None  # the window starts at key 22 - 4 = 18
+    assert segment_options(15, 23, S, 1, "bottom_right", (4, 0), False) == {"causal": "bottom_right", "window": (4, 0), "rows": 1}
+    assert segment_options(0, 7, S, 1, "bottom_right", None, False) == {"causal": False, "window": None, "rows": 1}
+
+
+def test_what_a_segment_cannot_be_asked_is_refused():
+    with pytest.raises(ValueError, match="top_left"):
+        segment_options(0, 4, 8, 1, True, None, False)
+    with pytest.raises(ValueError, match="t=1"):
+        segment_options(0, 4, 8, 2, "bottom_right", None, True)
+    # rows 0..3 start their windows at keys 2..5: rows 0 and 1 see keys 2, 3 and 3 of keys 0..3
+    assert segment_options(0, 4, 8, 4, "bottom_right", (2, 0), False) == {"causal": False, "window": (0, -1), "rows": 2}
+    assert segment_options(4, 8, 8, 4, "top_left", (1, 2), True) == {
+        "causal": "top_left",
+        "window": (1, 2),
+        "rows": 4,
+    }  # the last: as asked
+
+
+def test_applied_reads_a_409_as_the_servers_length():
+    """`at` + t in a 409 length_conflict means applied; any other length or error does not."""
+    import requests
+
+    def err(status, code, doc):
+        resp = requests.Response()
+        resp.status_code, resp._content = status, json.dumps(doc).encode()
+        return AttentionError(status, code, "m", resp)
+
+    conflict = {"error": {"status": 409, "code": "length_conflict", "message": "m", "field": "at", "length": 12}}
+    assert applied(err(409, "length_conflict", conflict), 10, 2)
+    assert not applied(err(409, "length_conflict", conflict), 10, 3)
+    assert not applied(err(409, "length_conflict", conflict), 12, 2)  # nothing of this request went in
+    assert not applied(err(422, "shape_mismatch", conflict), 10, 2)
+    assert not applied(err(409, "length_conflict", {"error": {"code": "length_conflict"}}), 10, 2)
+    assert not applied(AttentionError(None, "connection_error", "m"), 10, 2)
+
+
+# --- a stand-in for the /sessions resource, computing with the oracle --------------------------------------
+
+
+class SessionStub(JsonHandler):
+    """The contract's /sessions on one replica, in memory, computed by the float64 oracle and
+    answered in the session's dtype. server.sessions, server.calls (path of each request);
+    server.lose = n: the next n requests that change a session are applied, then the connection
+    is closed without an answer (a lost answer)."""
+
+    def do_GET(self):
+        self.route("GET", None)
+
+    def do_DELETE(self):
+        self.route("DELETE", None)
+
+    def do_POST(self):
+        self.route("POST", json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+    def fail(self, status, code, message, **extra):
+        self._send(status, {"error": {"status": status, "code": code, "message": message, "field": extra.pop("field", None), **extra}})
+
+    def route(self, method, body):
+        srv = self.server
+        srv.calls.append((method, self.path))
+        m = re.fullmatch(r"/sessions(?:/([^/]+))?(?:/(\w+))?", self.path)
+        if m is None:
+            return self.fail(404, "not_found", "no such path")
+        sid, action = m.groups()
+        if sid is None:
+            return self.create(body) if method == "POST" else self.fail(405, "method_not_allowed", method)
+        if sid == "attention" and action is None:
+            return self.batch(body)
+        s = srv.sessions.get(sid)
+        if s is None:
+            return self.fail(404, "session_not_found", f"no session {sid}")
+        if method == "GET":
+            return self._send(200, self.describe(sid))
+        if method == "DELETE":
+            del srv.sessions[sid]
+            return self._send(204, {})
+        if action == "append":
+            if not self.append(s, body):
+                return None
+            return self.answer({"length": len(s["K"][0])})
+        if action == "attention":
+            if "k" in body and not self.append(s, body):
+                return None
+            doc = self.compute(s, body)
+            return self.answer(doc, changed="k" in body)
+        if action == "fork":
+            n = body.get("length", len(s["K"][0]))
+            new = str(uuid.uuid4())
+            srv.sessions[new] = {**s, "K": s["K"][:, :n], "V": s["V"][:, :n]}
+            return self._send(201, self.describe(new))
+        if action == "truncate":
+            s["K"], s["V"] = s["K"][:, : body["length"]], s["V"][:, : body["length"]]
+            return self._send(200, {"length": body["length"]})
+        return self.fail(404, "not_found", "no such action")
+
+    def describe(self, sid):
+        s = self.server.sessions[sid]
+        return {
+            "id": sid,
+            **{k: s[k] for k in ("heads", "kv_heads", "head_dim", "value_dim", "dtype", "max_tokens")},
+            "length": s["K"].shape[1],
+            "idle_expiry_s": 600,
+        }
+
+    def create(self, body):
+        sid = str(uuid.uuid4())
+        H, d = body["heads"], body["head_dim"]
+        s = {"heads": H, "kv_heads": body.get("kv_heads", H), "head_dim": d, "value_dim": body.get("value_dim", d)}
+        s.update(dtype=body.get("dtype", "float32"), max_tokens=body.get("max_tokens", 1000))
+        s.update(K=np.zeros((s["kv_heads"], 0, d)), V=np.zeros((s["kv_heads"], 0, s["value_dim"])))
+        self.server.sessions[sid] = s
+        self._send(201, self.describe(sid), {"Location": f"/sessions/{sid}"})
+
+    def append(self, s, body):
+        k, v = tensor(body["k"]).astype(np.float64), tensor(body["v"]).astype(np.float64)
+        n = s["K"].shape[1]
+        if "at" in body and body["at"] != n:
+            self.fail(409, "length_conflict", f"the session has {n} tokens, not {body['at']}", field="at", length=n)
+            return False
+        if n + k.shape[1] > s["max_tokens"]:
+            self.fail(413, "too_long", "past max_tokens")
+            return False
+        s["K"], s["V"] = np.concatenate([s["K"], k], axis=1), np.concatenate([s["V"], v], axis=1)
+        return True
+
+    def compute(self, s, body):
+        q = tensor(body["q"]).astype(np.float64)
+        slopes = None if body.get("alibi_slopes") is None else tensor(body["alibi_slopes"])
+        out, w, lse = whole(
+            q,
+            s["K"],
+            s["V"],
+            causal=body.get("causal", "bottom_right"),
+            window=body.get("window"),
+            alibi_slopes=slopes,
+            scale=body.get("scale"),
+        )
+        dtype = s["dtype"]
+        doc = {"out": b64(out, dtype), "length": s["K"].shape[1]}
+        if body.get("return_weights"):
+            doc["weights"] = b64(w, body.get("weights_dtype") or dtype)
+        if body.get("return_lse"):
+            doc["lse"] = b64(np.where(np.isfinite(lse), lse, LOWEST[dtype]), dtype)
+        return doc
+
+    def batch(self, body):
+        ss = [self.server.sessions[sid] for sid in body["sessions"]]
+        if "k" in body:
+            ks, vs = tensor(body["k"]), tensor(body["v"])
+            for i, s in enumerate(ss):
+                if s["K"].shape[1] != body["at"][i]:
+                    return self.fail(409, "length_conflict", "at", field="at", length=s["K"].shape[1])
+            for i, s in enumerate(ss):
+                self.append(s, {"k": b64(ks[i], "float64"), "v": b64(vs[i], "float64")})
+        q = tensor(body["q"])
+        docs = [self.compute(s, {**body, "q": b64(q[i], "float64")}) for i, s in enumerate(ss)]
+        out = np.stack([tensor(doc["out"]) for doc in docs])
+        lse = np.stack([tensor(doc["lse"]) for doc in docs])
+        return self.answer(
+            {"out": b64(out, out.dtype.name), "lse": b64(lse, lse.dtype.name), "lengths": [doc["length"] for doc in docs]},
+            changed="k" in body,
+        )
+
+    def answer(self, doc, changed=True):
+        if changed and self.server.lose > 0:
+            self.server.lose -= 1
+            self.close_connection = True  # applied, and no answer
+            return
+        self._send(200, doc)
+
+
+@pytest.fixture
+def stubs():
+    """Three stand-in replicas; their URLs and servers."""
+    servers = []
+    for _ in range(3):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), SessionStub)
+        server.sessions, server.calls, server.lose = {}, [], 0
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+    yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers], servers
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def random_tokens(rng, H, Hkv, t, d, dv):
+    return rng.standard_normal((H, t, d)), rng.standard_normal((Hkv, t, d)), rng.standard_normal((Hkv, t, dv))
+
+
+def check(got, want, dtype, what=""):
+    np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype], err_msg=what)
+
+
+def run_decode_loop(api, rng, *, dtype, shards=1, max_tokens=None, H=4, Hkv=2, d=8, dv=6, window=None, slopes=None, steps=3):
+    """Prefill, steps of 1, a step of 3 then truncate, a fork that diverges: every answer against
+    the float64 oracle over the whole sequence. Returns the sessions' final lengths."""
+    opts = {"window": window, "alibi_slopes": slopes}
+    K, V = np.zeros((Hkv, 0, d)), np.zeros((Hkv, 0, dv))
+    with api.session(heads=H, head_dim=d, kv_heads=Hkv, value_dim=dv, dtype=dtype, max_tokens=max_tokens, shards=shards) as s:
+        q, k, v = random_tokens(rng, H, Hkv, 7, d, dv)  # the prompt
+        if slopes is None:
+            K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
+            out, w, lse = s.attention(q, k, v, return_weights=True, return_lse=True, window=window)
+            want_out, want_w, want_lse = whole(q, K, V, window=window)
+            check(out, want_out, dtype, "prefill")
+            check(w, want_w, dtype, "prefill weights")
+            check(lse, want_lse, dtype, "prefill lse")
+        else:  # ALiBi over several segments asks t=1: the prompt one token at a time
+            for i in range(7):
+                K, V = np.concatenate([K, k[:, i : i + 1]], 1), np.concatenate([V, v[:, i : i + 1]], 1)
+                check(
+                    s.attention(q[:, i : i + 1], k[:, i : i + 1], v[:, i : i + 1], **opts), whole(q[:, i : i + 1], K, V, **opts)[0], dtype
+                )
+        assert s.length == 7
+        for step in range(steps):  # decode: one token a step
+            q, k, v = random_tokens(rng, H, Hkv, 1, d, dv)
+            K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
+            out, w = s.attention(q, k, v, return_weights=True, **opts)
+            want_out, want_w, _ = whole(q, K, V, **opts)
+            check(out, want_out, dtype, f"step {step}")
+            check(w, want_w, dtype, f"step {step} weights")
+        if slopes is None:  # a draft of 3 tokens, verified in one step, 1 rejected
+            q, k, v = random_tokens(rng, H, Hkv, 3, d, dv)
+            K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
+            check(s.attention(q, k, v, window=window), whole(q, K, V, window=window)[0], dtype, "draft")
+            n = K.shape[1] - 1
+            assert s.truncate(n) == n
+            K, V = K[:, :n], V[:, :n]
+        fork_at = K.shape[1] - 2
+        with s.fork(fork_at) as f:  # a fork that diverges from its parent
+            assert f.length == fork_at
+            q, k, v = random_tokens(rng, H, Hkv, 1, d, dv)
+            FK, FV = np.concatenate([K[:, :fork_at], k], 1), np.concatenate([V[:, :fork_at], v], 1)
+            check(f.attention(q, k, v, **opts), whole(q, FK, FV, **opts)[0], dtype, "fork")
+            q2, k2, v2 = random_tokens(rng, H, Hkv, 1, d, dv)
+            K, V = np.concatenate([K, k2], 1), np.concatenate([V, v2], 1)
+            check(s.attention(q2, k2, v2, **opts), whole(q2, K, V, **opts)[0], dtype, "parent after fork")
+            check(f.attention(q2, **opts), whole(q2, FK, FV, **opts)[0], dtype, "fork, queries only")
+            lengths = (s.length, f.length)
+        q = rng.standard_normal((H, 2, d))
+        check(s.attention(q, causal=False), whole(q, K, V, causal=False)[0], dtype, "queries only, no causal")
+    return lengths
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_decode_loop_on_stub_replicas(stubs, rng, dtype, shards):
+    """The whole loop, one segment or keys over three replicas (segments of 5 tokens)."""
+    urls, servers = stubs
+    with AttentionClient(urls) as api:
+        max_tokens = 5 if shards > 1 else None
+        assert run_decode_loop(api, rng, dtype=dtype, shards=shards, max_tokens=max_tokens) == (13, 11)
+    assert all(not s.sessions for s in servers)  # every session (and fork) deleted
+    touched = [s for s in servers if s.calls]
+    assert len(touched) == shards  # one replica, or the three
+
+
+@pytest.mark.parametrize(
+    "window, slopes", [((4, 0), None), (None, np.array([0.5, 0.25, 0.125, 0.0625])), ((5, 1), np.array([0.3, 0.2, 0.1, 0.0]))]
+)
+def test_windows_and_alibi_over_segments_on_stub_replicas(stubs, rng, window, slopes):
+    urls, _ = stubs
+    with AttentionClient(urls) as api:
+        run_decode_loop(api, rng, dtype="float64", shards=3, max_tokens=5, window=window, slopes=slopes)
+
+
+def test_sessions_are_placed_on_replicas_in_turn_and_stay(stubs, rng):
+    urls, servers = stubs
+    with AttentionClient(urls) as api:
+        sessions = [api.session(heads=2, head_dim=4) for _ in range(3)]
+        for s in sessions:
+            for _ in range(2):
+                s.attention(*random_tokens(rng, 2, 2, 1, 4, 4))
+        assert sorted(url for s in sessions for url, _, _ in s.segments) == sorted(urls)
+        for server in servers:
+            (sid,) = server.sessions
+            assert [c for c in server.calls if c[0] == "POST"] == [("POST", "/sessions")] + [("POST", f"/sessions/{sid}/attention")] * 2
+        for s in sessions:
+            s.close()
+        assert all(not server.sessions for server in servers)
+
+
+def test_a_lost_answer_is_retried_and_applied_once(stubs, rng):
+    """The server applies a step, its answer is lost: the client retries with the same `at`, reads
+    the 409's length as applied, and computes the step again without appending."""
+    urls, servers = stubs
+    with AttentionClient(urls[0], backoff=0) as api, api.session(heads=2, head_dim=4, dtype="float64") as s:
+        q, k, v = random_tokens(rng, 2, 2, 3, 4, 4)
+        s.attention(q, k, v)
+        servers[0].lose = 1
+        q2, k2, v2 = random_tokens(rng, 2, 2, 1, 4, 4)
+        out = s.attention(q2, k2, v2)
+        (state,) = servers[0].sessions.values()
+        assert s.length == 4 and state["K"].shape[1] == 4  # applied once
+        np.testing.assert_allclose(out, whole(q2, state["K"], state["V"])[0], rtol=1e-12)
+        assert servers[0].calls[-3:] == [("POST", f"/sessions/{s.id}/attention")] * 3  # lost, 409, computed again
+        servers[0].lose = 1
+        assert s.append(*random_tokens(rng, 2, 2, 2, 4, 4)[1:]) == 6 and state["K"].shape[1] == 6
+
+
+def test_a_conflict_that_is_not_a_retry_is_raised(stubs, rng):
+    urls, servers = stubs
+    with AttentionClient(urls[0]) as api, api.session(heads=2, head_dim=4) as s:
+        s.append(*random_tokens(rng, 2, 2, 2, 4, 4)[1:])
+        (state,) = servers[0].sessions.values()
+        state["K"], state["V"] = state["K"][:, :1], state["V"][:, :1]  # someone else truncated it
+        with pytest.raises(AttentionError) as info:
+            s.attention(*random_tokens(rng, 2, 2, 1, 4, 4))
+        assert info.value.status == 409 and info.value.code == "length_conflict"
+        assert s.refresh() == 1
+
+
+def test_a_failed_step_over_segments_is_undone(stubs, rng):
+    """A step whose tokens cross into a new segment and then fails (the last segment's max_tokens
+    refuses): the earlier segment is truncated back and the new one deleted, so the call can be
+    made again."""
+    urls, servers = stubs
+    with AttentionClient(urls) as api, api.session(heads=2, head_dim=4, max_tokens=4, shards=2) as s:
+        s.append(*random_tokens(rng, 2, 2, 3, 4, 4)[1:])
+        with pytest.raises(AttentionError) as info:
+            s.attention(*random_tokens(rng, 2, 2, 6, 4, 4))  # 1 fits the first, 5 do not fit the second
+        assert info.value.status == 413
+        assert s.length == 3 and len(s.segments) == 1
+        assert sorted(st["K"].shape[1] for srv in servers for st in srv.sessions.values()) == [3]
+        q, k, v = random_tokens(rng, 2, 2, 4, 4, 4)
+        s.attention(q, k, v)
+        assert [n for _, _, n in s.segments] == [4, 3]
+
+
+def test_batched_step_over_replicas(stubs, rng):
+    """Sessions of different lengths on three replicas and one of two segments: one step, each
+    session's answer the oracle's; a lost answer in the batch is retried safely."""
+    urls, servers = stubs
+    H, Hkv, d = 4, 2, 4
+    with AttentionClient(urls, backoff=0) as api:
+        sessions = [api.session(heads=H, head_dim=d, kv_heads=Hkv, dtype="float64") for _ in range(4)]
+        sessions.append(api.session(heads=H, head_dim=d, kv_heads=Hkv, dtype="float64", shards=2, max_tokens=4))
+        caches = []
+        for i, s in enumerate(sessions):
+            _, k, v = random_tokens(rng, H, Hkv, i + 2, d, d)
+            s.append(k, v)
+            caches.append((k, v))
+        servers[0].lose = 1  # sessions 0 and 3 share the first replica: their batch's answer is lost once
+        q, k, v = rng.standard_normal((5, H, 1, d)), rng.standard_normal((5, Hkv, 1, d)), rng.standard_normal((5, Hkv, 1, d))
+        out, lse = api.attention_sessions(sessions, q, k, v, return_lse=True)
+        for i, s in enumerate(sessions):
+            K, V = np.concatenate([caches[i][0], k[i]], 1), np.concatenate([caches[i][1], v[i]], 1)
+            want_out, _, want_lse = whole(q[i], K, V)
+            np.testing.assert_allclose(out[i], want_out, rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(lse[i], want_lse, rtol=1e-10, atol=1e-12)
+            assert s.length == i + 3 == s.refresh()
+        assert len(sessions[4].segments) == 2
+        for s in sessions:
+            s.close()
