@@ -15,19 +15,22 @@ import json
 import re
 import threading
 import uuid
+from contextlib import ExitStack
 from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
+import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from attention_client import AttentionClient, AttentionError, merge_states
 from attention_client._sessions import applied, segment_options
+from examples import decode_loop
 
 from . import oracle
-from .helpers import JsonHandler, b64, tensor
+from .helpers import JsonHandler, b64, serving, tensor
 
 LOWEST = {"float32": float(np.finfo(np.float32).min), "float64": float(np.finfo(np.float64).min)}
 TOL = {"float32": 2e-5, "float64": 1e-10}
@@ -141,7 +144,6 @@ def test_what_a_segment_cannot_be_asked_is_refused():
 
 def test_applied_reads_a_409_as_the_servers_length():
     """`at` + t in a 409 length_conflict means applied; any other length or error does not."""
-    import requests
 
     def err(status, code, doc):
         resp = requests.Response()
@@ -476,3 +478,157 @@ def test_batched_step_over_replicas(stubs, rng):
         assert len(sessions[4].segments) == 2
         for s in sessions:
             s.close()
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_the_decode_loop_example_on_stub_replicas(stubs, shards):
+    """examples/decode_loop.py: the GPT decoding through sessions gives the in-process loop's tokens and logits."""
+    urls, _ = stubs
+    model, prompt = decode_loop.TinyGPT(), [3, 1, 4, 1, 5]
+    want, want_logits = decode_loop.generate(model, prompt, 12, decode_loop.in_process(model))
+    with (
+        AttentionClient(urls) as api,
+        decode_loop.on_the_server(model, api, "float64", shards=shards, max_tokens=8 if shards > 1 else None) as attend,
+    ):
+        got, logits = decode_loop.generate(model, prompt, 12, attend)
+    assert got == want and len(set(got)) > 1
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-9, atol=1e-9)
+
+
+# --- live: the real server's /sessions ----------------------------------------------------------------------
+
+
+def has_sessions(url: str) -> bool:
+    """Whether the server serves the contract's /sessions (issue 30's server side)."""
+    r = requests.post(f"{url}/sessions", json={"heads": 1, "head_dim": 1}, timeout=30)
+    if r.status_code == 201:
+        requests.delete(f"{url}/sessions/{r.json()['id']}", timeout=30)
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def sessions_server(live_server):
+    if not has_sessions(live_server):
+        pytest.skip("the server has no /sessions yet (issue 30's server side): these tests need it")
+    return live_server
+
+
+@pytest.fixture(scope="module")
+def two_replicas(sessions_server):
+    """The live server and a second one: two replicas."""
+    with serving() as other:
+        yield [sessions_server, other.url]
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_live_decode_loop(sessions_server, rng, dtype):
+    """Prefill, steps of 1 with weights, a draft of 3 then truncate, a fork that diverges, queries
+    only: each answer the float64 oracle's over the whole sequence, with grouped-query heads."""
+    with AttentionClient(sessions_server) as api:
+        assert run_decode_loop(api, rng, dtype=dtype) == (13, 11)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize(
+    "window, slopes", [((4, 0), None), (None, np.array([0.5, 0.25, 0.125, 0.0625])), ((5, 1), np.array([0.3, 0.2, 0.1, 0.0]))]
+)
+def test_live_decode_loop_with_window_and_alibi(sessions_server, rng, window, slopes):
+    with AttentionClient(sessions_server) as api:
+        run_decode_loop(api, rng, dtype="float64", window=window, slopes=slopes)
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_live_keys_spread_over_two_replicas(two_replicas, rng, dtype):
+    """shards=3 over two replicas, 5 tokens a segment: the same loop, the same answers, and each
+    replica holds some of the keys."""
+    with AttentionClient(two_replicas) as api:
+        assert run_decode_loop(api, rng, dtype=dtype, shards=3, max_tokens=5) == (13, 11)
+        with api.session(heads=2, head_dim=4, max_tokens=3, shards=2) as s:
+            s.append(rng.standard_normal((2, 5, 4)), rng.standard_normal((2, 5, 4)))
+            assert sorted(url for url, _, _ in s.segments) == sorted(two_replicas)
+            assert [n for _, _, n in s.segments] == [3, 2]
+
+
+@pytest.mark.live
+def test_live_windows_and_alibi_over_segments(two_replicas, rng):
+    with AttentionClient(two_replicas) as api:
+        run_decode_loop(api, rng, dtype="float64", shards=3, max_tokens=5, window=(4, 0))
+        run_decode_loop(api, rng, dtype="float64", shards=3, max_tokens=5, slopes=np.array([0.5, 0.25, 0.125, 0.0625]), window=(5, 1))
+
+
+@pytest.mark.live
+def test_live_a_replayed_append_is_recognised(sessions_server, rng):
+    """A step whose tokens the server already holds (its first answer lost: here, sent past the
+    client) is answered 409 with at + t; the client computes it again without appending. A
+    conflict that is not a replay is raised, and nothing changes."""
+    with AttentionClient(sessions_server) as api, api.session(heads=4, kv_heads=2, head_dim=8, dtype="float64") as s:
+        q, k, v = random_tokens(rng, 4, 2, 5, 8, 8)
+        s.attention(q, k, v)
+        q2, k2, v2 = random_tokens(rng, 4, 2, 2, 8, 8)
+        r = requests.post(
+            f"{sessions_server}/sessions/{s.id}/append", json={"k": b64(k2, "float64"), "v": b64(v2, "float64"), "at": 5}, timeout=30
+        )
+        assert r.status_code == 200 and r.json()["length"] == 7
+        out = s.attention(q2, k2, v2)  # the client still believes 5
+        assert s.length == 7 == s.refresh()
+        K, V = np.concatenate([k, k2], 1), np.concatenate([v, v2], 1)
+        np.testing.assert_allclose(out, whole(q2, K, V)[0], rtol=1e-10, atol=1e-12)
+        r = requests.post(
+            f"{sessions_server}/sessions/{s.id}/append", json={"k": b64(k2, "float64"), "v": b64(v2, "float64"), "at": 7}, timeout=30
+        )
+        assert r.status_code == 200
+        s._segments[0].length = 6  # a belief that is neither the length nor the length before these tokens
+        with pytest.raises(AttentionError) as info:
+            s.attention(*random_tokens(rng, 4, 2, 1, 8, 8))
+        assert info.value.status == 409 and info.value.code == "length_conflict"
+        assert s.refresh() == 9
+
+
+@pytest.mark.live
+def test_live_batched_step(sessions_server, rng):
+    """Four sessions of different lengths, one step: each its oracle's answer."""
+    H, Hkv, d = 4, 2, 8
+    with AttentionClient(sessions_server) as api, ExitStack() as stack:
+        sessions = [stack.enter_context(api.session(heads=H, head_dim=d, kv_heads=Hkv, dtype="float64")) for _ in range(4)]
+        caches = []
+        for i, s in enumerate(sessions):
+            _, k, v = random_tokens(rng, H, Hkv, 3 * i + 1, d, d)
+            s.append(k, v)
+            caches.append((k, v))
+        q, k, v = rng.standard_normal((4, H, 1, d)), rng.standard_normal((4, Hkv, 1, d)), rng.standard_normal((4, Hkv, 1, d))
+        out = api.attention_sessions(sessions, q, k, v)
+        for i, s in enumerate(sessions):
+            K, V = np.concatenate([caches[i][0], k[i]], 1), np.concatenate([caches[i][1], v[i]], 1)
+            np.testing.assert_allclose(out[i], whole(q[i], K, V)[0], rtol=1e-10, atol=1e-12)
+            assert s.length == 3 * i + 2
+
+
+@pytest.mark.live
+def test_live_leaving_the_block_deletes_the_session(sessions_server, rng):
+    with AttentionClient(sessions_server) as api:
+        with api.session(heads=2, head_dim=4) as s:
+            s.append(*random_tokens(rng, 2, 2, 3, 4, 4)[1:])
+            assert requests.get(f"{sessions_server}/sessions/{s.id}", timeout=30).json()["length"] == 3
+        assert requests.get(f"{sessions_server}/sessions/{s.id}", timeout=30).status_code == 404
+        with pytest.raises(AttentionError) as info:
+            s.refresh()
+        assert info.value.status == 404 and info.value.code == "session_not_found"
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("shards", [1, 3])
+def test_live_the_decode_loop_example(sessions_server, two_replicas, shards):
+    """examples/decode_loop.py against the real server: the in-process loop's tokens and logits."""
+    model, prompt = decode_loop.TinyGPT(), [3, 1, 4, 1, 5]
+    want, want_logits = decode_loop.generate(model, prompt, 12, decode_loop.in_process(model))
+    urls = two_replicas if shards > 1 else [sessions_server]
+    with (
+        AttentionClient(urls) as api,
+        decode_loop.on_the_server(model, api, "float64", shards=shards, max_tokens=8 if shards > 1 else None) as attend,
+    ):
+        got, logits = decode_loop.generate(model, prompt, 12, attend)
+    assert got == want and len(set(got)) > 1
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-9, atol=1e-9)
