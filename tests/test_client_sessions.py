@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from attention_client import AttentionClient, AttentionError, merge_states
+from attention_client import AttentionClient, AttentionError, merge_states, replicas
 from attention_client._sessions import applied, segment_options
 from examples import decode_loop
 
@@ -632,3 +632,12 @@ def test_live_the_decode_loop_example(sessions_server, two_replicas, shards):
         got, logits = decode_loop.generate(model, prompt, 12, attend)
     assert got == want and len(set(got)) > 1
     np.testing.assert_allclose(logits, want_logits, rtol=1e-9, atol=1e-9)
+
+
+def test_replicas_are_the_addresses_a_name_resolves_to():
+    assert replicas("http://127.0.0.1:8000/prefix") == ["http://127.0.0.1:8000/prefix"]
+    assert "http://127.0.0.1:9" in replicas("http://localhost:9")
+    assert replicas("https://[::1]/p") == ["https://[::1]:443/p"]
+    for bad in ("ftp://x", "http://", "http://no-such-host.invalid:80"):
+        with pytest.raises(ValueError):
+            replicas(bad)
