@@ -162,6 +162,30 @@ def test_applied_reads_a_409_as_the_servers_length():
 # --- a stand-in for the /sessions resource, computing with the oracle --------------------------------------
 
 
+STEP = {
+    "q",
+    "k",
+    "v",
+    "at",
+    "causal",
+    "scale",
+    "window",
+    "alibi_slopes",
+    "return_weights",
+    "weights_dtype",
+    "return_lse",
+    "response_encoding",
+}
+FIELDS = {  # each request's fields, as the contract lists them
+    "create": {"heads", "kv_heads", "head_dim", "value_dim", "dtype", "max_tokens"},
+    "append": {"k", "v", "at"},
+    "attention": STEP,
+    "batch": STEP | {"sessions"},
+    "fork": {"length"},
+    "truncate": {"length"},
+}
+
+
 class SessionStub(JsonHandler):
     """The contract's /sessions on one replica, in memory, computed by the float64 oracle and
     answered in the session's dtype. server.sessions, server.calls (path of each request);
@@ -187,6 +211,10 @@ class SessionStub(JsonHandler):
         if m is None:
             return self.fail(404, "not_found", "no such path")
         sid, action = m.groups()
+        route = "create" if sid is None else "batch" if (sid, action) == ("attention", None) else action
+        unknown = set(body or {}) - FIELDS.get(route, set())
+        if unknown:
+            return self.fail(422, "unknown_field", f"{sorted(unknown)} are not fields of this request", field=min(unknown))
         if sid is None:
             return self.create(body) if method == "POST" else self.fail(405, "method_not_allowed", method)
         if sid == "attention" and action is None:

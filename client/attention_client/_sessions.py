@@ -136,15 +136,14 @@ def _answer(answer: Answer, ok: Sequence[int]) -> dict:
 
 def _exchange(client: AttentionClient, pool: Pool, method: str, path: str, body: dict | None = None, ok: Sequence[int] = (200,)) -> dict:
     """One request to the replica holding the session (retried there, never elsewhere)."""
-    parts = () if body is None else _wire.json_request(_jsonable(body, client.encoding), client.encoding)
+    parts = () if body is None else _wire.json_request(_jsonable(body), client.encoding)
     answer = client._send(method, path, parts, JSON if body is not None else {}, http=pool, pinned=True)
     return _answer(answer, ok)
 
 
-def _jsonable(body: dict, encoding: str) -> dict:
+def _jsonable(body: dict) -> dict:
     """The body without its None fields, windows as lists; arrays stay (json_request encodes them)."""
-    out = {key: (list(value) if isinstance(value, tuple) else value) for key, value in body.items() if value is not None}
-    return {**out, "response_encoding": encoding} if any(isinstance(v, np.ndarray) for v in out.values()) else out
+    return {key: (list(value) if isinstance(value, tuple) else value) for key, value in body.items() if value is not None}
 
 
 def _int(doc: dict, key: str) -> int:
@@ -290,7 +289,7 @@ class Session:
             raise ValueError("k and v come together (the new tokens' keys and values), or neither")
         options: dict[str, Any] = {
             "scale": scale,
-            "alibi_slopes": None if alibi_slopes is None else self._cast(alibi_slopes, "alibi_slopes"),
+            "alibi_slopes": None if alibi_slopes is None else self._slopes(alibi_slopes),
             "weights_dtype": weights_dtype,
             "return_weights": return_weights or None,
         }
@@ -382,6 +381,14 @@ class Session:
             raise ValueError(f"{name} must hold numbers, not {a.dtype}")
         return a if a.dtype == np.float16 else a.astype(self.dtype, copy=False)
 
+    def _slopes(self, slopes) -> np.ndarray:
+        """ALiBi's slopes as the server takes them: one a query head, (H,)."""
+        slopes = self._cast(slopes, "alibi_slopes")
+        try:
+            return np.ascontiguousarray(np.broadcast_to(slopes, (self.heads,)))
+        except ValueError:
+            raise ValueError(f"alibi_slopes must broadcast to one a query head, ({self.heads},), not {slopes.shape}") from None
+
     def _kv(self, k, v) -> tuple[np.ndarray, np.ndarray]:
         k, v = self._cast(k, "k"), self._cast(v, "v")
         if k.ndim != 3 or v.ndim != 3 or k.shape[1] != v.shape[1]:
@@ -424,7 +431,7 @@ class Session:
 
     def _step(self, seg: Segment, q: np.ndarray, k: np.ndarray | None, v: np.ndarray | None, options: dict) -> dict:
         """One segment's step: k, v (if any) appended at its length, then q; the answer's document."""
-        body = {"q": q, **options}
+        body = {"q": q, **options, "response_encoding": self._client.encoding}
         if k is None or v is None:
             doc = _exchange(self._client, seg.pool, "POST", seg.path + "/attention", body)
         else:
@@ -455,7 +462,7 @@ class Session:
         starts, last = self._starts(), len(self._segments) - 1
         S = self.length + new
         alibi = options["alibi_slopes"]
-        slopes = None if alibi is None else np.broadcast_to(np.asarray(alibi, np.float64), (H,))  # (H,)
+        slopes = None if alibi is None else alibi.astype(np.float64)  # (H,)
         jobs: list[tuple[int, dict | None]] = []
         for j, seg in enumerate(self._segments):
             end = starts[j] + seg.length + (new if j == last else 0)
@@ -621,8 +628,9 @@ def _batch_step(client: AttentionClient, members: list[Session], q, k, v, option
     segs = [s._segments[0] for s in members]
     pool, B = segs[0].pool, len(members)
     body: dict[str, Any] = {"sessions": [seg.id for seg in segs], "q": first._cast(q, "q"), **options, "return_lse": True}
-    if "alibi_slopes" in body and body["alibi_slopes"] is not None:
-        body["alibi_slopes"] = first._cast(body["alibi_slopes"], "alibi_slopes")
+    body["response_encoding"] = client.encoding
+    if body.get("alibi_slopes") is not None:
+        body["alibi_slopes"] = first._slopes(body["alibi_slopes"])
     if k is None:
         doc = _exchange(client, pool, "POST", "/sessions/attention", body)
     else:
