@@ -190,7 +190,8 @@ class SessionStub(JsonHandler):
     """The contract's /sessions on one replica, in memory, computed by the float64 oracle and
     answered in the session's dtype. server.sessions, server.calls (path of each request);
     server.lose = n: the next n requests that change a session are applied, then the connection
-    is closed without an answer (a lost answer)."""
+    is closed without an answer (a lost answer); server.pool_tokens: the most tokens its sessions
+    hold together (past it, 503 with Retry-After, as a full pool)."""
 
     def do_GET(self):
         self.route("GET", None)
@@ -273,6 +274,12 @@ class SessionStub(JsonHandler):
         if n + k.shape[1] > s["max_tokens"]:
             self.fail(413, "too_long", "past max_tokens")
             return False
+        held = sum(other["K"].shape[1] for other in self.server.sessions.values())
+        if self.server.pool_tokens is not None and held + k.shape[1] > self.server.pool_tokens:
+            self._send(
+                503, {"error": {"status": 503, "code": "overloaded", "message": "the pool is full", "field": None}}, {"Retry-After": "0"}
+            )
+            return False
         s["K"], s["V"] = np.concatenate([s["K"], k], axis=1), np.concatenate([s["V"], v], axis=1)
         return True
 
@@ -328,8 +335,8 @@ def stubs():
     servers = []
     for _ in range(3):
         server = ThreadingHTTPServer(("127.0.0.1", 0), SessionStub)
-        server.sessions, server.calls, server.lose = {}, [], 0
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server.sessions, server.calls, server.lose, server.pool_tokens = {}, [], 0, None
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
     yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers], servers
     for server in servers:
@@ -479,6 +486,30 @@ def test_a_failed_step_over_segments_is_undone(stubs, rng):
         q, k, v = random_tokens(rng, 2, 2, 4, 4, 4)
         s.attention(q, k, v)
         assert [n for _, _, n in s.segments] == [4, 3]
+
+
+def test_a_sequence_outgrows_one_replicas_pool(stubs, rng):
+    """Replicas whose pools hold 6 tokens each: with shards=3 a sequence of 16 tokens goes on past
+    the first's full pool (503) to the next replicas, every step the oracle's answer; with
+    shards=1 the 7th token is refused."""
+    urls, servers = stubs
+    for server in servers:
+        server.pool_tokens = 6
+    H, Hkv, d = 4, 2, 4
+    with AttentionClient(urls, retries=1, max_retry_after=0) as api:
+        with api.session(heads=H, kv_heads=Hkv, head_dim=d, dtype="float64", shards=3) as s:
+            q, K, V = random_tokens(rng, H, Hkv, 4, d, d)
+            check(s.attention(q, K, V), whole(q, K, V)[0], "float64", "prefill")
+            for step in range(12):
+                q, k, v = random_tokens(rng, H, Hkv, 1 + (step == 5), d, d)  # one step of 2 across a full pool
+                K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
+                check(s.attention(q, k, v), whole(q, K, V)[0], "float64", f"step {step}")
+            assert [n for _, _, n in s.segments] == [6, 6, 5] and len({url for url, _, _ in s.segments}) == 3
+        with api.session(heads=H, kv_heads=Hkv, head_dim=d) as s:
+            s.append(*random_tokens(rng, H, Hkv, 6, d, d)[1:])
+            with pytest.raises(AttentionError) as info:
+                s.attention(*random_tokens(rng, H, Hkv, 1, d, d))
+            assert info.value.status == 503 and s.length == 6
 
 
 def test_batched_step_over_replicas(stubs, rng):
@@ -669,3 +700,23 @@ def test_replicas_are_the_addresses_a_name_resolves_to():
     for bad in ("ftp://x", "http://", "http://no-such-host.invalid:80"):
         with pytest.raises(ValueError):
             replicas(bad)
+
+
+@pytest.mark.live
+def test_live_a_sequence_outgrows_one_replicas_pool(sessions_server, rng):
+    """Two replicas whose pools hold 64 tokens of this session's shape (8 pages of 8 tokens, each
+    page a 4 KiB unit): with shards=2 a sequence of 100 tokens goes on to the second when the
+    first's pool is full (503), each step the oracle's answer over all 100."""
+    small = {"ATTN_SESSION_MEMORY_BYTES": str(8 * 4096), "ATTN_SESSION_PAGE_TOKENS": "8", "ATTN_WARMUP": "0"}
+    H, d = 2, 4
+    with serving(small) as a, serving(small) as b, AttentionClient([a.url, b.url], retries=0, max_retry_after=0) as api:
+        with api.session(heads=H, head_dim=d, shards=2) as s:
+            q, K, V = random_tokens(rng, H, H, 40, d, d)
+            check(s.attention(q, K, V), whole(q, K, V)[0], "float32", "prefill")
+            for step in range(60):
+                q, k, v = random_tokens(rng, H, H, 1, d, d)
+                K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
+                check(s.attention(q, k, v), whole(q, K, V)[0], "float32", f"step {step}")
+            lengths = [n for _, _, n in s.segments]
+            assert len(lengths) == 2 and sum(lengths) == 100 and lengths[0] < 100
+            assert {url for url, _, _ in s.segments} == {a.url, b.url}

@@ -192,6 +192,7 @@ class Session:
         self.kv_heads, self.value_dim, self.dtype = spec["kv_heads"], spec["value_dim"], spec["dtype"]
         self._executor: ThreadPoolExecutor | None = None
         self._closed = False
+        self._refused: Segment | None = None  # the segment whose replica last refused new tokens (503)
 
     @classmethod
     def create(
@@ -258,9 +259,12 @@ class Session:
     def append(self, k: np.ndarray, v: np.ndarray) -> int:
         """Append t tokens: k (Hkv, t, d), v (Hkv, t, dv). Returns the new length."""
         k, v = self._kv(k, v)
-        with self._all_or_nothing():
+
+        def run() -> None:
             for seg, i0, i1 in self._place(k.shape[1]):
                 self._append(seg, k[:, i0:i1], v[:, i0:i1])
+
+        self._spilling(run)
         return self.length
 
     def attention(
@@ -296,12 +300,15 @@ class Session:
         if k is None or v is None:
             return self._step_all(q, None, None, causal, window, options, return_weights, return_lse)
         k, v = self._kv(k, v)
-        with self._all_or_nothing():
+
+        def run():
             place = self._place(k.shape[1])
             for seg, i0, i1 in place[:-1]:  # tokens past the last segment's room: appended first
                 self._append(seg, k[:, i0:i1], v[:, i0:i1])
             _, i0, i1 = place[-1]
             return self._step_all(q, k[:, i0:i1], v[:, i0:i1], causal, window, options, return_weights, return_lse)
+
+        return self._spilling(run)
 
     def fork(self, length: int | None = None) -> Session:
         """A new session whose keys are the first `length` of this one's (default all), shared on
@@ -413,11 +420,20 @@ class Session:
             seg, _ = _new_segment(self._client, self._spec["request"], self._client._https.index(seg.pool) + 1)
             self._segments.append(seg)
 
-    def _all_or_nothing(self):
-        """A context: when what it runs fails after one of several requests changed a segment, each
-        segment is truncated back to its length before (new segments deleted), so that the call
-        can be made again (best effort: a server out of reach keeps what it has; refresh())."""
-        return _Undo(self)
+    def _spilling(self, run: Callable[[], Any]) -> Any:
+        """run(), which appends, all or nothing (_Undo). While shards allow, when the last segment's
+        replica cannot take its new tokens (503 after the retries: its pool is full), that segment
+        is closed at its length and run() made again: the tokens go to a new segment on the next
+        replica, so a sequence outgrows one replica's pool."""
+        while True:
+            last, self._refused = self._segments[-1], None
+            try:
+                with _Undo(self):
+                    return run()
+            except AttentionError as err:
+                if err.status != 503 or self._refused is not last or last.length == 0 or len(self._segments) >= self.shards:
+                    raise
+                last.capacity = last.length  # no room on its replica: the next tokens start a new segment
 
     def _append(self, seg: Segment, k: np.ndarray, v: np.ndarray) -> None:
         at, t = seg.length, k.shape[1]
@@ -425,6 +441,7 @@ class Session:
             doc = _exchange(self._client, seg.pool, "POST", seg.path + "/append", {"k": k, "v": v, "at": at})
         except AttentionError as err:
             if not applied(err, at, t):
+                self._refused = seg if err.status == 503 else None
                 raise
             doc = {"length": at + t}  # the answer to an earlier try was lost; it was applied
         seg.length = _int(doc, "length")
@@ -440,6 +457,7 @@ class Session:
                 doc = _exchange(self._client, seg.pool, "POST", seg.path + "/attention", {**body, "k": k, "v": v, "at": at})
             except AttentionError as err:
                 if not applied(err, at, t):
+                    self._refused = seg if err.status == 503 else None
                     raise
                 doc = _exchange(self._client, seg.pool, "POST", seg.path + "/attention", body)  # applied: computed again, not appended
                 if _int(doc, "length") != at + t:
@@ -519,7 +537,9 @@ class Session:
 
 
 class _Undo:
-    """Session._all_or_nothing's context."""
+    """A context: when what it runs fails after one of several requests changed a segment, each
+    segment is truncated back to its length before (new segments deleted), so that the call can
+    be made again (best effort: a server out of reach keeps what it has; refresh())."""
 
     def __init__(self, session: Session):
         self.session = session
