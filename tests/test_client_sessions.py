@@ -358,6 +358,8 @@ def run_decode_loop(api, rng, *, dtype, shards=1, max_tokens=None, H=4, Hkv=2, d
     opts = {"window": window, "alibi_slopes": slopes}
     K, V = np.zeros((Hkv, 0, d)), np.zeros((Hkv, 0, dv))
     with api.session(heads=H, head_dim=d, kv_heads=Hkv, value_dim=dv, dtype=dtype, max_tokens=max_tokens, shards=shards) as s:
+        assert (s.heads, s.kv_heads, s.head_dim, s.value_dim, s.dtype, s.length) == (H, Hkv, d, dv, dtype, 0)
+        assert max_tokens is None or s.max_tokens == max_tokens * shards
         q, k, v = random_tokens(rng, H, Hkv, 7, d, dv)  # the prompt
         if slopes is None:
             K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
@@ -439,6 +441,8 @@ def test_sessions_are_placed_on_replicas_in_turn_and_stay(stubs, rng):
         for s in sessions:
             s.close()
         assert all(not server.sessions for server in servers)
+        with pytest.raises(ValueError, match="closed"):
+            sessions[0].attention(*random_tokens(rng, 2, 2, 1, 4, 4))
 
 
 def test_a_lost_answer_is_retried_and_applied_once(stubs, rng):
@@ -672,9 +676,12 @@ def test_live_leaving_the_block_deletes_the_session(sessions_server, rng):
             s.append(*random_tokens(rng, 2, 2, 3, 4, 4)[1:])
             assert requests.get(f"{sessions_server}/sessions/{s.id}", timeout=30).json()["length"] == 3
         assert requests.get(f"{sessions_server}/sessions/{s.id}", timeout=30).status_code == 404
-        with pytest.raises(AttentionError) as info:
-            s.refresh()
-        assert info.value.status == 404 and info.value.code == "session_not_found"
+        with api.session(heads=2, head_dim=4) as s:
+            requests.delete(f"{sessions_server}/sessions/{s.id}", timeout=30)  # gone under the client (expired, say)
+            with pytest.raises(AttentionError) as info:
+                s.refresh()
+            assert info.value.status == 404 and info.value.code == "session_not_found"
+        # leaving the block after that: the DELETE's 404 is not an error
 
 
 @pytest.mark.live

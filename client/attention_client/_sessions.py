@@ -220,7 +220,7 @@ class Session:
         request = {key: value for key, value in asked.items() if value is not None}
         replica = next(client._next_replica)  # sessions are placed on the replicas in turn
         segment, doc = _new_segment(client, request, replica)
-        defaults = {"kv_heads": heads, "value_dim": head_dim, "dtype": "float32"}
+        defaults = {"kv_heads": heads, "value_dim": head_dim, "dtype": "float32", "max_tokens": segment.capacity}
         spec = {key: doc.get(key, request.get(key, defaults.get(key))) for key in ("heads", "head_dim", *defaults)}
         return cls(client, [segment], {**spec, "request": request}, shards)
 
@@ -242,14 +242,15 @@ class Session:
 
     @property
     def max_tokens(self) -> int:
-        """The most keys it can hold: each segment's max_tokens, times shards."""
-        return self._segments[0].capacity * self.shards
+        """The most keys it can hold: a segment's max_tokens, times shards."""
+        return self._spec["max_tokens"] * self.shards
 
     def __repr__(self) -> str:
         return f"Session({self.id!r}, length={self.length}, heads={self.heads}, kv_heads={self.kv_heads}, segments={len(self._segments)})"
 
     def refresh(self) -> int:
         """Ask each segment's server for its length; the session's."""
+        self._open()
         for seg in self._segments:
             seg.length = _int(_exchange(self._client, seg.pool, "GET", seg.path), "length")
         return self.length
@@ -258,6 +259,7 @@ class Session:
 
     def append(self, k: np.ndarray, v: np.ndarray) -> int:
         """Append t tokens: k (Hkv, t, d), v (Hkv, t, dv). Returns the new length."""
+        self._open()
         k, v = self._kv(k, v)
 
         def run() -> None:
@@ -286,6 +288,7 @@ class Session:
         "bottom_right": query i sees keys s <= S - t + i; False: all). Options as
         AttentionClient.attention's. Returns out (H, t, dv); with return_weights (out, weights
         (H, t, S)); with return_lse (out, weights or None, lse (H, t)), as attention() does."""
+        self._open()
         q = self._cast(q, "q")
         if q.ndim != 3:
             raise ValueError(f"q must be (heads, t, head_dim), not {q.shape}")
@@ -313,6 +316,7 @@ class Session:
     def fork(self, length: int | None = None) -> Session:
         """A new session whose keys are the first `length` of this one's (default all), shared on
         the server, not copied; on the same replicas."""
+        self._open()
         n = self._length_arg(self.length if length is None else length, "length")
         made: list[Segment] = []
         try:
@@ -334,6 +338,7 @@ class Session:
 
     def truncate(self, length: int) -> int:
         """Drop the keys after the first `length` (rejected draft tokens). Returns the length."""
+        self._open()
         n = self._length_arg(length, "length")
         starts = self._starts()
         cut = max((i for i, start in enumerate(starts) if start < n), default=0)  # the last segment that keeps a key
@@ -368,6 +373,10 @@ class Session:
             pass
 
     # --- inside ---
+
+    def _open(self) -> None:
+        if self._closed:
+            raise ValueError(f"session {self.id} is closed (deleted on its server)")
 
     def _starts(self) -> list[int]:
         starts, at = [], 0
