@@ -21,7 +21,7 @@ from http.server import ThreadingHTTPServer
 import numpy as np
 import pytest
 import requests
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -427,6 +427,60 @@ def test_windows_and_alibi_over_segments_on_stub_replicas(stubs, rng, window, sl
         run_decode_loop(api, rng, dtype="float64", shards=3, max_tokens=5, window=window, slopes=slopes)
 
 
+CALLS = st.lists(
+    st.one_of(
+        st.tuples(st.sampled_from(["step", "append"]), st.integers(1, 4)),
+        st.tuples(st.sampled_from(["truncate", "fork"]), st.floats(0, 1)),
+        st.just(("query", 0)),
+    ),
+    max_size=10,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=CALLS, shards=st.integers(1, 3), cap=st.integers(2, 5), seed=st.integers(0, 2**16))
+def test_any_sequence_of_calls_is_the_oracles(stubs, calls, shards, cap, seed):
+    """Steps and appends of 1 to 4 tokens, truncations and forks anywhere (a fork replaces the
+    session it came from), queries alone, on segments of `cap` tokens over up to 3 replicas: every
+    answer the float64 oracle's over the whole sequence, every length the sequence's, and nothing
+    left on the replicas at the end."""
+    urls, servers = stubs
+    rng = np.random.default_rng(seed)
+    H, Hkv, d = 2, 1, 3
+    K, V = np.zeros((Hkv, 0, d)), np.zeros((Hkv, 0, d))
+    with AttentionClient(urls) as api:
+        s = api.session(heads=H, kv_heads=Hkv, head_dim=d, dtype="float64", max_tokens=cap, shards=shards)
+        try:
+            for call, n in calls:
+                if call in ("step", "append") and s.length + n > s.max_tokens:
+                    continue
+                if call == "step":
+                    q, k, v = random_tokens(rng, H, Hkv, n, d, d)
+                    K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
+                    check(s.attention(q, k, v), whole(q, K, V)[0], "float64", call)
+                elif call == "append":
+                    _, k, v = random_tokens(rng, H, Hkv, n, d, d)
+                    K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
+                    assert s.append(k, v) == K.shape[1]
+                elif call == "truncate":
+                    keep = int(n * s.length)
+                    assert s.truncate(keep) == keep
+                    K, V = K[:, :keep], V[:, :keep]
+                elif call == "fork":
+                    keep = int(n * s.length)
+                    f = s.fork(keep)
+                    s.close()
+                    s, K, V = f, K[:, :keep], V[:, :keep]
+                elif K.shape[1]:
+                    q = rng.standard_normal((H, 2, d))
+                    check(s.attention(q, causal=False), whole(q, K, V, causal=False)[0], "float64", call)
+                assert s.length == K.shape[1] == s.refresh() == sum(state["K"].shape[1] for srv in servers for state in srv.sessions.values())
+                assert len(s.segments) <= shards
+        finally:
+            s.close()
+    assert all(not srv.sessions for srv in servers)
+
+
 def test_sessions_are_placed_on_replicas_in_turn_and_stay(stubs, rng):
     urls, servers = stubs
     with AttentionClient(urls) as api:
@@ -486,7 +540,7 @@ def test_a_failed_step_over_segments_is_undone(stubs, rng):
             s.attention(*random_tokens(rng, 2, 2, 6, 4, 4))  # 1 fits the first, 5 do not fit the second
         assert info.value.status == 413
         assert s.length == 3 and len(s.segments) == 1
-        assert sorted(st["K"].shape[1] for srv in servers for st in srv.sessions.values()) == [3]
+        assert sorted(state["K"].shape[1] for srv in servers for state in srv.sessions.values()) == [3]
         q, k, v = random_tokens(rng, 2, 2, 4, 4, 4)
         s.attention(q, k, v)
         assert [n for _, _, n in s.segments] == [4, 3]
