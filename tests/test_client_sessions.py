@@ -474,7 +474,9 @@ def test_any_sequence_of_calls_is_the_oracles(stubs, calls, shards, cap, seed):
                 elif K.shape[1]:
                     q = rng.standard_normal((H, 2, d))
                     check(s.attention(q, causal=False), whole(q, K, V, causal=False)[0], "float64", call)
-                assert s.length == K.shape[1] == s.refresh() == sum(state["K"].shape[1] for srv in servers for state in srv.sessions.values())
+                assert (
+                    s.length == K.shape[1] == s.refresh() == sum(state["K"].shape[1] for srv in servers for state in srv.sessions.values())
+                )
                 assert len(s.segments) <= shards
         finally:
             s.close()
