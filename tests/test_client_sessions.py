@@ -548,6 +548,28 @@ def test_a_failed_step_over_segments_is_undone(stubs, rng):
         assert [n for _, _, n in s.segments] == [4, 3]
 
 
+def test_a_batched_step_that_fails_on_one_replica_is_taken_back_on_the_others(stubs, rng):
+    """Sessions on two replicas, the second's pool full: the step went in on the first, and is
+    taken back there, so that the same call, made again once there is room, appends once."""
+    urls, servers = stubs
+    H, d = 2, 4
+    with AttentionClient(urls[:2], retries=0, max_retry_after=0) as api:
+        a, b = api.session(heads=H, head_dim=d, dtype="float64"), api.session(heads=H, head_dim=d, dtype="float64")
+        assert {url for s in (a, b) for url, _, _ in s.segments} == set(urls[:2])
+        for s in (a, b):
+            s.append(*random_tokens(rng, H, H, 3, d, d)[1:])
+        servers[1].pool_tokens = 3
+        q, k, v = rng.standard_normal((2, H, 1, d)), rng.standard_normal((2, H, 1, d)), rng.standard_normal((2, H, 1, d))
+        with pytest.raises(AttentionError) as info:
+            api.attention_sessions([a, b], q, k, v)
+        assert info.value.status == 503 and (a.length, b.length) == (3, 3) == (a.refresh(), b.refresh())
+        servers[1].pool_tokens = None
+        api.attention_sessions([a, b], q, k, v)
+        assert (a.length, b.length) == (4, 4) == (a.refresh(), b.refresh())
+        a.close()
+        b.close()
+
+
 def test_a_sequence_outgrows_one_replicas_pool(stubs, rng):
     """Replicas whose pools hold 6 tokens each: with shards=3 a sequence of 16 tokens goes on past
     the first's full pool (503) to the next replicas, every step the oracle's answer; with

@@ -19,6 +19,7 @@ width, S the keys of the whole sequence, L a segment's keys."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -635,12 +636,24 @@ def attention_sessions(
         *((idx, (lambda idx=idx: batch(idx))) for idx in groups.values()),
         *(([i], (lambda i=i: single(i))) for i in alone),
     ]
-    if len(tasks) == 1:
-        results = [tasks[0][1]()]
-    else:
-        with ThreadPoolExecutor(max_workers=min(len(tasks), client.max_workers * len(client._https))) as pool:
-            futures = [pool.submit(fn) for _, fn in tasks]
-            results = [f.result() for f in futures]
+    before = [s.length for s in sessions]
+    try:
+        if len(tasks) == 1:
+            results = [tasks[0][1]()]
+        else:
+            with ThreadPoolExecutor(max_workers=min(len(tasks), client.max_workers * len(client._https))) as pool:
+                futures = [pool.submit(fn) for _, fn in tasks]
+                errors = [f.exception() for f in futures]  # every task done before any is undone
+                for error in errors:
+                    if error is not None:
+                        raise error
+                results = [f.result() for f in futures]
+    except BaseException:
+        for s, n in zip(sessions, before, strict=True):  # the steps that went in are taken back, so the call can be made again
+            if s.length > n:
+                with contextlib.suppress(AttentionError):
+                    s.truncate(n)
+        raise
     first = results[0][0]
     out = np.zeros((len(sessions), *first.shape[1:]), first.dtype)
     lse = np.zeros((len(sessions), *results[0][1].shape[1:]), results[0][1].dtype)
