@@ -729,6 +729,16 @@ def test_live_a_replayed_append_is_recognised(sessions_server, rng):
 
 
 @pytest.mark.live
+def test_live_float16_tokens_travel_as_float16(sessions_server, rng):
+    """float16 arrays go as they are (half the bytes) and are computed in the session's dtype."""
+    with AttentionClient(sessions_server) as api, api.session(heads=2, head_dim=8, dtype="float64") as s:
+        q, k, v = (a.astype(np.float16) for a in random_tokens(rng, 2, 2, 4, 8, 8))
+        out = s.attention(q, k, v)
+        assert out.dtype == np.float64
+        np.testing.assert_allclose(out, whole(q, k, v)[0], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.live
 def test_live_batched_step(sessions_server, rng):
     """Four sessions of different lengths, one step: each its oracle's answer."""
     H, Hkv, d = 4, 2, 8
