@@ -419,7 +419,8 @@ def test_decode_loop_on_stub_replicas(stubs, rng, dtype, shards):
 
 
 @pytest.mark.parametrize(
-    "window, slopes", [((4, 0), None), (None, np.array([0.5, 0.25, 0.125, 0.0625])), ((5, 1), np.array([0.3, 0.2, 0.1, 0.0]))]
+    "window, slopes",
+    [((4, 0), None), ((1, 0), None), (None, np.array([0.5, 0.25, 0.125, 0.0625])), ((5, 1), np.array([0.3, 0.2, 0.1, 0.0]))],
 )
 def test_windows_and_alibi_over_segments_on_stub_replicas(stubs, rng, window, slopes):
     urls, _ = stubs
@@ -437,13 +438,19 @@ CALLS = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(calls=CALLS, shards=st.integers(1, 3), cap=st.integers(2, 5), seed=st.integers(0, 2**16))
-def test_any_sequence_of_calls_is_the_oracles(stubs, calls, shards, cap, seed):
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    calls=CALLS,
+    shards=st.integers(1, 3),
+    cap=st.integers(2, 5),
+    window=st.none() | st.tuples(st.integers(-1, 3), st.integers(-1, 2)),
+    seed=st.integers(0, 2**16),
+)
+def test_any_sequence_of_calls_is_the_oracles(stubs, calls, shards, cap, window, seed):
     """Steps and appends of 1 to 4 tokens, truncations and forks anywhere (a fork replaces the
-    session it came from), queries alone, on segments of `cap` tokens over up to 3 replicas: every
-    answer the float64 oracle's over the whole sequence, every length the sequence's, and nothing
-    left on the replicas at the end."""
+    session it came from), queries alone, with or without a window, on segments of `cap` tokens
+    over up to 3 replicas: every answer (out, weights, lse) the float64 oracle's over the whole
+    sequence, every length the sequence's, and nothing left on the replicas at the end."""
     urls, servers = stubs
     rng = np.random.default_rng(seed)
     H, Hkv, d = 2, 1, 3
@@ -457,7 +464,9 @@ def test_any_sequence_of_calls_is_the_oracles(stubs, calls, shards, cap, seed):
                 if call == "step":
                     q, k, v = random_tokens(rng, H, Hkv, n, d, d)
                     K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
-                    check(s.attention(q, k, v), whole(q, K, V)[0], "float64", call)
+                    got, want = s.attention(q, k, v, window=window, return_weights=True, return_lse=True), whole(q, K, V, window=window)
+                    for g, w, what in zip(got, want, ("out", "weights", "lse"), strict=True):
+                        check(g, np.where(np.isneginf(w), LOWEST["float64"], w), "float64", f"{call} {what}")
                 elif call == "append":
                     _, k, v = random_tokens(rng, H, Hkv, n, d, d)
                     K, V = np.concatenate([K, k], 1), np.concatenate([V, v], 1)
@@ -473,7 +482,7 @@ def test_any_sequence_of_calls_is_the_oracles(stubs, calls, shards, cap, seed):
                     s, K, V = f, K[:, :keep], V[:, :keep]
                 elif K.shape[1]:
                     q = rng.standard_normal((H, 2, d))
-                    check(s.attention(q, causal=False), whole(q, K, V, causal=False)[0], "float64", call)
+                    check(s.attention(q, causal=False, window=window), whole(q, K, V, causal=False, window=window)[0], "float64", call)
                 assert (
                     s.length == K.shape[1] == s.refresh() == sum(state["K"].shape[1] for srv in servers for state in srv.sessions.values())
                 )
@@ -673,7 +682,8 @@ def test_live_decode_loop(sessions_server, rng, dtype):
 
 @pytest.mark.live
 @pytest.mark.parametrize(
-    "window, slopes", [((4, 0), None), (None, np.array([0.5, 0.25, 0.125, 0.0625])), ((5, 1), np.array([0.3, 0.2, 0.1, 0.0]))]
+    "window, slopes",
+    [((4, 0), None), ((1, 0), None), (None, np.array([0.5, 0.25, 0.125, 0.0625])), ((5, 1), np.array([0.3, 0.2, 0.1, 0.0]))],
 )
 def test_live_decode_loop_with_window_and_alibi(sessions_server, rng, window, slopes):
     with AttentionClient(sessions_server) as api:
