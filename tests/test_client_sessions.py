@@ -632,16 +632,15 @@ def test_batched_step_over_replicas(stubs, rng):
 
 @pytest.mark.parametrize("shards", [1, 3])
 def test_the_decode_loop_example_on_stub_replicas(stubs, shards):
-    """examples/decode_loop.py: the GPT decoding through sessions gives the in-process loop's tokens and logits."""
+    """examples/decode_loop.py: the GPT decoding three prompts of different lengths through
+    sessions (each prompt alone, then batched steps) gives the in-process loop's tokens and logits."""
     urls, _ = stubs
-    model, prompt = decode_loop.TinyGPT(), [3, 1, 4, 1, 5]
-    want, want_logits = decode_loop.generate(model, prompt, 12, decode_loop.in_process(model))
-    with (
-        AttentionClient(urls) as api,
-        decode_loop.on_the_server(model, api, "float64", shards=shards, max_tokens=8 if shards > 1 else None) as attend,
-    ):
-        got, logits = decode_loop.generate(model, prompt, 12, attend)
-    assert got == want and len(set(got)) > 1
+    model, prompts = decode_loop.TinyGPT(), [[3, 1, 4, 1, 5], [2, 7, 1], [8, 2, 8, 1, 8, 2, 8]]
+    want, want_logits = decode_loop.generate(model, prompts, 12, decode_loop.in_process(model, 3))
+    options = {"shards": shards, "max_tokens": 8 if shards > 1 else None}
+    with AttentionClient(urls) as api, decode_loop.on_the_server(model, api, 3, "float64", **options) as attend:
+        got, logits = decode_loop.generate(model, prompts, 12, attend)
+    assert got == want and all(len(set(tokens)) > 1 for tokens in got)
     np.testing.assert_allclose(logits, want_logits, rtol=1e-9, atol=1e-9)
 
 
@@ -785,16 +784,15 @@ def test_live_leaving_the_block_deletes_the_session(sessions_server, rng):
 @pytest.mark.live
 @pytest.mark.parametrize("shards", [1, 3])
 def test_live_the_decode_loop_example(sessions_server, two_replicas, shards):
-    """examples/decode_loop.py against the real server: the in-process loop's tokens and logits."""
-    model, prompt = decode_loop.TinyGPT(), [3, 1, 4, 1, 5]
-    want, want_logits = decode_loop.generate(model, prompt, 12, decode_loop.in_process(model))
+    """examples/decode_loop.py against the real server, three prompts of different lengths (each
+    alone, then batched steps): the in-process loop's tokens and logits."""
+    model, prompts = decode_loop.TinyGPT(), [[3, 1, 4, 1, 5], [2, 7, 1], [8, 2, 8, 1, 8, 2, 8]]
+    want, want_logits = decode_loop.generate(model, prompts, 12, decode_loop.in_process(model, 3))
     urls = two_replicas if shards > 1 else [sessions_server]
-    with (
-        AttentionClient(urls) as api,
-        decode_loop.on_the_server(model, api, "float64", shards=shards, max_tokens=8 if shards > 1 else None) as attend,
-    ):
-        got, logits = decode_loop.generate(model, prompt, 12, attend)
-    assert got == want and len(set(got)) > 1
+    options = {"shards": shards, "max_tokens": 8 if shards > 1 else None}
+    with AttentionClient(urls) as api, decode_loop.on_the_server(model, api, 3, "float64", **options) as attend:
+        got, logits = decode_loop.generate(model, prompts, 12, attend)
+    assert got == want and all(len(set(tokens)) > 1 for tokens in got)
     np.testing.assert_allclose(logits, want_logits, rtol=1e-9, atol=1e-9)
 
 

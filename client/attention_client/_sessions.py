@@ -596,7 +596,7 @@ def attention_sessions(
     """One step for B sessions (of any lengths): q (B, H, t, d), k (B, Hkv, t, d), v (B, Hkv, t, dv)
     (the new tokens, appended first), options as Session.attention's but return_weights. The
     sessions on one replica (of one segment each) go in one POST /sessions/attention; a session of
-    several segments steps on its own; all concurrently. Returns out (B, H, t, dv), or (out, lse
+    several segments (or about to start one) steps on its own; all concurrently. Returns out (B, H, t, dv), or (out, lse
     (B, H, t)) with return_lse."""
     if not sessions:
         raise ValueError("attention_sessions needs at least one session")
@@ -613,10 +613,12 @@ def attention_sessions(
         raise TypeError("attention_sessions returns no weights (their lengths differ): step a session with return_weights=True")
     groups: dict[int, list[int]] = {}
     alone: list[int] = []
+    t = 0 if k is None else k.shape[2]
     for i, s in enumerate(sessions):
-        if len(s._segments) == 1:
-            groups.setdefault(id(s._segments[0].pool), []).append(i)
-        else:
+        seg = s._segments[0]
+        if len(s._segments) == 1 and (s.shards == 1 or seg.capacity - seg.length >= t):
+            groups.setdefault(id(seg.pool), []).append(i)
+        else:  # its keys span segments, or are about to
             alone.append(i)
     if len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("a session may appear once in a step")
