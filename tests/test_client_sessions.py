@@ -6,8 +6,8 @@ Three parts. Pure: the alignment of a step's queries on each segment of a sharde
 by merge_states, equals the float64 oracle over the whole sequence (numpy only). Stub: the
 client's own decisions (placement, where new tokens go, the merge, what a 409 means, undoing a
 failed step) against a small in-test stand-in for the /sessions resource that computes with the
-oracle. Live: the same against the real server (`live`; skipped while the server has no
-/sessions)."""
+oracle, and refuses unknown fields as the server does. Live: the same against the real server
+(`live`)."""
 
 from __future__ import annotations
 
@@ -647,35 +647,19 @@ def test_the_decode_loop_example_on_stub_replicas(stubs, shards):
 # --- live: the real server's /sessions ----------------------------------------------------------------------
 
 
-def has_sessions() -> bool:
-    """Whether this checkout's server has the /sessions resource (issue 30's server side): until
-    it does, the live tests below are skipped; once it does, they run, and fail if it misbehaves."""
-    from service.web import create_app
-
-    return any(rule.rule == "/sessions" for rule in create_app().url_map.iter_rules())
-
-
 @pytest.fixture(scope="module")
-def sessions_server(request):
-    """The live server, once it has sessions."""
-    if not has_sessions():
-        pytest.skip("the server has no /sessions route yet (issue 30's server side): these tests need it")
-    return request.getfixturevalue("live_server")
-
-
-@pytest.fixture(scope="module")
-def two_replicas(sessions_server):
+def two_replicas(live_server):
     """The live server and a second one: two replicas."""
     with serving() as other:
-        yield [sessions_server, other.url]
+        yield [live_server, other.url]
 
 
 @pytest.mark.live
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_live_decode_loop(sessions_server, rng, dtype):
+def test_live_decode_loop(live_server, rng, dtype):
     """Prefill, steps of 1 with weights, a draft of 3 then truncate, a fork that diverges, queries
     only: each answer the float64 oracle's over the whole sequence, with grouped-query heads."""
-    with AttentionClient(sessions_server) as api:
+    with AttentionClient(live_server) as api:
         assert run_decode_loop(api, rng, dtype=dtype) == (13, 11)
 
 
@@ -684,8 +668,8 @@ def test_live_decode_loop(sessions_server, rng, dtype):
     "window, slopes",
     [((4, 0), None), ((1, 0), None), (None, np.array([0.5, 0.25, 0.125, 0.0625])), ((5, 1), np.array([0.3, 0.2, 0.1, 0.0]))],
 )
-def test_live_decode_loop_with_window_and_alibi(sessions_server, rng, window, slopes):
-    with AttentionClient(sessions_server) as api:
+def test_live_decode_loop_with_window_and_alibi(live_server, rng, window, slopes):
+    with AttentionClient(live_server) as api:
         run_decode_loop(api, rng, dtype="float64", window=window, slopes=slopes)
 
 
@@ -710,16 +694,16 @@ def test_live_windows_and_alibi_over_segments(two_replicas, rng):
 
 
 @pytest.mark.live
-def test_live_a_replayed_append_is_recognised(sessions_server, rng):
+def test_live_a_replayed_append_is_recognised(live_server, rng):
     """A step whose tokens the server already holds (its first answer lost: here, sent past the
     client) is answered 409 with at + t; the client computes it again without appending. A
     conflict that is not a replay is raised, and nothing changes."""
-    with AttentionClient(sessions_server) as api, api.session(heads=4, kv_heads=2, head_dim=8, dtype="float64") as s:
+    with AttentionClient(live_server) as api, api.session(heads=4, kv_heads=2, head_dim=8, dtype="float64") as s:
         q, k, v = random_tokens(rng, 4, 2, 5, 8, 8)
         s.attention(q, k, v)
         q2, k2, v2 = random_tokens(rng, 4, 2, 2, 8, 8)
         r = requests.post(
-            f"{sessions_server}/sessions/{s.id}/append", json={"k": b64(k2, "float64"), "v": b64(v2, "float64"), "at": 5}, timeout=30
+            f"{live_server}/sessions/{s.id}/append", json={"k": b64(k2, "float64"), "v": b64(v2, "float64"), "at": 5}, timeout=30
         )
         assert r.status_code == 200 and r.json()["length"] == 7
         out = s.attention(q2, k2, v2)  # the client still believes 5
@@ -727,7 +711,7 @@ def test_live_a_replayed_append_is_recognised(sessions_server, rng):
         K, V = np.concatenate([k, k2], 1), np.concatenate([v, v2], 1)
         np.testing.assert_allclose(out, whole(q2, K, V)[0], rtol=1e-10, atol=1e-12)
         r = requests.post(
-            f"{sessions_server}/sessions/{s.id}/append", json={"k": b64(k2, "float64"), "v": b64(v2, "float64"), "at": 7}, timeout=30
+            f"{live_server}/sessions/{s.id}/append", json={"k": b64(k2, "float64"), "v": b64(v2, "float64"), "at": 7}, timeout=30
         )
         assert r.status_code == 200
         s._segments[0].length = 6  # a belief that is neither the length nor the length before these tokens
@@ -738,9 +722,9 @@ def test_live_a_replayed_append_is_recognised(sessions_server, rng):
 
 
 @pytest.mark.live
-def test_live_float16_tokens_travel_as_float16(sessions_server, rng):
+def test_live_float16_tokens_travel_as_float16(live_server, rng):
     """float16 arrays go as they are (half the bytes) and are computed in the session's dtype."""
-    with AttentionClient(sessions_server) as api, api.session(heads=2, head_dim=8, dtype="float64") as s:
+    with AttentionClient(live_server) as api, api.session(heads=2, head_dim=8, dtype="float64") as s:
         q, k, v = (a.astype(np.float16) for a in random_tokens(rng, 2, 2, 4, 8, 8))
         out = s.attention(q, k, v)
         assert out.dtype == np.float64
@@ -748,10 +732,10 @@ def test_live_float16_tokens_travel_as_float16(sessions_server, rng):
 
 
 @pytest.mark.live
-def test_live_batched_step(sessions_server, rng):
+def test_live_batched_step(live_server, rng):
     """Four sessions of different lengths, one step: each its oracle's answer."""
     H, Hkv, d = 4, 2, 8
-    with AttentionClient(sessions_server) as api, ExitStack() as stack:
+    with AttentionClient(live_server) as api, ExitStack() as stack:
         sessions = [stack.enter_context(api.session(heads=H, head_dim=d, kv_heads=Hkv, dtype="float64")) for _ in range(4)]
         caches = []
         for i, s in enumerate(sessions):
@@ -767,14 +751,14 @@ def test_live_batched_step(sessions_server, rng):
 
 
 @pytest.mark.live
-def test_live_leaving_the_block_deletes_the_session(sessions_server, rng):
-    with AttentionClient(sessions_server) as api:
+def test_live_leaving_the_block_deletes_the_session(live_server, rng):
+    with AttentionClient(live_server) as api:
         with api.session(heads=2, head_dim=4) as s:
             s.append(*random_tokens(rng, 2, 2, 3, 4, 4)[1:])
-            assert requests.get(f"{sessions_server}/sessions/{s.id}", timeout=30).json()["length"] == 3
-        assert requests.get(f"{sessions_server}/sessions/{s.id}", timeout=30).status_code == 404
+            assert requests.get(f"{live_server}/sessions/{s.id}", timeout=30).json()["length"] == 3
+        assert requests.get(f"{live_server}/sessions/{s.id}", timeout=30).status_code == 404
         with api.session(heads=2, head_dim=4) as s:
-            requests.delete(f"{sessions_server}/sessions/{s.id}", timeout=30)  # gone under the client (expired, say)
+            requests.delete(f"{live_server}/sessions/{s.id}", timeout=30)  # gone under the client (expired, say)
             with pytest.raises(AttentionError) as info:
                 s.refresh()
             assert info.value.status == 404 and info.value.code == "session_not_found"
@@ -783,12 +767,12 @@ def test_live_leaving_the_block_deletes_the_session(sessions_server, rng):
 
 @pytest.mark.live
 @pytest.mark.parametrize("shards", [1, 3])
-def test_live_the_decode_loop_example(sessions_server, two_replicas, shards):
+def test_live_the_decode_loop_example(live_server, two_replicas, shards):
     """examples/decode_loop.py against the real server, three prompts of different lengths (each
     alone, then batched steps): the in-process loop's tokens and logits."""
     model, prompts = decode_loop.TinyGPT(), [[3, 1, 4, 1, 5], [2, 7, 1], [8, 2, 8, 1, 8, 2, 8]]
     want, want_logits = decode_loop.generate(model, prompts, 12, decode_loop.in_process(model, 3))
-    urls = two_replicas if shards > 1 else [sessions_server]
+    urls = two_replicas if shards > 1 else [live_server]
     options = {"shards": shards, "max_tokens": 8 if shards > 1 else None}
     with AttentionClient(urls) as api, decode_loop.on_the_server(model, api, 3, "float64", **options) as attend:
         got, logits = decode_loop.generate(model, prompts, 12, attend)
@@ -806,7 +790,7 @@ def test_replicas_are_the_addresses_a_name_resolves_to():
 
 
 @pytest.mark.live
-def test_live_a_sequence_outgrows_one_replicas_pool(sessions_server, rng):
+def test_live_a_sequence_outgrows_one_replicas_pool(live_server, rng):
     """Two replicas whose pools hold 64 tokens of this session's shape (8 pages of 8 tokens, each
     page a 4 KiB unit): with shards=2 a sequence of 100 tokens goes on to the second when the
     first's pool is full (503), each step the oracle's answer over all 100."""
