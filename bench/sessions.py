@@ -1,7 +1,7 @@
 """A decode step through a session against the same step in-process, and against resending the cache.
 
-    .venv/bin/python -m bench.sessions                      # starts its own server (2 workers) on a free port
-    .venv/bin/python -m bench.sessions --url http://127.0.0.1:8000 --runs 40
+    .venv/bin/python -m bench sessions                      # starts its own server (2 workers) on a free port
+    .venv/bin/python -m bench sessions --url http://127.0.0.1:8000 --runs 40
 
 A decode step: t = 1 new token, H = 8 heads, d = 64, float32, its k and v appended and its q
 attending to all S keys (POST /sessions/{id}/attention, b64, one keep-alive connection, as a decode
@@ -28,7 +28,7 @@ import orjson
 import requests
 from threadpoolctl import threadpool_limits
 
-from bench.server import Server
+from bench.common import Server
 from service import core
 
 H, D = 8, 64

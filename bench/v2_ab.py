@@ -5,8 +5,8 @@ over one keep-alive connection each; per checkout the median latency and the wor
 request, the decode and validate phases the server reports (Server-Timing: the envelope is read in
 decode), and the ratios of this checkout's to the baseline's.
 
-    python -m bench.v2_ab ../main                 # 7 rounds of 200 requests each, ~1 min
-    python -m bench.v2_ab ../main --rounds 9 --requests 300
+    python -m bench v2_ab ../main                 # 7 rounds of 200 requests each, ~1 min
+    python -m bench v2_ab ../main --rounds 9 --requests 300
 
 Not part of `make test`.
 """
@@ -25,7 +25,7 @@ import requests
 
 from attention_client.loadtest.transport import parse_server_timing
 
-from .server import ROOT, Server
+from .common import ROOT, Server
 from .small_requests import cpu_s
 
 

@@ -132,6 +132,13 @@ def queue_order(raw: str) -> str:
     return raw.strip().lower()
 
 
+def compress_answers(raw: str) -> str:
+    """ATTN_COMPRESS_ANSWERS: preferred or accepted (any case)."""
+    if raw.strip().lower() not in ("preferred", "accepted"):
+        raise ValueError(raw)
+    return raw.strip().lower()
+
+
 def _otel_trace_exporters() -> tuple[str, ...]:
     """The OpenTelemetry span exporters the SDK's standard variables ask for, as entry-point names
     of the group opentelemetry_traces_exporter ("otlp" resolved by OTEL_EXPORTER_OTLP_PROTOCOL as
@@ -198,12 +205,16 @@ class Settings:
     # One large request alone on the server is computed on this many threads (service/cost/split.py);
     # under load every request keeps one. Default: the cores; 1 turns splitting off.
     split_threads: int = field(default_factory=_cores)
-    # Answers compressed when Accept-Encoding asks (service/web/compression.py): zlib's level (1 is
-    # the fastest; tensors of random floats gain little from more), and the size below which an
+    # Answers compressed (service/web/compression.py) when the client prefers a coding to identity
+    # (Accept-Encoding names identity below it, or refuses it); with "accepted", also when it merely
+    # accepts one (identity unnamed: `gzip, deflate`, what Python's requests sends on every call).
+    # Measured (bench/README.md, Compression): zlib at level 1 takes a core longer than a gigabit
+    # link takes to send what it saves, for every tensor encoding (b64 and binary shrink by a
+    # quarter or less, nested text by half at ~100 MB/s), so "accepted" pays only on slow links.
+    # Then zlib's level (1 is the fastest; tensors gain little from more), the size below which an
     # answer goes uncompressed (a gzip member costs 18 bytes and the client a decompression), and
-    # the size above which it goes uncompressed too (0: no such size): tensors of random floats
-    # shrink by a quarter (b64) or a half (nested text) at tens of MB per second of a core, slower
-    # than a data-centre network sends them, and Python's requests asks for gzip by default.
+    # the size above which an answer merely accepted goes uncompressed too (0: no such size).
+    compress_answers: str = "preferred"
     compress_level: int = 1
     compress_min_bytes: int = 1024
     compress_max_bytes: int = 2**20
@@ -249,6 +260,7 @@ class Settings:
                 log_format=_env("ATTN_LOG_FORMAT", d.log_format, log_format),
                 otel_trace_exporters=_otel_trace_exporters(),
                 split_threads=_env("ATTN_SPLIT_THREADS", d.split_threads, int),
+                compress_answers=_env("ATTN_COMPRESS_ANSWERS", d.compress_answers, compress_answers),
                 compress_level=_env("ATTN_COMPRESS_LEVEL", d.compress_level, int),
                 compress_min_bytes=_env("ATTN_COMPRESS_MIN_BYTES", d.compress_min_bytes, int),
                 compress_max_bytes=_env("ATTN_COMPRESS_MAX_BYTES", d.compress_max_bytes, int),

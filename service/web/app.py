@@ -106,7 +106,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     auth.install(app)
     admission.install(app)
     compression.install(
-        app, settings.compress_level, settings.compress_min_bytes, settings.compress_max_bytes
+        app, settings.compress_level, settings.compress_min_bytes, settings.compress_max_bytes, settings.compress_answers
     )  # last: its hook runs first (compression.install)
     errors.register(app, doors={kserve.bp: errors.Door(kserve.error_body, errors.PROTOCOL_STATUS)})
     app.register_blueprint(api.bp)
