@@ -6,17 +6,17 @@
 A decode step: t = 1 new token, H = 8 heads, d = 64, float32, its k and v appended and its q
 attending to all S keys (POST /sessions/{id}/attention, b64, one keep-alive connection, as a decode
 loop keeps one). A step's time is the client's whole part: its body encoded, sent, answered, its
-out decoded. Measured, interleaved (client step, requests step, in-process steps, ...), medians:
-- at S = 1024, 4096, 16384: the step through the client's transport (attention_client's HTTP pool
-  and wire: b64 spliced into the JSON, one gathered send) and through `requests` (orjson, base64),
-  against the same step in-process: numpy's q kᵀ, softmax, weights v over the same contiguous
-  arrays on one BLAS thread, as a worker has; and core.paged_attention (what a worker runs) over
-  the same keys in a sessions pool in this process (shared memory, as the workers map it) and in
-  pages of an ordinary array;
-- at S = 4096: a stateless POST /attention resending the whole cache (q, k, v in b64) for the same
-  step, through the same transport; the bytes on the wire of each (request body and answer);
-- a batched step of 16 sessions at S = 4096 (POST /sessions/attention): tokens per second against
-  one session's steps per second."""
+out decoded. Measured, interleaved (client step, in-process steps, requests step, ...), medians:
+- at S = 1024, 4096, 16384: the step through the client (AttentionClient.session(...).attention:
+  b64 spliced into the JSON, one gathered send) and through `requests` (orjson, base64; its
+  answer's Server-Timing total and its bytes on the wire), against the same step in-process:
+  numpy's q kᵀ, softmax, weights v over the same contiguous arrays on one BLAS thread, as a worker
+  has; and core.paged_attention (what a worker runs) over the same keys in a sessions pool in this
+  process (shared memory, as the workers map it) and in pages of an ordinary array;
+- at S = 4096: a stateless POST /attention resending the whole cache (q, k, v in b64, through the
+  client's transport) for the same step, and its bytes on the wire;
+- a batched step of 16 sessions at S = 4096 (api.attention_sessions: POST /sessions/attention):
+  tokens per second against one session's steps per second through the client."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import orjson
 import requests
 from threadpoolctl import threadpool_limits
 
-from attention_client import _http, _wire
+from attention_client import AttentionClient, _http, _wire
 from bench.common import Server
 from service import core, sessions
 
@@ -51,18 +51,17 @@ def dec(t: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
 
 
-class Session:
-    """A session on the server; its keys and values here (contiguous, as an in-process loop holds
-    them), and in a pool of this process's own (pages of shared memory, as a worker reads them)."""
+class Sequence:
+    """A session on the server, made and stepped through the client (AttentionClient.session); its
+    keys and values here (contiguous, as an in-process loop holds them), and in a pool of this
+    process's own (pages of shared memory, as a worker reads them)."""
 
-    def __init__(self, client: _http.Pool, S: int, rng: np.random.Generator, local: sessions.Pool | None = None):
-        self.client = client
-        self.id = call(client, "/sessions", [orjson.dumps({"heads": H, "head_dim": D})], status=201)["id"]
+    def __init__(self, api: AttentionClient, S: int, rng: np.random.Generator, local: sessions.Pool | None = None):
+        self.session = api.session(H, D)
         self.k = rng.standard_normal((H, S, D)).astype(np.float32)
         self.v = rng.standard_normal((H, S, D)).astype(np.float32)
         for s0 in range(0, S, APPEND_CHUNK):
-            body = {"k": self.k[:, s0 : s0 + APPEND_CHUNK], "v": self.v[:, s0 : s0 + APPEND_CHUNK], "at": s0}
-            call(client, f"/sessions/{self.id}/append", _wire.json_request(body, "b64"))
+            self.session.append(self.k[:, s0 : s0 + APPEND_CHUNK], self.v[:, s0 : s0 + APPEND_CHUNK])
         self.local, self.local_id = local, None
         if local is not None:
             self.local_id = local.create(sessions.Shape(H, H, D, D, np.dtype(np.float32)), local.max_tokens, sessions.owner_hash(None))
@@ -82,44 +81,32 @@ class Session:
         with self.local.session(self.local_id, sessions.owner_hash(None)) as s:
             return s.pages(self.length)
 
-    def client_step(self, q, k, v) -> tuple[float, np.ndarray, int, float]:
-        """One decode step through the client's transport: (seconds, out, bytes on the wire, the
-        server's own ms: Server-Timing's total)."""
+    def client_step(self, q, k, v) -> tuple[float, np.ndarray]:
+        """One decode step through the client (Session.attention): (seconds, out)."""
         t0 = time.perf_counter()
-        parts = _wire.json_request({"q": q, "k": k, "v": v, "at": self.length, "response_encoding": "b64"}, "b64")
-        answer = self.client.request("POST", f"/sessions/{self.id}/attention", parts, JSON)
-        assert answer.status == 200, bytes(answer.body)
-        out = _wire.decode_tensor(_wire.loads(answer.body)["out"])
+        out = self.session.attention(q, k, v)
         elapsed = time.perf_counter() - t0
         self.took(k, v)
-        return elapsed, out, sum(len(p) for p in parts) + len(answer.body), server_ms(answer.headers.get("Server-Timing", ""))
+        return elapsed, out
 
-    def requests_step(self, http: requests.Session, url: str, q, k, v) -> tuple[float, np.ndarray]:
-        """The same step through `requests`: (seconds, out)."""
+    def requests_step(self, http: requests.Session, url: str, q, k, v) -> tuple[float, np.ndarray, int, float]:
+        """The same step through `requests`: (seconds, out, bytes on the wire, the server's own ms:
+        Server-Timing's total)."""
         t0 = time.perf_counter()
         body = orjson.dumps({"q": enc(q), "k": enc(k), "v": enc(v), "at": self.length, "response_encoding": "b64"})
-        r = http.post(f"{url}/sessions/{self.id}/attention", data=body, headers=JSON, timeout=60)
+        r = http.post(f"{url}/sessions/{self.session.id}/attention", data=body, headers=JSON, timeout=60)
         r.raise_for_status()
         out = dec(orjson.loads(r.content)["out"])
         elapsed = time.perf_counter() - t0
         self.took(k, v)
-        return elapsed, out
+        self.session.refresh()  # the client learns the length this step made
+        return elapsed, out, len(body) + len(r.content), server_ms(r.headers.get("Server-Timing", ""))
 
     def took(self, k, v) -> None:
         """The server took the token: here too."""
         self.k, self.v = np.concatenate([self.k, k], 1), np.concatenate([self.v, v], 1)
         if self.local is not None:
             self.append_locally(k, v)
-
-    def delete(self) -> None:
-        self.client.request("DELETE", f"/sessions/{self.id}")
-
-
-def call(client: _http.Pool, path: str, parts: list, status: int = 200) -> dict:
-    answer = client.request("POST", path, parts, JSON)
-    if answer.status != status:
-        raise RuntimeError(f"{path}: {answer.status} {bytes(answer.body)[:300]!r}")
-    return _wire.loads(answer.body)
 
 
 def server_ms(timing: str) -> float:
@@ -177,8 +164,8 @@ def ms(xs) -> float:
 
 def run(url: str, runs: int, batch: int) -> None:
     rng = np.random.default_rng(0)
-    client, http = _http.Pool(url, 120, 4, {}), requests.Session()
-    local = sessions.Pool(2 * (16384 + runs) * H * D * 4 * 2, PAGE, 16384 + runs + PAGE, 4, 3600)
+    api, transport, http = AttentionClient(url, timeout=120), _http.Pool(url, 120, 1, {}), requests.Session()
+    local = sessions.Pool(2 * (16384 + 2 * runs) * H * D * 4 * 2, PAGE, 16384 + 2 * runs + PAGE, 4, 3600)
     print(f"decode step, t=1, H={H}, d={D}, float32; medians of {runs} interleaved runs; ratio: the client's step over numpy's")
     print(
         f"{'S':>6} {'client ms':>9} {'requests ms':>11} {'server ms':>9} {'numpy ms':>8} {'ratio':>5} "
@@ -186,59 +173,57 @@ def run(url: str, runs: int, batch: int) -> None:
     )
     single_ms = {}
     for S in (1024, 4096, 16384):
-        s = Session(client, S, rng, local)
+        s = Sequence(api, S, rng, local)
         t: dict[str, list[float]] = {name: [] for name in ("client", "requests", "server", "numpy", "pool", "array", "wire")}
-        for _ in range(runs):
+        for i in range(runs):
             q, k, v = (rng.standard_normal((H, 1, D)).astype(np.float32) for _ in range(3))
-            elapsed, out, nbytes, own = s.client_step(q, k, v)
+            elapsed, out = s.client_step(q, k, v)
             t["client"].append(elapsed)
-            t["wire"].append(nbytes)
-            t["server"].append(own / 1000)
             took, want = in_process(q, s.k, s.v)
             t["numpy"].append(took)
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
             t["pool"].append(paged(q, s.local_pages(), s.length))
-            t["array"].append(paged(q, array_pages(s.k, s.v), s.length) if len(t["array"]) < max(3, runs // 3) else math.nan)
+            if i % 3 == 0:  # a copy of the whole cache each time: a third of the runs
+                t["array"].append(paged(q, array_pages(s.k, s.v), s.length))
             q, k, v = (rng.standard_normal((H, 1, D)).astype(np.float32) for _ in range(3))
-            t["requests"].append(s.requests_step(http, url, q, k, v)[0])
+            elapsed, _, nbytes, own = s.requests_step(http, url, q, k, v)
+            t["requests"].append(elapsed)
+            t["wire"].append(nbytes)
+            t["server"].append(own / 1000)
         single_ms[S] = ms(t["client"])
-        array_ms = ms([x for x in t["array"] if not math.isnan(x)])
         print(
             f"{S:>6} {single_ms[S]:>9.2f} {ms(t['requests']):>11.2f} {ms(t['server']):>9.2f} {ms(t['numpy']):>8.2f} "
-            f"{single_ms[S] / ms(t['numpy']):>5.2f} {ms(t['pool']):>13.2f} {array_ms:>14.2f} {statistics.median(t['wire']):>10.0f}"
+            f"{single_ms[S] / ms(t['numpy']):>5.2f} {ms(t['pool']):>13.2f} {ms(t['array']):>14.2f} {statistics.median(t['wire']):>10.0f}"
         )
         if S == 4096:
             resend, resend_bytes = [], 0
             for _ in range(max(3, runs // 4)):
                 q = rng.standard_normal((H, 1, D)).astype(np.float32)
-                took, resend_bytes = stateless(client, q, s.k[:, :S], s.v[:, :S])  # ATTN_MAX_S: 4096
+                took, resend_bytes = stateless(transport, q, s.k[:, :S], s.v[:, :S])  # ATTN_MAX_S: 4096
                 resend.append(took)
             print(
                 f"       stateless POST /attention resending the cache at S=4096: {ms(resend):.1f} ms, {resend_bytes} bytes "
                 f"({ms(resend) / single_ms[S]:.0f}x the step's time, {resend_bytes / statistics.median(t['wire']):.0f}x its bytes)"
             )
-        s.delete()
-    group = [Session(client, 4096, rng) for _ in range(batch)]
-    times, timing = [], []
+        s.session.close()
+    group = [Sequence(api, 4096, rng) for _ in range(batch)]
+    times = []
     for _ in range(max(5, runs // 4)):
         q, k, v = (rng.standard_normal((batch, H, 1, D)).astype(np.float32) for _ in range(3))
         t0 = time.perf_counter()
-        body = {"sessions": [s.id for s in group], "q": q, "k": k, "v": v, "at": [s.length for s in group], "response_encoding": "b64"}
-        answer = client.request("POST", "/sessions/attention", _wire.json_request(body, "b64"), JSON)
-        assert answer.status == 200, bytes(answer.body)[:300]
-        _wire.decode_tensor(_wire.loads(answer.body)["out"])
+        api.attention_sessions([s.session for s in group], q, k, v)
         times.append(time.perf_counter() - t0)
-        timing.append(answer.headers.get("Server-Timing", ""))
         for i, s in enumerate(group):
             s.took(k[i], v[i])
     batch_ms = ms(times)
     tokens_s, steps_s = batch / batch_ms * 1000, 1000 / single_ms[4096]
     print(
-        f"batched step of {batch} sessions at S=4096: {batch_ms:.1f} ms, {tokens_s:.0f} tokens/s against one session's "
-        f"{steps_s:.0f} steps/s ({tokens_s / steps_s:.1f}x); the server's phases (one of them): {timing[len(timing) // 2]}"
+        f"batched step of {batch} sessions at S=4096 (api.attention_sessions): {batch_ms:.1f} ms, {tokens_s:.0f} tokens/s "
+        f"against one session's {steps_s:.0f} steps/s ({tokens_s / steps_s:.1f}x)"
     )
     for s in group:
-        s.delete()
+        s.session.close()
+    api.close()
 
 
 def main(argv: list[str] | None = None) -> None:
