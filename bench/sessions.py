@@ -10,9 +10,11 @@ out decoded. Measured, interleaved (client step, in-process steps, requests step
 - at S = 1024, 4096, 16384: the step through the client (AttentionClient.session(...).attention:
   b64 spliced into the JSON, one gathered send) and through `requests` (orjson, base64; its
   answer's Server-Timing total and its bytes on the wire), against the same step in-process:
-  numpy's q kᵀ, softmax, weights v over the same contiguous arrays on one BLAS thread, as a worker
-  has; and core.paged_attention (what a worker runs) over the same keys in a sessions pool in this
-  process (shared memory, as the workers map it) and in pages of an ordinary array;
+  numpy's q kᵀ, softmax, weights v over the same contiguous arrays (np.concatenate'd a token a
+  step, as an in-process loop grows its cache) on one BLAS thread, as a worker has; and
+  core.paged_attention (what a worker runs) over the same keys in pages written a token at a time,
+  in a sessions pool in this process (shared memory, as the workers map it) and in an ordinary
+  array (private memory: huge pages where the host gives them);
 - at S = 4096: a stateless POST /attention resending the whole cache (q, k, v in b64, through the
   client's transport) for the same step, and its bytes on the wire;
 - a batched step of 16 sessions at S = 4096 (api.attention_sessions: POST /sessions/attention):
@@ -53,16 +55,19 @@ def dec(t: dict) -> np.ndarray:
 
 class Sequence:
     """A session on the server, made and stepped through the client (AttentionClient.session); its
-    keys and values here (contiguous, as an in-process loop holds them), and in a pool of this
-    process's own (pages of shared memory, as a worker reads them)."""
+    keys and values here (contiguous, as an in-process loop holds them); with local, also in pages of
+    a pool of this process's own (shared memory, as a worker reads them) and in pages of ordinary
+    memory (kp, vp, with room for the steps' tokens), both written a token at a time as a pool is."""
 
-    def __init__(self, api: AttentionClient, S: int, rng: np.random.Generator, local: sessions.Pool | None = None):
+    def __init__(self, api: AttentionClient, S: int, rng: np.random.Generator, local: sessions.Pool | None = None, room: int = 0):
         self.session = api.session(H, D)
         self.k = rng.standard_normal((H, S, D)).astype(np.float32)
         self.v = rng.standard_normal((H, S, D)).astype(np.float32)
         for s0 in range(0, S, APPEND_CHUNK):
             self.session.append(self.k[:, s0 : s0 + APPEND_CHUNK], self.v[:, s0 : s0 + APPEND_CHUNK])
         self.local, self.local_id = local, None
+        self.kp, self.vp = (np.zeros((-(-(S + room) // PAGE) if local else 0, H, PAGE, D), np.float32) for _ in range(2))
+        self.write_pages(0, self.k, self.v)
         if local is not None:
             self.local_id = local.create(sessions.Shape(H, H, D, D, np.dtype(np.float32)), local.max_tokens, sessions.owner_hash(None))
             self.append_locally(self.k, self.v)
@@ -75,6 +80,21 @@ class Sequence:
         assert self.local is not None and self.local_id is not None
         with self.local.session(self.local_id, sessions.owner_hash(None)) as s:
             s.commit(s.append(k, v))
+
+    def write_pages(self, s0: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Tokens s0 .. into the ordinary pages (as a pool's append writes them)."""
+        end = s0 + k.shape[1]
+        for p in range(s0 // PAGE, min(self.kp.shape[0], -(-end // PAGE))):
+            a, b = max(s0, p * PAGE), min(end, (p + 1) * PAGE)
+            self.kp[p, :, a - p * PAGE : b - p * PAGE], self.vp[p, :, a - p * PAGE : b - p * PAGE] = (
+                k[:, a - s0 : b - s0],
+                v[:, a - s0 : b - s0],
+            )
+
+    def array_pages(self) -> list:
+        """The keys in pages of PAGE tokens of one ordinary array (one run)."""
+        n = -(-self.length // PAGE)
+        return [(self.kp[:n], self.vp[:n])]
 
     def local_pages(self) -> list:
         assert self.local is not None and self.local_id is not None
@@ -104,6 +124,7 @@ class Sequence:
 
     def took(self, k, v) -> None:
         """The server took the token: here too."""
+        self.write_pages(self.length, k, v)
         self.k, self.v = np.concatenate([self.k, k], 1), np.concatenate([self.v, v], 1)
         if self.local is not None:
             self.append_locally(k, v)
@@ -135,17 +156,6 @@ def paged(q: np.ndarray, pages: list, S: int) -> float:
     return time.perf_counter() - t0
 
 
-def array_pages(k: np.ndarray, v: np.ndarray) -> list:
-    """The keys in pages of PAGE tokens of one ordinary array (one run)."""
-    S = k.shape[1]
-    n = -(-S // PAGE)
-    kp, vp = np.zeros((n, H, PAGE, D), np.float32), np.zeros((n, H, PAGE, D), np.float32)
-    for i in range(n):
-        m = min(PAGE, S - i * PAGE)
-        kp[i, :, :m], vp[i, :, :m] = k[:, i * PAGE : i * PAGE + m], v[:, i * PAGE : i * PAGE + m]
-    return [(kp, vp)]
-
-
 def stateless(client: _http.Pool, q, k, v) -> tuple[float, int]:
     """The same step as POST /attention, resending the cache, through the same transport: (seconds, bytes on the wire)."""
     t0 = time.perf_counter()
@@ -173,9 +183,9 @@ def run(url: str, runs: int, batch: int) -> None:
     )
     single_ms = {}
     for S in (1024, 4096, 16384):
-        s = Sequence(api, S, rng, local)
+        s = Sequence(api, S, rng, local, room=2 * runs)
         t: dict[str, list[float]] = {name: [] for name in ("client", "requests", "server", "numpy", "pool", "array", "wire")}
-        for i in range(runs):
+        for _ in range(runs):
             q, k, v = (rng.standard_normal((H, 1, D)).astype(np.float32) for _ in range(3))
             elapsed, out = s.client_step(q, k, v)
             t["client"].append(elapsed)
@@ -183,8 +193,7 @@ def run(url: str, runs: int, batch: int) -> None:
             t["numpy"].append(took)
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
             t["pool"].append(paged(q, s.local_pages(), s.length))
-            if i % 3 == 0:  # a copy of the whole cache each time: a third of the runs
-                t["array"].append(paged(q, array_pages(s.k, s.v), s.length))
+            t["array"].append(paged(q, s.array_pages(), s.length))
             q, k, v = (rng.standard_normal((H, 1, D)).astype(np.float32) for _ in range(3))
             elapsed, _, nbytes, own = s.requests_step(http, url, q, k, v)
             t["requests"].append(elapsed)
