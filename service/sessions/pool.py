@@ -551,8 +551,8 @@ def _parse(sid: str, slots: int) -> tuple[int, bytes]:
 def _advise_huge_pages(mapping: mmap.mmap) -> None:
     """Ask for transparent huge pages on the pool (MADV_HUGEPAGE). A step reads every page of its
     session once, a few MiB to hundreds; in 4 KiB pages that costs a TLB miss, and a stop of the
-    hardware prefetcher, every 4 KiB: about 1.5x the time of the same read in 2 MiB pages. The
-    kernel grants shared memory huge pages only where the host allows them
+    hardware prefetcher, every 4 KiB (bench/README.md, "Sessions"). The kernel grants shared
+    memory huge pages only where the host allows them
     (/sys/kernel/mm/transparent_hugepage/shmem_enabled: advise, within_size or always); elsewhere
     this changes nothing."""
     with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE (not Linux), or a kernel without THP
