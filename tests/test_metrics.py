@@ -50,6 +50,9 @@ def test_metrics_follow_prometheus_conventions(client):
 
 def test_a_request_is_counted_with_its_phases_and_T_bucket(client, rng):
     labels = {"endpoint": "/attention", "method": "POST", "status": "200"}
+    # The registry is the test process's: an earlier test's answer that was never closed (the
+    # test client closes nothing; a body-less 204 is not even iterated) is still in flight.
+    in_flight = value("attention_requests_in_flight")
     before = {
         "requests": value("attention_http_requests_total", **labels),
         "latency": value("attention_http_request_duration_seconds_count", **labels),
@@ -71,7 +74,24 @@ def test_a_request_is_counted_with_its_phases_and_T_bucket(client, rng):
         },
     }
     assert {k: after[k] - before[k] for k in before} == {k: 1.0 for k in before}
-    assert value("attention_requests_in_flight") == 0  # back to zero once answered
+    assert value("attention_requests_in_flight") == in_flight  # back down once answered
+
+
+@pytest.mark.parametrize("method", ["DELETE", "HEAD"])
+def test_an_answer_without_a_body_leaves_the_in_flight_gauge_once_closed(client, method):
+    """A 204 or a HEAD answer has no body to iterate: it is out of flight when the server closes it,
+    as every WSGI server does (gunicorn's handle_request)."""
+    in_flight = value("attention_requests_in_flight")
+    if method == "DELETE":
+        sid = client.post("/sessions", json={"heads": 1, "head_dim": 2}).get_json()["id"]
+        r = client.delete(f"/sessions/{sid}")
+        assert r.status_code == 204
+    else:
+        r = client.head("/healthz")
+        assert r.status_code == 200
+    assert value("attention_requests_in_flight") == in_flight + 1  # sent, not yet closed
+    r.close()
+    assert value("attention_requests_in_flight") == in_flight
 
 
 @pytest.mark.parametrize("body, code", [(b"{oops", "bad_json"), (b'{"q": [[1]]}', "missing_field")], ids=["bad_json", "missing_field"])
