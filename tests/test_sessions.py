@@ -340,6 +340,38 @@ def test_hostile_bodies_on_a_session():
     assert length(c, sid) == 2
 
 
+def answered(send, timeout: float = 30.0):
+    """send()'s answer, or a failure if it has none in timeout seconds (a request that hangs)."""
+    got: list = []
+    worker = threading.Thread(target=lambda: got.append(send()), daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert got, f"no answer in {timeout} s"
+    return got[0]
+
+
+def test_a_session_has_one_id_and_no_other_spelling():
+    c = client()
+    sid = make(c)
+    for other in (sid.upper(), "0x" + sid[2:], "\u0660" * 6 + sid[6:], sid[:6] + sid[6:].upper(), "+" + sid[1:]):
+        r = c.get(f"/sessions/{other}")
+        assert r.status_code == 404 and r.get_json()["error"]["code"] == "session_not_found", other
+    assert length(c, sid) == 0
+
+
+def test_a_batch_naming_one_slot_twice_is_refused_and_holds_nothing():
+    """Two ids of one slot (another spelling of a live id, or a made-up token after its slot) would
+    have the request wait on a lock it holds itself, for ever, and the session with it."""
+    c = client()
+    sid = make(c)
+    for other in (sid.upper(), sid[:6] + "f" * 32, sid[:6] + "0" * 32):
+        for ids in ([sid, other], [other, sid]):
+            r = answered(lambda ids=ids: c.post("/sessions/attention", json={"sessions": ids, "q": [[[[1, 1]]] * 2] * 2}))
+            assert r.status_code == 404 and r.get_json()["error"]["code"] == "session_not_found", (ids, r.get_json())
+    assert answered(lambda: append(c, sid, 1, at=0)).status_code == 200  # not held by any of them
+    assert length(c, sid) == 1
+
+
 def test_a_batch_of_sessions_of_different_shapes_is_refused():
     c = client()
     a, b = make(c), make(c, value_dim=3)

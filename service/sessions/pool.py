@@ -155,6 +155,7 @@ class Pool:
         self._data_at = data_at
         self.table["spare"] = -1
         self._threads = [threading.Lock() for _ in range(max_sessions + 1)]  # a record lock is a process's: its threads queue here
+        self._mine = threading.local()  # .slots: the sessions' slots this thread holds (a lock is not reentrant)
 
     # --- locks --------------------------------------------------------------------------------
 
@@ -260,6 +261,9 @@ class Pool:
         owner's is not the key that made it. Pages it reserves and does not commit are given back
         when the block ends, however it ends."""
         slot, token = _parse(sid, self.max_sessions)
+        held = self._mine.__dict__.setdefault("slots", set())
+        if slot in held:  # this thread holds the slot already (a batch naming it twice): at most one id of a slot is live
+            raise NotFound(sid)
         with self._record_lock(1 + slot):
             rec = self.table[slot : slot + 1]
             if rec["holder"][0]:  # its last holder died during a request: what it reserved goes back
@@ -275,9 +279,11 @@ class Pool:
                 self._free(slot, expired=True)
                 raise NotFound(sid)
             rec["holder"] = os.getpid()
+            held.add(slot)
             try:
                 yield Session(self, slot, sid)
             finally:
+                held.discard(slot)
                 self._settle(slot)
                 rec["last_use"] = time.monotonic()
                 rec["holder"] = 0
@@ -536,16 +542,18 @@ def _id(slot: int, token: bytes) -> str:
 
 
 def _parse(sid: str, slots: int) -> tuple[int, bytes]:
-    """(slot, token) of an id; NotFound for anything that is not one of ours."""
-    if len(sid) != ID_SLOT_HEX + 2 * ID_TOKEN_BYTES:
+    """(slot, token) of an id; NotFound for anything that is not one of ours, spelt as _id spells
+    it (int() and fromhex() would read other spellings, "0x", upper case, other scripts' digits,
+    as the same slot: two ids naming one session)."""
+    if len(sid) != ID_SLOT_HEX + 2 * ID_TOKEN_BYTES or sid.strip(_HEX):
         raise NotFound(sid)
-    try:
-        slot, token = int(sid[:ID_SLOT_HEX], 16), bytes.fromhex(sid[ID_SLOT_HEX:])
-    except ValueError:
-        raise NotFound(sid) from None
-    if not 0 <= slot < slots or not sid.isalnum():
+    slot, token = int(sid[:ID_SLOT_HEX], 16), bytes.fromhex(sid[ID_SLOT_HEX:])
+    if slot >= slots:
         raise NotFound(sid)
     return slot, token
+
+
+_HEX = "0123456789abcdef"
 
 
 def _advise_huge_pages(mapping: mmap.mmap) -> None:
