@@ -250,6 +250,20 @@ def test_a_full_pool_is_503_with_retry_after_and_evicts_nothing():
     assert append(c, b, 1, at=0).status_code == 200  # room again
 
 
+def test_a_session_whose_page_is_larger_than_the_pool_is_refused_at_once():
+    """A page that cannot fit in the whole pool could never hold a token: 413 when the session is
+    made, not a 503 "retry later" on every append for ever."""
+    c = client(session_memory_bytes=2**20, session_page_tokens=256)  # a page of (8 heads, 256 tokens, 64 + 64) float64: 4 MiB
+    r = c.post("/sessions", json={"heads": 8, "head_dim": 64, "dtype": "float64"})
+    assert r.status_code == 413 and r.get_json()["error"]["code"] == "too_large", r.get_json()
+    assert "ATTN_SESSION_MEMORY_BYTES" in r.get_json()["error"]["message"]
+    q = np.ones((16, 1, 64))  # sent as FP32: 2 MiB a page
+    r = sequence(c, "big", q, q, q, sequence_start=True)  # /v2's sequence start makes one too
+    assert r.status_code == 413 and r.headers["X-Error-Code"] == "too_large", r.get_json()
+    assert c.get("/limits").get_json()["sessions"]["sessions"] == 0  # nothing made
+    assert c.post("/sessions", json={"heads": 1, "head_dim": 64}).status_code == 201  # a page of 128 KiB fits
+
+
 def test_a_flood_of_creates_is_503_past_the_table_and_loses_nothing():
     c = client(session_max_count=8)
     ids = []

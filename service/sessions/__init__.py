@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from service.config import Settings
 
-from .pool import UNIT, Conflict, NotFound, Pool, PoolFull, Session, SessionError, Shape, TooLong, name_hash, owner_hash
+from .pool import UNIT, Conflict, NotFound, PageTooLarge, Pool, PoolFull, Session, SessionError, Shape, TooLong, name_hash, owner_hash
 
 __all__ = [
     "UNIT",
     "Conflict",
     "NotFound",
     "Pool",
+    "PageTooLarge",
     "PoolFull",
     "Session",
     "SessionError",

@@ -83,6 +83,14 @@ class TooLong(SessionError):
         self.max_tokens = max_tokens
 
 
+class PageTooLarge(SessionError):
+    """A page of the session's shape is larger than the whole pool: it could never hold a token."""
+
+    def __init__(self, page_bytes: int, memory_bytes: int):
+        super().__init__(f"a page takes {page_bytes} bytes, the pool {memory_bytes}")
+        self.page_bytes, self.memory_bytes = page_bytes, memory_bytes
+
+
 class PoolFull(SessionError):
     """No room: pages or session slots (no live session is evicted)."""
 
@@ -213,7 +221,10 @@ class Pool:
 
     def create(self, shape: Shape, max_tokens: int, owner: bytes, name: bytes = b"") -> str:
         """A new empty session's id; PoolFull when every slot is live. name: what find() knows it
-        by (OWNER_BYTES; a live session of the same owner and name is the caller's to delete first)."""
+        by (OWNER_BYTES; a live session of the same owner and name is the caller's to delete first).
+        PageTooLarge when a page of shape would not fit in the whole pool."""
+        if self.page_bytes(shape) > self.units * UNIT:
+            raise PageTooLarge(self.page_bytes(shape), self.units * UNIT)
         self.sweep()
         with self._pool_locked():
             free = np.flatnonzero(self.table["state"] == FREE)

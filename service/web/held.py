@@ -50,6 +50,13 @@ def refusals() -> Iterator[None]:
         ) from None
     except sessions.TooLong as exc:
         raise RequestError("too_long", f"The session would pass its max_tokens of {exc.max_tokens}; nothing was appended.", "k") from None
+    except sessions.PageTooLarge as exc:
+        raise RequestError(
+            "too_large",
+            f"A page of this session ({pool().page_tokens} tokens of kv_heads x (head_dim + value_dim) values) takes {exc.page_bytes} bytes, "
+            f"more than all the sessions' memory, {exc.memory_bytes} bytes (ATTN_SESSION_MEMORY_BYTES): it could never hold a token.",
+            "head_dim",
+        ) from None
     except sessions.PoolFull as exc:
         retry = pool().retry_after()
         raise ApiError(
