@@ -199,7 +199,9 @@ def step_job(schema: _Strict, data: dict, q: np.ndarray, shape, S: int, encoding
         raise RequestError("too_long", f"q has t={q.shape[1]}, over the maximum of {schema.settings.max_t} (ATTN_MAX_T).", "q")
     score_elements = heads * q.shape[1] * S
     schema._check_scores(score_elements, data["return_weights"], f"q {list(q.shape)} against the session's {S} tokens")
-    if data["scale"] is not None and not np.isfinite(dtype.type(data["scale"])):
+    with np.errstate(over="ignore"):  # a scale past the dtype's range: refused just below, not warned about in the log
+        finite_scale = data["scale"] is None or np.isfinite(dtype.type(data["scale"]))
+    if not finite_scale:
         raise RequestError("non_finite", f"scale={data['scale']} is not finite in {dtype.name}.", "scale")
     causal = data["causal"]
     return SessionStepJob(

@@ -316,6 +316,7 @@ def test_hostile_requests_are_clear_refusals(method, path, body, status, code):
     assert r.status_code == status and r.get_json()["error"]["code"] == code, r.get_json()
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # numpy's overflow warnings: a hostile value leaves the log alone
 def test_hostile_bodies_on_a_session():
     c = client()
     sid = make(c, max_tokens=8)
@@ -333,6 +334,14 @@ def test_hostile_bodies_on_a_session():
         ("attention", {"q": [[[1, 1]]] * 2, "dtype": "float64"}, 422, "unknown_field"),
         ("attention", {"q": [[[1, 1]]] * 2, "alibi_slopes": [1, 2, 3]}, 422, "shape_mismatch"),
         ("attention", {"q": [[[1, 1]]] * 2, "window": [-2, 0]}, 422, "bad_option"),
+        ("attention", {"q": [[[1, 1]]] * 2, "scale": 1e300}, 422, "non_finite"),
+        ("attention", {"q": [[[1, 1]]] * 2, "window": [2**70, 0]}, 422, "bad_type"),
+        ("append", {"k": {"shape": [2, 2**40, 2], "dtype": "float32", "data": "AAAA"}, "v": [[[1, 1]]] * 2}, 422, "bad_shape"),
+        ("append", {"k": [[]] * 2, "v": [[]] * 2}, 422, "bad_shape"),
+        ("append", {"k": [[[1e300, 1]]] * 2, "v": [[[1, 1]]] * 2}, 422, "non_finite"),  # past the session's float32
+        ("truncate", {"length": 2**63}, 409, "length_conflict"),
+        ("fork", {"length": -1}, 422, "bad_option"),
+        ("fork", {"length": True}, 422, "bad_type"),
         ("truncate", {"length": 3}, 409, "length_conflict"),
         ("truncate", {}, 422, "missing_field"),
         ("fork", {"length": 99}, 409, "length_conflict"),
@@ -347,6 +356,7 @@ def test_hostile_bodies_on_a_session():
         ({"sessions": [sid, "nope"], "q": [[[[1, 1]]] * 2] * 2}, 404, "session_not_found"),
         ({"sessions": [], "q": [[[[1, 1]]] * 2]}, 422, "bad_type"),
         ({"sessions": [sid], "q": [[[[1, 1]]] * 2], "at": [2]}, 422, "bad_option"),
+        ({"sessions": [f"{i:06x}" + "0" * 32 for i in range(10_000)], "q": b64(np.zeros((10_000, 2, 1, 2)))}, 404, "session_not_found"),
     ]
     for body, status, code in batch:
         r = c.post("/sessions/attention", json=body)
@@ -435,6 +445,87 @@ def test_appends_racing_on_one_session_are_serialised_and_none_is_lost():
     for t in threads:
         t.join(120)
     assert sorted(results) == list(range(1, 41)) and length(c, sid) == 40  # each append once, none lost
+
+
+def test_appends_truncates_forks_steps_and_deletes_racing_lose_no_page():
+    """Many threads on one session and its forks, every operation at once: each answer is a success
+    or a clear refusal, and once every session is deleted the pool holds nothing (no page leaked,
+    none freed twice)."""
+    c = client(session_page_tokens=2, session_max_count=64)
+    sid = make(c)
+    append(c, sid, 3)
+    tokens = {"k": [[[1, 1]]] * 2, "v": [[[1, 1]]] * 2}
+    codes: list[int] = []
+    made: list[str] = []
+
+    def racer(i):
+        own = client(session_page_tokens=2, session_max_count=64)
+        for j in range(12):
+            op = (i + j) % 6
+            if op == 0:
+                r = own.post(f"/sessions/{sid}/append", json=tokens)
+            elif op == 1:
+                r = own.post(f"/sessions/{sid}/truncate", json={"length": 1})
+            elif op == 2:
+                r = own.post(f"/sessions/{sid}/fork", json={})
+                if r.status_code == 201:
+                    made.append(r.get_json()["id"])
+            elif op == 3:
+                r = own.post(f"/sessions/{sid}/attention", json={"q": [[[1, 1]]] * 2, **tokens})
+            elif op == 4 and (forks := list(made)):
+                r = own.post(f"/sessions/{forks[0]}/append", json=tokens)  # a fork's copy on write
+            else:
+                try:
+                    r = own.delete(f"/sessions/{made.pop()}")
+                except IndexError:  # none left: another thread took the last
+                    r = own.get(f"/sessions/{sid}")
+            codes.append(r.status_code)
+            r.close()
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(codes) <= {200, 201, 204, 404}, sorted(set(codes))  # 404: a fork another thread deleted first
+    for other in [sid, *made]:
+        assert c.delete(f"/sessions/{other}").status_code == 204
+    pool = c.get("/limits").get_json()["sessions"]
+    assert (pool["sessions"], pool["pages"], pool["used_bytes"]) == (0, 0, 0), pool
+
+
+def test_a_delete_during_a_step_waits_for_it_and_frees_everything(monkeypatch):
+    import service.web.sessions as web_sessions
+
+    c = client(session_page_tokens=2)
+    sid = make(c)
+    append(c, sid, 3)
+    computing, go_on = threading.Event(), threading.Event()
+    run = web_sessions.run
+
+    def held_run(job):
+        computing.set()
+        assert go_on.wait(60)
+        return run(job)
+
+    monkeypatch.setattr(web_sessions, "run", held_run)
+    step: list = []
+    stepper = threading.Thread(target=lambda: step.append(c.post(f"/sessions/{sid}/attention", json={"q": [[[1, 1]]] * 2})))
+    stepper.start()
+    assert computing.wait(60)
+    deleted: list = []
+    deleter = threading.Thread(target=lambda: deleted.append(client(session_page_tokens=2).delete(f"/sessions/{sid}")))
+    deleter.start()
+    deleter.join(0.5)
+    assert not deleted  # the step holds the session
+    go_on.set()
+    stepper.join(60)
+    deleter.join(60)
+    assert step[0].status_code == 200 and step[0].get_json()["length"] == 3
+    assert deleted[0].status_code == 204
+    assert c.get(f"/sessions/{sid}").status_code == 404
+    pool = c.get("/limits").get_json()["sessions"]
+    assert (pool["sessions"], pool["pages"]) == (0, 0), pool
 
 
 def test_limits_and_openapi_show_sessions():
