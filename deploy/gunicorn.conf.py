@@ -132,9 +132,13 @@ sendfile = False  # every byte goes through the worker's sendall, which never bl
 def on_starting(server):
     """Arbiter start: the admission census the workers will share (they inherit it when they fork),
     and an empty metrics directory, so a previous run's counts do not come back."""
+    from service import shm, stats
     from service.web import census
 
     census.create()
+    stats.create()  # Triton's statistics, counted over every worker
+    if _settings.allow_client_shm:
+        shm.create()  # the client shared-memory regions every worker sees
     for said in warnings(_settings):
         server.log.warning("configuration: %s", said)
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]

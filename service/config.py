@@ -198,6 +198,11 @@ class Settings:
     compress_level: int = 1
     compress_min_bytes: int = 1024
     compress_max_bytes: int = 2**20
+    # Triton's system shared-memory extension (service/shm.py): clients on this host may register
+    # POSIX shared-memory objects and pass tensors through them. Off by default, as Triton's
+    # --allow-client-shm: it lets a local client have the server read and write any shared-memory
+    # object the server's user can open (docs/operations.md).
+    allow_client_shm: bool = False
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -233,6 +238,7 @@ class Settings:
                 compress_level=_env("ATTN_COMPRESS_LEVEL", d.compress_level, int),
                 compress_min_bytes=_env("ATTN_COMPRESS_MIN_BYTES", d.compress_min_bytes, int),
                 compress_max_bytes=_env("ATTN_COMPRESS_MAX_BYTES", d.compress_max_bytes, int),
+                allow_client_shm=_env("ATTN_ALLOW_CLIENT_SHM", d.allow_client_shm, _bool),
             )
         )
 

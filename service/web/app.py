@@ -12,6 +12,7 @@ from service.cost import CostModel
 
 from . import accesslog, admission, api, auth, compression, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
 from .context import EXTENSION, Services
+from .triton_ext import install as install_triton  # importing it adds Triton's extensions' routes to kserve.bp
 
 
 class ServiceFlask(Flask):
@@ -41,6 +42,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         spans=tracing.spans_for(settings),
         ready=not settings.warmup,  # else ops.warm_up() readies it
     )
+    install_triton(app)  # the statistics table's row, the shared-memory registry
     http.install(app)  # first: it makes each request's context
     tracing.install(app)  # after http (its clock), before the rest: every request has a trace
     accesslog.install(app)

@@ -17,6 +17,8 @@ if TYPE_CHECKING:  # annotations only: this module is imported by every other of
     from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
     from service.config import Settings
     from service.cost import CostModel, Work
+    from service.shm import Registry
+    from service.stats import Row
 
     from .admission import Gate, Ticket
     from .sending import Send
@@ -40,6 +42,8 @@ class Services:
     ready: bool = False  # warm-up done (ops.warm_up)
     draining: bool = False  # SIGTERM came (ops.drain)
     openapi: dict | None = None  # the OpenAPI document, built on first use
+    stats: Row | None = None  # Triton's statistics: the server's table, this worker's row (triton_ext)
+    shm: Registry | None = None  # client shared-memory regions, when ATTN_ALLOW_CLIENT_SHM (triton_ext)
 
     def readiness(self) -> str:
         """This worker's readiness, the one source for both front doors (/readyz and /v2's ready

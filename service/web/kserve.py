@@ -35,6 +35,7 @@ from schemas.jobs import AttentionJob, MhaJob
 from service import wire
 from service.config import VERSION, Settings
 
+from . import shared_memory
 from .compute import cost, run, validate
 from .context import services
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
@@ -43,7 +44,7 @@ bp = Blueprint("kserve", __name__, url_prefix="/v2")
 
 SERVER_NAME = "attention-service"
 MODEL_VERSION = "1"
-EXTENSIONS = ["binary_tensor_data", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]  # and system_shared_memory where allowed
 PLATFORM = "numpy"  # the metadata's platform, and the configuration's platform and backend
 
 DATATYPES = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}  # -> wire dtypes
@@ -169,7 +170,8 @@ def _known_model() -> None:
 @bp.get("")
 def server_metadata():
     """The server's name, version and protocol extensions."""
-    return json_response({"name": SERVER_NAME, "version": VERSION, "extensions": EXTENSIONS})
+    extensions = EXTENSIONS + (["system_shared_memory"] if services().shm is not None else [])
+    return json_response({"name": SERVER_NAME, "version": VERSION, "extensions": extensions})
 
 
 @bp.get("/health/live")
@@ -282,7 +284,7 @@ def infer(name: str, version: str | None = None):
 class InferRequest:
     job: AttentionJob | MhaJob
     id: str | None
-    outputs: list[tuple[str, bool]]  # (name, as binary) in response order
+    outputs: list[tuple[str, bool | shared_memory.Place]]  # (name, as binary, or the region it goes to) in response order
 
 
 def load_infer(model: Model) -> InferRequest:
@@ -327,7 +329,9 @@ def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray
             dtype = np.dtype(job.weights_dtype or arr.dtype) if name == "weights" else arr.dtype  # weights_dtype: FP16 weights
             arr = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<"))
             entry: dict[str, Any] = {"name": name, "datatype": OUTPUT_DATATYPES[arr.dtype], "shape": list(arr.shape)}
-            if binary:
+            if isinstance(binary, shared_memory.Place):
+                entry["parameters"] = binary.write(arr, name)
+            elif binary:
                 entry["parameters"] = {"binary_data_size": arr.nbytes}
                 blobs.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
             else:
@@ -439,15 +443,18 @@ def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
         if name in requested:
             raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
         out_params = _object(spec.get("parameters", {}), f"output {name} parameters", "outputs")
-        unsupported = sorted(set(out_params) - {"binary_data"})
+        unsupported = sorted(set(out_params) - {"binary_data"} - shared_memory.PARAMETERS)
         if unsupported:
             raise RequestError(
                 "bad_option",
-                f"output {name} has parameters {wire.show_names(unsupported)}; the only one supported is binary_data.",
+                f"output {name} has parameters {wire.show_names(unsupported)}; those supported are binary_data and "
+                f"{', '.join(sorted(shared_memory.PARAMETERS))}.",
                 "outputs",
             )
         if "binary_data" in out_params:
             binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data", "outputs")
+        if (where := shared_memory.place(out_params, f"output {name}", "outputs")) is not None:
+            binary_default[name] = where
         requested.append(name)
     return requested
 
@@ -483,13 +490,18 @@ def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
     dtype = DATATYPES[datatype]
     shape = spec.get("shape")  # wire.decode checks it: a list of positive integers
     params = _object(spec.get("parameters", {}), f"input {name} parameters", name)
-    unsupported = sorted(set(params) - {"binary_data_size"})
+    unsupported = sorted(set(params) - {"binary_data_size"} - shared_memory.PARAMETERS)
     if unsupported:
         raise RequestError(
             "bad_option",
-            f"input {name} has parameters {wire.show_names(unsupported)}; the only one supported is binary_data_size (no shared memory).",
+            f"input {name} has parameters {wire.show_names(unsupported)}; those supported are binary_data_size and "
+            f"{', '.join(sorted(shared_memory.PARAMETERS))}.",
             name,
         )
+    if (where := shared_memory.place(params, f"input {name}", name)) is not None:
+        if "data" in spec or "binary_data_size" in params:
+            raise RequestError("bad_encoding", f"input {name} is in shared memory and has data or binary_data_size too; send one.", name)
+        return {"shape": shape, "dtype": dtype, "b64": wire.Payload(shared_memory.read_input(where, name))}
     if "binary_data_size" in params:
         size = params["binary_data_size"]
         if type(size) is not int or size < 0:

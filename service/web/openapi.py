@@ -27,7 +27,7 @@ from service.config import VERSION, Settings
 from service.cost import FORMULA
 from service.wire import WIRE_DTYPES
 
-from . import kserve
+from . import kserve, triton_ext
 from .context import services
 from .http import MAX_REQUEST_ID, html_policy, json_response
 
@@ -412,7 +412,7 @@ def _json(description: str, schema: str) -> dict:
 
 
 def _limits_schema(settings: Settings) -> dict:
-    kinds = {int: "integer", "int": "integer", str: "string", "str": "string"}
+    kinds = {int: "integer", "int": "integer", str: "string", "str": "string", bool: "boolean", "bool": "boolean"}
     props = {f.name: {"type": kinds.get(f.type, "string")} for f in dataclass_fields(settings) if f.name in settings.limits()}
     props["server_slots"] = {
         "type": "integer",
@@ -498,6 +498,7 @@ V2_SUMMARIES = {
     "model_config": "Model Configuration (Triton's extension)",
     "model_ready": "Model Ready",
     "infer": "Inference",
+    **{endpoint: summary for endpoint, (summary, *_) in triton_ext.OPERATIONS.items()},
 }
 BINARY_NOTE = (
     " The binary tensor data extension: an input may carry parameters.binary_data_size (bytes) instead of data; "
@@ -540,6 +541,13 @@ def _v2_paths(settings: Settings, rules: list, views: dict) -> dict:
                     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
                 },
             }
+        if endpoint.startswith("shm_"):
+            op["description"] += triton_ext.SHM_NOTE
+        if endpoint == "shm_register":
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": _ref("system_shared_memory_register_request")}},
+            }
         if params:
             op["parameters"] = params
         for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
@@ -556,6 +564,13 @@ _V2_PATH_PARAMETERS = {
         "schema": {"type": "string", "enum": [kserve.MODEL_VERSION]},
         "description": "the only version of each model",
     },
+    "region": {
+        "name": "region",
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "example": "input0"},
+        "description": "a system shared-memory region's name, the client's choice",
+    },
 }
 INFERENCE_HEADER_PARAMETER = {
     "name": "Inference-Header-Content-Length",
@@ -568,6 +583,10 @@ INFERENCE_HEADER_PARAMETER = {
 
 def _v2_responses(settings: Settings, endpoint: str) -> dict:
     errors: dict[str, Any] = {"body": "inference_error_response", "descriptions": V2_ERROR_DESCRIPTIONS}
+    if endpoint in triton_ext.OPERATIONS:
+        _, body, statuses = triton_ext.OPERATIONS[endpoint]
+        guarded = _auth(settings) if endpoint in ("shm_register", "shm_unregister") else ()  # auth.COMPUTE_PATH
+        return {"200": _json("OK", body), **_errors(*statuses, *guarded, **errors)}
     model = (404,) if endpoint.startswith("model_") else ()
     if endpoint in ("ready", "model_ready"):
         body = "server_ready_response" if endpoint == "ready" else "model_ready_response"
@@ -633,8 +652,13 @@ def _v2_schemas(native: dict) -> dict:
     element = {"oneOf": [{"type": "number"}, boolean]}
     return {
         "metadata_server_response": _obj(
-            {"name": string, "version": string, "extensions": {"type": "array", "items": {"type": "string", "enum": kserve.EXTENSIONS}}}
+            {
+                "name": string,
+                "version": string,
+                "extensions": {"type": "array", "items": {"type": "string", "enum": [*kserve.EXTENSIONS, "system_shared_memory"]}},
+            }
         ),
+        **triton_ext.SCHEMAS,
         "server_live_response": _obj({"live": boolean}),
         "server_ready_response": _obj({"ready": boolean}),
         "model_ready_response": _obj({"name": model_name, "ready": boolean}),
