@@ -20,7 +20,7 @@ import tritonclient.utils.shared_memory as triton_shm
 from service.config import Settings
 from service.web.app import create_app
 
-from .helpers import assert_seed_answered, serving, wait_until
+from .helpers import assert_seed_answered, wait_until
 
 rng = np.random.default_rng(7)
 Q, K, V = (rng.standard_normal((2, 4, 16, 8), dtype=np.float32) for _ in range(3))
@@ -121,10 +121,9 @@ def test_shared_memory_is_refused_unless_allowed(client):
 # --- a live server of two workers, shared memory allowed ---------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server():
-    with serving({"ATTN_ALLOW_CLIENT_SHM": "true", "WEB_CONCURRENCY": "2"}) as srv:
-        yield srv
+@pytest.fixture
+def server(shm_server):
+    return shm_server
 
 
 def infer_pids(srv, after: int = 0) -> set[int]:
