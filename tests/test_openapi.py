@@ -71,6 +71,11 @@ V2_OPERATIONS = {
     ("post", "/v2/systemsharedmemory/region/{region}/register"),
     ("post", "/v2/systemsharedmemory/unregister"),
     ("post", "/v2/systemsharedmemory/region/{region}/unregister"),
+    ("get", "/v2/cudasharedmemory/status"),
+    ("get", "/v2/cudasharedmemory/region/{region}/status"),
+    ("post", "/v2/cudasharedmemory/region/{region}/register"),
+    ("post", "/v2/cudasharedmemory/unregister"),
+    ("post", "/v2/cudasharedmemory/region/{region}/unregister"),
 }
 
 

@@ -178,7 +178,9 @@ def test_tritonclient_shared_memory_answers_as_the_binary_wire(server):
     inputs_region = triton_shm.create_shared_memory_region(f"in-{stem}", f"/attn-in-{stem}", 3 * in_bytes)
     outputs_region = triton_shm.create_shared_memory_region(f"out-{stem}", f"/attn-out-{stem}", out_bytes + weights_bytes)
     try:
-        client.unregister_system_shared_memory()
+        client.unregister_system_shared_memory()  # the example's clean start: both kinds
+        client.unregister_cuda_shared_memory()
+        assert client.get_cuda_shared_memory_status() == []
         triton_shm.set_shared_memory_region(inputs_region, [Q, K, V])
         client.register_system_shared_memory(f"in-{stem}", f"/attn-in-{stem}", 3 * in_bytes)
         client.register_system_shared_memory(f"out-{stem}", f"/attn-out-{stem}", out_bytes + weights_bytes)
@@ -386,6 +388,16 @@ def test_a_fifo_named_as_a_key_is_refused_without_blocking(shm_app):
         assert resp.status_code == 400 and "not a regular file" in resp.get_json()["error"]
     finally:
         os.unlink(os.path.join(directory, name))
+
+
+def test_cuda_shared_memory_has_no_region(shm_app):
+    """No GPU: nothing to list or unregister (perf_analyzer and the tritonclient example clean up
+    both kinds), and registering is a 400."""
+    client = shm_app.test_client()
+    assert client.post("/v2/cudasharedmemory/unregister").status_code == 200
+    assert client.get("/v2/cudasharedmemory/status").get_json() == []
+    resp = client.post("/v2/cudasharedmemory/region/g/register", json={"raw_handle": {"b64": ""}, "device_id": 0, "byte_size": 8})
+    assert resp.status_code == 400 and "no GPU" in resp.get_json()["error"]
 
 
 def test_a_malformed_register_request_is_400(shm_app):

@@ -12,7 +12,7 @@ from flask import Flask, request
 from .context import services
 from .errors import ApiError
 
-COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer|/v2/systemsharedmemory(/region/[^/]+)?/\w+")
+COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer|/v2/(system|cuda)sharedmemory(/region/[^/]+)?/\w+")
 
 
 def key_ok(authorization: str | None, keys: tuple[str, ...]) -> bool:

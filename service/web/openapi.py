@@ -541,9 +541,9 @@ def _v2_paths(settings: Settings, rules: list, views: dict) -> dict:
                     "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
                 },
             }
-        if endpoint.startswith("shm_"):
+        if "shm_" in endpoint:
             op["description"] += triton_ext.SHM_NOTE
-        if endpoint == "shm_register":
+        if endpoint.endswith("shm_register"):
             op["requestBody"] = {
                 "required": True,
                 "content": {"application/json": {"schema": _ref("system_shared_memory_register_request")}},
@@ -585,7 +585,7 @@ def _v2_responses(settings: Settings, endpoint: str) -> dict:
     errors: dict[str, Any] = {"body": "inference_error_response", "descriptions": V2_ERROR_DESCRIPTIONS}
     if endpoint in triton_ext.OPERATIONS:
         _, body, statuses = triton_ext.OPERATIONS[endpoint]
-        guarded = _auth(settings) if endpoint in ("shm_register", "shm_unregister") else ()  # auth.COMPUTE_PATH
+        guarded = _auth(settings) if endpoint.endswith(("shm_register", "shm_unregister")) else ()  # auth.COMPUTE_PATH
         return {"200": _json("OK", body), **_errors(*statuses, *guarded, **errors)}
     model = (404,) if endpoint.startswith("model_") else ()
     if endpoint in ("ready", "model_ready"):

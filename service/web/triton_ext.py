@@ -165,6 +165,36 @@ def shm_unregister(region: str | None = None):
     return json_response({})
 
 
+# CUDA shared memory: this server has no GPU, so no CUDA region can be registered, and there is
+# never one to unregister or list. The routes exist because Triton's clients clean up both kinds:
+# perf_analyzer --shared-memory system unregisters every CUDA region too, and stops if that fails.
+
+
+@bp.get("/cudasharedmemory/status")
+@bp.get("/cudasharedmemory/region/<region>/status")
+def cuda_shm_status(region: str | None = None):
+    """CUDA shared-memory regions: none (this server has no GPU); a name is 400."""
+    registry()
+    if region is not None:
+        raise RequestError(CODE, f"no CUDA shared-memory region named {region!r} is registered: this server has no GPU.")
+    return json_response([])
+
+
+@bp.post("/cudasharedmemory/region/<region>/register")
+def cuda_shm_register(region: str):
+    """Always 400: this server has no GPU; use system shared memory."""
+    registry()
+    raise RequestError(CODE, "This server has no GPU: CUDA shared memory cannot be registered; use system shared memory.")
+
+
+@bp.post("/cudasharedmemory/unregister")
+@bp.post("/cudasharedmemory/region/<region>/unregister")
+def cuda_shm_unregister(region: str | None = None):
+    """Nothing to unregister (no CUDA region is ever registered here): 200."""
+    registry()
+    return json_response({})
+
+
 # --- the OpenAPI document's part (openapi.py) --------------------------------------------------------
 
 _COUNT = {"type": "integer", "minimum": 0}
@@ -232,6 +262,21 @@ OPERATIONS = {
     "shm_status": ("System Shared Memory Status (Triton's extension)", "system_shared_memory_status_response", (400,)),
     "shm_register": ("System Shared Memory Register (Triton's extension)", "system_shared_memory_response", (400, 415)),
     "shm_unregister": ("System Shared Memory Unregister (Triton's extension)", "system_shared_memory_response", (400,)),
+    "cuda_shm_status": (
+        "CUDA Shared Memory Status (Triton's extension; always empty: no GPU)",
+        "system_shared_memory_status_response",
+        (400,),
+    ),
+    "cuda_shm_register": (
+        "CUDA Shared Memory Register (Triton's extension; always 400: no GPU)",
+        "system_shared_memory_response",
+        (400, 415),
+    ),
+    "cuda_shm_unregister": (
+        "CUDA Shared Memory Unregister (Triton's extension; nothing to unregister)",
+        "system_shared_memory_response",
+        (400,),
+    ),
 }
 SHM_NOTE = (
     " Off unless the server runs with ATTN_ALLOW_CLIENT_SHM=true (400 otherwise). An infer input or requested output "
