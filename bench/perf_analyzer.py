@@ -97,14 +97,27 @@ def ensure_libb64(binary: Path, env: dict[str, str]) -> None:
         raise SystemExit(f"perf_analyzer cannot load {', '.join(missing)} (libb64.so.0d: apt-get install libb64-0d)")
 
 
-def input_file(length: int, seed: int = 0) -> Path:
-    """perf_analyzer's --input-data JSON: q, k, v (B, H, T, D) float32 as b64, with their shapes."""
+# perf_analyzer 2.40 sends every input through shared memory, and stops when an optional input has
+# no data ("does not support optional inputs at this time"): with --shared-memory system every row
+# sends these too, values that leave the computation as it is (every key allowed, nothing added).
+NO_OP_INPUTS = {
+    "mask": np.ones((1, 1, 1, 1), np.bool_),
+    "key_lengths": None,  # (1, 1) int64 of T: every key
+    "bias": np.zeros((1, 1, 1, 1), np.float32),
+    "alibi_slopes": np.zeros((1, 1), np.float32),
+}
+
+
+def input_file(length: int, seed: int = 0, optional: bool = False) -> Path:
+    """perf_analyzer's --input-data JSON: q, k, v (B, H, T, D) float32 as b64, with their shapes;
+    with optional, NO_OP_INPUTS too."""
     rng = np.random.default_rng(seed)
     shape = [B, H, length, D]
-    step = {
-        name: {"b64": base64.b64encode(rng.standard_normal(shape, dtype=np.float32).tobytes()).decode(), "shape": shape} for name in "qkv"
-    }
-    path = tool_dir() / "inputs" / f"attention-T{length}.json"
+    arrays = {name: rng.standard_normal(shape, dtype=np.float32) for name in "qkv"}
+    if optional:
+        arrays.update({name: np.full((1, 1), length, np.int64) if a is None else a for name, a in NO_OP_INPUTS.items()})
+    step = {name: {"b64": base64.b64encode(a.tobytes()).decode(), "shape": list(a.shape)} for name, a in arrays.items()}
+    path = tool_dir() / "inputs" / f"attention-T{length}{'-all' if optional else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"data": [step]}))
     return path
@@ -186,7 +199,7 @@ def main() -> None:
     venv = ensure_venv()
     binary, env = venv / "bin" / "perf_analyzer", tool_env(venv)
     ensure_libb64(binary, env)
-    inputs = {length: input_file(length) for length in lengths}
+    inputs = {length: input_file(length, optional=memories != ["none"]) for length in lengths}
 
     load_start = os.getloadavg()
     server = Server("perf-analyzer", env={"ATTN_ALLOW_CLIENT_SHM": "true"}, inherit_settings=False)  # as `make run`, with shared memory
@@ -210,7 +223,14 @@ def main() -> None:
             "",
             f"`{command}`: perf_analyzer (tritonclient 2.40.0) -m {MODEL} -i http, synchronous, --concurrency-range c:c,",
             f"--measurement-interval {args.window_ms} ms, --stability-percentage {args.stability}, --max-trials {args.max_trials};",
-            f"q, k, v ({B}, {H}, T, {D}) float32, both outputs (out, weights), as binary data or through system shared memory;"
+            f"q, k, v ({B}, {H}, T, {D}) float32"
+            + (
+                ", and mask, key_lengths, bias, alibi_slopes that change nothing (all keys, nothing added: perf_analyzer's shared memory"
+                " sends every input)"
+                if memories != ["none"]
+                else ""
+            )
+            + "; both outputs (out, weights, lse), as binary data or through system shared memory;"
             " the server as `make run` starts it, with ATTN_ALLOW_CLIENT_SHM=true. The server's columns: its statistics"
             " extension's averages per request (queue: waiting for a compute slot; compute input: decoding and validating;"
             " compute infer: the core; compute output: encoding, and writing outputs to shared memory).",

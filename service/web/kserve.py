@@ -330,7 +330,7 @@ def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray
             arr = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<"))
             entry: dict[str, Any] = {"name": name, "datatype": OUTPUT_DATATYPES[arr.dtype], "shape": list(arr.shape)}
             if isinstance(binary, shared_memory.Place):
-                entry["parameters"] = binary.write(arr, name)
+                binary.write(arr, name)  # answered with neither data nor parameters, as Triton does (its C++ client requires so)
             elif binary:
                 entry["parameters"] = {"binary_data_size": arr.nbytes}
                 blobs.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer

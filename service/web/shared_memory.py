@@ -8,7 +8,6 @@ ATTN_MAX_BODY_BYTES (as its body would be), and turns every refusal into a 400."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from flask import g
@@ -47,8 +46,8 @@ class Place:
     offset: int
     byte_size: int
 
-    def write(self, arr: np.ndarray, name: str) -> dict[str, Any]:
-        """Write arr's bytes here; the response output's parameters (the region, its size)."""
+    def write(self, arr: np.ndarray, name: str) -> None:
+        """Write arr's bytes here."""
         if arr.nbytes > self.byte_size:
             raise RequestError(
                 CODE,
@@ -60,7 +59,6 @@ class Place:
             shm.write(self.region, self.offset, memoryview(arr).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
         except shm.ShmError as err:
             raise refused(err, "outputs") from None
-        return {REGION: self.region.name, SIZE: arr.nbytes, **({OFFSET: self.offset} if self.offset else {})}
 
 
 def place(params: dict, what: str, field: str) -> Place | None:
