@@ -24,8 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
+import pytest
 import requests
 from threadpoolctl import threadpool_limits
 
@@ -96,6 +98,20 @@ def big_body(T: int, weights: bool = True, seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
     doc = {name: b64(rng.standard_normal((1, 8, T, 64))) for name in ("q", "k", "v")}
     return json.dumps({**doc, "return_weights": weights}).encode()
+
+
+# --- the system tools some tests need -----------------------------------------------------------
+
+REQUIRE_TOOLS = "ATTN_REQUIRE_TOOLS"  # "1" (.ci/run sets it): a missing tool fails the test
+
+
+def unavailable(reason: str) -> NoReturn:
+    """A system tool a test needs (Chromium, Prometheus, a container engine) is missing and
+    cannot be installed here: the test is skipped, saying why; where ATTN_REQUIRE_TOOLS=1 it fails
+    instead, so that a green run has run every test."""
+    if os.environ.get(REQUIRE_TOOLS) == "1":
+        pytest.fail(f"{REQUIRE_TOOLS}=1, and {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 # --- a real server on loopback -----------------------------------------------------------------
@@ -313,14 +329,40 @@ def raw_exchange(
     return out
 
 
-def set_blocks(monkeypatch, elements: int, rows: int) -> None:
-    """The numeric core's blocking made small for a test: BLOCK_ELEMENTS scores a block, at least
-    rows rows, and 3 causal blocks, so that small arrays make many blocks."""
+# The promise (docs/api.md): each row of the weights with an allowed key sums to 1 within 1e-6 in
+# float32 and 1e-12 in float64; a row with none is all zeros.
+ROW_SUM_TOLERANCE = {np.dtype(np.float32): 1e-6, np.dtype(np.float64): 1e-12}
+
+
+def assert_rows_sum_to_one(weights: np.ndarray, has_key) -> None:
+    """The promise above, for weights (..., T, S) whose rows has_key (broadcast to (..., T)) have
+    an allowed key. The sum is taken in float64: the error measured is the weights', not the sum's."""
+    sums = np.asarray(weights, np.float64).sum(-1)
+    has_key = np.broadcast_to(has_key, sums.shape)
+    np.testing.assert_allclose(sums[has_key], 1, rtol=0, atol=ROW_SUM_TOLERANCE[weights.dtype])
+    assert (sums[~has_key] == 0).all()
+
+
+def set_blocks(monkeypatch, elements: int, rows: int) -> list:
+    """The numeric core's blocking made small for a test: every problem in blocks (none is sent to
+    reference() for being small), BLOCK_ELEMENTS scores a block, at least rows rows, and 3 causal
+    blocks, so that small arrays make many blocks. Returns the plans attention() makes from then
+    on (a list that fills), so that a test can check the blocks it meant to run did run."""
     from service.core import kernels
 
+    monkeypatch.setattr(kernels, "SMALL_SHARE", 2**62)
     monkeypatch.setattr(kernels, "BLOCK_ELEMENTS", elements)
     monkeypatch.setattr(kernels, "MIN_ROWS", rows)
     monkeypatch.setattr(kernels, "CAUSAL_BLOCKS", 3)
+    plans: list = []
+    real = kernels.plan
+
+    def plan(*args, **kwargs):
+        plans.append(made := real(*args, **kwargs))
+        return made
+
+    monkeypatch.setattr(kernels, "plan", plan)  # attention()'s own; the cost model's core.plan is another name
+    return plans
 
 
 class JsonHandler(BaseHTTPRequestHandler):

@@ -342,6 +342,7 @@ REJECT = [
     ("encoding xml", with_(response_encoding="xml"), 422, "bad_option", "response_encoding"),
     ("negative scale", with_(scale=-1.0), 422, "bad_option", "scale"),
     ("key_lengths past S", with_(key_lengths=4), 422, "bad_option", "key_lengths"),
+    ("key_lengths negative", with_(key_lengths=-1), 422, "bad_option", "key_lengths"),
     ("key_lengths floats", with_(key_lengths=2.5), 422, "bad_type", "key_lengths"),
     ("key_lengths wraps int32", with_(key_lengths={"shape": [1], "dtype": "int32", "data": [4294967297]}), 422, "bad_type", "key_lengths"),
     ("key_lengths past int64", with_(key_lengths=[2**63 + 1] * 64), 422, "bad_option", "key_lengths"),

@@ -28,6 +28,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from . import faults
 from .helpers import WORKED, assert_seed_answered, raw_exchange, start_server, stop_server, wait_until
 
 pytestmark = pytest.mark.live
@@ -246,6 +247,7 @@ NUMBERS = [
     Case("number-float-where-int-heads", mha(heads=2.0), 422, "bad_type", path="/mha"),
     Case("number-float-where-int-key-lengths", batched(key_lengths=[1.5]), 422, "bad_type"),
     Case("number-key-lengths-2**63", batched(key_lengths=[2**63]), 422, "bad_option"),
+    Case("number-key-lengths-negative", batched(key_lengths=[-1]), 422, "bad_option", message_has="key_lengths", field_is="key_lengths"),
     Case(
         "number-key-lengths-int32-4294967297",
         batched(key_lengths={"shape": [1], "dtype": "int32", "data": [4294967297]}),
@@ -1078,6 +1080,20 @@ PROTOCOL = [
         path=V2,
     ),
     Case(
+        "v2-key-lengths-negative",
+        v2(
+            inputs=[
+                {"name": n, "datatype": "FP32", "shape": [1, 3, 2], "data": d["data"]}
+                for n, d in zip("qkv", V2_SEED["inputs"], strict=True)
+            ]
+            + [{"name": "key_lengths", "datatype": "INT64", "shape": [1], "data": [-1]}]
+        ),
+        400,
+        path=V2,
+        message_has="key_lengths",
+        field_is="key_lengths",
+    ),
+    Case(
         "v2-overflow-no-weights",
         {
             "inputs": [
@@ -1132,33 +1148,33 @@ def test_a_long_name_is_cut_in_the_error_and_the_log(attack_server, path, body):
     assert log.stat().st_size - before < 20_000
 
 
-def test_v2_readiness_follows_draining():
+def test_v2_readiness_follows_draining(tmp_path):
     """/v2/health/ready and /v2/models/<m>/ready say 503 whenever /readyz does: one source of
-    readiness. One worker, kept busy by a slow request so that it drains rather than exits."""
-    proc, url = start_server({"WEB_CONCURRENCY": "1"})
+    readiness. One worker, kept busy by a request held in the core on purpose (tests/faults.py) so
+    that it drains rather than exits, until the test has seen it draining."""
+    held = faults.Held(tmp_path)
+    proc, url = start_server({"WEB_CONCURRENCY": "1", **faults.faulty_env(tmp_path / "site", "hold", tmp_path)})
     try:
         wait_until(lambda: requests.get(f"{url}/v2/health/ready", timeout=5).status_code == 200, timeout=30)
         sessions = {path: requests.Session() for path in ("/readyz", "/v2/health/ready", "/v2/models/attention/ready")}
         for path, session in sessions.items():
             assert session.get(f"{url}{path}", timeout=5).status_code == 200  # kept-alive connections
-        rng = np.random.default_rng(0)
-        # ~2**26 scores without weights: a second or more of compute, a small answer (a 16.8 MB body)
-        slow = json.dumps({**{n: b64(rng.standard_normal((4, 4096, 64))) for n in ("q", "k", "v")}, "return_weights": False}).encode()
         done = {}
         client = threading.Thread(
-            target=lambda: done.update(status=requests.post(f"{url}/attention", data=slow, headers=JSON, timeout=120).status_code)
+            target=lambda: done.update(status=requests.post(f"{url}/attention", json=attn(scale=faults.TRIGGER), timeout=300).status_code)
         )
         client.start()
-        wait_until(
-            lambda: "attention_admission_running_requests 1.0" in requests.get(f"{url}/metrics", timeout=5).text, timeout=60, interval=0.02
-        )
+        wait_until(lambda: held.entered() == 1, timeout=60, what="the request reached the core")
         os.kill(proc.pid, signal.SIGTERM)
-        wait_until(lambda: sessions["/readyz"].get(f"{url}/readyz", timeout=5).status_code == 503, timeout=10, interval=0.05)
+        wait_until(lambda: sessions["/readyz"].get(f"{url}/readyz", timeout=5).status_code == 503, timeout=60, interval=0.02)
         for path in ("/v2/health/ready", "/v2/models/attention/ready"):
             assert sessions[path].get(f"{url}{path}", timeout=5).status_code == 503, path
-        client.join(timeout=120)
+        assert client.is_alive()  # the worker drained with the request in flight
+        held.release()
+        client.join(timeout=300)
         assert done.get("status") == 200
     finally:
+        held.release()  # so that a test that failed holding it stops its server at once
         stop_server(proc)
 
 

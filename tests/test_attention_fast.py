@@ -11,6 +11,7 @@ from service.core import ScoreOverflow, Stopped, attention, causal_mask
 from service.core import kernels as core
 
 from . import oracle
+from .helpers import assert_rows_sum_to_one, set_blocks
 
 
 def straightforward(q, k, v, mask=None, *, causal=False, key_lengths=None, scale=None):
@@ -37,12 +38,11 @@ def straightforward(q, k, v, mask=None, *, causal=False, key_lengths=None, scale
 @pytest.fixture(params=[(2**40, 16), (24, 3), (7, 1)], ids=["one block", "blocks of 3 rows", "rows and batch split"])
 def blocks(request, monkeypatch):
     """Block sizes: one block for everything, small blocks whose edges fall mid-diagonal, and
-    blocks of a single row and batch item."""
-    elements, rows = request.param
-    monkeypatch.setattr(core, "BLOCK_ELEMENTS", elements)
-    monkeypatch.setattr(core, "MIN_ROWS", rows)
-    monkeypatch.setattr(core, "CAUSAL_BLOCKS", 3)
-    return request.param
+    blocks of a single row and batch item; every problem in blocks, however small (checked after
+    the test: none went to reference())."""
+    plans = set_blocks(monkeypatch, *request.param)
+    yield request.param
+    assert plans and not any(p.reference for p in plans), "the blocked path never ran"
 
 
 CASES = [
@@ -100,9 +100,26 @@ def test_blocks_equal_straightforward_and_oracle(blocks, rng, lead, T, S, mask_s
     np.testing.assert_allclose(w, expect_w, atol=tol)
     assert (w[expect_w == 0] == 0).all()  # masked weights exactly 0
     has_key = expect_w.sum(-1) > 0
-    np.testing.assert_allclose(w.sum(-1)[has_key], 1, atol=tol)
-    assert (w.sum(-1)[~has_key] == 0).all()
+    assert_rows_sum_to_one(w, has_key)
     assert (out[~has_key] == 0).all() and (out_nw[~has_key] == 0).all()  # never NaN
+
+
+@pytest.mark.parametrize("S", [3, 1000, 2**16])
+@pytest.mark.parametrize("spread", [0.1, 3.0, 30.0], ids=["near-uniform", "ordinary", "peaked"])
+@pytest.mark.parametrize("small", [True, False], ids=["reference", "blocks"])
+def test_float32_rows_sum_to_one_within_the_promise(monkeypatch, rng, S, spread, small):
+    """docs/api.md: a row's float32 weights sum to 1 within 1e-6 (summed in float64), however many
+    keys, on either path, with and without a causal mask."""
+    monkeypatch.setattr(core, "SMALL_SHARE", 1 if small else 2**62)  # every problem to one path
+    monkeypatch.setattr(core, "BLOCK_ELEMENTS", 2**40 if small else 2**14)
+    T = max(2, min(32, 2**20 // S))
+    q = (rng.standard_normal((2, T, 8)) * spread).astype(np.float32)
+    k, v = rng.standard_normal((2, S, 8)).astype(np.float32), rng.standard_normal((2, S, 4)).astype(np.float32)
+    for causal in (False, "bottom_right"):
+        assert core.plan(2, T, S, 4, causal=causal).reference == small
+        _, w = attention(q, k, v, causal=causal)
+        assert w.dtype == np.float32
+        assert_rows_sum_to_one(w, causal_mask(T, S, "bottom_right").any(-1) if causal else True)
 
 
 def test_fully_masked_rows_in_every_block(blocks):

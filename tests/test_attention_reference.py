@@ -14,7 +14,7 @@ from service.core import ResultOverflow, ScoreOverflow, attention, reference
 from service.core import kernels as core
 
 from . import oracle
-from .helpers import set_blocks
+from .helpers import assert_rows_sum_to_one, set_blocks
 
 CAUSAL = [False, True, "top_left", "bottom_right"]
 
@@ -62,8 +62,7 @@ def test_the_blocks_equal_the_reference_and_the_reference_the_oracle(problem, re
     kw = {name: value for name, value in options.items() if name != "mask"}
     ref_out, ref_w = reference(q, k, v, mask, return_weights=return_weights, **kw)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(core, "SMALL_SHARE", 2**62)  # every problem in blocks, small ones of a few rows
-        set_blocks(mp, 12, 2)
+        set_blocks(mp, 12, 2)  # every problem in blocks, small ones of a few rows
         out, w = attention(q, k, v, mask, return_weights=return_weights, **kw)
     expect_out, expect_w = oracle_of(q, k, v, options)
     tol = 1e-5 if q.dtype == np.float32 else 1e-12
@@ -74,6 +73,9 @@ def test_the_blocks_equal_the_reference_and_the_reference_the_oracle(problem, re
         np.testing.assert_allclose(w, ref_w, atol=tol, rtol=tol)
         np.testing.assert_allclose(ref_w, expect_w, atol=tol, rtol=tol)
         assert (ref_w[expect_w == 0] == 0).all() and (w[expect_w == 0] == 0).all()  # hidden keys: exactly 0
+        if not options["average_weights"]:  # (an average over heads sums to the share of heads with a key)
+            assert_rows_sum_to_one(w, expect_w.sum(-1) > 0)
+            assert_rows_sum_to_one(ref_w, expect_w.sum(-1) > 0)
     else:
         assert w is None and ref_w is None
 
@@ -93,7 +95,6 @@ def test_lse_equals_the_oracle_on_either_path(problem, return_weights):
     for blocks in (False, True):
         with pytest.MonkeyPatch.context() as mp:
             if blocks:
-                mp.setattr(core, "SMALL_SHARE", 2**62)
                 set_blocks(mp, 12, 2)
             out, w, lse = attention(q, k, v, mask, return_weights=return_weights, return_lse=True, **kw)
             plain_out, plain_w = attention(q, k, v, mask, return_weights=return_weights, **kw)

@@ -20,9 +20,11 @@ from .helpers import set_blocks
 
 @pytest.fixture(params=[(2**9, 4), (2**7, 1)], ids=["blocks of 4 rows", "single rows and items"])
 def blocks(request, monkeypatch):
-    """Small blocks, so that small arrays make many blocks to share (split by batch item and by rows)."""
-    set_blocks(monkeypatch, *request.param)
-    return request.param
+    """Small blocks, so that small arrays make many blocks to share (split by batch item and by
+    rows); checked after the test: some problem was in more than one block."""
+    plans = set_blocks(monkeypatch, *request.param)
+    yield request.param
+    assert any(p.count > 1 for p in plans), "no problem was split in blocks"
 
 
 @pytest.fixture(scope="module")

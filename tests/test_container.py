@@ -1,10 +1,10 @@
 """The image and the Kubernetes manifests, built and run for real in a container engine.
 
 Engine, in order: `ATTN_CONTAINER_ENGINE=docker|podman` forces one, used as it is; a Docker
-engine that answers is used as it is (such a machine reaches a registry); else
-`../shared/tools/container-sandbox` (beside the repo) installs podman and a local
-python:3.11-slim built from Debian, for machines with no registry; else a podman on PATH.
-Only where none of these can be had do the tests skip, and they say why.
+engine that answers is used as it is (such a machine reaches a registry); else, as root,
+`../shared/tools/container-sandbox` (beside the repo, as CI lays it) installs podman and a local
+python:3.11-slim built from Debian, for machines with no registry (as .ci/run's are); else a podman on PATH. Only where none of these
+can be had do the tests skip, and they say why (they fail under ATTN_REQUIRE_TOOLS=1).
 
 The image is built once per session, under a tag of its own (removed at the end), so that two
 runs side by side never run each other's image; calls to the sandbox are serialized through a file
@@ -31,11 +31,11 @@ import pytest
 import requests
 import yaml
 
-from .helpers import ROOT, WORKED_OUT, WORKED_WEIGHTS, Q, V, free_port
+from .helpers import ROOT, WORKED_OUT, WORKED_WEIGHTS, Q, V, free_port, unavailable
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(900)]
 
-SANDBOX = ROOT.parent / "shared" / "tools" / "container-sandbox"
+SANDBOX = ROOT.parent / "shared" / "tools" / "container-sandbox"  # CI lays shared/ beside the clone
 SANDBOX_LOCK = Path(tempfile.gettempdir()) / "attention-container-sandbox.lock"
 IMAGE = f"localhost/attention-service:test-{uuid.uuid4().hex[:8]}"
 CONTAINER_PORT = 8000
@@ -89,7 +89,7 @@ def _find_engine() -> Engine:
         return Engine("podman", env, via_sandbox=True)
     if shutil.which("podman") and _answers(["podman", "info"]):
         return Engine("podman", env, via_sandbox=False)
-    pytest.skip(
+    unavailable(
         "no container engine: no Docker engine answers, no podman on PATH, and "
         f"{SANDBOX} (which installs podman as root) is absent or this user is not root"
     )

@@ -26,7 +26,7 @@ import yaml
 
 from bench import prometheus as prom_
 from bench.dashboard import b64_body, every_kind
-from tests.helpers import serving, wait_until, worker_pids
+from tests.helpers import serving, unavailable, wait_until, worker_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -40,7 +40,7 @@ def prometheus_installed():
     try:
         prom_.ensure_prometheus()
     except prom_.Unavailable as e:
-        pytest.skip(str(e))
+        unavailable(str(e))
 
 
 def promtool(*args: str, cwd: Path = PROM_DIR) -> str:

@@ -20,6 +20,9 @@ from urllib.parse import urljoin
 import numpy as np
 import pytest
 import requests
+from playwright.sync_api import sync_playwright
+
+from .helpers import unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path(os.environ.get("CHROMIUM", "/usr/bin/chromium"))
@@ -41,11 +44,12 @@ live = pytest.mark.live  # the browser tests; the first tests below need no brow
 
 
 def ensure_chromium() -> Path:
-    """Debian's Chromium, installed with apt-get if it is missing and we may; else skip, saying why."""
+    """Debian's Chromium, installed with apt-get if it is missing and we may; else skipped, saying
+    why (a failure under ATTN_REQUIRE_TOOLS=1)."""
     if CHROMIUM.is_file():
         return CHROMIUM
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        pytest.skip(
+        unavailable(
             f"the playground's browser test needs Chromium at {CHROMIUM}; it is missing and cannot be "
             "installed here (that needs root and apt-get): run `apt-get install chromium` as root"
         )
@@ -61,8 +65,7 @@ def ensure_chromium() -> Path:
 @pytest.fixture(scope="module")
 def browser():
     executable = ensure_chromium()
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in requirements-dev.txt: run make test")
-    with sync_api.sync_playwright() as pw:
+    with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=str(executable), args=CHROMIUM_ARGS)
         yield browser
         browser.close()

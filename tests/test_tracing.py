@@ -10,6 +10,10 @@ import sys
 import orjson
 import pytest
 import requests
+from opentelemetry.sdk import trace as sdk_trace
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from service.config import Settings
 from service.web import tracing
@@ -125,10 +129,6 @@ def test_no_opentelemetry_import_without_an_exporter():
 
 @pytest.fixture
 def spans(app):
-    sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     exporter = InMemorySpanExporter()
     provider = sdk_trace.TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -145,8 +145,6 @@ def test_one_span_per_request_with_phase_children(client, spans):
     finished = {s.name: s for s in spans.get_finished_spans()}
     assert set(finished) == {"POST /attention", "decode", "validate", "compute", "encode"}
     root = finished.pop("POST /attention")
-    from opentelemetry.trace import SpanKind
-
     # The root is the caller's child; the response's traceparent names the root.
     assert root.kind == SpanKind.SERVER and root.parent is not None and root.parent.is_remote
     assert (f"{root.parent.trace_id:032x}", f"{root.parent.span_id:016x}") == (TRACE_ID, PARENT_ID)
@@ -187,7 +185,6 @@ def test_live_spans_from_the_standard_variables():
     """A real server configured only by OTEL_TRACES_EXPORTER exports the request's span (the SDK's
     console exporter, on stdout), under the caller's span; the access line, the response's
     traceparent and the span share the trace and span ids."""
-    pytest.importorskip("opentelemetry.sdk.trace")
     with serving({"ATTN_WARMUP": "0", "OTEL_TRACES_EXPORTER": "console", "OTEL_BSP_SCHEDULE_DELAY": "50"}) as srv:
         r = requests.post(f"{srv.url}/attention", json=WORKED, headers={"traceparent": VALID, "X-Request-Id": "otel-live"}, timeout=30)
         assert r.status_code == 200
@@ -204,7 +201,6 @@ def test_live_spans_from_the_standard_variables():
 def test_an_exporter_that_is_not_installed_turns_tracing_off(caplog):
     """OTEL_TRACES_EXPORTER naming an exporter whose package is missing: a warning, and no
     provider, so no spans are made."""
-    pytest.importorskip("opentelemetry.sdk.trace")
     with caplog.at_level("WARNING", logger="service"):
         assert tracing._provider(("no_such_exporter",)) is None
     assert "no_such_exporter" in caplog.text
