@@ -79,3 +79,8 @@ def test_a_server_that_refuses_gets_the_binary_wire(live_server):
         np.testing.assert_array_equal(shm.attention(Q, K, V)[0], wire.attention(Q, K, V)[0])
         assert all(regions.refused for regions in shm._regions.values())  # noqa: SLF001 - the state the next call reads
         np.testing.assert_array_equal(shm.attention(Q, K, V)[1], wire.attention(Q, K, V)[1])
+
+
+def test_shared_memory_goes_with_the_binary_wire_only():
+    with pytest.raises(ValueError, match="binary wire"):
+        AttentionClient("http://127.0.0.1:1", shared_memory=True, wire="json")

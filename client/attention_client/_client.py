@@ -92,6 +92,8 @@ class AttentionClient:
         wire = wire or ("binary" if encoding is None else "json")
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}, not {wire!r}")
+        if shared_memory and wire != "binary":
+            raise ValueError('shared_memory=True takes the binary wire\'s door (/v2); it cannot go with wire="json"')
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls or not all(isinstance(u, str) for u in urls):
             raise ValueError(f"base_url must be a URL or a non-empty list of URLs, not {base_url!r}")
