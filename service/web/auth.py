@@ -1,4 +1,5 @@
-"""Authentication: with ATTN_API_KEYS set, the compute endpoints need `Authorization: Bearer <key>`
+"""Authentication: with ATTN_API_KEYS set, the compute endpoints (and the shared-memory register
+and unregister, which let a request read and write memory) need `Authorization: Bearer <key>`
 (401 unauthorized otherwise). Checked before anything else looks at the request, in constant time
 over every key, so that the time taken does not tell which key came close."""
 
