@@ -9,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import signal
 from multiprocessing import shared_memory
 
 import numpy as np
@@ -20,7 +21,7 @@ import tritonclient.utils.shared_memory as triton_shm
 from service.config import Settings
 from service.web.app import create_app
 
-from .helpers import assert_seed_answered, wait_until
+from .helpers import all_ready, assert_seed_answered, wait_for_workers, wait_until
 
 rng = np.random.default_rng(7)
 Q, K, V = (rng.standard_normal((2, 4, 16, 8), dtype=np.float32) for _ in range(3))
@@ -156,6 +157,33 @@ def test_statistics_count_every_worker(server):
         assert after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"] == sent
         assert after["inference_stats"]["fail"]["count"] - before["inference_stats"]["fail"]["count"] == 1
         assert after["inference_count"] - before["inference_count"] == sent
+
+
+@pytest.mark.live
+def test_statistics_outlive_a_worker(server):
+    """A worker killed takes none of the counts with it: they are the server's since it started,
+    and so are the regions registered."""
+    url, stem = server.url, secrets.token_hex(4)
+    region = shared_memory.SharedMemory(f"/attn-{stem}", create=True, size=64)
+    try:
+        assert register(url, stem, f"/attn-{stem}", 64).status_code == 200
+        for _ in range(4):
+            assert requests.post(f"{url}{INFER}", json=infer_body(), timeout=60).status_code == 200
+        before = requests.get(f"{url}/v2/models/attention/stats", timeout=30).json()["model_stats"][0]
+        pids = wait_for_workers(server.proc)
+        victim = min(pids)
+        os.kill(victim, signal.SIGKILL)
+        wait_for_workers(server.proc, gone=victim)
+        wait_until(lambda: all_ready(url), timeout=120, what="the new worker is ready")
+        for _ in range(8):  # whichever worker answers, old or new
+            after = requests.get(f"{url}/v2/models/attention/stats", timeout=30).json()["model_stats"][0]
+            assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"]
+            assert after["last_inference"] == before["last_inference"]
+            assert [r["name"] for r in requests.get(f"{url}/v2/systemsharedmemory/status", timeout=30).json()] == [stem]
+    finally:
+        requests.post(f"{url}/v2/systemsharedmemory/unregister", timeout=30)
+        region.close()
+        region.unlink()
 
 
 # --- tritonclient's shared-memory flow (its simple_http_shm_client example) ---------------------------
