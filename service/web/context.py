@@ -81,6 +81,7 @@ class RequestContext:
     answer_bytes: int = 0  # its answer's predicted bytes on the wire (cost.answer_bytes)
     stop_at: float | None = None  # perf_counter() past which its answer could not be sent by X-Deadline-Ms
     send: Send | None = None  # its answer in the worker's pipe of answers sending (sending.py), until written
+    shm_read: int = 0  # bytes its inputs in shared memory came to so far (shared_memory.read_input)
     # an error answer
     error_code: str | None = None
     error_field: str | None = None

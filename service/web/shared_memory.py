@@ -10,18 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from flask import g
 
 from schemas import RequestError
 from schemas.fields import show
 from service import shm
 
-from .context import services
+from .context import context, services
 
 REGION, OFFSET, SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
 PARAMETERS = frozenset({REGION, OFFSET, SIZE})
 CODE = "bad_shared_memory"  # errors.STATUS: 400
-_READ = "attention_shm_read"  # flask.g: the bytes this request has read from regions so far
 
 
 def registry() -> shm.Registry:
@@ -91,8 +89,8 @@ def place(params: dict, what: str, field: str) -> Place | None:
 def read_input(where: Place, name: str) -> memoryview:
     """Input name's bytes, read out of its region; the request's reads together within
     ATTN_MAX_BODY_BYTES."""
-    limit = services().settings.max_body_bytes
-    total = getattr(g, _READ, 0) + where.byte_size
+    limit, ctx = services().settings.max_body_bytes, context()
+    total = ctx.shm_read + where.byte_size
     if total > limit:
         raise RequestError(
             "too_large",
@@ -100,7 +98,7 @@ def read_input(where: Place, name: str) -> memoryview:
             "may bring (ATTN_MAX_BODY_BYTES).",
             name,
         )
-    setattr(g, _READ, total)
+    ctx.shm_read = total
     try:
         return shm.read(where.region, where.offset, where.byte_size)
     except shm.ShmError as err:
