@@ -431,3 +431,34 @@ def test_cuda_shared_memory_has_no_region(shm_app):
 def test_a_malformed_register_request_is_400(shm_app):
     resp = shm_app.test_client().post("/v2/systemsharedmemory/region/r/register", json={"key": "/x"})
     assert resp.status_code == 400 and '"key"' in resp.get_json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "pattern"),
+    [
+        ({"shared_memory_region": "r"}, "needs both shared_memory_region and shared_memory_byte_size"),
+        ({"shared_memory_byte_size": 64}, "needs both"),
+        ({"shared_memory_region": 5, "shared_memory_byte_size": 64}, "it must be a region's name"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": -1}, "it must be a byte count"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": 64, "shared_memory_offset": "0"}, "it must be a byte count"),
+        ({"shared_memory_region": "r", "shared_memory_byte_size": 64, "shared_memory_offset": 1 << 62}, "pass the end of region"),
+        ({"shared_memory_region": "elsewhere", "shared_memory_byte_size": 64}, "no shared-memory region named"),
+    ],
+    ids=["no-size", "no-region", "region-not-a-name", "negative-size", "offset-a-string", "offset-huge", "not-registered"],
+)
+def test_malformed_shared_memory_parameters_are_400(shm_app, parameters, pattern):
+    client, stem = shm_app.test_client(), secrets.token_hex(4)
+    obj = shared_memory.SharedMemory(f"/attn-{stem}", create=True, size=4096)
+    try:
+        assert client.post("/v2/systemsharedmemory/region/r/register", json={"key": f"/attn-{stem}", "byte_size": 4096}).status_code == 200
+        body = infer_body()
+        body["inputs"][0] = {"name": "q", "datatype": "FP32", "shape": list(Q.shape), "parameters": parameters}
+        resp = client.post(INFER, json=body)
+        assert resp.status_code == 400 and re.search(pattern, resp.get_json()["error"]), resp.get_json()
+        body = infer_body()
+        body["outputs"] = [{"name": "out", "parameters": parameters}]
+        resp = client.post(INFER, json=body)
+        assert resp.status_code == 400 and re.search(pattern, resp.get_json()["error"]), resp.get_json()
+    finally:
+        obj.close()
+        obj.unlink()
