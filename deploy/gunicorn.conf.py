@@ -180,7 +180,9 @@ def worker_abort(worker):
     stacks = [
         f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame)) for ident, frame in sys._current_frames().items()
     ]
-    worker.log.error("worker %s timed out after %s s; its threads:\n%s", worker.pid, timeout, "\n".join(stacks))
+    # The stacks in the message's own text, not an argument: arguments are escaped onto one line
+    # (accesslog.ClientBytes), for what they quote of clients.
+    worker.log.error(f"worker {worker.pid} timed out after {timeout} s; its threads:\n" + "\n".join(stacks))
 
 
 def child_exit(server, worker):

@@ -44,6 +44,7 @@ RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
     "header_timeout_s": ("ATTN_HEADER_TIMEOUT_S", 1, DAY_S),
     "body_timeout_s": ("ATTN_BODY_TIMEOUT_S", 1, DAY_S),
     "body_min_rate": ("ATTN_BODY_MIN_RATE", 1, 2**62),
+    "body_total_timeout_s": ("ATTN_BODY_TOTAL_TIMEOUT_S", 1, DAY_S),
     "send_timeout_s": ("ATTN_SEND_TIMEOUT_S", 1, DAY_S),
     "send_buffer_bytes": ("ATTN_SEND_BUFFER_BYTES", 1, 2**62),
     "split_threads": ("ATTN_SPLIT_THREADS", 1, 256),
@@ -180,6 +181,9 @@ class Settings:
     header_timeout_s: int = 10  # a request line and headers must arrive within this (408 past it)
     body_timeout_s: int = 30  # a body gets this long, plus 1 s per body_min_rate bytes received
     body_min_rate: int = 64 * 2**10  # bytes/s a body must average beyond body_timeout_s (408 below)
+    # ... and never longer than this in all, however steadily it comes: a body at the limit (32 MiB)
+    # must average 280 KB/s. At the rate alone, one held its bytes for 542 s.
+    body_total_timeout_s: int = 120
     send_timeout_s: int = 30  # a client that reads nothing of its response this long is dropped
     send_buffer_bytes: int = 256 * 2**20  # unread response bytes held per worker; past it new POSTs get 503, writers wait (worker.py)
     # Logs and traces (service/web/accesslog.py, tracing.py): one JSON line per request on stdout,
@@ -230,6 +234,7 @@ class Settings:
                 header_timeout_s=_env("ATTN_HEADER_TIMEOUT_S", d.header_timeout_s, int),
                 body_timeout_s=_env("ATTN_BODY_TIMEOUT_S", d.body_timeout_s, int),
                 body_min_rate=_env("ATTN_BODY_MIN_RATE", d.body_min_rate, int),
+                body_total_timeout_s=_env("ATTN_BODY_TOTAL_TIMEOUT_S", d.body_total_timeout_s, int),
                 send_timeout_s=_env("ATTN_SEND_TIMEOUT_S", d.send_timeout_s, int),
                 send_buffer_bytes=_env("ATTN_SEND_BUFFER_BYTES", d.send_buffer_bytes, int),
                 log_format=_env("ATTN_LOG_FORMAT", d.log_format, log_format),

@@ -11,6 +11,10 @@ the app it is handed at start, as one object with the methods of `Hooks`:
   counts it and logs it.
 - `margin()`: how many more admitted requests this worker holds than its least busy sibling, the
   signal of connection placement.
+- `check_head(method, path, head)`: once a request's head has arrived whole, before a byte of its
+  body is read or `100 Continue` is sent, what the app refuses from the head alone (a compute
+  request without a valid API key, an X-Deadline-Ms it cannot read), or None: the worker answers
+  that refusal (refuse()) and closes, so a client without a key holds none of its memory.
 
 Wiring: deploy/gunicorn.conf.py's post_worker_init sets `worker.hooks` (service.web.front.Front over
 the loaded app), before the worker serves; a FrontWorker without hooks refuses to start.
@@ -44,6 +48,8 @@ class Refusal:
     head: bytes | None = None  # the request line and headers, once they arrived whole
     started: float = 0.0  # time.monotonic() at the request's first byte; 0.0 if none arrived
     received: int = 0  # bytes of the request received
+    field: str | None = None  # what the refusal is about, for X-Error-Field (a header's name)
+    headers: tuple[tuple[str, str], ...] = ()  # more headers of the answer (WWW-Authenticate on a 401)
 
 
 class Hooks(Protocol):
@@ -56,6 +62,18 @@ class Hooks(Protocol):
     def margin(self) -> int:
         """Admitted requests this worker holds beyond its least busy sibling (0 when it is alone)."""
         ...
+
+    def check_head(self, method: str, path: str, head: bytes) -> Refusal | None:
+        """A refusal decided from the request's head (path: the target as sent; head: the request
+        line and headers), of which the worker fills what it knows (method, path, head, times);
+        None to read the body."""
+        ...
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """text cut to limit characters (and "..."): what an answer or a log line quotes of a
+    client's bytes, so that neither grows with them."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def answer(status: int, headers: list[tuple[str, str]], body: bytes) -> bytes:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import clip
+
 NEED_MORE = "need_more"  # the request is not complete yet
 COMPLETE = "complete"  # buffer[:end] is one whole request
 MALFORMED = "malformed"  # unframeable: 400, then close
@@ -106,7 +108,7 @@ class RequestScanner:
             if len(parts) == 3 and parts[2] == b"HTTP/1.0":
                 return Verdict(MALFORMED, reason="Transfer-Encoding in an HTTP/1.0 request")
             if len(codings) > 1:
-                unknown = ", ".join(c.decode("latin-1") for c in codings[:-1])
+                unknown = clip(", ".join(c.decode("latin-1") for c in codings[:-1]))  # quoted: never the whole value
                 return Verdict(NOT_IMPLEMENTED, reason=f"the transfer coding {unknown}; only chunked is understood")
             self._chunk_pos = self.head_end
             return None

@@ -11,8 +11,11 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
 
 - Receive: the event loop reads every request, head and body, without blocking, under deadlines:
   the head within ATTN_HEADER_TIMEOUT_S, the body within ATTN_BODY_TIMEOUT_S plus one second per
-  ATTN_BODY_MIN_RATE bytes received (Apache's mod_reqtimeout rule). Past a deadline the client gets
-  408 `timeout` and the connection closes. A request whose framing cannot be trusted gets 400
+  ATTN_BODY_MIN_RATE bytes received (Apache's mod_reqtimeout rule) and ATTN_BODY_TOTAL_TIMEOUT_S
+  in all. Past a deadline the client gets 408 `timeout` and the connection closes. Once a head is
+  in, what the app refuses from it alone (hooks.check_head: no valid key, an unreadable deadline)
+  is answered before a byte of the body is read or 100 Continue sent, and the connection closes.
+  A request whose framing cannot be trusted gets 400
   `bad_framing` (a bad Content-Length or chunk, both Content-Length and Transfer-Encoding), an
   unknown transfer coding 501 `not_implemented`, and a client that closes its side before its
   request is complete 400 `incomplete_request` (it can still read the answer); each then closes.
@@ -20,7 +23,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   The body is handed to the app in the buffer it was received into, not copied, under the environ
   key BODY_KEY (a large one is read into a mapping of its own, BODY_BUFFER_AFTER).
   A body over ATTN_MAX_BODY_BYTES gets 413 from here; the bytes of requests being read count
-  against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it).
+  against ATTN_MAX_INFLIGHT_BYTES (503 overloaded to the upload that goes past it, or past its
+  client's share, half; never to a request without a body: see _over_budget).
 - Send: a thread writes what the socket takes at once; what a slow reader leaves is held in memory
   and the thread goes on: the response is finished (its compute slot freed) and the event loop
   sends the rest as the client reads. A client that reads nothing for ATTN_SEND_TIMEOUT_S is
@@ -30,7 +34,8 @@ proxy_request_buffering, proxy_buffering) does in front of gunicorn, inside the 
   the answers being written; a thread waits to send only then).
 - Idle: a new connection must send a request head within ATTN_HEADER_TIMEOUT_S; a kept-alive
   one is closed after gunicorn's keepalive seconds. Idle connections cost a file descriptor each
-  and no thread.
+  and no thread; at worker_connections, the one waiting longest for a head gives its place to a
+  new one (_make_room), so that connections sending nothing cannot stop the worker accepting.
 - Placement: a POST reaching this worker while it holds PLACEMENT_MARGIN more admitted requests
   than its least busy sibling (hooks.margin()) is answered with Connection: close, so that
   keep-alive clients the kernel happened to put on one worker spread over all of them.
@@ -52,6 +57,7 @@ breaks them."""
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import mmap
 import resource
@@ -70,7 +76,7 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from service.config import Settings
 
-from . import BODY_KEY, SENT_KEY, STARTED_KEY, Hooks, Refusal, framing
+from . import BODY_KEY, SENT_KEY, STARTED_KEY, Hooks, Refusal, clip, framing
 
 RECV_BYTES = 256 * 1024  # one read from a client in the event loop
 # A body of known length is read straight into a buffer of its own (recv_into) once this much of it
@@ -98,6 +104,7 @@ PLACEMENT_MARGIN = 3
 # is spent: about one piece of a streamed answer (a nested block of the wire's chunked encoder).
 HELD_PAST_BUDGET = 8 * 2**20
 FILE_LIMIT = 65536  # the worker raises its soft open-files limit up to this (one per connection)
+QUOTE_CHARS = 128  # what an answer quotes of a client's bytes (a header's value, a request line), at most
 Buffer = bytes | bytearray | mmap.mmap | memoryview
 
 
@@ -112,17 +119,17 @@ def parser_refusal(exc: Exception, limits) -> tuple[int, str, str]:
     elif isinstance(exc, perr.LimitRequestHeaders):
         message = (
             f"The request has more than {limits.limit_request_fields} headers or one longer than "
-            f"{limits.limit_request_field_size} bytes ({exc})."
+            f"{limits.limit_request_field_size} bytes ({clip(str(exc), QUOTE_CHARS)})."
         )
         return 431, "headers_too_large", message
     elif isinstance(exc, perr.UnsupportedTransferCoding):
-        return 501, "not_implemented", f"The server does not decode this transfer coding: {exc}."
+        return 501, "not_implemented", f"The server does not decode this transfer coding: {clip(str(exc), QUOTE_CHARS)}."
     elif isinstance(exc, perr.ForbiddenProxyRequest):
         return 403, "forbidden", "The request came through a proxy this server does not trust."
     elif isinstance(exc, perr.ExpectationFailed):
-        return 417, "expectation_failed", f"The server cannot meet the Expect header: {exc}."
+        return 417, "expectation_failed", f"The server cannot meet the Expect header: {clip(str(exc), QUOTE_CHARS)}."
     elif isinstance(exc, perr.ParseException):
-        return 400, "bad_request", f"The request line or headers are not valid HTTP/1.1: {exc}."
+        return 400, "bad_request", f"The request line or headers are not valid HTTP/1.1: {clip(str(exc), QUOTE_CHARS)}."
     return 500, "internal", "The server failed on this request; it has been logged."
 
 
@@ -308,6 +315,7 @@ class Conn:
 
     def __init__(self, sock: ClientSocket, client, server):
         self.sock, self.client, self.server = sock, client, server
+        self.peer = peer_of(client)  # the client whose share of the bytes being read this connection's count against
         self.parser: Any = None  # gunicorn's parser of the request in a thread
         # Where a request is read: set by FrontWorker._start_request, before each request.
         self.state = self.READING
@@ -326,6 +334,23 @@ class Conn:
         self.head: bytes | None = None  # the request head handed to a thread, while it is there
         self.known_body: bytearray | mmap.mmap | None = None  # ... and its body, if of known length
         self.when_written: list = []  # the app's callbacks for when this response has been written (SENT_KEY)
+
+
+def peer_of(client) -> str:
+    """The client a connection's request bytes are counted against, for the fair share of the
+    worker's budget: its IP address, an IPv6 one's /64 (what one host is usually given); "" for a
+    unix socket."""
+    if not isinstance(client, tuple) or not client:
+        return ""
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return str(client[0])
+    if address.version == 4:
+        return str(address)
+    if address.ipv4_mapped is not None:  # ::ffff:a.b.c.d, an IPv4 client on a dual-stack socket
+        return str(address.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{address}/64", strict=False))
 
 
 def _call_written(conn: Conn, written: bool) -> None:
@@ -361,6 +386,12 @@ class FrontWorker(ThreadWorker):
         self.stopping_at: float | None = None
         self.next_sweep = 0.0
         self.received = 0  # bytes of requests being read, in all connections' buffers
+        self.by_peer: dict[str, int] = {}  # ... of them, each client's (Conn.peer; only those holding some)
+        # A client may hold at most this of them: half the budget, or one body of the largest size.
+        self.peer_share = max(self.settings.max_inflight_bytes // 2, self.settings.max_body_bytes)
+        # Connections waiting for a request head (new, kept-alive, or part of a head in), longest first:
+        # at worker_connections, the first gives its place to a new connection (accept).
+        self.heads: dict[Conn, None] = {}
 
     def init_process(self):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -396,6 +427,22 @@ class FrontWorker(ThreadWorker):
         conn = Conn(sock, addr, listener.getsockname())
         self.conns[conn] = None
         self._start_request(conn, b"", new=True)
+        if self.nr_conns >= self.worker_connections:
+            self._make_room(conn)
+
+    def _make_room(self, new: Conn) -> None:
+        """All worker_connections are open: close the one that has waited longest for a request head
+        (silent, or a head begun and not finished), so that the worker goes on accepting. Without it,
+        connections that send nothing (or a head's first bytes) hold every place until the header
+        timeout, and a health probe waits in the listen backlog meanwhile; as nginx closes kept-alive
+        connections when its worker_connections run out, a connection that has sent no whole request
+        gives its place. A busy connection (a body being read, a request in a thread, an answer
+        being written) is never closed for room."""
+        oldest = next(iter(self.heads), None)
+        if oldest is None or oldest is new:
+            return
+        self.log.debug("%s closed for room: %s connections open, its request head not in", oldest.client, self.nr_conns)
+        self._close(oldest)
 
     def _watch(self, conn: Conn, events: int, callback) -> None:
         if conn.registered:
@@ -430,9 +477,19 @@ class FrontWorker(ThreadWorker):
 
     # -- receiving --------------------------------------------------------------------------------
 
+    def _count(self, conn: Conn, n: int) -> None:
+        """n more bytes (or fewer, n < 0) of conn's request held."""
+        self.received += n
+        held = self.by_peer.get(conn.peer, 0) + n
+        if held:
+            self.by_peer[conn.peer] = held
+        else:
+            self.by_peer.pop(conn.peer, None)
+
     def _release_buf(self, conn: Conn) -> None:
-        self.received -= len(conn.buf) + conn.body_got
+        self._count(conn, -(len(conn.buf) + conn.body_got))
         conn.buf, conn.body, conn.body_got = bytearray(), None, 0
+        self.heads.pop(conn, None)  # it no longer waits for a head: it has one, or is answered or closed
 
     def _start_request(self, conn: Conn, pending: bytes, new: bool = False) -> None:
         """Wait for (the rest of) the next request; pending is what already arrived of it."""
@@ -440,7 +497,8 @@ class FrontWorker(ThreadWorker):
         conn.state = Conn.READING
         conn.buf = bytearray(pending)
         conn.started = now
-        self.received += len(pending)
+        self._count(conn, len(pending))
+        self.heads[conn] = None
         conn.scanner = framing.RequestScanner(MAX_HEAD_BYTES, self.settings.max_body_bytes)
         conn.sock.setblocking(False)
         # A new connection has the header timeout to send its head; a kept-alive one, the keepalive.
@@ -506,27 +564,60 @@ class FrontWorker(ThreadWorker):
 
     def _received(self, conn: Conn, n: int) -> None:
         """n more bytes of conn's request have arrived: count them, then act on them."""
-        self.received += n
-        if self.received > self.settings.max_inflight_bytes:
-            # Bodies being read count against the worker's memory budget like admitted ones: a
-            # client must send the bytes to hold them, and the one that goes past it is refused.
-            self._answer(
-                conn,
-                503,
-                "overloaded",
-                f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={self.settings.max_inflight_bytes}); retry shortly.",
-            )
-            return
+        self._count(conn, n)
         self._advance(conn)
+
+    def _over_budget(self, conn: Conn) -> str | None:
+        """Why the worker holds too many request bytes for one more of a body (the message of the
+        503), or None. Bodies being read count against the worker's memory budget like admitted
+        ones: a client must send the bytes to hold them, and the body that goes past it is
+        refused. A request without a body never is (a probe is answered whatever bodies are held:
+        heads are bounded each by MAX_HEAD_BYTES and the header timeout, and in number by
+        worker_connections), and one client (Conn.peer) holds at most peer_share, so that its
+        stalled uploads leave room for others'."""
+        budget = self.settings.max_inflight_bytes
+        if self.received > budget:
+            return f"The server is reading more request bytes than it admits (ATTN_MAX_INFLIGHT_BYTES={budget}); retry shortly."
+        if self.by_peer.get(conn.peer, 0) > self.peer_share:
+            return (
+                f"This client's uploads being read hold more than its share of the server's bytes ({self.peer_share} of "
+                f"ATTN_MAX_INFLIGHT_BYTES={budget}); retry once they are sent."
+            )
+        return None
 
     def _advance(self, conn: Conn) -> None:
         """Act on what the scanner says of the bytes received so far."""
-        head_known = conn.scanner.head_end is not None
+        scanner = conn.scanner
+        head_known = scanner.head_end is not None
         if conn.body is not None:  # buf is the head; the body is in its own buffer
             done = conn.body_got == len(conn.body)
             verdict = framing.Verdict(framing.COMPLETE, len(conn.buf)) if done else framing.Verdict(framing.NEED_MORE)
         else:
-            verdict = conn.scanner.scan(conn.buf)
+            verdict = scanner.scan(conn.buf)
+        if verdict.kind == framing.MALFORMED:  # never guessed at, never handed to a thread
+            self._answer(conn, 400, "bad_framing", f"Where the request ends cannot be told: {verdict.reason} (RFC 9112 section 6).")
+            return
+        if verdict.kind == framing.NOT_IMPLEMENTED:
+            self._answer(conn, 501, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
+            return
+        if verdict.kind == framing.HEAD_TOO_LARGE:
+            self._answer(conn, 431, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
+            return
+        if verdict.kind == framing.BODY_TOO_LARGE:
+            limit = self.settings.max_body_bytes  # the app's own 413 says the same (errors.body_too_large)
+            self._answer(conn, 413, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).")
+            return
+        if not head_known and scanner.head_end is not None:  # the head has just arrived whole
+            self.heads.pop(conn, None)
+            # What the app refuses from the head (no valid key, a deadline it cannot read) is
+            # refused before a byte of the body is read, and before 100 Continue invites it.
+            refusal = self.hooks.check_head(scanner.method, scanner.path, bytes(conn.buf[: scanner.head_end]))
+            if refusal is not None:
+                self._answer(conn, refusal.status, refusal.code, refusal.message, refusal.field, refusal.headers)
+                return
+        if scanner.head_end is not None and scanner.body_length != 0 and (why := self._over_budget(conn)):
+            self._answer(conn, 503, "overloaded", why)
+            return
         if verdict.kind == framing.NEED_MORE:
             if not head_known and conn.scanner.head_end is not None:
                 conn.body_started = time.monotonic()
@@ -537,7 +628,9 @@ class FrontWorker(ThreadWorker):
                 length = conn.scanner.body_length
                 if conn.body is None and length is not None and BODY_BUFFER_AFTER <= received <= length - BODY_BUFFER_AFTER:
                     self._body_buffer(conn, head_end, length)
-                conn.deadline = conn.body_started + self.settings.body_timeout_s + received / self.settings.body_min_rate
+                settings = self.settings
+                by_rate = settings.body_timeout_s + received / settings.body_min_rate
+                conn.deadline = conn.body_started + min(by_rate, settings.body_total_timeout_s)
         elif verdict.kind == framing.COMPLETE:
             if self.budget.full and conn.scanner.method == "POST":
                 limit = self.settings.send_buffer_bytes
@@ -549,15 +642,6 @@ class FrontWorker(ThreadWorker):
                 )
                 return
             self._dispatch(conn, verdict.end)
-        elif verdict.kind == framing.MALFORMED:  # never guessed at, never handed to a thread
-            self._answer(conn, 400, "bad_framing", f"Where the request ends cannot be told: {verdict.reason} (RFC 9112 section 6).")
-        elif verdict.kind == framing.NOT_IMPLEMENTED:
-            self._answer(conn, 501, "not_implemented", f"The server does not decode {verdict.reason} (RFC 9112 section 6.1).")
-        elif verdict.kind == framing.BODY_TOO_LARGE:
-            limit = self.settings.max_body_bytes  # the app's own 413 says the same (errors.body_too_large)
-            self._answer(conn, 413, "body_too_large", f"The request body is larger than the limit of {limit} bytes (ATTN_MAX_BODY_BYTES).")
-        elif verdict.kind == framing.HEAD_TOO_LARGE:
-            self._answer(conn, 431, "headers_too_large", f"The request line and headers are larger than {MAX_HEAD_BYTES} bytes.")
 
     @staticmethod
     def _body_buffer(conn: Conn, head_end: int, length: int) -> None:
@@ -609,13 +693,14 @@ class FrontWorker(ThreadWorker):
         conn.state = Conn.IN_THREAD
         self.enqueue_req(conn)
 
-    def _answer(self, conn: Conn, status: int, code: str, message: str) -> None:
+    def _answer(self, conn: Conn, status: int, code: str, message: str, field: str | None = None, headers: tuple = ()) -> None:
         """Answer with an error from here (the app shapes, counts and logs it), and close."""
         scanner = conn.scanner
         self.log.info("%s %s: %s (%s)", conn.client, status, code, message)
         head = bytes(conn.buf[: scanner.head_end]) if scanner.head_end is not None else None
         received = len(conn.buf) + conn.body_got
-        answer = self.hooks.refuse(Refusal(status, code, message, scanner.method, scanner.path, head, conn.started, received))
+        refusal = Refusal(status, code, message, scanner.method, scanner.path, head, conn.started, received, field, headers)
+        answer = self.hooks.refuse(refusal)
         self._release_buf(conn)
         conn.keep = False
         conn.sock.queue(answer)
@@ -771,7 +856,8 @@ class FrontWorker(ThreadWorker):
                 limit = (
                     f"{self.settings.header_timeout_s} s (ATTN_HEADER_TIMEOUT_S)"
                     if conn.scanner.head_end is None
-                    else f"{self.settings.body_timeout_s} s plus 1 s per {self.settings.body_min_rate} bytes (ATTN_BODY_TIMEOUT_S, ATTN_BODY_MIN_RATE)"
+                    else f"{self.settings.body_timeout_s} s plus 1 s per {self.settings.body_min_rate} bytes (ATTN_BODY_TIMEOUT_S, "
+                    f"ATTN_BODY_MIN_RATE), and {self.settings.body_total_timeout_s} s in all (ATTN_BODY_TOTAL_TIMEOUT_S)"
                 )
                 self._unwatch(conn)
                 self._answer(conn, 408, "timeout", f"The {what} did not arrive in time: the limit is {limit}.")

@@ -21,7 +21,9 @@ line; plain, one line for a person at a terminal (`make run` uses it). A request
     pid          the worker process
 
 Never a body, a header other than X-Request-Id and traceparent, or a query string: an API key or
-a secret in a URL never reaches the log. The worker's event loop answers some requests itself
+a secret in a URL never reaches the log. In the plain format what a client chose (method, path, a
+field it named) is escaped if it holds a character that is not printable (printable()), and so
+are the values gunicorn's messages quote (ClientBytes): no client can forge a line. The worker's event loop answers some requests itself
 (408, 413, 431, 400 bad_framing, ...: service/transport/worker.py); worker_answer() logs those in
 the same format (service/web/front.py). Cost: one orjson.dumps and one write(2) per request (bench/accesslog_cost.py).
 """
@@ -69,26 +71,36 @@ def _write(record: dict, fmt: str) -> None:
 
 
 def _plain(r: dict) -> bytes:
-    """One line for a terminal: time, status, method, path, duration, then what is known."""
-    path = _printable(r.get("path") or r["route"])
-    parts = [r["ts"], str(r["status"]), r["method"], path, f"{r['duration_ms']:.1f}ms" if r.get("duration_ms") is not None else "-"]
-    if "code" in r:  # a field can be a key the client sent: escaped like the path
-        parts.append(f"code={r['code']}" + (f" field={_printable(r['field'])}" if r.get("field") else ""))
+    """One line for a terminal: time, status, method, path, duration, then what is known. What a
+    client chose (the method, the path, a field it named) is escaped (printable())."""
+    path = printable(r.get("path") or r["route"])
+    duration = f"{r['duration_ms']:.1f}ms" if r.get("duration_ms") is not None else "-"
+    parts = [r["ts"], str(r["status"]), printable(r["method"]), path, duration]
+    if "code" in r:
+        parts.append(f"code={r['code']}" + (f" field={printable(r['field'])}" if r.get("field") else ""))
     parts += [f"{k}={r[k]}" for k in ("B", "H", "T", "S", "d", "predicted_ms", "compute_ms") if k in r]
     bytes_in = r.get("bytes_in")  # None without a body (a GET)
     parts += [
         f"in={'-' if bytes_in is None else bytes_in}",
         f"out={r['bytes_out']}",
-        f"id={r['request_id']}",
+        f"id={printable(r['request_id'])}",
         f"trace={r['trace_id']}",
         f"pid={r['pid']}",
     ]
     return (" ".join(parts) + "\n").encode()
 
 
-def _printable(text: str) -> str:
-    """text, or its JSON string if it holds a control character (a newline must not forge a line)."""
-    return text if text.isprintable() else orjson.dumps(text).decode()
+def printable(text: str) -> str:
+    """text, or if it holds a character that is not printable, text in double quotes with each such
+    character (and each quote and backslash) escaped: CR and LF must not forge a line, nor ESC,
+    BEL, DEL or a C1 control drive the terminal that shows it."""
+    if text.isprintable():
+        return text
+    return '"' + "".join(c if c.isprintable() and c not in '"\\' else _escaped(c) for c in text) + '"'
+
+
+def _escaped(c: str) -> str:
+    return "\\" + c if c in '"\\' else c.encode("unicode_escape").decode("ascii")
 
 
 def _clip(s: str, n: int) -> str:
@@ -154,7 +166,7 @@ def install(app: Flask) -> None:
 def head_request_id(head: bytes | None) -> str:
     """The request id of a request the worker answers itself: its X-Request-Id if the head
     arrived whole and the id is acceptable (http.request_id), else a fresh one."""
-    headers = _headers(head, (b"x-request-id",)) if head else {}
+    headers = http.head_headers(head, (b"x-request-id",)) if head else {}
     return http.request_id(headers.get(b"x-request-id", ""))
 
 
@@ -174,7 +186,7 @@ def worker_answer(
     if it arrived whole (its traceparent is read from it); sizes are (bytes received, bytes of the
     answer); started is time.monotonic() at its first byte; request_id the one the answer carries
     (head_request_id)."""
-    headers = _headers(head, (b"traceparent",)) if head else {}
+    headers = http.head_headers(head, (b"traceparent",)) if head else {}
     trace = tracing.start(headers.get(b"traceparent"))
     record = {
         "ts": rfc3339(time.time()),
@@ -196,16 +208,6 @@ def worker_answer(
     _write(record, fmt)
 
 
-def _headers(head: bytes, names: tuple[bytes, ...]) -> dict[bytes, str]:
-    """The named headers (lower-case names) of a request head, decoded as latin-1."""
-    found = {}
-    for line in head.split(b"\r\n")[1:]:
-        name, sep, value = line.partition(b":")
-        if sep and (key := name.strip().lower()) in names:
-            found[key] = value.strip().decode("latin-1")
-    return found
-
-
 # --- gunicorn's own messages ---------------------------------------------------------------------
 
 
@@ -220,15 +222,47 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(doc).decode()
 
 
+MAX_QUOTED = 512  # characters of a client's value a message quotes
+
+
+class ClientBytes(logging.Filter):
+    """Escapes (printable()) and cuts (MAX_QUOTED) the values a message quotes: its arguments, where
+    gunicorn and the worker put what a client sent (a request line, a header's value, a parser's
+    error), so that a CR LF there cannot forge a line nor an ESC reach the terminal. The message's
+    own text, and a traceback, are the program's and stay as written."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_quoted(a) for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: _quoted(v) for k, v in record.args.items()}
+        if not isinstance(record.msg, str):
+            record.msg = _quoted(record.msg)
+        return True
+
+
+def _quoted(value):
+    if isinstance(value, (bytes, bytearray)):
+        value = bytes(value).decode("latin-1")
+    elif isinstance(value, BaseException):
+        value = str(value)
+    if not isinstance(value, str):
+        return value  # a number, a tuple of them (an address), ...: not a client's text
+    return printable(_clip(value, MAX_QUOTED))
+
+
 class GunicornLogger(glogging.Logger):
     """gunicorn's logger (deploy/gunicorn.conf.py: logger_class): its error log (start-up, worker
     life, errors; stderr) as JSON lines when ATTN_LOG_FORMAT=json, and the service's own logger
-    ("service": unexpected errors, calibration) on the same handler. No access log: ours is."""
+    ("service": unexpected errors, calibration) on the same handler, what they quote of a client
+    escaped and cut (ClientBytes). No access log: ours is."""
 
     def setup(self, cfg) -> None:
         super().setup(cfg)
-        if Settings.from_env().log_format == "json":
-            for handler in self.error_log.handlers:
+        json_lines = Settings.from_env().log_format == "json"
+        for handler in self.error_log.handlers:
+            handler.addFilter(ClientBytes())
+            if json_lines:
                 handler.setFormatter(JsonFormatter())
         service = logging.getLogger("service")
         service.handlers = list(self.error_log.handlers)

@@ -506,7 +506,12 @@ DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-
 
 
 def _parse_deadline() -> float | None:
-    raw = request.headers.get("X-Deadline-Ms")
+    return parse_deadline(request.headers.get("X-Deadline-Ms"))
+
+
+def parse_deadline(raw: str | None) -> float | None:
+    """X-Deadline-Ms's value in milliseconds (None without one), or 422 bad_option. Also read at the
+    head by the event-loop worker (front.Front.check_head), before the body is."""
     if raw is None:
         return None
     # A decimal number only: float() also reads "1_000" and other scripts' digits.

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from flask import Flask, Response, request
 
 from schemas import RequestError
+from service.wire import show
 
 CODINGS = ("gzip", "deflate")  # in order of preference on a tie
 ALIASES = {"x-gzip": "gzip"}  # RFC 9110 8.4.1.3: x-gzip is gzip
@@ -51,11 +52,11 @@ def request_coding(header: str | None) -> str | None:
     if len(codings) > 1:
         raise RequestError(
             "unsupported_media_type",
-            f"Content-Encoding {header!r} applies {len(codings)} codings; at most one (gzip or deflate) is accepted.",
+            f"Content-Encoding {show(header)} applies {len(codings)} codings; at most one (gzip or deflate) is accepted.",
         )
     if codings and codings[0] not in CODINGS:
         raise RequestError(
-            "unsupported_media_type", f"Content-Encoding {codings[0]!r} is not accepted; send the body as identity, gzip or deflate."
+            "unsupported_media_type", f"Content-Encoding {show(codings[0])} is not accepted; send the body as identity, gzip or deflate."
         )
     return codings[0] if codings else None
 

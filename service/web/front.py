@@ -1,6 +1,12 @@
 """The app's side of the transport (service.transport.Hooks): what the event-loop worker needs of the
 app, handed to it at start (deploy/gunicorn.conf.py, post_worker_init).
 
+What the app refuses from a request's head alone is refused by the worker as soon as the head is
+in, before the body is read or 100 Continue sent (check_head): a compute request without a valid
+API key (401, auth.py) or with an X-Deadline-Ms that is not a positive number (422, admission.py),
+in that order, as the app's own hooks would (they still check, for a request that reaches the app
+another way).
+
 The worker's own refusals (408, 413, 431, 400 bad_framing, ..., and heads gunicorn's parser refuses)
 are in the API's error shapes (the /v2 protocol's under its prefix, else the native), carry the
 headers every answer has, are counted in /metrics and logged in one access line as the app's own
@@ -9,13 +15,14 @@ answers are. Placement reads admission's shared census."""
 from __future__ import annotations
 
 import time
+from urllib.parse import unquote, urlsplit
 
 from flask import Flask
 
 from schemas import RequestError
 from service import transport, wire
 
-from . import accesslog, errors, http, kserve, metrics
+from . import accesslog, admission, auth, errors, http, kserve, metrics
 from .context import services
 
 
@@ -26,9 +33,9 @@ def error_answer(refusal: transport.Refusal, request_id: str | None = None) -> b
     status, door = refusal.status, refusal.path.partition("?")[0]
     prefix = kserve.bp.url_prefix
     shape = kserve.error_body if door == prefix or door.startswith(f"{prefix}/") else errors.native_body
-    err = RequestError(refusal.code, refusal.message)
+    err = RequestError(refusal.code, refusal.message, refusal.field)
     started = refusal.started
-    headers = [("Content-Type", "application/json"), http.NOSNIFF, *errors.code_headers(err).items()]
+    headers = [("Content-Type", "application/json"), http.NOSNIFF, *errors.code_headers(err).items(), *refusal.headers]
     headers.append(("X-Request-Id", request_id or http.request_id("")))
     headers.append(("Server-Timing", f"total;dur={(time.monotonic() - started) * 1000 if started else 0.0:.3f}"))
     if status == 503:
@@ -42,6 +49,21 @@ class Front:
     def __init__(self, app: Flask):
         self.app, self.gate = app, services(app).gate
         self.log_format = services(app).settings.log_format
+        self.keys = services(app).settings.api_keys
+
+    def check_head(self, method: str, path: str, head: bytes) -> transport.Refusal | None:
+        if method != "POST" or not auth.COMPUTE_PATH.fullmatch(route_path(path)):
+            return None
+        headers = http.head_headers(head, (b"authorization", b"x-deadline-ms"))
+        authorization = headers.get(b"authorization")
+        if self.keys and not auth.key_ok(authorization, self.keys):
+            err = auth.refusal(authorization)
+            return transport.Refusal(err.status, err.code, err.message, headers=tuple(err.headers.items()))
+        try:
+            admission.parse_deadline(headers.get(b"x-deadline-ms"))
+        except RequestError as err:
+            return transport.Refusal(errors.status_of(err.code), err.code, err.message, field=err.field)
+        return None
 
     def refuse(self, refusal: transport.Refusal) -> bytes:
         endpoint = self._endpoint(refusal.path, refusal.method)
@@ -65,7 +87,16 @@ class Front:
         if not path.startswith("/"):
             return "unmatched"
         try:
-            rule, _ = self.app.url_map.bind("localhost").match(path.partition("?")[0], method=method or "GET", return_rule=True)
+            rule, _ = self.app.url_map.bind("localhost").match(route_path(path), method=method or "GET", return_rule=True)
         except Exception:  # werkzeug's NotFound, MethodNotAllowed, RequestRedirect
             return "unmatched"
         return rule.rule
+
+
+def route_path(target: str) -> str:
+    """The path a request target (as sent) is routed by, as werkzeug has it (request.path): without
+    its query, percent-decoded (UTF-8), one leading slash; the path of an absolute URI."""
+    if not target.startswith("/"):
+        target = urlsplit(target).path
+    path = target.partition("?")[0].partition("#")[0]
+    return "/" + unquote(path, errors="replace").lstrip("/")

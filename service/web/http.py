@@ -57,7 +57,7 @@ def check_media_type(require_json: bool = True) -> None:
     and, when require_json, for one that is not application/json."""
     compression.request_coding(request.headers.get("Content-Encoding"))
     if require_json and request.mimetype != "application/json":
-        got = request.mimetype or "none"
+        got = wire.show(request.mimetype) if request.mimetype else "none"  # cut: a client's header
         raise RequestError("unsupported_media_type", f"The body must be Content-Type: application/json, not {got}.")
 
 
@@ -133,6 +133,18 @@ def json_response(body, status: int = 200) -> Response:
 
 
 MAX_REQUEST_ID = 128
+
+
+def head_headers(head: bytes, names: tuple[bytes, ...]) -> dict[bytes, str]:
+    """The named headers (lower-case names) of a request head the worker read (service.transport),
+    decoded as latin-1, a repeated one's values joined by commas (as gunicorn's environ has them)."""
+    found: dict[bytes, str] = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and (key := name.strip().lower()) in names:
+            text = value.strip(b" \t").decode("latin-1")
+            found[key] = f"{found[key]},{text}" if key in found else text
+    return found
 
 
 def request_id(sent: str) -> str:

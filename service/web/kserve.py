@@ -385,7 +385,8 @@ def _split_body(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray 
     size = int(raw) if raw.isascii() and raw.isdigit() else -1
     if not 0 <= size <= len(body):
         raise RequestError(
-            "bad_json", f"Inference-Header-Content-Length is {raw!r}; it must be the byte length of the JSON header, 0..{len(body)}."
+            "bad_json",
+            f"Inference-Header-Content-Length is {wire.show(raw)}; it must be the byte length of the JSON header, 0..{len(body)}.",
         )
     return body[:size], memoryview(body)[size:]
 
