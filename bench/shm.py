@@ -36,7 +36,7 @@ from service import core
 
 OUT = ROOT / "bench" / "out" / "shm.md"
 B, H, D = 1, 8, 64
-RUNS = {64: 200, 256: 60, 1024: 20}
+RUNS = {64: 200, 256: 60, 1024: 40}
 
 
 def measure(url: str, lengths: list[int], runs: dict[int, int]) -> dict[int, dict[str, list[float]]]:
@@ -93,7 +93,7 @@ def table(results: dict[int, dict[str, list[float]]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="64,256,1024", help="T values, comma-separated")
-    parser.add_argument("--runs", type=int, default=None, help="repetitions per T (default: 200, 60, 20 for T = 64, 256, 1024)")
+    parser.add_argument("--runs", type=int, default=None, help="repetitions per T (default: 200, 60, 40 for T = 64, 256, 1024)")
     parser.add_argument("--url", default=None, help="a running server that allows client shared memory (default: start one)")
     args = parser.parse_args()
     lengths = [int(t) for t in args.lengths.split(",")]

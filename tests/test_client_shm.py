@@ -32,7 +32,16 @@ def clients(shm_server):
 
 def test_answers_equal_the_binary_wires(clients, shm_server):
     shm, wire = clients
-    for kwargs in ({}, {"causal": True, "return_lse": True}, {"return_weights": False}, {"dtype": "float64"}, {"weights_dtype": "float16"}):
+    variants = (
+        {},
+        {"causal": True, "return_lse": True},
+        {"return_weights": False},
+        {"dtype": "float64"},
+        {"weights_dtype": "float16"},
+        {"mask": rng.random((32, 32)) < 0.7, "key_lengths": np.array([[5, 32, 17, 1]] * 2), "bias": rng.standard_normal((1, 4, 32, 32))},
+        {"alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625]), "window": (8, 0), "average_weights": True},
+    )
+    for kwargs in variants:
         got, expected = shm.attention(Q, K, V, **kwargs), wire.attention(Q, K, V, **kwargs)
         for a, b in zip(got, expected, strict=True):
             if b is None:
