@@ -45,7 +45,7 @@ MAX_REGIONS = 64  # registered at once, per server
 MAX_NAME = 128  # characters of a region's name
 MAX_KEY = 255  # characters of a key (NAME_MAX)
 DOC_BYTES = 1 << 18  # the registry's JSON: 64 regions of the longest names and keys, escaped, fit
-HEAD = 8  # bytes before the JSON: its length
+HEAD = 16  # bytes before the JSON: its length, and a version that every change increments
 
 _shared: Registry | None = None  # the server's registry, inherited by the workers from the arbiter
 
@@ -80,6 +80,7 @@ class Registry:
         self._fd = _anonymous_file(HEAD + DOC_BYTES) if shared else None
         self._map = mmap.mmap(-1 if self._fd is None else self._fd, HEAD + DOC_BYTES)
         self._thread_lock = threading.Lock()  # record locks belong to a process: its threads take turns here first
+        self._parsed: tuple[int, dict[str, Region]] = (0, {})  # (version, regions): parsed again only when another version is found
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Region]]:
@@ -88,14 +89,17 @@ class Registry:
             if self._fd is not None:
                 fcntl.lockf(self._fd, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
             try:
-                length = int.from_bytes(self._map[:HEAD], "little")
-                regions = {r["name"]: Region(**r) for r in orjson.loads(self._map[HEAD : HEAD + length])} if length else {}
-                before = dict(regions)
+                length, version = (int.from_bytes(self._map[i : i + 8], "little") for i in (0, 8))
+                if self._parsed[0] != version:
+                    doc = orjson.loads(self._map[HEAD : HEAD + length]) if length else []
+                    self._parsed = (version, {r["name"]: Region(**r) for r in doc})
+                regions = dict(self._parsed[1])
                 yield regions
-                if regions != before:
+                if regions != self._parsed[1]:
                     doc = orjson.dumps([r.status() for r in regions.values()])
                     self._map[HEAD : HEAD + len(doc)] = doc  # fits: MAX_REGIONS of the longest, escaped, are under DOC_BYTES
-                    self._map[:HEAD] = len(doc).to_bytes(HEAD, "little")
+                    self._map[:8], self._map[8:16] = len(doc).to_bytes(8, "little"), (version + 1).to_bytes(8, "little")
+                    self._parsed = (version + 1, regions)
             finally:
                 if self._fd is not None:
                     fcntl.lockf(self._fd, fcntl.LOCK_UN)
