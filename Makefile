@@ -41,18 +41,20 @@ lint: $(VENV)/.dev-stamp
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# Side by side with the textbook service, in one run (~10 min): bench/out/results.md. Not part of
-# `make test`. OPENBLAS_CORETYPE/L2_SIZE, if the machine sets them, are unset for this command only
-# (they slow a current numpy); the report names the BLAS kernel used (threadpoolctl).
+# The headline set of benchmarks (python -m bench: textbook, compression, client_wire, small_requests; ~15 min),
+# printed as the tables of bench/README.md; `python -m bench NAME` runs one scenario, `python -m bench -h` lists
+# them. Not part of `make test`. OPENBLAS_CORETYPE/L2_SIZE, if the machine sets them, are unset for this command
+# only (they slow a current numpy). small_requests needs wrk (apt-get install wrk).
 bench: $(VENV)/.dev-stamp
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench
 
 # This service against KServe, MLServer, LitServe, Ray Serve and BentoML, the same attention model on
-# each, side by side in one run (~5 min): bench/out/peers.md. Not part of `make test`. The peers' venvs
-# are built on first use (PyPI, a few minutes) in .peers/, or $BENCH_PEERS_DIR if set.
+# each, side by side in one run (~5 min): bench/out/peers.md. The native doors are called as users call
+# them, with requests' default headers. Not part of `make test`. The peers' venvs are built on first use
+# (PyPI, a few minutes) in .peers/, or $BENCH_PEERS_DIR if set.
 .PHONY: bench-peers
 bench-peers: $(VENV)/.dev-stamp
-	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench.peers $(BENCH_PEERS_ARGS)
+	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench peers $(BENCH_PEERS_ARGS)
 
 # Triton's perf_analyzer against `make run`'s server (shared memory allowed) at concurrency 1 to 4 for
 # T=64, 256, 1024, binary tensors and system shared memory side by side, with the server's queue and
@@ -61,7 +63,7 @@ bench-peers: $(VENV)/.dev-stamp
 # it needs Debian's libb64-0d, installed with apt-get if missing.
 .PHONY: bench-perf-analyzer
 bench-perf-analyzer: $(VENV)/.dev-stamp
-	$(PY) -m bench.perf_analyzer $(BENCH_PERF_ANALYZER_ARGS)
+	$(PY) -m bench perf_analyzer $(BENCH_PERF_ANALYZER_ARGS)
 
 # The latency-limit sweep against a running server: make loadtest LOADTEST_ARGS="--url http://127.0.0.1:8000 --slo-ms 250".
 # Its venv holds the load tester alone, installed as a user would (pip install './client[loadtest]'), rebuilt when

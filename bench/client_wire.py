@@ -1,7 +1,7 @@
 """The Python client against tritonclient, end to end numpy to numpy, on the same server.
 
-    .venv/bin/python -m bench.client_wire                        # starts `python -m service` on a free port
-    .venv/bin/python -m bench.client_wire --url http://127.0.0.1:8000 --runs 400,20
+    .venv/bin/python -m bench client_wire                        # starts `python -m service` on a free port
+    .venv/bin/python -m bench client_wire --url http://127.0.0.1:8000 --runs 400,20
 
 One request: q, k, v (B, H, T, d) = (1, 8, T, 64) float32, causal, weights returned, at T=64 and
 T=1024. Five ways in, each with its own keep-alive connection (new ones every 20 repetitions, so
@@ -12,7 +12,8 @@ path after the heaviest one, with its garbage to collect and its server-side aft
 
 - AttentionClient, wire="binary" (the default): /v2/models/attention/infer, raw bytes both ways;
 - AttentionClient, wire="json" (b64): POST /attention, orjson + pybase64;
-- the client's binary wire (its codecs) over a requests.Session instead of its own sockets;
+- the client's binary wire (its codecs) over urllib3 (what requests rests on) instead of its own
+  sockets;
 - tritonclient.http, inputs set_data_from_numpy(binary_data=True), outputs binary_data=True: the
   same /v2 door, as a Triton/KServe user would call it;
 - requests + stdlib json and base64 to POST /attention: what a user writes by hand.
@@ -36,9 +37,10 @@ from collections.abc import Callable
 import numpy as np
 import requests
 import tritonclient.http as triton
+import urllib3
 
 from attention_client import AttentionClient, _wire
-from bench.server import Server
+from bench.common import Server
 
 Path = tuple[Callable, Callable]  # (call(q, k, v) -> (out, weights), close())
 
@@ -69,8 +71,7 @@ def triton_path(url: str) -> Path:
 
 
 def requests_path(url: str) -> Path:
-    session = requests.Session()
-    session.headers["Accept-Encoding"] = "identity"  # as the client and tritonclient ask: no compressed answers
+    session = requests.Session()  # as it comes: Accept-Encoding gzip, deflate (the server answers identity)
 
     def enc(a):
         return {"shape": list(a.shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode("ascii")}
@@ -88,27 +89,31 @@ def requests_path(url: str) -> Path:
     return call, session.close
 
 
-def requests_binary_path(url: str) -> Path:
-    """The client's binary wire (its own request and response codecs) over a requests.Session
-    instead of its sockets: what the HTTP layer alone is worth."""
-    session = requests.Session()
-    session.headers["Accept-Encoding"] = "identity"  # as the client and tritonclient ask: no compressed answers
+def urllib3_binary_path(url: str) -> Path:
+    """The client's binary wire over urllib3 (what requests rests on) at its best: the parts
+    handed as they are (urllib3 writes each with its own sendall), the answer read with readinto
+    into one preallocated buffer (urllib3 copies through its read()): what the client's own
+    transport is measured against (docs/architecture.md)."""
+    pool = urllib3.connection_from_url(url, maxsize=1, retries=urllib3.Retry(total=1, read=0, status=0, redirect=0), timeout=120)
 
     def call(q, k, v):
-        parts = _wire.v2_request({"q": q, "k": k, "v": v}, {"causal": True}, ["out", "weights"])
-        resp = session.post(
-            f"{url}/v2/models/attention/infer", data=b"".join(parts), headers={_wire.HEAD_LENGTH: str(len(parts[0]))}, timeout=120
-        )
-        resp.raise_for_status()
-        outputs = _wire.v2_outputs(memoryview(resp.content), int(resp.headers[_wire.HEAD_LENGTH]))
+        parts = [memoryview(p).cast("B") for p in _wire.v2_request({"q": q, "k": k, "v": v}, {"causal": True}, ["out", "weights"])]
+        headers = {_wire.HEAD_LENGTH: str(len(parts[0])), "Content-Length": str(sum(len(p) for p in parts))}
+        resp = pool.urlopen("POST", "/v2/models/attention/infer", body=parts, headers=headers, preload_content=False, decode_content=False)
+        assert resp.status == 200, resp.status
+        body, got = np.empty(resp.length_remaining, np.uint8), 0
+        while got < len(body):
+            got += resp.readinto(body.data[got:])
+        resp.release_conn()
+        outputs = _wire.v2_outputs(body.data, int(resp.headers[_wire.HEAD_LENGTH]))
         return outputs["out"], outputs["weights"]
 
-    return call, session.close
+    return call, pool.close
 
 
 PATHS = {
     "AttentionClient binary (default)": lambda url: client_path(url, "binary"),
-    "same binary wire over requests.Session": requests_binary_path,
+    "same binary wire over urllib3": urllib3_binary_path,
     "AttentionClient json (b64)": lambda url: client_path(url, "json"),
     "tritonclient.http binary": triton_path,
     "requests + json b64 /attention": requests_path,

@@ -1,35 +1,131 @@
-"""`python -m bench.compression`: compressed bodies and answers (the figures in README.md's
-"Compression").
+"""`python -m bench compression`: which answers are worth compressing, and what `requests`' default
+`Accept-Encoding: gzip, deflate` costs a client.
 
-Starts `python -m service` with one worker (so that its memory is the worker's) and the defaults of
-`make run` but ATTN_COMPRESS_MAX_BYTES=0 (every answer compressed when asked, whatever its size),
-then:
-
-  1. the gzip bomb: 1 GiB of zeros in about 1 MiB (built piece by piece, never inflated here),
-     POSTed --bombs times to /attention; for each, the time from the last byte sent to the
-     answer's status line, and the worker's peak resident memory over its resident memory before
-     (VmHWM after clear_refs, Linux);
-  2. answer sizes: /attention with weights for T in --ts (B=1, H=8, d=64, random float32), as b64
-     and as nested JSON, plain and with Accept-Encoding: gzip, and the best of 3 round trips.
-
-Prints markdown tables."""
+  1. Each kind of answer compressed in this process at ATTN_COMPRESS_LEVEL 1 (zlib): its ratio,
+     compression and decompression speed, and the link speed below which compressing pays
+     (the bytes saved take longer to send than compressing and decompressing take).
+  2. POST /attention with `requests.Session()` as it comes (gzip, deflate) and with
+     `Accept-Encoding: identity`, against a server with the defaults, and with `requests`'
+     defaults against one with ATTN_COMPRESS_ANSWERS=accepted (what compressing what is merely
+     accepted costs): b64 T=64, T=256 and nested T=64, H=8, d=64, causal, no weights, the answer
+     parsed (`resp.json()`), all alternating, medians of --reps. On the loopback, and on a modelled
+     gigabit link: each exchange's bytes (request, and the answer as sent: `resp.raw.tell()`) at
+     125 MB/s added to its time.
+  3. The gzip bomb: 1 GiB of zeros in about 1 MiB POSTed --bombs times (raw bytes on purpose: no
+     client sends a body this way); the time from the last byte sent to the answer's status line
+     and the worker's peak RSS growth (VmHWM after clear_refs, Linux).
+"""
 
 from __future__ import annotations
 
 import argparse
-import base64
-import http.client
-import json
 import socket
 import time
 import zlib
 from pathlib import Path
 
 import numpy as np
+import orjson
+import pybase64
+import requests
 
-from bench.server import Server
+from bench.common import GIGABIT, Server, alternate, attention_body, median, status_kb, table
 
 BOMB = 2**30
+
+
+def kinds(url: str) -> dict[str, bytes]:
+    """Answers of each kind, as the server writes them: a (8, T, 64) float32 tensor in b64, binary
+    (/v2) and nested text; the OpenAPI document, from the server at url."""
+    rng = np.random.default_rng(0)
+    found = {}
+    for T in (64, 256):
+        a = rng.standard_normal((8, T, 64)).astype("<f4")
+        found[f"b64 T={T}"] = pybase64.b64encode(a.tobytes())
+        found[f"binary T={T}"] = a.tobytes()
+        found[f"nested T={T}"] = orjson.dumps(a.tolist())
+    found["/openapi.json"] = requests.get(url + "/openapi.json").content
+    return found
+
+
+def pays(url: str, runs: int = 10) -> str:
+    rows = []
+    for name, data in kinds(url).items():
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            packed = zlib.compress(data, 1)
+        pack_s = (time.perf_counter() - t0) / runs
+        t0 = time.perf_counter()
+        for _ in range(runs):
+            zlib.decompress(packed)
+        unpack_s = (time.perf_counter() - t0) / runs
+        r = len(packed) / len(data)
+        saved_s_per_byte_at_1 = 1 - r  # bytes saved per byte of answer; pays while saved / link > pack + unpack
+        link = saved_s_per_byte_at_1 * len(data) / (pack_s + unpack_s)
+        rows.append((name, len(data), r, len(data) / pack_s / 1e6, len(data) / unpack_s / 1e6, link * 8 / 1e6))
+    return table(("answer", "bytes", "gzip ratio", "compress MB/s", "decompress MB/s", "pays below (Mbit/s)"), rows)
+
+
+def clients(base_url: str, accepted_url: str, body: bytes):
+    """(calls, bytes): a timed call for each side (requests' defaults, identity, requests' defaults
+    against the server at accepted_url) and each side's bytes on the wire: the request's, and the
+    answer's as sent (read undecoded)."""
+    default, identity = requests.Session(), requests.Session()
+    identity.headers["Accept-Encoding"] = "identity"
+    accepted = requests.Session()
+
+    def call(session: requests.Session, url: str):
+        def one() -> None:
+            resp = session.post(url + "/attention", data=body, headers={"Content-Type": "application/json"})
+            resp.raise_for_status()
+            resp.json()
+
+        return one
+
+    def wire(session: requests.Session, url: str):
+        def one() -> int:
+            with session.post(url + "/attention", data=body, headers={"Content-Type": "application/json"}, stream=True) as resp:
+                return len(body) + len(resp.raw.read(decode_content=False))
+
+        return one
+
+    sides = ((default, base_url), (identity, base_url), (accepted, accepted_url))
+    return [call(*side) for side in sides], [wire(*side)() for side in sides]
+
+
+def defaults_against_identity(server: Server, accepted: Server, reps: int) -> str:
+    rows = []
+    for encoding, T in (("b64", 64), ("b64", 256), ("nested", 64)):
+        calls, wire = clients(server.url, accepted.url, attention_body(T, encoding))
+        ms = alternate(calls, reps)
+        loop = [median(m) for m in ms]
+        gig = [median(m) + wire[i] / GIGABIT * 1000 for i, m in enumerate(ms)]
+        answer = [w - len(attention_body(T, encoding)) for w in wire]
+        rows.append(
+            (
+                f"{encoding} T={T}",
+                *loop,
+                loop[0] / loop[1],
+                loop[2] / loop[1],
+                gig[0] / gig[1],
+                gig[2] / gig[1],
+                f"{answer[1]} / {answer[2]}",
+            )
+        )
+    return table(
+        (
+            "request",
+            "defaults ms",
+            "identity ms",
+            "accepted ms",
+            "defaults / identity",
+            "accepted / identity",
+            "gigabit: defaults / identity",
+            "gigabit: accepted / identity",
+            "answer bytes identity/gzip",
+        ),
+        rows,
+    )
 
 
 def bomb() -> bytes:
@@ -38,14 +134,10 @@ def bomb() -> bytes:
     return b"".join(packer.compress(zeros) for _ in range(BOMB // len(zeros))) + packer.flush()
 
 
-def kb(pid: int, key: str) -> int:
-    return int(Path(f"/proc/{pid}/status").read_text().split(f"{key}:")[1].split()[0])
-
-
 def send_bomb(port: int, body: bytes, pid: int) -> tuple[int, float, float]:
     """(status, ms from the last byte sent to the status line, the worker's peak RSS growth in MiB)."""
     Path(f"/proc/{pid}/clear_refs").write_text("5")
-    before = kb(pid, "VmRSS")
+    before = status_kb(pid, "VmRSS")
     head = (
         "POST /attention HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
@@ -57,64 +149,38 @@ def send_bomb(port: int, body: bytes, pid: int) -> tuple[int, float, float]:
         ms = (time.perf_counter() - sent) * 1000
         while sock.recv(65536):
             pass
-    return int(first.split()[1]), ms, (kb(pid, "VmHWM") - before) / 1024
+    return int(first.split()[1]), ms, (status_kb(pid, "VmHWM") - before) / 1024
 
 
-def attention_body(T: int, encoding: str) -> bytes:
-    rng = np.random.default_rng(T)
-    arrays = {n: rng.standard_normal((1, 8, T, 64)).astype("<f4") for n in ("q", "k", "v")}
-    if encoding == "b64":
-        tensors = {
-            n: {"shape": list(a.shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode()} for n, a in arrays.items()
-        }
-        return json.dumps({**tensors, "response_encoding": "b64"}).encode()
-    return json.dumps({n: a.tolist() for n, a in arrays.items()}).encode()
-
-
-def answer(port: int, body: bytes, coding: str | None, runs: int = 3) -> tuple[int, float]:
-    """(bytes of the answer's body as sent, the best of runs round trips in ms: the answer is
-    compressed as it streams, after the encode phase Server-Timing shows)."""
-    best = float("inf")
-    for _ in range(runs):
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        headers = {"Content-Type": "application/json", **({"Accept-Encoding": coding} if coding else {})}
-        t0 = time.perf_counter()
-        conn.request("POST", "/attention", body=body, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()  # http.client does not decompress: these are the bytes sent (chunking aside)
-        best = min(best, (time.perf_counter() - t0) * 1000)
-        conn.close()
-        assert resp.status == 200 and resp.getheader("Content-Encoding") == coding, (resp.status, data[:200])
-    return len(data), best
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bombs", type=int, default=5)
-    parser.add_argument("--ts", type=int, nargs="+", default=[64, 256])
-    args = parser.parse_args()
-    server = Server("compression", env={"WEB_CONCURRENCY": "1", "ATTN_COMPRESS_MAX_BYTES": "0"}, inherit_settings=False)
-    try:
-        server.wait_ready()
+def bombs(n: int) -> str:
+    body, rows = bomb(), []
+    with Server("bomb", env={"WEB_CONCURRENCY": "1"}, inherit_settings=False) as server:
         [pid] = server.workers()
-        body = bomb()
-        print(f"\n### The gzip bomb: {BOMB >> 20} MiB of zeros in {len(body) / 2**20:.2f} MiB, ATTN_MAX_BODY_BYTES 32 MiB\n")
-        print("| try | status | ms from the last byte sent to the answer | worker peak RSS growth (MiB) |\n|---|---|---|---|")
-        for i in range(args.bombs):
-            status, ms, mib = send_bomb(server.port, body, pid)
-            print(f"| {i + 1} | {status} | {ms:.0f} | {mib:.1f} |")
-        print("\n### Answer sizes, /attention with weights (B=1, H=8, d=64, float32), plain and gzip (ATTN_COMPRESS_LEVEL 1)\n")
-        print(
-            "| T | encoding | plain bytes | gzip bytes | ratio | round trip ms plain | round trip ms gzip |\n|---|---|---|---|---|---|---|"
-        )
-        for T in args.ts:
-            for encoding in ("b64", "nested"):
-                body = attention_body(T, encoding)
-                plain, plain_ms = answer(server.port, body, None)
-                packed, packed_ms = answer(server.port, body, "gzip")
-                print(f"| {T} | {encoding} | {plain} | {packed} | {packed / plain:.2f} | {plain_ms:.1f} | {packed_ms:.1f} |")
-    finally:
-        server.stop()
+        for i in range(n):
+            rows.append((i + 1, *send_bomb(server.port, body, pid)))
+    return f"{BOMB >> 20} MiB of zeros in {len(body) / 2**20:.2f} MiB, ATTN_MAX_BODY_BYTES 32 MiB\n\n" + table(
+        ("try", "status", "ms from the last byte sent to the answer", "worker peak RSS growth (MiB)"), rows
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench compression", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--bombs", type=int, default=3)
+    args = parser.parse_args(argv)
+    with (
+        Server("compression", inherit_settings=False) as server,
+        Server("accepted", env={"ATTN_COMPRESS_ANSWERS": "accepted"}, inherit_settings=False) as accepted,
+    ):
+        print("\n### Which answers pay for compressing (zlib level 1, this process)\n")
+        print(pays(server.url))
+        print(f"\n### requests' defaults against identity, POST /attention, medians of {args.reps} alternating\n")
+        print(defaults_against_identity(server, accepted, args.reps))
+    if args.bombs:
+        print("\n### The gzip bomb\n")
+        print(bombs(args.bombs))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m bench.crowd`: what many clients see, against a server started as `make run` does
+"""`python -m bench crowd`: what many clients see, against a server started as `make run` does
 (`python -m service`, 2 workers, the defaults; a free 127.0.0.1 port).
 
     python -m bench.crowd burst [--n 64 128] [--T 64] [--reps 3] [--triton]
@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import requests
 
-from bench.server import Server
+from bench.common import Server
 
 HEADERS = {"Content-Type": "application/json"}
 

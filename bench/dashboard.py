@@ -5,7 +5,7 @@ this is a faithful render, not Grafana's screenshot: each panel's PromQL, as Gra
 service during the run, and matplotlib draws the panels where gridPos puts them, with their
 titles, units, legends, stacking and thresholds.
 
-    python -m bench.dashboard [--out docs/dashboard.png] [--duration-per-cell 6]
+    python -m bench dashboard [--out docs/dashboard.png] [--duration-per-cell 6]
 
 It starts the service (2 workers) and Prometheus on loopback, runs the load-test tool
 (`attention-loadtest`, T=64..1024, concurrency 1 and 4) with, beside it, the other kinds of
@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 import requests
 
+from bench.common import Server
 from bench.prometheus import ALERTS, LocalPrometheus, dashboard, ensure_prometheus, grafana_expr, panels, rate_interval
-from bench.server import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": True}
@@ -250,7 +250,7 @@ def _dt(epoch: float) -> datetime:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench dashboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
     ap.add_argument("--duration-per-cell", type=float, default=6.0, help="loadtest --duration (s)")
     ap.add_argument("--scrape-interval", type=float, default=2.0, help="Prometheus's scrape interval (s)")

@@ -6,9 +6,9 @@ Each body of a catalogue of hostile (and a few valid) bodies is built at several
 once; prints ms per MB and the answer. The worst ms/MB over the catalogue is the figure to watch:
 work must be linear in the bytes with a small constant.
 
-    python -m bench.garbage                 # sizes 1 4 16 MB
-    python -m bench.garbage --sizes 1 4 16 64 --only rows1
-    python -m bench.garbage --rss           # also each case's peak RSS growth, in a fresh subprocess
+    python -m bench garbage                 # sizes 1 4 16 MB
+    python -m bench garbage --sizes 1 4 16 64 --only rows1
+    python -m bench garbage --rss           # also each case's peak RSS growth, in a fresh subprocess
 """
 
 from __future__ import annotations
@@ -24,16 +24,6 @@ MB = 2**20
 # The allocator settings deploy/gunicorn.conf.py gives a worker (its _tune_malloc), as environment
 # variables for a child process measured as a worker would run.
 WORKER_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "4194304", "MALLOC_TRIM_THRESHOLD_": "16777216", "MALLOC_ARENA_MAX": "2"}
-# The numeric core timed as a worker runs it (bench/core_speed.py): its allocator, one BLAS thread,
-# and torch's OpenMP threads sleeping between calls rather than spinning on the cores numpy needs.
-CORE_BENCH_ENV = {**WORKER_MALLOC_ENV, "OPENBLAS_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def rerun_with_core_bench_env(module: str) -> None:
-    """Run `python -m module` (with this process's arguments) again in CORE_BENCH_ENV unless this
-    process already has it: the allocator and BLAS read them at process start."""
-    if any(os.environ.get(k) != v for k, v in CORE_BENCH_ENV.items()):
-        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], {**os.environ, **CORE_BENCH_ENV})
 
 
 def _fill(head: bytes, unit: bytes, tail: bytes, size: int, sep: bytes = b",") -> bytes:

@@ -1,8 +1,8 @@
 """Triton's own latency tool, perf_analyzer, against this service over the Open Inference Protocol.
 
-    make bench-perf-analyzer                          # = python -m bench.perf_analyzer (a few minutes)
-    python -m bench.perf_analyzer --window-ms 500     # shorter windows, noisier
-    python -m bench.perf_analyzer --lengths 64,1024 --concurrency 1,4 --shared-memory none,system
+    make bench-perf-analyzer                          # = python -m bench perf_analyzer (a few minutes)
+    python -m bench perf_analyzer --window-ms 500     # shorter windows, noisier
+    python -m bench perf_analyzer --lengths 64,1024 --concurrency 1,4 --shared-memory none,system
 
 perf_analyzer is the C++ binary that the tritonclient 2.40.0 wheel (the last to ship it) puts in
 its venv's bin/. It links the CUDA runtime even over HTTP on a machine without a GPU (the
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.server import ROOT, Server
+from bench.common import ROOT, Server
 
 OUT = ROOT / "bench" / "out" / "perf_analyzer.md"
 REQUIREMENTS = ("tritonclient[all]==2.40.0", "nvidia-cuda-runtime-cu12==12.9.79")
@@ -216,7 +216,7 @@ def main() -> None:
 
     load = " ".join(f"{x:.2f}" for x in load_start), " ".join(f"{x:.2f}" for x in os.getloadavg())
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    command = " ".join(["python -m bench.perf_analyzer", *sys.argv[1:]])
+    command = " ".join(["python -m bench perf_analyzer", *sys.argv[1:]])
     report = "\n".join(
         [
             "# perf_analyzer against this service (`make bench-perf-analyzer`)",

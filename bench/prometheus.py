@@ -21,7 +21,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from bench.server import free_port, terminate
+from bench.common import free_port, terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "attention.json"

@@ -1,8 +1,8 @@
 """A client on the server's host: a round trip through shared memory against the same computation
 in this process, and against the binary wire.
 
-    .venv/bin/python -m bench.shm                         # starts `python -m service` with ATTN_ALLOW_CLIENT_SHM=true
-    .venv/bin/python -m bench.shm --lengths 1024 --runs 30
+    .venv/bin/python -m bench shm                         # starts `python -m service` with ATTN_ALLOW_CLIENT_SHM=true
+    .venv/bin/python -m bench shm --lengths 1024 --runs 30
 
 One request: q, k, v (1, 8, T, 64) float32, causal, weights returned (at T=1024 the weights are
 32 MiB). Three ways, taken in a new random order within every repetition so that drift from other
@@ -31,10 +31,11 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from attention_client import AttentionClient
-from bench.server import ROOT, Server
+from bench.common import OUT as OUT_DIR
+from bench.common import Server
 from service import core
 
-OUT = ROOT / "bench" / "out" / "shm.md"
+OUT = OUT_DIR / "shm.md"
 B, H, D = 1, 8, 64
 RUNS = {64: 200, 256: 60, 1024: 40}
 
@@ -110,10 +111,10 @@ def main() -> None:
         if server is not None:
             server.stop()
     load = " ".join(f"{x:.2f}" for x in load_start), " ".join(f"{x:.2f}" for x in os.getloadavg())
-    command = " ".join(["python -m bench.shm", *sys.argv[1:]])
+    command = " ".join(["python -m bench shm", *sys.argv[1:]])
     report = "\n".join(
         [
-            "# Shared memory against the same computation in-process (`python -m bench.shm`)",
+            "# Shared memory against the same computation in-process (`python -m bench shm`)",
             "",
             f"`{command}`: q, k, v ({B}, {H}, T, {D}) float32, causal, weights returned; medians of "
             + ", ".join(f"{runs[t]} (T={t})" for t in lengths)

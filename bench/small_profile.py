@@ -2,7 +2,7 @@
 causal) against GET /healthz, in-process through the Flask test client (one thread: no event
 loop, no gunicorn, no access log; bench/small_requests.py measures those in a real worker).
 
-    python -m bench.small_profile            # CPU per request (min of repetitions) and, with
+    python -m bench small_profile            # CPU per request (min of repetitions) and, with
                                              # py-spy installed, the table of where it goes
 
 The CPU per request is the least of 15 repetitions of 100 requests (process time; the least is

@@ -3,17 +3,17 @@ POST /attention with a T=64 b64 body without weights (B=1, H=8, d=64, causal, fl
 or more checkouts and worker counts, side by side in one run. Prints the medians of req/s, their
 ratio (attention / healthz) and the non-2xx answers of each.
 
-    python -m bench.small_requests                              # this checkout, 2 workers and 1
-    python -m bench.small_requests --baseline ../main            # and another checkout beside it
-    python -m bench.small_requests --duration 10 --rounds 3 --workers 2 1
-    python -m bench.small_requests --floor --workers 2             # and the stack's floor beside it
+    python -m bench small_requests                              # this checkout, 2 workers and 1
+    python -m bench small_requests --baseline ../main            # and another checkout beside it
+    python -m bench small_requests --duration 10 --rounds 3 --workers 2 1
+    python -m bench small_requests --floor --workers 2             # and the stack's floor beside it
 
 --floor also serves bench/floor_app.py (this checkout's app with nothing behind /attention but
 reading the body and answering a fixed 175 KB): the highest ratio any T=64 b64 request can reach
 here with this stack.
 
 Needs wrk (Debian: apt-get install wrk). Each server is `python -m service` as `make run` starts
-it (bench/server.py: a free loopback port, ATTN_* settings from a clean shell); WEB_CONCURRENCY
+it (bench/common.py: a free loopback port, ATTN_* settings from a clean shell); WEB_CONCURRENCY
 sets its workers, and where the default slots (2 computing + 4 queued per worker) are fewer than
 the connections (one worker, 8 connections), ATTN_MAX_QUEUE is raised to fit them, so that the
 fixed cost is measured apart from refusals by design. Rounds alternate servers and endpoints, so noise from other work on the
@@ -32,13 +32,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import orjson
-import pybase64
-
 from service import __main__ as service_main
 
-from .server import ROOT, Server
+from .common import ROOT, Server, attention_body
 
 LUA = """wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -48,15 +44,9 @@ f:close()
 """
 
 
-def body(T: int = 64, H: int = 8, d: int = 64) -> bytes:
-    """A T=64 b64 request without weights: q, k, v of shape (1, H, T, d) float32, causal."""
-    rng = np.random.default_rng(0)
-
-    def enc(a: np.ndarray) -> dict:
-        return {"shape": list(a.shape), "dtype": "float32", "b64": pybase64.b64encode(a.tobytes()).decode()}
-
-    q, k, v = (rng.standard_normal((1, H, T, d), dtype=np.float32) for _ in range(3))
-    return orjson.dumps({"q": enc(q), "k": enc(k), "v": enc(v), "causal": True, "return_weights": False})
+def body() -> bytes:
+    """A T=64 b64 request without weights: q, k, v of shape (1, 8, 64, 64) float32, causal."""
+    return attention_body(64, "b64")
 
 
 def wrk(url: str, seconds: int, connections: int, script: str | None = None) -> tuple[float, int, int]:

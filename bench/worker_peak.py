@@ -6,20 +6,20 @@ valid b64 body just under the default 32 MiB limit and the worst hostile 32 MiB 
 bench/garbage.py, and prints the worker's RSS before, its peak (VmHWM, reset through
 /proc/PID/clear_refs before each) and after. Linux only.
 
-    python -m bench.worker_peak
+    python -m bench worker_peak
 """
 
 from __future__ import annotations
 
-import http.client
 import time
 
 import numpy as np
 import orjson
+import requests
 
 from attention_client import encode_tensor
+from bench.common import Server
 from bench.garbage import CATALOGUE
-from bench.server import Server
 
 MiB = 2**20
 
@@ -30,12 +30,9 @@ def _kib(pid: int, key: str) -> int:
 
 
 def _post(port: int, body: bytes) -> int:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request("POST", "/attention", body=body, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    resp.read()
-    conn.close()
-    return resp.status
+    return requests.post(
+        f"http://127.0.0.1:{port}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120
+    ).status_code
 
 
 def main() -> None:

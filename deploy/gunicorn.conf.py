@@ -42,11 +42,11 @@ def _tune_malloc() -> None:
     arenas, fragmented: under 4 clients of mixed valid requests a worker went 41 -> 288 MB in
     150 s and kept rising, while tracemalloc saw the Python and numpy heap flat (+0.02 MB over 400
     requests: no leak, no cache). A fixed threshold (which also stops it moving) and 2 arenas kept
-    it at 88-122 MB over the same load (bench/rss_soak.py). The threshold is 4 MiB, not 1, and the
+    it at 88-122 MB over the same load (a study retired from bench/: git log -- bench/rss_soak.py). The threshold is 4 MiB, not 1, and the
     trim threshold 16 MiB, so that a request's blocks under 4 MiB (the core's ~1 MiB scratch)
     reuse heap pages: at 1 MiB with the default trim every request page-faulted its scratch afresh
     (T=1024 without weights: 0 -> 6,500 faults and +30% CPU; with these values 0 faults and the
-    default's CPU; bench/malloc_cost.py). mallopt in the arbiter, before the workers fork (they
+    default's CPU; git log -- bench/malloc_cost.py). mallopt in the arbiter, before the workers fork (they
     inherit it), so that every way of running the service (make run, the container, compose,
     Kubernetes) gets it; MALLOC_* in the environment win."""
     if not sys.platform.startswith("linux"):
@@ -76,8 +76,8 @@ _settings = Settings.from_env()
 # "::1:8000" stopped it at start ("'' is not a valid port number").
 _host = f"[{_settings.host}]" if ":" in _settings.host and not _settings.host.startswith("[") else _settings.host
 bind = f"{_host}:{_settings.port}"
-# Worker model: 2 workers x 1 BLAS thread, chosen with `python -m bench.workers` (2x1 against 1x2
-# and 2x2; bench/README.md): with two BLAS threads per worker, a worker spin-waits for a core that
+# Worker model: 2 workers x 1 BLAS thread, chosen by measuring 2x1 against 1x2
+# and 2x2 (git log -- bench/workers.py): with two BLAS threads per worker, a worker spin-waits for a core that
 # the other worker, or anything else, holds, and latency under concurrency suffers.
 # Not preloaded: nothing measurable to gain and each worker imports fresh.
 # Allocator: see _tune_malloc above (fixed mmap and trim thresholds, two arenas).
@@ -130,12 +130,14 @@ sendfile = False  # every byte goes through the worker's sendall, which never bl
 
 
 def on_starting(server):
-    """Arbiter start: the admission census the workers will share (they inherit it when they fork),
-    and an empty metrics directory, so a previous run's counts do not come back."""
-    from service import shm, stats
+    """Arbiter start: the admission census, the sessions' pool, Triton's statistics table and (when
+    allowed) the client shared-memory registry the workers will share (they inherit them when they
+    fork), and an empty metrics directory, so a previous run's counts do not come back."""
+    from service import sessions, shm, stats
     from service.web import census
 
     census.create()
+    sessions.create(_settings)
     stats.create()  # Triton's statistics, counted over every worker
     if _settings.allow_client_shm:
         shm.create()  # the client shared-memory regions every worker sees

@@ -113,6 +113,13 @@ class PositiveInt(_Coded, fields.Integer):
         return super()._deserialize(value, attr, data, **kwargs)
 
 
+class NonNegativeInt(PositiveInt):
+    """An integer >= 0 (a length, a position)."""
+
+    def __init__(self, **kwargs):
+        fields.Integer.__init__(self, strict=True, validate=validate.Range(min=0), **kwargs)
+
+
 class Tensor(_Coded, fields.Field):
     """A tensor in any wire encoding -> a checked np.ndarray.
 

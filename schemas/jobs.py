@@ -131,7 +131,7 @@ class _Job:
         decoded from JSON text (float64 or int64, alive until the cast; b64 of the compute dtype
         is its decoded bytes, no copy), the core's arrays (_core_bytes), the weights if returned,
         a response chunk and the core's scratch, both bounded by the job's own size, and checked
-        against the peak RSS of the same pipeline (bench/peak_rss.py, bench/README.md). The parse
+        against the peak RSS of the same pipeline (git log -- bench/peak_rss.py). The parse
         of a JSON body peaks before the job exists (the gate charges it, see service.web.admission)."""
         itemsize = np.dtype(self.dtype).itemsize
         elements = sum(a.size for a in vars(self).values() if isinstance(a, np.ndarray))  # a bias included
@@ -365,3 +365,141 @@ class MhaJob(_Job):
             pool=pool,
             stop=stop,
         )
+
+
+@dataclass(frozen=True)
+class SessionStepJob(_Job):
+    """A step on a session (POST /sessions/{id}/attention): q (H, t, d) attends to the session's
+    first S keys, held in pages of its pool (views, not copies)."""
+
+    q: np.ndarray  # (H, t, d), the session's dtype
+    keys: int  # S, the keys attended to: the session's length, the new tokens included
+    pages: list  # [(k (Hkv, P, d), v (Hkv, P, dv))]: views into the pool, ceil(S / P) of them
+    kv_heads: int
+    value_dim: int
+    causal: bool | str
+    scale: float | None
+    return_weights: bool
+    encoding: str
+    window: tuple[int, int] | None = None
+    alibi_slopes: np.ndarray | None = None
+    weights_dtype: str | None = None
+    return_lse: bool = False
+
+    @property
+    def B(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def T(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def S(self) -> int:
+        return self.keys
+
+    @property
+    def head_widths(self) -> tuple[int, int]:
+        return self.q.shape[-1], self.value_dim
+
+    @property
+    def dtype(self) -> str:
+        return self.q.dtype.name
+
+    @property
+    def groups(self) -> int:
+        return self.q.shape[0] // self.kv_heads
+
+    @property
+    def output_elements(self) -> int:
+        return self.B * self.T * self.head_widths[1]
+
+    def _core_bytes(self, itemsize: int) -> int:
+        """out, the scaled q, and the scores of one chunk of pages (core.paged_attention's scratch)."""
+        return (2 * self.q.size + self.output_elements + min(self.score_elements, core.paged.SCRATCH_ELEMENTS)) * itemsize
+
+    def _compute(self, threads, pool, stop):
+        if not self.keys:  # an empty session: every row sees no key (out 0, lse the lowest finite value)
+            H, T = self.q.shape[:2]
+            out, lse = np.zeros((H, T, self.value_dim), self.q.dtype), np.full((H, T), np.finfo(self.q.dtype).min, self.q.dtype)
+            weights = np.zeros((H, T, 0), self.q.dtype) if self.return_weights else None
+            return (out, weights, lse) if self.return_lse else (out, weights)
+        return core.paged_attention(
+            self.q,
+            self.pages,
+            self.S,
+            causal=self.causal,
+            scale=self.scale,
+            window=self.window,
+            alibi_slopes=self.alibi_slopes,
+            return_weights=self.return_weights,
+            return_lse=self.return_lse,
+            stop=stop,
+        )
+
+
+@dataclass(frozen=True)
+class SessionBatchJob(_Job):
+    """Steps on several sessions (POST /sessions/attention) computed as one job: admitted and
+    measured as their sum (B * H heads over their mean length). out (B, H, t, dv); weights (B, H, t,
+    the longest S), 0 past each session's length; lse (B, H, t)."""
+
+    steps: tuple[SessionStepJob, ...]
+
+    def __getattr__(self, name: str):  # the options every step shares: causal, window, encoding ...
+        return getattr(self.steps[0], name)
+
+    @property
+    def window(self) -> tuple[int, int] | None:  # type: ignore[override]
+        return self.steps[0].window
+
+    @property
+    def weights_dtype(self) -> str | None:  # type: ignore[override]
+        return self.steps[0].weights_dtype
+
+    @property
+    def B(self) -> int:
+        return sum(step.B for step in self.steps)
+
+    @property
+    def T(self) -> int:
+        return self.steps[0].T
+
+    @property
+    def S(self) -> int:
+        return -(-sum(step.S for step in self.steps) // len(self.steps))
+
+    @property
+    def head_widths(self) -> tuple[int, int]:
+        return self.steps[0].head_widths
+
+    @property
+    def dtype(self) -> str:
+        return self.steps[0].dtype
+
+    @property
+    def groups(self) -> int:
+        return self.steps[0].groups
+
+    @property
+    def output_elements(self) -> int:
+        return sum(step.output_elements for step in self.steps)
+
+    def working_bytes(self) -> int:
+        return sum(step.working_bytes() for step in self.steps)
+
+    def _compute(self, threads, pool, stop):
+        """The steps in turn, or (a batch alone on the server: threads > 1) shared by threads threads,
+        the caller's and pool's (numpy releases the GIL in the matmuls)."""
+        groups = [self.steps[i::threads] for i in range(min(threads, len(self.steps)))] if pool is not None else [self.steps]
+        futures = [pool.submit(lambda g=group: [step._compute(1, None, stop) for step in g]) for group in groups[1:]] if pool else []
+        done = [[step._compute(1, None, stop) for step in groups[0]], *(f.result() for f in futures)]
+        results = [done[i % len(groups)][i // len(groups)] for i in range(len(self.steps))]
+        out = np.stack([r[0] for r in results])
+        weights = None
+        if self.steps[0].return_weights:
+            weights = np.zeros((*out.shape[:3], max(step.S for step in self.steps)), out.dtype)
+            for i, r in enumerate(results):
+                weights[i, :, :, : r[1].shape[-1]] = r[1]
+        result = (out, weights)
+        return (*result, np.stack([r[2] for r in results])) if self.steps[0].return_lse else result

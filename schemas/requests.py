@@ -20,22 +20,12 @@ from .jobs import COMPUTE_DTYPES, WEIGHTS_DTYPES, AttentionJob, MhaJob
 CAUSAL = (False, True, "top_left", "bottom_right")
 
 
-class _Request(Schema):
-    """Options every compute request shares, the limits in force, and one error per request."""
+class _Strict(Schema):
+    """What every request body shares: unknown fields refused, fields named by their labels, one
+    error per request, the limits in force."""
 
     class Meta:
         unknown = RAISE
-
-    return_weights = Bool(load_default=True, metadata={"description": "return the attention weights"})
-    dtype = Choice(COMPUTE_DTYPES, load_default=None, metadata={"description": "compute and output precision (default float32)"})
-    response_encoding = Choice(
-        wire.ENCODINGS, load_default=None, metadata={"description": "encoding of the response tensors; default: as the input was encoded"}
-    )
-    weights_dtype = Choice(
-        WEIGHTS_DTYPES,
-        load_default=None,
-        metadata={"description": 'precision of the returned weights; default the compute dtype ("float16" halves their bytes)'},
-    )
 
     def __init__(self, settings: Settings | None = None, *, labels: dict[str, str] | None = None, **kwargs):
         """labels: what messages call a field (default its name); a front door with its own
@@ -53,7 +43,7 @@ class _Request(Schema):
         required one present): a present field is deserialized as marshmallow does, in the same
         order (so the same first error), an absent one takes its load_default at once. marshmallow
         passes each absent field through Field.deserialize to find that default, and most of a
-        usual request's fields are absent (`python -m bench.small_profile` shows the share)."""
+        usual request's fields are absent (`python -m bench small_profile` shows the share)."""
         fields = self.load_fields
         plain = self._plain and not many and partial is None and isinstance(data, dict)
         if not (plain and self._required <= data.keys() <= fields.keys()):
@@ -173,6 +163,21 @@ class _Request(Schema):
 
     def _encoding(self, data, original, field: str) -> str:
         return data.get("response_encoding") or wire.wire_encoding(original.get(field))
+
+
+class _Request(_Strict):
+    """Options every compute request shares."""
+
+    return_weights = Bool(load_default=True, metadata={"description": "return the attention weights"})
+    dtype = Choice(COMPUTE_DTYPES, load_default=None, metadata={"description": "compute and output precision (default float32)"})
+    response_encoding = Choice(
+        wire.ENCODINGS, load_default=None, metadata={"description": "encoding of the response tensors; default: as the input was encoded"}
+    )
+    weights_dtype = Choice(
+        WEIGHTS_DTYPES,
+        load_default=None,
+        metadata={"description": 'precision of the returned weights; default the compute dtype ("float16" halves their bytes)'},
+    )
 
 
 class AttentionRequest(_Request):

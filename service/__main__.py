@@ -11,7 +11,7 @@ CONF = Path(__file__).resolve().parent.parent / "deploy" / "gunicorn.conf.py"
 # (madvise) for the blocks it maps, which the worker's allocator settings make every buffer of
 # 4 MiB or more (deploy/gunicorn.conf.py, _tune_malloc): a request's body, its decoded tensors,
 # the weights and the response's text then fault in 2 MiB pages, not 4 KiB ones, far fewer faults
-# for a large request (`python -m bench.large_requests`). Where the kernel has transparent huge pages
+# for a large request (git log -- bench/large_requests.py). Where the kernel has transparent huge pages
 # off, or glibc is older than 2.35 or not glibc, it does nothing. An operator's own
 # glibc.malloc.hugetlb in GLIBC_TUNABLES wins.
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"

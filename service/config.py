@@ -51,6 +51,11 @@ RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
     "compress_level": ("ATTN_COMPRESS_LEVEL", 1, 9),  # zlib's levels (0 would send stored blocks: larger than identity)
     "compress_min_bytes": ("ATTN_COMPRESS_MIN_BYTES", 0, 2**62),
     "compress_max_bytes": ("ATTN_COMPRESS_MAX_BYTES", 0, 2**62),
+    "session_memory_bytes": ("ATTN_SESSION_MEMORY_BYTES", 1, 2**43),  # below 4 KiB: one unit; 8 TiB: page tables hold int32 units
+    "session_page_tokens": ("ATTN_SESSION_PAGE_TOKENS", 1, 2**16),
+    "session_idle_s": ("ATTN_SESSION_IDLE_S", 1, 30 * DAY_S),
+    "session_max_tokens": ("ATTN_SESSION_MAX_TOKENS", 1, 2**24),
+    "session_max_count": ("ATTN_SESSION_MAX_COUNT", 1, 2**20),
 }
 DEFAULT_DTYPES = ("float32", "float64")  # as schemas.COMPUTE_DTYPES (config imports nothing of the layers)
 
@@ -127,6 +132,13 @@ def queue_order(raw: str) -> str:
     return raw.strip().lower()
 
 
+def compress_answers(raw: str) -> str:
+    """ATTN_COMPRESS_ANSWERS: preferred or accepted (any case)."""
+    if raw.strip().lower() not in ("preferred", "accepted"):
+        raise ValueError(raw)
+    return raw.strip().lower()
+
+
 def _otel_trace_exporters() -> tuple[str, ...]:
     """The OpenTelemetry span exporters the SDK's standard variables ask for, as entry-point names
     of the group opentelemetry_traces_exporter ("otlp" resolved by OTEL_EXPORTER_OTLP_PROTOCOL as
@@ -193,15 +205,28 @@ class Settings:
     # One large request alone on the server is computed on this many threads (service/cost/split.py);
     # under load every request keeps one. Default: the cores; 1 turns splitting off.
     split_threads: int = field(default_factory=_cores)
-    # Answers compressed when Accept-Encoding asks (service/web/compression.py): zlib's level (1 is
-    # the fastest; tensors of random floats gain little from more), and the size below which an
+    # Answers compressed (service/web/compression.py) when the client prefers a coding to identity
+    # (Accept-Encoding names identity below it, or refuses it); with "accepted", also when it merely
+    # accepts one (identity unnamed: `gzip, deflate`, what Python's requests sends on every call).
+    # Measured (bench/README.md, Compression): zlib at level 1 takes a core longer than a gigabit
+    # link takes to send what it saves, for every tensor encoding (b64 and binary shrink by a
+    # quarter or less, nested text by half at ~100 MB/s), so "accepted" pays only on slow links.
+    # Then zlib's level (1 is the fastest; tensors gain little from more), the size below which an
     # answer goes uncompressed (a gzip member costs 18 bytes and the client a decompression), and
-    # the size above which it goes uncompressed too (0: no such size): tensors of random floats
-    # shrink by a quarter (b64) or a half (nested text) at tens of MB per second of a core, slower
-    # than a data-centre network sends them, and Python's requests asks for gzip by default.
+    # the size above which an answer merely accepted goes uncompressed too (0: no such size).
+    compress_answers: str = "preferred"
     compress_level: int = 1
     compress_min_bytes: int = 1024
     compress_max_bytes: int = 2**20
+    # Sessions (service/sessions/): every session's keys and values share one pool of this many
+    # bytes, made before the workers fork, in pages of session_page_tokens tokens; a session idle
+    # session_idle_s expires; one holds at most session_max_tokens tokens; at most
+    # session_max_count sessions live at once.
+    session_memory_bytes: int = 2**30
+    session_page_tokens: int = 256
+    session_idle_s: int = 600
+    session_max_tokens: int = 65536
+    session_max_count: int = 1024
     # Triton's system shared-memory extension (service/shm.py): clients on this host may register
     # POSIX shared-memory objects and pass tensors through them. Off by default, as Triton's
     # --allow-client-shm: it lets a local client have the server read and write any shared-memory
@@ -240,9 +265,15 @@ class Settings:
                 log_format=_env("ATTN_LOG_FORMAT", d.log_format, log_format),
                 otel_trace_exporters=_otel_trace_exporters(),
                 split_threads=_env("ATTN_SPLIT_THREADS", d.split_threads, int),
+                compress_answers=_env("ATTN_COMPRESS_ANSWERS", d.compress_answers, compress_answers),
                 compress_level=_env("ATTN_COMPRESS_LEVEL", d.compress_level, int),
                 compress_min_bytes=_env("ATTN_COMPRESS_MIN_BYTES", d.compress_min_bytes, int),
                 compress_max_bytes=_env("ATTN_COMPRESS_MAX_BYTES", d.compress_max_bytes, int),
+                session_memory_bytes=_env("ATTN_SESSION_MEMORY_BYTES", d.session_memory_bytes, int),
+                session_page_tokens=_env("ATTN_SESSION_PAGE_TOKENS", d.session_page_tokens, int),
+                session_idle_s=_env("ATTN_SESSION_IDLE_S", d.session_idle_s, int),
+                session_max_tokens=_env("ATTN_SESSION_MAX_TOKENS", d.session_max_tokens, int),
+                session_max_count=_env("ATTN_SESSION_MAX_COUNT", d.session_max_count, int),
                 allow_client_shm=_env("ATTN_ALLOW_CLIENT_SHM", d.allow_client_shm, _bool),
             )
         )

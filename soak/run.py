@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.server import Server
+from bench.common import Server
 
 from . import resources
 from .traffic import Outcome, Traffic

@@ -1,7 +1,9 @@
 """The soak's requests. One Traffic per client thread draws each next request: valid ones across
 T (16..512) and encodings (b64, nested, flat, /mha, /v2 binary), every answer checked against the
 in-process numeric core; everyday invalid ones (each with its exact status and code); and clients
-that abandon an upload or a download midway, over raw sockets. The hostile cases live in
+that abandon an upload or a download midway. Those two write raw bytes to a socket on purpose: no
+HTTP client sends half a body and leaves, or resets a connection while reading (the valid and
+invalid requests go through requests.Session, as users send them). The hostile cases live in
 tests/test_attacks.py; the soak is about what steady traffic does to the server over time.
 """
 

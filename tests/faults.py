@@ -1,6 +1,7 @@
 """Faults put into the service on purpose, for the tests that must see it fail, or be slow, at a
-moment they choose: the numeric core's attention() made to raise, or to hold a request until the
-test lets it go, for a request that sends scale=TRIGGER; any other request is computed as usual.
+moment they choose: the numeric core's attention() (and a session's step, paged_attention()) made
+to raise, or to hold a request until the test lets it go, for a request that sends scale=TRIGGER;
+any other request is computed as usual.
 
 In-process: monkeypatch service.core.attention with raising() or holding(). In a real server
 (helpers.start_server / serving): faulty_env() gives the environment that puts the fault into
@@ -78,8 +79,10 @@ def install() -> None:
 
     if fault == "raise":
         core.attention = raising(core.attention)
+        core.paged_attention = raising(core.paged_attention)  # a session's step
     elif fault == "hold":
         core.attention = holding(core.attention, Path(os.environ[ENV_DIR]))
+        core.paged_attention = holding(core.paged_attention, Path(os.environ[ENV_DIR]))
     else:
         raise ValueError(f"{ENV}={fault!r}: raise or hold")
 

@@ -31,7 +31,7 @@ import pytest
 import requests
 from threadpoolctl import threadpool_limits
 
-from bench.server import terminate
+from bench.common import terminate
 
 ROOT = Path(__file__).resolve().parent.parent
 

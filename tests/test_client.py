@@ -113,6 +113,7 @@ def test_refusal_is_attention_error_with_code(api, rng):
     assert (err.status, err.code, err.field) == (422, "shape_mismatch", "k")
     assert err.message.endswith("k has d=5 but q has d=4.")  # the /v2 door says "input k has ..."
     assert err.response is not None and err.response.status_code == 400  # the /v2 door's status for it
+    assert "k has d=5" in err.response.json()["error"] and err.response.text == err.response.content.decode()  # read as requests reads one
 
 
 # --- splitting over the limits -------------------------------------------------------------------

@@ -152,32 +152,36 @@ def test_an_inflating_body_is_charged_to_its_ticket():
 
 
 @pytest.mark.parametrize(
-    ("header", "coding", "identity_refused"),
+    ("header", "coding", "identity"),
     [
-        (None, None, False),
-        ("", None, False),
-        ("gzip", "gzip", False),
-        ("deflate", "deflate", False),
-        ("gzip, deflate, br", "gzip", False),
-        ("deflate, gzip", "gzip", False),  # a tie: gzip
-        ("gzip;q=0.5, deflate", "deflate", False),
-        ("gzip;q=0", None, False),
-        ("GZIP; Q=0.8", "gzip", False),
-        ("*", "gzip", False),
-        ("*;q=0.3, deflate;q=0.5", "deflate", False),
-        ("identity, gzip;q=0.5", None, False),  # identity preferred
-        ("identity;q=0", None, True),
-        ("identity;q=0, deflate", "deflate", True),
-        ("*;q=0", None, True),
-        ("*;q=0, identity", None, False),
-        ("br", None, False),
-        ("gzip;q=abc", None, False),
-        ("gzip;q=2", None, False),
-        ("gzip;q=nan", None, False),
+        (None, None, "acceptable"),
+        ("", None, "acceptable"),
+        ("gzip", "gzip", "acceptable"),
+        ("deflate", "deflate", "acceptable"),
+        ("gzip, deflate", "gzip", "acceptable"),  # what requests sends: accepted, not preferred
+        ("gzip, deflate, br", "gzip", "acceptable"),
+        ("deflate, gzip", "gzip", "acceptable"),  # a tie: gzip
+        ("gzip;q=0.5, deflate", "deflate", "acceptable"),
+        ("gzip;q=0", None, "acceptable"),
+        ("GZIP; Q=0.8", "gzip", "acceptable"),
+        ("*", "gzip", "acceptable"),  # identity as good as any coding: no preference
+        ("gzip, identity;q=0.5", "gzip", "below"),
+        ("gzip;q=1, *;q=0.1", "gzip", "below"),  # identity unnamed takes *'s q
+        ("*;q=0.3, deflate;q=0.5", "deflate", "below"),
+        ("identity, gzip;q=0.5", None, "acceptable"),  # identity preferred
+        ("gzip, identity", "gzip", "acceptable"),  # a tie
+        ("identity;q=0", None, "refused"),
+        ("identity;q=0, deflate", "deflate", "refused"),
+        ("*;q=0", None, "refused"),
+        ("*;q=0, identity", None, "acceptable"),
+        ("br", None, "acceptable"),
+        ("gzip;q=abc", None, "acceptable"),
+        ("gzip;q=2", None, "acceptable"),
+        ("gzip;q=nan", None, "acceptable"),
     ],
 )
-def test_answer_coding(header, coding, identity_refused):
-    assert compression.answer_coding(header) == (coding, identity_refused)
+def test_answer_coding(header, coding, identity):
+    assert compression.answer_coding(header) == (coding, identity)
 
 
 def decoded(resp) -> bytes:
@@ -201,12 +205,15 @@ def attention_body(T: int, encoding: str) -> dict:
     return {"q": q.tolist(), "k": k.tolist(), "v": v.tolist()}
 
 
+PREFERS = {"gzip": "gzip, identity;q=0.5", "deflate": "deflate;q=1, identity;q=0.1"}
+
+
 @pytest.mark.parametrize("encoding", ["b64", "nested"])
 @pytest.mark.parametrize("coding", ["gzip", "deflate"])
-def test_answers_are_compressed_as_asked_and_equal_the_plain_ones(big_client, encoding, coding):
+def test_answers_are_compressed_where_preferred_and_equal_the_plain_ones(big_client, encoding, coding):
     body = attention_body(64, encoding)
     plain = big_client.post("/attention", json=body)
-    packed = big_client.post("/attention", json=body, headers={"Accept-Encoding": coding})
+    packed = big_client.post("/attention", json=body, headers={"Accept-Encoding": PREFERS[coding]})
     assert packed.headers["Content-Encoding"] == coding and "Accept-Encoding" in packed.headers["Vary"]
     assert "Content-Encoding" not in plain.headers and "Accept-Encoding" in plain.headers["Vary"]
     assert len(packed.get_data()) < len(plain.get_data())
@@ -214,8 +221,17 @@ def test_answers_are_compressed_as_asked_and_equal_the_plain_ones(big_client, en
     assert got["out"] == want["out"] and got["weights"] == want["weights"]
 
 
+@pytest.mark.parametrize("header", ["gzip, deflate", "gzip", "deflate", "*", "gzip, identity"])
+@pytest.mark.parametrize("encoding", ["b64", "nested"])
+def test_an_answer_merely_accepted_compressed_goes_as_identity(big_client, header, encoding):
+    """requests' default `gzip, deflate` (and any Accept-Encoding that leaves identity as good as
+    a coding) gets identity: compressing costs the client time (bench/README.md, Compression)."""
+    resp = big_client.post("/attention", json=attention_body(64, encoding), headers={"Accept-Encoding": header})
+    assert resp.status_code == 200 and "Content-Encoding" not in resp.headers and "Accept-Encoding" in resp.headers["Vary"]
+
+
 def test_a_small_answer_goes_uncompressed_unless_identity_is_refused(big_client):
-    small = big_client.post("/attention", json=WORKED, headers={"Accept-Encoding": "gzip"})
+    small = big_client.post("/attention", json=WORKED, headers={"Accept-Encoding": PREFERS["gzip"]})
     assert "Content-Encoding" not in small.headers and small.headers["Vary"] == "Accept-Encoding"
     refused = big_client.post("/attention", json=WORKED, headers={"Accept-Encoding": "gzip, identity;q=0"})
     assert refused.headers["Content-Encoding"] == "gzip" and json.loads(decoded(refused))["out"] == small.get_json()["out"]
@@ -224,24 +240,28 @@ def test_a_small_answer_goes_uncompressed_unless_identity_is_refused(big_client)
 
 
 @pytest.mark.parametrize("encoding", ["b64", "nested"])
-def test_an_answer_over_the_most_goes_uncompressed_unless_identity_is_refused(encoding):
-    """Past ATTN_COMPRESS_MAX_BYTES the server chooses identity, which the client accepts unless
-    it refuses it; ATTN_COMPRESS_MAX_BYTES=0 sets no most."""
+def test_accepted_answers_compressed_up_to_the_most_when_the_operator_says(encoding):
+    """ATTN_COMPRESS_ANSWERS=accepted: an answer merely accepted compressed is compressed too, up
+    to ATTN_COMPRESS_MAX_BYTES (0 sets no most); past it identity, unless the client refuses it or
+    prefers the coding."""
     body = attention_body(512, encoding)  # with its weights: about 1.4 MB of b64, 3.5 MB nested
-    capped = create_app(Settings(warmup=False, compress_max_bytes=100_000)).test_client()
+    capped = create_app(Settings(warmup=False, compress_answers="accepted", compress_max_bytes=100_000)).test_client()
     plain = capped.post("/attention", json=body, headers={"Accept-Encoding": "gzip, deflate"})  # what requests sends
     assert plain.status_code == 200 and "Content-Encoding" not in plain.headers and "Accept-Encoding" in plain.headers["Vary"]
-    refused = capped.post("/attention", json=body, headers={"Accept-Encoding": "gzip, identity;q=0"})
-    assert refused.headers["Content-Encoding"] == "gzip"
-    assert json.loads(decoded(refused))["out"] == json.loads(plain.get_data())["out"]
-    uncapped = create_app(Settings(warmup=False, compress_max_bytes=0)).test_client()
+    for header in ("gzip, identity;q=0", PREFERS["gzip"]):
+        asked = capped.post("/attention", json=body, headers={"Accept-Encoding": header})
+        assert asked.headers["Content-Encoding"] == "gzip"
+        assert json.loads(decoded(asked))["out"] == json.loads(plain.get_data())["out"]
+    small = capped.post("/attention", json=attention_body(16, encoding), headers={"Accept-Encoding": "gzip, deflate"})
+    assert small.headers["Content-Encoding"] == "gzip"
+    uncapped = create_app(Settings(warmup=False, compress_answers="accepted", compress_max_bytes=0)).test_client()
     packed = uncapped.post("/attention", json=body, headers={"Accept-Encoding": "gzip"})
     assert packed.headers["Content-Encoding"] == "gzip" and len(packed.get_data()) < len(plain.get_data())
 
 
 def test_an_error_is_compressed_like_any_answer():
     app = create_app(Settings(warmup=False, compress_min_bytes=0))
-    resp = app.test_client().post("/attention", json={**WORKED, "casual": True}, headers={"Accept-Encoding": "gzip"})
+    resp = app.test_client().post("/attention", json={**WORKED, "casual": True}, headers={"Accept-Encoding": PREFERS["gzip"]})
     assert resp.status_code == 422 and resp.headers["Content-Encoding"] == "gzip"
     assert json.loads(gzip.decompress(resp.get_data()))["error"]["code"] == "unknown_field"
 
@@ -297,8 +317,10 @@ def test_refusals_of_compressed_bodies(client, door, headers, body, status, code
 
 def test_the_compression_settings_are_ranged_and_listed(client, monkeypatch):
     limits = client.get("/limits").get_json()
-    assert {"compress_level", "compress_min_bytes", "compress_max_bytes"} <= set(limits)
+    assert {"compress_answers", "compress_level", "compress_min_bytes", "compress_max_bytes"} <= set(limits)
+    assert limits["compress_answers"] == "preferred"
     for variable, value in (
+        ("ATTN_COMPRESS_ANSWERS", "always"),
         ("ATTN_COMPRESS_LEVEL", "0"),
         ("ATTN_COMPRESS_LEVEL", "10"),
         ("ATTN_COMPRESS_MIN_BYTES", "-1"),
@@ -309,7 +331,8 @@ def test_the_compression_settings_are_ranged_and_listed(client, monkeypatch):
             Settings.from_env()
         monkeypatch.delenv(variable)
     monkeypatch.setenv("ATTN_COMPRESS_LEVEL", "9")
-    assert Settings.from_env().compress_level == 9
+    monkeypatch.setenv("ATTN_COMPRESS_ANSWERS", "Accepted")
+    assert Settings.from_env().compress_level == 9 and Settings.from_env().compress_answers == "accepted"
 
 
 # --- attacks against a real server ---------------------------------------------------------------

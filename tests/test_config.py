@@ -9,7 +9,7 @@ import time
 import pytest
 import requests
 
-from bench.server import terminate
+from bench.common import terminate
 from service.config import RANGES, Settings, warnings, web_concurrency
 from tests.helpers import ROOT, free_port
 

@@ -205,7 +205,7 @@ def test_live_predictions_under_load_match_the_measured_compute():
     """A 2-worker server under 4 concurrent clients (20 requests each, T=256, B=1 H=8 d=64 causal,
     no weights): the median of measured compute (Server-Timing) over cost.predicted_ms stays within
     0.33-3x; both come from the same run of the same request, so a busy machine moves them
-    together (bench/README.md: `python -m bench.cost_under_load` gives 0.9-1.2 under load)."""
+    together (0.9-1.2 measured under load: git log -- bench/cost_under_load.py)."""
     rng = np.random.default_rng(3)
     q, k, v = (b64(rng.standard_normal((1, 8, 256, 64))) for _ in range(3))
     body = {"q": q, "k": k, "v": v, "causal": True, "return_weights": False}
@@ -259,7 +259,7 @@ def test_requests_the_fit_mispredicts_do_not_steer_the_split_factor(share):
 # --- a stream of one kind cannot steer the fit that plain requests are predicted with -------------
 
 # Measured CPU time of each kind over the time of a plain request of the same shape, at T=256
-# (`python -m bench.cost_variants`: the largest seen, with or without weights).
+# (git log -- bench/cost_variants.py: the largest seen, with or without weights).
 KIND_COST = {"alibi": 2.8, "bias": 2.2, "mask": 1.7, "key_lengths=1": 0.17}
 PLAIN_SHAPES = [(T, weights) for T in (64, 256, 1024) for weights in (True, False)]
 
@@ -286,10 +286,10 @@ def plain_predictions(model, rng) -> list[float]:
 def test_a_stream_the_features_do_not_count_leaves_plain_predictions_alone(kind):
     """100 requests of a kind whose cost the features only estimate (a bias, ALiBi, a mask,
     key_lengths), each observed at its real cost: KIND_COST x the time of a plain request of its
-    shape. Fed to the fit, they moved plain predictions 0.25-2.4x (bench/README.md); now the fit
+    shape. Fed to the fit, they moved plain predictions 0.25-2.4x; now the fit
     does not learn from them (Work.fitted) and plain predictions stay exactly where they were."""
     rng = np.random.default_rng(5)
-    model = CostModel(a=14.6, b=3.3, c=0.17)  # calibrated on this machine (bench.cost_variants)
+    model = CostModel(a=14.6, b=3.3, c=0.17)  # calibrated on this machine
     before = plain_predictions(model, rng)
     jobs = [(attention_job(rng, 256, w, kind), attention_job(rng, 256, w)) for w in (True, False)]
     for i in range(100):
@@ -348,7 +348,7 @@ def test_one_observation_pulls_the_fit_at_most_max_pull():
     assert min(ratios) >= 0.99 / MAX_PULL, ratios  # the observed shape itself: at 1/MAX_PULL, as it was taught
 
 
-ODD = {  # (lead, T, S, d) of bench.odd_shapes, with weights
+ODD = {  # (lead, T, S, d): odd shapes, with weights
     "d=1": ((1, 8), 512, 512, 1),
     "S=1": ((1, 8), 1024, 1, 64),
     "T=1": ((1, 8), 1, 1024, 64),
@@ -426,7 +426,7 @@ def test_a_request_with_one_key_or_one_query_is_counted_by_its_elements():
     """Where S or T is tiny the time goes to passes over q and out (or k and v), not to scores:
     e's elements are most of such a prediction, and a wide problem's least of it."""
     rng = np.random.default_rng(9)
-    model = CostModel(a=10.7, b=1.45, c=0.03, e=0.52)  # as calibrated on one core (bench/README.md)
+    model = CostModel(a=10.7, b=1.45, c=0.03, e=0.52)  # as calibrated on one core
     one_key, one_query, square = (job_of(rng, (1, 8), T, S, 64) for T, S in ((1024, 1), (1, 1024), (512, 512)))
     for job, least in ((one_key, 0.8), (one_query, 0.3)):
         elements_only = dataclasses.replace(work_of(job), flops=0, score_elements=0, blocks=0)

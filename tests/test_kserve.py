@@ -443,7 +443,7 @@ def test_options_on_a_served_model_lists_its_methods(client, path):
 def test_unknown_model_infer_is_404(client):
     resp = infer(client, SEED, model="nope")
     assert resp.status_code == 404
-    assert resp.get_json() == {"error": "Model 'nope' is not served here; the models are: attention, mha."}
+    assert resp.get_json() == {"error": "Model 'nope' is not served here; the models are: attention, attention_sequence, mha."}
 
 
 def test_not_ready_answers_503(app, client):

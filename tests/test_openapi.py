@@ -79,6 +79,15 @@ V2_OPERATIONS = {
 }
 
 
+SESSION_OPERATIONS = {
+    ("post", "/sessions"),
+    ("get", "/sessions/{sid}"),
+    ("delete", "/sessions/{sid}"),
+    *(("post", f"/sessions/{{sid}}/{action}") for action in ("append", "attention", "fork", "truncate")),
+    ("post", "/sessions/attention"),
+}
+
+
 def operations(doc: dict, prefix: str = "/") -> set[tuple[str, str]]:
     return {(method, path) for path, item in doc["paths"].items() if path.startswith(prefix) for method in item}
 
@@ -87,7 +96,10 @@ def test_document_lists_the_served_operations(app, doc):
     served = {rule.rule for rule in app.url_map.iter_rules()}
     ops = {path for path in ("/healthz", "/readyz", "/limits", "/metrics") if path in served}  # /metrics: once ops lands
     assert {"/healthz", "/readyz", "/limits"} <= ops
-    assert set(doc["paths"]) == {"/attention", "/mha"} | ops | {path for _, path in V2_OPERATIONS}
+    assert set(doc["paths"]) == {"/attention", "/mha"} | ops | {path for _, path in V2_OPERATIONS} | {
+        path for _, path in SESSION_OPERATIONS
+    }
+    assert operations(doc, "/sessions") == SESSION_OPERATIONS
     for path in ("/attention", "/mha"):
         op = doc["paths"][path]["post"]
         assert set(op["responses"]) == {"200", "400", "413", "415", "422", "503", "504"}
@@ -118,7 +130,7 @@ def test_v2_operations_are_the_routes_served(app, client, doc):
 
 def test_every_operation_is_tagged(doc):
     tags = [tag["name"] for tag in doc["tags"]]
-    assert tags == ["Attention", "Operations", "Open Inference Protocol"]
+    assert tags == ["Attention", "Sessions", "Operations", "Open Inference Protocol"]
     assert all(op["tags"][0] in tags for item in doc["paths"].values() for op in item.values())
 
 
@@ -165,6 +177,11 @@ def test_v2_metadata_schema_comes_from_the_model_table(doc):
         assert all(f"{n} (optional)" in doc["paths"]["/v2/models/{name}"]["get"]["description"] for n in model.optional)
 
 
+def model_of(key: str) -> str:
+    """The model an example is for: the longest model name its key starts with (then "_")."""
+    return max((m for m in kserve.MODELS if key.startswith(f"{m}_")), key=len)
+
+
 def v2_examples(doc: dict, path: str = "/v2/models/{name}/infer") -> dict:
     return doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["examples"]
 
@@ -173,9 +190,9 @@ def v2_examples(doc: dict, path: str = "/v2/models/{name}/infer") -> dict:
 def test_v2_examples_answer_200_as_documented(client, doc, path):
     """Each example, sent to the model its key names, is answered 200 with a valid inference_response."""
     validator = jsonschema.Draft4Validator(json_schema(doc, "inference_response"))
-    assert {key.split("_")[0] for key in v2_examples(doc, path)} == set(kserve.MODELS)
+    assert {model_of(key) for key in v2_examples(doc, path)} == set(kserve.MODELS)
     for key, example in v2_examples(doc, path).items():
-        model = key.split("_")[0]
+        model = model_of(key)
         jsonschema.Draft4Validator(json_schema(doc, "inference_request")).validate(example["value"])
         resp = client.post(path.format(name=model, version="1"), json=example["value"])
         assert resp.status_code == 200, (key, resp.get_json())

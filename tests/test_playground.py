@@ -4,7 +4,8 @@ driven by Playwright against the real gunicorn.
 
 Each check compares what the page draws with what the API answers to the very body the page
 sent. A screenshot of every preset is saved under $PLAYGROUND_ARTIFACTS (default out/playground);
-the README's docs/playground.png is the multi-head one."""
+the README's docs/playground.png is the multi-head one, docs/playground-session.png the session
+section's (session.png, quantised to 64 colours)."""
 
 from __future__ import annotations
 
@@ -128,10 +129,10 @@ def api(live_server: str, request) -> requests.Response:
     return requests.post(f"{live_server}/{path}", data=request.post_data, headers={"Content-Type": "application/json"}, timeout=30)
 
 
-def drawn(page) -> tuple[np.ndarray, np.ndarray]:
+def drawn(page, grid: str = "#heatmap") -> tuple[np.ndarray, np.ndarray]:
     """The heatmap's data-weight values and masked flags, as (T, S) arrays, read row by row."""
     cells = page.eval_on_selector_all(
-        "#heatmap td[data-weight]", "cells => cells.map(c => [+c.dataset.row, +c.dataset.col, c.dataset.weight, c.dataset.masked])"
+        f"{grid} td[data-weight]", "cells => cells.map(c => [+c.dataset.row, +c.dataset.col, c.dataset.weight, c.dataset.masked])"
     )
     T, S = max(c[0] for c in cells) + 1, max(c[1] for c in cells) + 1
     assert [(c[0], c[1]) for c in cells] == [(t, s) for t in range(T) for s in range(S)], "cells are not row by row"
@@ -146,10 +147,14 @@ def choose(page, preset: str) -> dict:
     return body
 
 
-def screenshot(page, name: str) -> Path:
+def screenshot(page, name: str, element: str | None = None) -> Path:
+    """The whole page, or only the element given, as ARTIFACTS/name.png."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     path = ARTIFACTS / f"{name}.png"
-    page.screenshot(path=str(path), full_page=True)
+    if element:
+        page.locator(element).screenshot(path=str(path))
+    else:
+        page.screenshot(path=str(path), full_page=True)
     return path
 
 
@@ -501,3 +506,103 @@ def test_the_readme_screenshot(page):
     page.focus("#heatmap td[data-row='3'][data-col='1']")
     path = screenshot(page, "playground")
     assert path.stat().st_size > 10_000
+
+
+# --- a session, stepped one token at a time ------------------------------------------------------
+
+
+def is_session_step(request) -> bool:
+    return request.method == "POST" and "/sessions/" in request.url and request.url.endswith("/attention")
+
+
+def session_do(page, button: str) -> str:
+    """Click a button of the session section; its state once the action has settled."""
+    before = page.get_attribute("#session-status", "data-seq")
+    page.click(button)
+    page.wait_for_function(
+        "(before) => { const s = document.getElementById('session-status');"
+        " return s.dataset.seq !== before && s.dataset.state !== 'loading'; }",
+        arg=before,
+    )
+    return page.get_attribute("#session-status", "data-state")
+
+
+def session_step(page) -> tuple[dict, dict]:
+    """One step from the page: (the body it sent, the API's answer)."""
+    with page.expect_request(is_session_step) as sent:
+        state = session_do(page, "#session-step")
+    assert state == "done", page.inner_text("#session-error")
+    return sent.value.post_data_json, sent.value.response().json()
+
+
+def causal_reference(bodies: list[dict], head: int) -> np.ndarray:
+    """The (S, S) weights of the whole sequence sent so far, in float64: token t's query over keys 0..t."""
+    q, k = (np.array([b[name][head][0] for b in bodies], float) for name in ("q", "k"))
+    scores = q @ k.T / np.sqrt(q.shape[1])
+    scores[np.triu(np.ones(scores.shape, bool), 1)] = -np.inf
+    w = np.exp(scores - scores.max(axis=1, keepdims=True))
+    return w / w.sum(axis=1, keepdims=True)
+
+
+@live
+def test_a_session_steps_and_its_weights_grow(page, live_server):
+    """Three steps of a 2-head session: each head's grid gains a row and a column per step, every
+    row sums to 1, the last row is the step's answer, and the whole grid is causal attention over
+    the tokens sent. Reset deletes the session on the server."""
+    assert session_do(page, "#session-create") == "done", page.inner_text("#session-error")
+    sid = page.inner_text("#session-id")
+    created = requests.get(f"{live_server}/sessions/{sid}", timeout=30).json()
+    assert (created["heads"], created["head_dim"], created["length"]) == (2, 4, 0)
+    bodies = []
+    for n in (1, 2, 3):
+        body, answer = session_step(page)
+        bodies.append(body)
+        assert body["at"] == n - 1 and body["return_weights"] is True and np.shape(body["k"]) == (2, 1, 4)
+        assert page.inner_text("#session-length") == str(n) and answer["length"] == n
+        for head in (0, 1):
+            weights, masked = drawn(page, f"#session-heatmaps [data-head='{head}']")
+            assert weights.shape == (n, n) and (~masked[-1]).sum() == n  # the last row: all n keys
+            np.testing.assert_array_equal(masked, np.triu(np.ones((n, n), bool), 1))
+            np.testing.assert_array_equal(weights[-1], answer["weights"][head][0])
+            np.testing.assert_allclose(weights.sum(axis=1), 1, rtol=1e-5)
+            np.testing.assert_allclose(weights, causal_reference(bodies, head), rtol=1e-5, atol=1e-7)
+        shown = page.eval_on_selector_all(
+            "#session-heatmaps [data-head='0'] tbody tr:last-child td", "tds => tds.map(td => td.textContent)"
+        )
+        assert abs(sum(float(x) for x in shown) - 1) <= 0.005 * n, shown  # as shown, to 2 decimals
+    assert len({json.dumps(b["k"]) for b in bodies}) == 3  # a new random token each step
+    assert requests.get(f"{live_server}/sessions/{sid}", timeout=30).json()["length"] == 3
+    screenshot(page, "session", "#session")  # docs/playground-session.png is this, copied
+    assert session_do(page, "#session-reset") == "done"
+    assert requests.get(f"{live_server}/sessions/{sid}", timeout=30).status_code == 404
+    assert page.inner_text("#session-id") == "none" and page.inner_text("#session-length") == "0"
+    assert not page.query_selector_all("#session-heatmaps td") and page.is_enabled("#session-create")
+
+
+@live
+def test_typed_tokens_and_dropping_the_last(page, live_server):
+    """A 1-head session: typed q, k, v are sent as typed; dropping the last token truncates the
+    session and the grid; a k of the wrong width shows the API's 422."""
+    page.select_option("#session-heads", "1")
+    assert session_do(page, "#session-create") == "done"
+    sid = page.inner_text("#session-id")
+    for name, value in (("q", "[1, 0, 0, 0]"), ("k", "[2, 0, 0, 0]"), ("v", "[1, 2, 3, 4]")):
+        page.fill(f"#session-{name}", value)
+    body, answer = session_step(page)
+    assert body["q"] == [[[1, 0, 0, 0]]] and body["k"] == [[[2, 0, 0, 0]]] and body["v"] == [[[1, 2, 3, 4]]]
+    assert answer["out"] == [[[1, 2, 3, 4]]]  # one key: all the weight on it
+    for _ in range(2):
+        session_step(page)
+    assert session_do(page, "#session-drop") == "done"
+    assert requests.get(f"{live_server}/sessions/{sid}", timeout=30).json()["length"] == 2
+    assert page.inner_text("#session-length") == "2" and drawn(page, "#session-heatmaps")[0].shape == (2, 2)
+    body, _ = session_step(page)
+    assert body["at"] == 2 and drawn(page, "#session-heatmaps")[0].shape == (3, 3)
+    page.fill("#session-k", "[1, 0]")
+    with page.expect_request(is_session_step):
+        assert session_do(page, "#session-step") == "error"
+    assert page.inner_text("#session-error-code").startswith("422")
+    assert "k" in page.inner_text("#session-error-message")
+    assert requests.get(f"{live_server}/sessions/{sid}", timeout=30).json()["length"] == 3  # nothing appended
+    assert session_do(page, "#session-reset") == "done"
+    assert requests.get(f"{live_server}/sessions/{sid}", timeout=30).status_code == 404

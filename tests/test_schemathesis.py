@@ -59,10 +59,21 @@ V2_OPERATIONS = {
 }
 
 
+SESSION_OPERATIONS = {
+    ("POST", "/sessions"),
+    ("GET", "/sessions/{sid}"),
+    ("DELETE", "/sessions/{sid}"),
+    *(("POST", f"/sessions/{{sid}}/{action}") for action in ("append", "attention", "fork", "truncate")),
+    ("POST", "/sessions/attention"),
+}
+
+
 @pytest.mark.live
 def test_every_served_operation_is_documented(live_server, operations):
     served = {path for path in OPS_PATHS if requests.get(f"{live_server}{path}", timeout=10).status_code != 404}
-    assert operations == {("POST", "/attention"), ("POST", "/mha")} | {("GET", path) for path in served} | V2_OPERATIONS
+    assert (
+        operations == {("POST", "/attention"), ("POST", "/mha")} | {("GET", path) for path in served} | V2_OPERATIONS | SESSION_OPERATIONS
+    )
 
 
 @pytest.mark.live
@@ -117,7 +128,8 @@ def test_documented_examples_pass_every_check(api_schema, path):
     examples = operation.definition.raw["requestBody"]["content"]["application/json"]["examples"]
     assert examples
     for key, example in examples.items():
-        path_parameters = {"name": key.split("_")[0], "version": "1"} if path.startswith("/v2") else None
+        model = max((m for m in ("attention", "attention_sequence", "mha") if key.startswith(f"{m}_")), key=len, default=None)
+        path_parameters = {"name": model, "version": "1"} if path.startswith("/v2") else None
         case = operation.Case(body=example["value"], media_type="application/json", path_parameters=path_parameters)
         response = case.call_and_validate(checks=RESPONSE_CHECKS + [checks.positive_data_acceptance], timeout=30)
         assert response.status_code == 200

@@ -20,6 +20,7 @@ import tritonclient.utils.shared_memory as triton_shm
 
 from service.config import Settings
 from service.web.app import create_app
+from service.web.kserve import MODELS
 
 from .helpers import all_ready, assert_seed_answered, wait_for_workers, wait_until
 
@@ -67,7 +68,7 @@ def test_statistics_have_every_field_triton_documents(client):
     assert set(stat["inference_stats"]) == durations
     assert all(set(d) == {"count", "ns"} for d in stat["inference_stats"].values())
     every = client.get("/v2/models/stats").get_json()["model_stats"]
-    assert [s["name"] for s in every] == ["attention", "mha"]
+    assert [s["name"] for s in every] == list(MODELS)  # every model served, attention_sequence too
 
 
 def test_statistics_count_successes_and_failures_with_their_phases(client):

@@ -1,6 +1,6 @@
 """The peers in the benchmark: this service against the servers a user would pick instead.
 
-    make bench-peers          # = python -m bench.peers; builds the peers' venvs the first time
+    make bench-peers          # = python -m bench peers; builds the peers' venvs the first time
 
 Each peer serves the same attention (this repository's service.core, numpy only, one BLAS thread
 per worker process) in its own virtual environment (venvs.py), from a model of our own:

@@ -1,8 +1,8 @@
 """This service against the servers a user would pick instead, serving the same attention.
 
-    make bench-peers                                   # = python -m bench.peers (about 5 minutes)
-    python -m bench.peers --lengths 64,256,1024 --runs 15   # more cells, more repetitions
-    python -m bench.peers --only ours,bentoml          # a subset
+    make bench-peers                                   # = python -m bench peers (about 5 minutes)
+    python -m bench peers --lengths 64,256,1024 --runs 15   # more cells, more repetitions
+    python -m bench peers --only ours,bentoml          # a subset
 
 Starts the servers on free loopback ports, each as its users would run it:
 
@@ -22,7 +22,8 @@ with a socket elsewhere stops the run). KServe and MLServer are measured with tr
 (the Open Inference Protocol's client): binary tensors both ways for KServe, JSON for MLServer,
 whose REST server refuses binary bodies. LitServe, Ray Serve and BentoML speak no such protocol:
 they are sent the native door's b64 JSON body at POST /attention, as ours is (b64_body.py reads
-and answers it). End to end from numpy arrays to numpy arrays, q, k, v (1, 8, T, 64) float32,
+and answers it), through a requests.Session with requests' default headers (Accept-Encoding:
+gzip, deflate), as users call a server. End to end from numpy arrays to numpy arrays, q, k, v (1, 8, T, 64) float32,
 causal:
 
 - latency at each of --lengths, with and without weights (the request names its outputs / sets
@@ -41,7 +42,6 @@ Writes the tables to bench/out/peers.md.
 from __future__ import annotations
 
 import argparse
-import http.client
 import importlib.metadata
 import ipaddress
 import os
@@ -59,10 +59,11 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pybase64
+import requests
 import tritonclient.http as triton
 
+from bench.common import ROOT, Server, free_port
 from bench.peers import venvs
-from bench.server import ROOT, Server, free_port
 from service import core
 from service.config import ONE_BLAS_THREAD
 
@@ -155,35 +156,27 @@ class V2Client:
 
 
 class NativeClient:
-    """POST /attention with the native door's b64 JSON body, as the project's client sends it
-    (pybase64, orjson), on one keep-alive connection."""
+    """POST /attention with the native door's b64 JSON body (pybase64, orjson), through a
+    requests.Session as it comes: its default headers (Accept-Encoding: gzip, deflate), as users
+    call a server with requests."""
 
     def __init__(self, port: int):
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        self.url, self.session = f"http://127.0.0.1:{port}/attention", requests.Session()
 
     def infer(self, qkv: dict, weights: bool) -> dict[str, np.ndarray]:
         tensors = {
             name: {"shape": list(a.shape), "dtype": "float32", "b64": pybase64.b64encode(a.data).decode()} for name, a in qkv.items()
         }
         body = orjson.dumps({**tensors, "causal": True, "return_weights": weights})
-        for attempt in (1, 2):  # a server may close an idle kept-alive connection: once more on a new one
-            try:
-                self.conn.request("POST", "/attention", body, {"Content-Type": "application/json"})
-                resp = self.conn.getresponse()
-                data = resp.read()
-                break
-            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
-                self.conn.close()
-                if attempt == 2:
-                    raise
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {data[:300]!r}")
-        doc = orjson.loads(data)
+        resp = self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}, timeout=600)
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.content[:300]!r}")
+        doc = orjson.loads(resp.content)
         names = ("out", "weights") if weights else ("out",)
         return {n: np.frombuffer(pybase64.b64decode(doc[n]["b64"]), "<f4").reshape(doc[n]["shape"]) for n in names}
 
     def close(self) -> None:
-        self.conn.close()
+        self.session.close()
 
 
 @dataclass
@@ -389,13 +382,13 @@ def report(targets: list[Target], args, lengths: list[int], sockets: int) -> str
     names = [t.name for t in targets]
     base = targets[0] if targets[0].name == "ours" else None
     command = (
-        f"python -m bench.peers --lengths {','.join(map(str, lengths))} --runs {args.runs} --cell-budget {args.cell_budget:g}"
+        f"python -m bench peers --lengths {','.join(map(str, lengths))} --runs {args.runs} --cell-budget {args.cell_budget:g}"
         f" --duration {args.duration:g} --rounds {args.rounds} --clients {args.clients}"
     )
     lines = [
         f"Made by `{command}`.",
         "",
-        f"- machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}; client tritonclient {importlib.metadata.version('tritonclient')} (/v2) or http.client with orjson and pybase64 (b64 JSON), in this process",
+        f"- machine: {os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}; client tritonclient {importlib.metadata.version('tritonclient')} (/v2) or a requests.Session with its default headers (Accept-Encoding: gzip, deflate) sending orjson and pybase64 b64 JSON, in this process",
         f"- q, k, v (1, 8, T, 64) float32, causal; end to end numpy to numpy; medians; latency runs per cell: {', '.join(f'T={T} {len(targets[0].latency[T, False])}/{len(targets[0].latency[T, True])}' for T in lengths)} (without/with weights)",
         f"- every socket of every server process on loopback: {sockets} checked with ss, after start and at the end",
     ]

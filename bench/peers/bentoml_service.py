@@ -1,7 +1,7 @@
 """The attention model as a BentoML service (@bentoml.service), POST /attention with the native
 b64 body: the body's fields are the API method's parameters, so BentoML reads it as it is.
 
-Served by `python -m bench.peers` in the BentoML virtual environment (requirements-bentoml.txt),
+Served by `python -m bench peers` in the BentoML virtual environment (requirements-bentoml.txt),
 with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
 
     bentoml serve bentoml_service:Attention --host 127.0.0.1 --port PORT   # from bench/peers

@@ -1,6 +1,6 @@
 """The attention model on KServe's Python model server (a kserve.Model subclass, v2 REST).
 
-Run by `python -m bench.peers` in the KServe virtual environment (requirements-kserve.txt), with
+Run by `python -m bench peers` in the KServe virtual environment (requirements-kserve.txt), with
 the repository root on PYTHONPATH so that `service.core` (numpy only) is the same code this service
 runs, and KServe's own flags on the command line:
 

@@ -1,6 +1,6 @@
 """The attention model on LitServe (a litserve.LitAPI), POST /attention with the native b64 body.
 
-Run by `python -m bench.peers` in the LitServe virtual environment (requirements-litserve.txt),
+Run by `python -m bench peers` in the LitServe virtual environment (requirements-litserve.txt),
 with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
 
     python bench/peers/litserve_model.py PORT

@@ -1,6 +1,6 @@
 """The attention model on Ray Serve (a serve.deployment), POST /attention with the native b64 body.
 
-Run by `python -m bench.peers` in the Ray Serve virtual environment (requirements-rayserve.txt),
+Run by `python -m bench peers` in the Ray Serve virtual environment (requirements-rayserve.txt),
 with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
 
     python bench/peers/rayserve_model.py PORT

@@ -1,6 +1,6 @@
 """The peers' virtual environments: one per peer, built from bench/peers/requirements-NAME.txt.
 
-    python -m bench.peers.venvs            # build (or bring up to date) each; prints their Pythons
+    python -m bench peers.venvs            # build (or bring up to date) each; prints their Pythons
 
 They live in $BENCH_PEERS_DIR, by default .peers/ at the repository root (gitignored). A venv is
 (re)installed when its requirements file changed since the last install (a stamp holds its hash);

@@ -10,6 +10,7 @@ Shape legend: ... leading axes (batch, heads), T queries, S keys, d width, dv va
 from __future__ import annotations
 
 import email.utils
+import io
 import itertools
 import math
 import random
@@ -777,11 +778,12 @@ def _checked(out: np.ndarray, weights: np.ndarray | None, out_shape: tuple, weig
 
 def _response(answer: Answer) -> requests.Response:
     """The answer as a requests.Response (AttentionError.response's documented type), built the
-    way requests' own adapter builds one."""
+    way requests' own adapter builds one, through its public attributes: the body is its raw
+    file-like object, which .content, .text and .json() read."""
     resp = requests.Response()
     resp.status_code, resp.reason, resp.url, resp.encoding = answer.status, answer.reason, answer.url, "utf-8"
     resp.headers = CaseInsensitiveDict(answer.headers.items())
-    resp._content = bytes(answer.body)
+    resp.raw = io.BytesIO(answer.body)
     return resp
 
 

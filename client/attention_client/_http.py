@@ -1,9 +1,10 @@
 """The client's HTTP/1.1: keep-alive sockets, pooled, one per request in flight; http.client's
 HTTPResponse parses the answer's status line and headers.
 
-Why not requests: at T=64 its per-request work (hooks, adapters, cookie jar, header merging) made
-the client slower than tritonclient end to end, and it reads a body in 10 KiB pieces joined at
-the end (one more copy of 34 MB at T=1024 with weights). Here a request's head and its body's
+Why not urllib3 (or requests on it): measured side by side (bench/client_wire.py,
+docs/architecture.md), the same wire over urllib3 takes 1.12x the time at T=64 and 1.23x at
+T=1024, with twice the client's CPU: it writes each body part with its own sendall and copies an
+answer through its read(). Here a request's head and its body's
 parts (the JSON head, then each tensor's buffer as it lies in memory) go in one gathered send
 (sendmsg: no copy, no write per part), and the answer's body is read once, straight into one
 preallocated buffer that numpy then views (a body of no declared length: in counted pieces, up

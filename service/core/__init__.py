@@ -5,10 +5,12 @@ exactly that, in blocks where a problem is large (kernels.py). Nothing here know
 or schemas; every function is a pure function of arrays."""
 
 from .kernels import Plan, attention, causal_mask, causal_share, mha, plan
+from .paged import Page, paged_attention
 from .reference import Result, ResultOverflow, ScoreOverflow, Stopped, causal_offset, reference
 
 __all__ = [
     "Result",
+    "Page",
     "Plan",
     "ResultOverflow",
     "ScoreOverflow",
@@ -18,6 +20,7 @@ __all__ = [
     "causal_offset",
     "causal_share",
     "mha",
+    "paged_attention",
     "plan",
     "reference",
 ]

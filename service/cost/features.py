@@ -15,8 +15,8 @@ from . import plan
 from .plan import Job
 
 # What a bias, ALiBi or a mask multiply a plain request's time by, (with weights, without): the
-# CPU time of each against a plain request of the same shape (`python -m bench.cost_variants`,
-# bench/README.md). Each adds passes over every score, and turns off the no-weights path's bounded
+# CPU time of each against a plain request of the same shape (git log --
+# bench/cost_variants.py). Each adds passes over every score, and turns off the no-weights path's bounded
 # scores (which skip two passes), more of its time the larger T. Several add up: 1 + the sum of
 # (factor - 1).
 EXTRA_COST = {"bias": (1.5, 2.5), "alibi_slopes": (2.5, 3.5), "mask": (1.8, 2.2)}
@@ -27,7 +27,7 @@ ZEROED_WEIGHT_SHARE = 0.5
 # divided, checked (a pass or two each, and the row's passes over its max and sum); each of k and v
 # is read for its bounds and streamed by the matmuls, KEY_ELEMENT_WEIGHT of a q element's time: in
 # a worker they arrive fresh from the decoder, read from memory, not the cache a repeated timing
-# keeps them in (bench/README.md). Negligible where S and T are alike and large; all of the time
+# keeps them in. Negligible where S and T are alike and large; all of the time
 # where one is tiny.
 KEY_ELEMENT_WEIGHT = 0.3
 

@@ -4,10 +4,10 @@ that a change in how the core plans its blocks is followed here once."""
 
 from __future__ import annotations
 
-from schemas.jobs import AttentionJob, MhaJob
+from schemas.jobs import AttentionJob, MhaJob, SessionBatchJob, SessionStepJob
 from service import core
 
-Job = AttentionJob | MhaJob
+Job = AttentionJob | MhaJob | SessionStepJob | SessionBatchJob
 
 
 def of(job: Job) -> core.Plan:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from .features import Work
 
 # The least work worth splitting, in flops as the cost model counts them (Work.flops: the scores
-# the core computes), chosen with `python -m bench.one_request --only threshold` (bench/README.md):
+# the core computes), chosen by timing one thread against two over T = 64 .. 1024
+# (git log -- bench/one_request.py):
 # idle, a split gains well below it; while other work holds the cores, a split below it can lose
 # several times over (the caller waits for a pool thread that the OS preempted mid-block), so it
 # gives up a little of the idle gain to stay safe there.

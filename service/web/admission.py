@@ -70,7 +70,7 @@ import numpy as np
 from flask import Flask, Response, has_app_context, request
 
 from schemas import RequestError
-from schemas.jobs import AttentionJob, MhaJob
+from schemas.jobs import AttentionJob, MhaJob, SessionBatchJob, SessionStepJob
 from service.config import Settings
 from service.cost import CostModel, answer_bytes, work_of
 from service.transport import BODY_KEY, SENT_KEY, STARTED_KEY
@@ -81,7 +81,7 @@ from .errors import ApiError
 from .http import phase
 from .slots import Slots
 
-COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
+COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer|/sessions(/[^/]+)?/attention")
 DRAIN_S = 5.0  # longest spent reading and discarding the body of a refused request
 # Peak bytes of parsing a body (wire.loads, the depth check and the schema's load, up to the job's
 # existence), beyond the body itself, as counted from the body: the gate charges them before the
@@ -340,7 +340,7 @@ class Ticket:
             self.bytes = 0
 
 
-def admit(job: AttentionJob | MhaJob) -> None:
+def admit(job: AttentionJob | MhaJob | SessionStepJob | SessionBatchJob) -> None:
     """Between validation and compute: refuse a job that cannot meet its deadline (504), or that
     would wait past it or past max_queue_wait_ms, or does not fit in memory beside the others (503),
     then wait for a compute slot. The job's own predicted time is the cost model's compute for the

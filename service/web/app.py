@@ -11,11 +11,28 @@ from werkzeug.utils import cached_property
 from werkzeug.wsgi import get_input_stream
 
 from schemas import AttentionRequest, MhaRequest
+from service import sessions as session_pool
 from service import wire
 from service.config import Settings
 from service.cost import CostModel
 
-from . import accesslog, admission, api, auth, compression, errors, http, kserve, metrics, openapi, ops, parallel, playground, tracing
+from . import (
+    accesslog,
+    admission,
+    api,
+    auth,
+    compression,
+    errors,
+    http,
+    kserve,
+    metrics,
+    openapi,
+    ops,
+    parallel,
+    playground,
+    sessions,
+    tracing,
+)
 from .context import EXTENSION, Services
 from .triton_ext import install as install_triton  # importing it adds Triton's extensions' routes to kserve.bp
 
@@ -74,11 +91,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     gate = admission.make_gate(settings)
     app.extensions[EXTENSION] = Services(
         settings=settings,
-        schemas={cls: cls(settings) for cls in (AttentionRequest, MhaRequest)},
+        schemas={cls: cls(settings) for cls in (AttentionRequest, MhaRequest, *sessions.SCHEMAS)},
         kserve_schemas=kserve.build_schemas(settings),
         cost=CostModel(),
         gate=gate,
         pool=parallel.make_pool(settings),
+        sessions=session_pool.shared() or session_pool.pool_for(settings),  # the arbiter's, shared by the workers
         spans=tracing.spans_for(settings),
         ready=not settings.warmup,  # else ops.warm_up() readies it
     )
@@ -90,10 +108,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     auth.install(app)
     admission.install(app)
     compression.install(
-        app, settings.compress_level, settings.compress_min_bytes, settings.compress_max_bytes
+        app, settings.compress_level, settings.compress_min_bytes, settings.compress_max_bytes, settings.compress_answers
     )  # last: its hook runs first (compression.install)
     errors.register(app, doors={kserve.bp: errors.Door(kserve.error_body, errors.PROTOCOL_STATUS)})
     app.register_blueprint(api.bp)
+    app.register_blueprint(sessions.bp)
     app.register_blueprint(ops.bp)
     app.register_blueprint(kserve.bp)
     app.register_blueprint(openapi.bp)

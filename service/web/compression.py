@@ -11,18 +11,23 @@ coding at most: `gzip, gzip` (and any list of two) is 415, said so, rather than 
 one gzip member (a second one is bytes after the end). deflate is zlib's format (RFC 9110, and
 what tritonclient sends) or, as browsers and servers accept it, raw deflate.
 
-Answers: compressed when Accept-Encoding asks for gzip or deflate (q-values respected; a coding
-over identity on a tie, gzip over deflate) and the answer is at least ATTN_COMPRESS_MIN_BYTES and at
-most ATTN_COMPRESS_MAX_BYTES (0: no most; an answer of unknown length, a large nested tensor
-streamed in chunks, counts as over any most), at ATTN_COMPRESS_LEVEL, as it streams: each chunk the
-wire's encoder yields is compressed on its way out. The most is there because a tensor's answer
-gains little (random floats: b64 text to about three quarters, nested text to about half) for a
-core's time that sends it more slowly than a fast network would, and because clients ask without
-being asked (Python's requests sends `gzip, deflate` on every request): identity is always
-acceptable unless refused (RFC 9110 12.5.3), so the server may choose it. Every answer that could
-be compressed says Vary: Accept-Encoding. When identity is refused (`identity;q=0`, or `*;q=0`
-without identity) the answer is compressed whatever its size if any coding is acceptable, and sent
-uncompressed otherwise (RFC 9110 12.5.3 allows either; a 406 would hide the error it carries)."""
+Answers: compressed where that pays, as Accept-Encoding allows (q-values respected; gzip over
+deflate on a tie). Identity is acceptable unless refused (RFC 9110 12.5.3), so the server may
+choose it, and it does unless the client prefers a coding: names identity with a lower q
+(`gzip, identity;q=0.5`) or refuses it (`identity;q=0`, or `*;q=0` without identity). A client
+that merely accepts a coding (identity unnamed: `gzip, deflate`, which Python's requests sends on
+every call, or a tie) gets identity, because compressing costs it time on the links a service like
+this is reached over: zlib at level 1 runs at ~45 MB/s of a core on b64 or binary tensors, which
+shrink by a quarter or less, and ~100 MB/s on nested text, which halves; a gigabit link sends the
+bytes saved in a third of that time or less (bench/README.md, Compression). Operators whose
+clients sit behind slow links set compress_answers="accepted" (ATTN_COMPRESS_ANSWERS): then what
+is merely accepted is compressed too if the answer is at most ATTN_COMPRESS_MAX_BYTES (0: no
+most; an answer of unknown length, a large nested tensor streamed in chunks, counts as over any
+most). An answer under ATTN_COMPRESS_MIN_BYTES goes uncompressed unless identity is refused.
+Compression runs at ATTN_COMPRESS_LEVEL, as the answer streams: each chunk the wire's encoder
+yields is compressed on its way out. Every answer that could be compressed says Vary:
+Accept-Encoding. When identity is refused the answer is compressed whatever its size if any
+coding is acceptable, and sent uncompressed otherwise (RFC 9110 12.5.3 allows either; a 406 would hide the error it carries)."""
 
 from __future__ import annotations
 
@@ -131,21 +136,22 @@ def _qualities(header: str) -> dict[str, float]:
     return found
 
 
-def answer_coding(header: str | None) -> tuple[str | None, bool]:
-    """(the coding to compress an answer with, or None; whether identity is refused). identity
-    competes by its own q (or that of "*") only when one is given: unlisted, it is acceptable but
-    asked for least, so that `gzip;q=0.8` compresses."""
+def answer_coding(header: str | None) -> tuple[str | None, str]:
+    """(the best coding acceptable for an answer, or None; how the client stands on identity:
+    "refused", "below" (named with a lower q than the coding's) or "acceptable" (unnamed, or no
+    lower)). Unnamed, identity is acceptable (RFC 9110 12.5.3)."""
     if not header:
-        return None, False  # no Accept-Encoding, or an empty one: identity (RFC 9110 12.5.3)
+        return None, "acceptable"  # no Accept-Encoding, or an empty one: identity
     q = _qualities(header)
     star = q.get("*")
     identity = q.get("identity", star)
     best = max(CODINGS, key=lambda c: q.get(c, star or 0.0))  # max keeps the first of equals: gzip
     best_q = q.get(best, star or 0.0)
-    refused = identity is not None and identity <= 0
+    if identity is not None and identity <= 0:
+        return (best if best_q > 0 else None), "refused"
     if best_q <= 0 or (identity is not None and best_q < identity):
-        return None, refused
-    return best, refused
+        return None, "acceptable"
+    return best, "below" if identity is not None and identity < best_q else "acceptable"
 
 
 def compressed(chunks: Iterable[Buffer], coding: str, level: int) -> Iterator[bytes]:
@@ -165,22 +171,30 @@ def compressed(chunks: Iterable[Buffer], coding: str, level: int) -> Iterator[by
 UNCOMPRESSED = frozenset({204, 206, 304})  # no body, or a byte range of the uncompressed one
 
 
-def install(app: Flask, level: int, min_bytes: int, max_bytes: int = 0) -> None:
-    """Compress answers as Accept-Encoding asks. Installed after every other hook, so that it runs
-    first (Flask runs after_request hooks last-installed first): the hooks that count an answer's
-    bytes as it is sent (access log, metrics) count what goes on the wire."""
+def install(app: Flask, level: int, min_bytes: int, max_bytes: int = 0, when: str = "preferred") -> None:
+    """Compress answers where the client prefers it (when="preferred") or accepts it ("accepted"),
+    as the module's docstring says. Installed after every other hook, so that it runs first (Flask
+    runs after_request hooks last-installed first): the hooks that count an answer's bytes as it is
+    sent (access log, metrics) count what goes on the wire."""
+    merely_accepted = when == "accepted"
 
     @app.after_request
     def _compress(resp: Response) -> Response:
         if resp.status_code in UNCOMPRESSED or "Content-Encoding" in resp.headers or request.method == "HEAD":
             return resp
         resp.vary.add("Accept-Encoding")
-        coding, identity_refused = answer_coding(request.headers.get("Accept-Encoding"))
-        length = resp.content_length
-        small = length is not None and length < min_bytes
-        large = max_bytes > 0 and (length is None or length > max_bytes)
-        if coding is None or ((small or large) and not identity_refused):
+        header = request.headers.get("Accept-Encoding")
+        if not merely_accepted and (not header or ("identity" not in header.lower() and "*" not in header)):
+            return resp  # identity neither named nor refused (requests' `gzip, deflate`): no preference to parse
+        coding, identity = answer_coding(header)
+        if coding is None or (identity == "acceptable" and not merely_accepted):
             return resp
+        length = resp.content_length
+        if identity != "refused":
+            if length is not None and length < min_bytes:
+                return resp
+            if identity == "acceptable" and max_bytes > 0 and (length is None or length > max_bytes):
+                return resp
         resp.response = compressed(resp.iter_encoded(), coding, level)
         if (etag := resp.headers.get("ETag")) and not etag.startswith("W/"):
             resp.headers["ETag"] = f"W/{etag}"  # a strong ETag names these exact bytes, and they are others now

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from flask import Flask, current_app, g
 
 if TYPE_CHECKING:  # annotations only: this module is imported by every other of the web layer
-    from schemas import AttentionJob, AttentionRequest, MhaJob, MhaRequest
+    from schemas import AttentionJob, MhaJob, SessionBatchJob, SessionStepJob
     from service.config import Settings
     from service.cost import CostModel, Work
+    from service.sessions import Pool
     from service.shm import Registry
     from service.stats import Row
 
@@ -33,11 +34,12 @@ class Services:
     """What the app holds for its life: made by create_app(), read by every hook and view."""
 
     settings: Settings
-    schemas: dict[type, AttentionRequest | MhaRequest]  # the native schemas by class
-    kserve_schemas: dict[str, AttentionRequest | MhaRequest]  # the Open Inference Protocol's, by model name
+    schemas: dict[type, Any]  # the native schemas by class (AttentionRequest, MhaRequest, the sessions')
+    kserve_schemas: dict[str, Any]  # the Open Inference Protocol's, by model name
     cost: CostModel
     gate: Gate  # admission: this worker's requests, bytes and compute slots
     pool: Executor | None  # the threads a split computation shares (None: splitting is off)
+    sessions: Pool  # every session's keys and values (service.sessions): the server's, or this app's own
     spans: Spans | None = None  # OpenTelemetry, when an exporter is configured (tracing)
     ready: bool = False  # warm-up done (ops.warm_up)
     draining: bool = False  # SIGTERM came (ops.drain)
@@ -74,7 +76,7 @@ class RequestContext:
     # admission and compute
     deadline_ms: float | None = None  # X-Deadline-Ms
     admission: Ticket | None = None  # the gate's hold on this request, given back once
-    job: AttentionJob | MhaJob | None = None  # the validated job (its shape for the log and the trace)
+    job: AttentionJob | MhaJob | SessionStepJob | SessionBatchJob | None = None  # the validated job (its shape for the log and the trace)
     work: Work | None = None  # its work, as the cost model counts it
     busy: int = 1  # requests busy in the server when it was admitted (the count its slowdown is keyed by)
     predicted_ms: float | None = None  # the cost model's prediction, made when it was admitted

@@ -30,8 +30,10 @@ STATUS = {
     "incomplete_request": 400,
     "unauthorized": 401,
     "not_found": 404,
+    "session_not_found": 404,
     "method_not_allowed": 405,
     "timeout": 408,
+    "length_conflict": 409,
     "too_long": 413,
     "too_large": 413,
     "body_too_large": 413,
@@ -75,14 +77,24 @@ class Door:
 
 
 class ApiError(RequestError):
-    """A refusal that needs more than a code: headers (Retry-After, Allow, WWW-Authenticate), or,
-    for an HTTP error werkzeug raised that no code names, its status. Any other refusal, from any
-    layer, is a plain RequestError."""
+    """A refusal that needs more than a code: headers (Retry-After, Allow, WWW-Authenticate), more
+    in its error object (extra: a session's "length"), or, for an HTTP error werkzeug raised that
+    no code names, its status. Any other refusal, from any layer, is a plain RequestError."""
 
-    def __init__(self, code: str, message: str, field: str | None = None, *, headers: dict | None = None, status: int | None = None):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        field: str | None = None,
+        *,
+        headers: dict | None = None,
+        status: int | None = None,
+        extra: dict | None = None,
+    ):
         super().__init__(code, message, field)
         self.headers = headers or {}
         self._status = status
+        self.extra = extra or {}
 
     @property
     def status(self) -> int:
@@ -119,7 +131,7 @@ def code_headers(err: RequestError) -> dict[str, str]:
 
 def native_body(err: RequestError, status: int) -> dict:
     """The native API's shape: {"error": {status, code, message, field}}."""
-    return {"error": {"status": status, "code": err.code, "message": err.message, "field": err.field}}
+    return {"error": {"status": status, "code": err.code, "message": err.message, "field": err.field, **getattr(err, "extra", {})}}
 
 
 NATIVE = Door(native_body)

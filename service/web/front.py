@@ -2,10 +2,10 @@
 app, handed to it at start (deploy/gunicorn.conf.py, post_worker_init).
 
 What the app refuses from a request's head alone is refused by the worker as soon as the head is
-in, before the body is read or 100 Continue sent (check_head): a compute request without a valid
-API key (401, auth.py) or with an X-Deadline-Ms that is not a positive number (422, admission.py),
-in that order, as the app's own hooks would (they still check, for a request that reaches the app
-another way).
+in, before the body is read or 100 Continue sent (check_head): a compute request, or one under
+/sessions, without a valid API key (401, auth.py), or a compute request with an X-Deadline-Ms
+that is not a positive number (422, admission.py), in that order, as the app's own hooks would
+(they still check, for a request that reaches the app another way).
 
 The worker's own refusals (408, 413, 431, 400 bad_framing, ..., and heads gunicorn's parser refuses)
 are in the API's error shapes (the /v2 protocol's under its prefix, else the native), carry the
@@ -52,13 +52,16 @@ class Front:
         self.keys = services(app).settings.api_keys
 
     def check_head(self, method: str, path: str, head: bytes) -> transport.Refusal | None:
-        if method != "POST" or not auth.COMPUTE_PATH.fullmatch(route_path(path)):
+        route = route_path(path)
+        if not auth.guarded(method, route):
             return None
         headers = http.head_headers(head, (b"authorization", b"x-deadline-ms"))
         authorization = headers.get(b"authorization")
         if self.keys and not auth.key_ok(authorization, self.keys):
             err = auth.refusal(authorization)
             return transport.Refusal(err.status, err.code, err.message, headers=tuple(err.headers.items()))
+        if method != "POST" or not admission.COMPUTE_PATH.fullmatch(route):
+            return None
         try:
             admission.parse_deadline(headers.get(b"x-deadline-ms"))
         except RequestError as err:

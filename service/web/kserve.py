@@ -31,12 +31,13 @@ from flask import Blueprint, Response, request
 
 from schemas import AttentionRequest, MhaRequest, RequestError
 from schemas.fields import show
-from schemas.jobs import AttentionJob, MhaJob
-from service import wire
+from schemas.jobs import AttentionJob, MhaJob, SessionStepJob
+from schemas.sessions import SequenceStepRequest, step_job
+from service import sessions, wire
 from service.config import VERSION, Settings
 
-from . import shared_memory
-from .compute import cost, run, validate
+from . import held, shared_memory
+from .compute import cost, run, validate, validate_only
 from .context import services
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
 
@@ -120,6 +121,29 @@ MODELS = {
             "return_lse": "bool; default false: also the lse output (FlashAttention's softmax_lse)",
         },
     ),
+    "attention_sequence": Model(
+        name="attention_sequence",
+        schema=SequenceStepRequest,
+        inputs={
+            "q": (FLOAT, [-1, -1, -1], "the new tokens' queries (H, t, d)"),
+            "k": (FLOAT, [-1, -1, -1], "their keys (Hkv, t, d), appended to the sequence's"),
+            "v": (FLOAT, [-1, -1, -1], "their values (Hkv, t, dv)"),
+        },
+        optional=frozenset(),
+        outputs={
+            "out": ([-1, -1, -1], "(H, t, dv): the new tokens' attention over the whole sequence"),
+            "lse": ([-1, -1], "(H, t): optional, sent when parameter return_lse is true"),
+        },
+        parameters={
+            "sequence_id": "the sequence (Triton's sequence extension): a number > 0 or a string",
+            "sequence_start": "bool: this request starts the sequence, its shapes from q, k, v (and ends one of that id)",
+            "sequence_end": "bool: the sequence ends with this request",
+            "causal": 'default "bottom_right" (query i of t sees the keys up to its own); false sees all',
+            "scale": "number > 0; default 1/sqrt(d)",
+            "window": '"left,right" (or [left, right]), integers >= -1: FlashAttention\'s window_size',
+            "return_lse": "bool; default false: also the lse output",
+        },
+    ),
     "mha": Model(
         name="mha",
         schema=MhaRequest,
@@ -146,7 +170,7 @@ MODELS = {
 }
 
 
-def build_schemas(settings: Settings) -> dict[str, AttentionRequest | MhaRequest]:
+def build_schemas(settings: Settings) -> dict[str, AttentionRequest | MhaRequest | SequenceStepRequest]:
     """Each model's schema, the native one with the protocol's labels."""
     return {name: model.schema(settings, labels=model.labels()) for name, model in MODELS.items()}
 
@@ -254,8 +278,15 @@ def model_config(name: str, version: str | None = None):
                 {"name": n, "data_type": f"TYPE_{OUTPUT_DATATYPE}", "dims": shape, "label_filename": "", "is_shape_tensor": False}
                 for n, (shape, _) in model.outputs.items()
             ],
+            **(_sequence_batching() if model.schema is SequenceStepRequest else {}),
         }
     )
+
+
+def _sequence_batching() -> dict:
+    """A sequence model's scheduling, as Triton's configuration declares it: a sequence idle past
+    ATTN_SESSION_IDLE_S is freed (the server holds its state: a session)."""
+    return {"sequence_batching": {"max_sequence_idle_microseconds": services().settings.session_idle_s * 1_000_000}}
 
 
 @bp.get("/models/<name>/ready")
@@ -275,14 +306,67 @@ def model_ready(name: str, version: str | None = None):
 def infer(name: str, version: str | None = None):
     """Run a model: the native schema, limits and core behind the protocol's envelope."""
     model = _model(name, version)
+    if model.schema is SequenceStepRequest:
+        return infer_sequence(model)
     req = load_infer(model)
     out, weights, *lse = run(req.job)
     return respond_infer(model, req, {"out": out, "weights": weights, "lse": lse[0] if lse else None})
 
 
+def infer_sequence(model: Model) -> Response:
+    """A step of a sequence (Triton's sequence extension) on the sessions' pool: sequence_start
+    makes the session (its shapes from q, k, v; one of the same id is ended first), every request
+    appends its k, v and attends, sequence_end frees it. The sequence is found by its id among the
+    sessions of the request's API key."""
+    check_media_type(require_json=False)
+    with phase("decode"):
+        header, blobs = _split_body(read_body())
+        doc = parse_json(header)
+        native, requested, binary_default = _translate(model, doc, _Blobs(blobs))
+    native.pop("return_weights", None)  # _translate's, from the outputs asked for: this model has no weights output
+    schema = services().kserve_schemas[model.name]
+    data = validate_only(schema, native)
+    if requested is None:
+        requested = ["out", "lse"] if data["return_lse"] else ["out"]
+    elif "lse" in requested and not data["return_lse"]:
+        raise RequestError("bad_option", "parameter return_lse is false but the lse output was requested; drop one of them.", "return_lse")
+    outputs = [(n, binary_default.get(n, binary_default[None])) for n in requested]
+    q, k, v = data["q"], data["k"], data["v"]
+    name, owner, pool = sessions.name_hash(data["sequence_id"]), held.owner(), held.pool()
+    sid = pool.find(name, owner)
+    if data["sequence_start"]:
+        if sid is not None:  # a sequence of that id still held: ended, as a new one starts
+            with held.session(sid) as old:
+                old.delete()
+        dtype = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
+        heads, kv_heads = q.shape[0], k.shape[0]
+        if kv_heads < 1 or heads % kv_heads:
+            raise RequestError(
+                "shape_mismatch", f"input k has {kv_heads} key/value heads, which do not divide input q's {heads} heads.", "k"
+            )
+        shape = sessions.Shape(heads, kv_heads, q.shape[2], v.shape[2], dtype)
+        with held.refusals():
+            sid = pool.create(shape, services().settings.session_max_tokens, owner, name=name)
+    elif sid is None:
+        raise RequestError(
+            "session_not_found",
+            f"Sequence {data['sequence_id'].partition(':')[2]} is not held: start it with parameter sequence_start, or it has ended or expired.",
+            "sequence_id",
+        )
+    encoding = "b64"
+    with held.session(sid) as s, held.refusals():
+        S = held.append(s, schema, k, v, None)
+        job = step_job(schema, data, q, s.shape, S, encoding, s.pages(S))
+        out, _, *lse = run(job)
+        s.commit(S)
+        if data["sequence_end"]:
+            s.delete()
+    return respond_infer(model, InferRequest(job=job, id=doc.get("id"), outputs=outputs), {"out": out, "lse": lse[0] if lse else None})
+
+
 @dataclass(frozen=True)
 class InferRequest:
-    job: AttentionJob | MhaJob
+    job: AttentionJob | MhaJob | SessionStepJob
     id: str | None
     outputs: list[tuple[str, bool | shared_memory.Place]]  # (name, as binary, or the region it goes to) in response order
 

@@ -38,7 +38,7 @@ from prometheus_client import (  # noqa: E402  (after the directory exists)
     multiprocess,
     values,
 )
-from prometheus_client.core import GaugeMetricFamily  # noqa: E402
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 
 from .context import context, services  # noqa: E402
 
@@ -122,7 +122,32 @@ def metrics():
         registry.register(WORKER_MEMORY)
     else:
         registry = REGISTRY
-    return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+    pool = CollectorRegistry()  # read from the shared pool at scrape time: the same figures from any worker
+    pool.register(SessionPool(services().sessions))
+    return Response(generate_latest(registry) + generate_latest(pool), content_type=CONTENT_TYPE_LATEST)
+
+
+class SessionPool:
+    """The sessions' pool (service.sessions), read when scraped: live sessions, pages, bytes in use
+    and in all, and the sessions expired since the server started."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        stats = self.pool.stats()
+        for name, key, text in (
+            ("attention_sessions", "sessions", "Live sessions."),
+            ("attention_session_pages", "pages", "Pages of the sessions' pool in use (a page shared by forks counts once)."),
+            ("attention_session_bytes", "used_bytes", "Bytes of the sessions' pool in use."),
+            ("attention_session_memory_bytes", "memory_bytes", "Bytes of the sessions' pool (ATTN_SESSION_MEMORY_BYTES)."),
+        ):
+            family = GaugeMetricFamily(name, text)
+            family.add_metric([], stats[key])
+            yield family
+        expired = CounterMetricFamily("attention_session_expiries", "Sessions expired, idle past ATTN_SESSION_IDLE_S.")
+        expired.add_metric([], stats["expired"])
+        yield expired
 
 
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096  # /proc/PID/statm counts pages

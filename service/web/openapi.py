@@ -23,6 +23,14 @@ from swagger_ui_bundle import swagger_ui_path
 
 from schemas import AttentionRequest, MhaRequest, RequestError
 from schemas.fields import Tensor, Window
+from schemas.sessions import (
+    SequenceStepRequest,
+    SessionAppendRequest,
+    SessionBatchRequest,
+    SessionCreateRequest,
+    SessionLengthRequest,
+    SessionStepRequest,
+)
 from service.config import VERSION, Settings
 from service.cost import FORMULA
 from service.wire import WIRE_DTYPES
@@ -116,6 +124,7 @@ class ErrorDetail(Schema):
     )
     message = fields.String(required=True, metadata={"description": "one sentence naming the field and the shapes or limit involved"})
     field = fields.String(required=True, allow_none=True, metadata={"description": "the request field concerned, or null"})
+    length = fields.Integer(metadata={"description": "length_conflict (409) only: the session's current length"})
 
 
 class Error(Schema):
@@ -233,11 +242,16 @@ DEADLINE_NOTE = (
 )
 
 
-NATIVE_TAG, OPS_TAG, V2_TAG = "Attention", "Operations", "Open Inference Protocol"
+NATIVE_TAG, SESSIONS_TAG, OPS_TAG, V2_TAG = "Attention", "Sessions", "Operations", "Open Inference Protocol"
 TAGS: list[dict[str, Any]] = [
     {
         "name": NATIVE_TAG,
         "description": "The native API: tensors in any of three encodings, errors as {error: {status, code, message, field}}",
+    },
+    {
+        "name": SESSIONS_TAG,
+        "description": "Attention state held by the server: a session keeps a sequence's keys and values, so that a decode "
+        "step sends its new tokens and queries, not the whole cache",
     },
     {"name": OPS_TAG, "description": "Health, readiness, limits and metrics"},
     {
@@ -256,11 +270,13 @@ def build(app: Flask) -> dict:
     served = {rule.rule for rule in app.url_map.iter_rules()}
     spec = _spec(settings)
     _compute_paths(spec, settings, served)
+    _session_paths(spec, settings, served)
     _ops_paths(spec, served)
     doc = spec.to_dict()
     schemas = doc["components"]["schemas"]
-    for name in ("AttentionRequest", "MhaRequest"):
-        schemas[name]["additionalProperties"] = False  # unknown fields are refused
+    for name in ("AttentionRequest", "MhaRequest", *SESSION_SCHEMAS):
+        if name in schemas:
+            schemas[name]["additionalProperties"] = False  # unknown fields are refused
     v2_rules = [rule for rule in app.url_map.iter_rules() if rule.endpoint.startswith(f"{kserve.bp.name}.")]
     if v2_rules:
         schemas.update(_v2_schemas(schemas))
@@ -295,6 +311,10 @@ def _spec(settings: Settings) -> APISpec:
     spec.components.schema("ComputeResponse", schema=ComputeResponse)
     spec.components.schema("AttentionRequest", schema=AttentionRequest(settings))
     spec.components.schema("MhaRequest", schema=MhaRequest(settings))
+    for name, cls in SESSION_SCHEMAS.items():
+        spec.components.schema(name, schema=cls(settings))
+    spec.components.schema("Session", schema=SessionDescription)
+    spec.components.schema("SessionStepResponse", schema=SessionStepResponse)
     spec.components.schema("Status", schema=Status)
     spec.components.schema("Limits", _limits_schema(settings))
     if settings.api_keys:
@@ -381,6 +401,130 @@ def _compute_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
                 }
             },
         )
+
+
+SESSION_SCHEMAS = {
+    "SequenceStepRequest": SequenceStepRequest,  # /v2's attention_sequence
+    "SessionCreateRequest": SessionCreateRequest,
+    "SessionAppendRequest": SessionAppendRequest,
+    "SessionLengthRequest": SessionLengthRequest,
+    "SessionStepRequest": SessionStepRequest,
+    "SessionBatchRequest": SessionBatchRequest,
+}
+
+
+class SessionDescription(Schema):
+    id = fields.String(required=True)
+    heads = fields.Integer(required=True)
+    kv_heads = fields.Integer(required=True)
+    head_dim = fields.Integer(required=True)
+    value_dim = fields.Integer(required=True)
+    dtype = fields.String(required=True)
+    max_tokens = fields.Integer(required=True)
+    length = fields.Integer(required=True, metadata={"description": "tokens held"})
+    idle_expiry_s = fields.Integer(required=True, metadata={"description": "idle this long, it expires (ATTN_SESSION_IDLE_S)"})
+
+
+class SessionStepResponse(Schema):
+    out = Tensor(required=True, metadata={"description": "(H, t, dv); (B, H, t, dv) for a batch"})
+    weights = Tensor(metadata={"description": "(H, t, S) when return_weights; a batch's (B, H, t, max S), 0 past each length"})
+    lse = Tensor(metadata={"description": "(H, t) when return_lse; (B, H, t) for a batch"})
+    length = fields.Integer(metadata={"description": "the session's length after the step"})
+    lengths = fields.List(fields.Integer(), metadata={"description": "a batch: each session's length after the step"})
+    cost = fields.Nested(Cost, required=True)
+    timing_ms = fields.Dict(keys=fields.String(), values=fields.Float(), required=True)
+
+
+def _session_paths(spec: APISpec, settings: Settings, served: set[str]) -> None:
+    """The sessions resource (contract 1.3, "Sessions")."""
+    sid: list[dict[str, Any]] = [
+        {"name": "sid", "in": "path", "required": True, "schema": {"type": "string"}, "description": "the session's id"}
+    ]
+    described: dict[str, Any] = {"content": {"application/json": {"schema": "Session"}}}
+    created = {
+        "description": "created",
+        "headers": {"Location": {"schema": {"type": "string"}, "description": "/sessions/{id}"}},
+        **described,
+    }
+    stepped = {"description": "the step", "headers": TIMING_HEADERS, "content": {"application/json": {"schema": "SessionStepResponse"}}}
+    length = {
+        "description": "the length",
+        "content": {"application/json": {"schema": {"type": "object", "properties": {"length": {"type": "integer"}}}}},
+    }
+    auth = _auth(settings)
+    errors = dict(ERROR_DESCRIPTIONS)
+    errors.update(
+        {
+            404: "session_not_found: unknown, expired, deleted, or another API key's",
+            409: "length_conflict: the session's length is not at (or the length asked); error.length is its length",
+            413: "too_long: past the session's max_tokens",
+            503: "overloaded: the sessions' memory or table is full (no live session is evicted); retry after Retry-After",
+        }
+    )
+
+    def body(schema: str) -> dict:
+        return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+    routes = {
+        ("/sessions", "post"): ("createSession", "Create a session", body("SessionCreateRequest"), {"201": created}, (413, 422, 503)),
+        ("/sessions/{sid}", "get"): (
+            "getSession",
+            "A session's description and length",
+            None,
+            {"200": {"description": "the session", **described}},
+            (404,),
+        ),
+        ("/sessions/{sid}", "delete"): ("deleteSession", "Delete a session", None, {"204": {"description": "deleted"}}, (404,)),
+        ("/sessions/{sid}/append", "post"): (
+            "appendSession",
+            "Append tokens (k, v); with at, only if the length is at",
+            body("SessionAppendRequest"),
+            {"200": length},
+            (404, 409, 413, 422, 503),
+        ),
+        ("/sessions/{sid}/attention", "post"): (
+            "stepSession",
+            "A step: new tokens appended (atomically), then q attends to all the session's keys",
+            body("SessionStepRequest"),
+            {"200": stepped},
+            (404, 409, 413, 422, 503, 504),
+        ),
+        ("/sessions/attention", "post"): (
+            "stepSessions",
+            "One step for several sessions at once (their lengths may differ)",
+            body("SessionBatchRequest"),
+            {"200": stepped},
+            (404, 409, 413, 422, 503, 504),
+        ),
+        ("/sessions/{sid}/fork", "post"): (
+            "forkSession",
+            "A new session sharing this one's first length tokens",
+            body("SessionLengthRequest"),
+            {"201": created},
+            (404, 409, 422, 503),
+        ),
+        ("/sessions/{sid}/truncate", "post"): (
+            "truncateSession",
+            "Drop the tokens after length",
+            body("SessionLengthRequest"),
+            {"200": length},
+            (404, 409, 422),
+        ),
+    }
+    paths: dict[str, dict] = {}
+    for (path, method), (op_id, summary, request_body, responses, statuses) in routes.items():
+        if path.replace("{sid}", "<sid:sid>") not in served:
+            continue
+        op: dict[str, Any] = {"operationId": op_id, "tags": [SESSIONS_TAG], "summary": summary, "responses": {**responses}}
+        if "{sid}" in path:
+            op["parameters"] = sid
+        if request_body is not None:
+            op["requestBody"] = request_body
+            statuses = (*statuses, 400, 415)
+        op["responses"].update(_errors(*statuses, *auth, descriptions=errors))
+        paths.setdefault(path, {})[method] = op
+    for path, operations in paths.items():
+        spec.path(path=path, operations=operations)
 
 
 def _ops_paths(spec: APISpec, served: set[str]) -> None:
@@ -821,7 +965,12 @@ def _model_config_schema(model_name: dict) -> dict:
                 "type": "array",
                 "items": _obj({"name": string, "data_type": data_type, "dims": dims, "label_filename": string, "is_shape_tensor": boolean}),
             },
-        }
+            "sequence_batching": _obj(
+                {"max_sequence_idle_microseconds": {"type": "integer", "description": "a sequence idle this long is freed"}},
+                description="a sequence model's only (attention_sequence): Triton's sequence batcher, its state held by the server",
+            ),
+        },
+        ["name", "platform", "backend", "version_policy", "max_batch_size", "input", "output"],
     )
 
 
@@ -878,6 +1027,17 @@ def _v2_infer_examples() -> dict:
         "attention_flat_out_only": {
             "summary": "attention: flat data, float64, only the out output",
             "value": {"id": "flat-1", "inputs": flat, "outputs": [{"name": "out"}], "parameters": {"causal": True, "dtype": "float64"}},
+        },
+        "attention_sequence_one_step": {
+            "summary": "attention_sequence: a sequence of one step (started and ended by this request)",
+            "value": {
+                "inputs": [
+                    {"name": "q", "datatype": "FP32", "shape": [2, 1, 2], "data": [1, 0, 0, 1]},
+                    {"name": "k", "datatype": "FP32", "shape": [1, 1, 2], "data": [1, 0]},
+                    {"name": "v", "datatype": "FP32", "shape": [1, 1, 2], "data": [1, 2]},
+                ],
+                "parameters": {"sequence_id": "example", "sequence_start": True, "sequence_end": True, "return_lse": True},
+            },
         },
         "mha_identity_projections": {
             "summary": "mha: identity projections, 2 heads (name: mha)",

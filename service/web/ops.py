@@ -42,6 +42,7 @@ def limits():
         {
             **svc.settings.limits(),
             "server_slots": svc.gate.server_slots(),
+            "sessions": svc.sessions.stats(),
             "admission": admission.policy(svc.settings, svc.gate),
             "cost_model": svc.cost.coefficients(),
             "version": VERSION,

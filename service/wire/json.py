@@ -28,7 +28,7 @@ from .stream import default
 FAST_MIN_ELEMENTS = 64  # smaller arrays stay Python lists: nothing to gain, and messages show them as sent
 # A simdjson parser keeps its buffers between documents: reusing one saves allocation and page
 # faults, but it keeps the capacity of the largest document it parsed (a hostile 32 MiB body left
-# a worker holding 290-513 MiB after its 422, `python -m bench.worker_peak`; a 4 MiB one about
+# a worker holding 290-513 MiB after its 422, `python -m bench worker_peak`; a 4 MiB one about
 # 10 MiB, a step the short soak saw as growth). One per process is reused for bodies up to this
 # size, so an idle worker holds a few MiB at most; a larger body gets a fresh parser, freed with it:
 # no measurable cost at 2-4 MiB (nested 3.9 MiB: 14.8 ms fresh, 15.0 ms reused), 15-20% more at

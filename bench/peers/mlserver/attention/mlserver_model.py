@@ -4,7 +4,7 @@ Loaded by `mlserver start bench/peers/mlserver` in the MLServer virtual environm
 (requirements-mlserver.txt), as model-settings.json beside this file names it, with the repository
 root on PYTHONPATH so that `service.core` (numpy only) is the same code this service runs.
 settings.json beside the model folder sets the inference worker processes (parallel_workers);
-`python -m bench.peers` gives the ports through MLSERVER_HTTP_PORT, _GRPC_PORT and _METRICS_PORT.
+`python -m bench peers` gives the ports through MLSERVER_HTTP_PORT, _GRPC_PORT and _METRICS_PORT.
 
 Inputs q (B, H, T, d), k (B, H, S, d), v (B, H, S, dv), FP32, as JSON data (MLServer's REST
 server does not speak the binary tensor extension); request parameter `causal` (bool, default

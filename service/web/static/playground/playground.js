@@ -240,7 +240,7 @@ function drawHeatmap(matrix, causal, win, caption) {
 }
 
 function readout(cell) {
-  $("readout").textContent = describe(cell);
+  cell.closest("section").querySelector(".readout").textContent = describe(cell); // the grid's own section
 }
 
 function gridKeys(e) {

@@ -1,0 +1,176 @@
+"""What the scenarios share: a server started for a measurement, request bodies, timing side by
+side, medians and markdown tables. The scenarios speak HTTP with `requests` (as users do) or the
+project's client; only the hostile ones write raw bytes on purpose."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pybase64
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+H, D = 8, 64  # every scenario's heads and head size unless it says otherwise
+GIGABIT = 125e6  # bytes per second of a gigabit link
+
+
+# --- servers -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (at the time of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def terminate(proc: subprocess.Popen, grace_s: float) -> None:
+    """Stop proc: SIGTERM, up to grace_s for it to exit, then SIGKILL; nothing if it has exited."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class Server:
+    """A gunicorn master started here on a free loopback port; its workers are its children.
+    argv may name the port as "{port}"; HOST and PORT are set in its environment, and
+    PROMETHEUS_MULTIPROC_DIR is not inherited (each server keeps its own metrics); nor are ATTN_*
+    settings if inherit_settings is false (the defaults, as `make run` in a clean shell). cwd is
+    the checkout it serves. A context manager: started ready, stopped on leaving."""
+
+    def __init__(self, name: str, argv: list[str] | None = None, env: dict | None = None, cwd: Path = ROOT, inherit_settings: bool = True):
+        self.name, self.port = name, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+        inherited = {
+            k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR" and (inherit_settings or not k.startswith("ATTN_"))
+        }
+        full_env = {**inherited, "HOST": "127.0.0.1", "PORT": str(self.port), **(env or {})}
+        argv = [a.replace("{port}", str(self.port)) for a in (argv or [sys.executable, "-m", "service"])]
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def __enter__(self) -> Server:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def wait_ready(self, timeout: float = 90, in_a_row: int = 1, path: str = "/readyz") -> None:
+        """Wait until path (GET) answers 200 in_a_row times running, each on a new connection (each
+        worker warms up on its own: many in a row reach them all). The timeout only stops a hang;
+        either failure says so with the tail of the server's log."""
+        deadline, ok = time.monotonic() + timeout, 0
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode} before it was ready; its log ends:\n{self.log_tail()}"
+                )
+            try:
+                ok = ok + 1 if requests.get(self.url + path, timeout=2).status_code == 200 else 0  # a new connection each time
+            except requests.RequestException:
+                ok = 0
+            if ok >= in_a_row:
+                return
+            if not ok:
+                time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not ready in {timeout:.0f} s ({self.url}{path}); its log ends:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-chars:]
+
+    def workers(self) -> list[int]:
+        try:
+            text = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        except OSError:
+            return []
+        return [int(p) for p in text.split()]
+
+    def stop(self) -> None:
+        """SIGTERM, and time for gunicorn's 30 s graceful shutdown; then SIGKILL. The log file goes too."""
+        terminate(self.proc, 35)
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+def status_kb(pid: int, field: str) -> int:
+    """A /proc/PID/status figure in kB (VmRSS, VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+def tensors(T: int, seed: int = 0, B: int = 1, h: int = H, d: int = D) -> list[np.ndarray]:
+    """q, k, v of shape (B, h, T, d), float32, standard normal."""
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((B, h, T, d)).astype(np.float32) for _ in range(3)]
+
+
+def b64(a: np.ndarray) -> dict:
+    return {"shape": list(a.shape), "dtype": str(a.dtype), "b64": pybase64.b64encode(np.ascontiguousarray(a).data).decode()}
+
+
+def attention_body(T: int, encoding: str = "b64", weights: bool = False, seed: int = 0, **options) -> bytes:
+    """A POST /attention body, causal: q, k, v of (1, H, T, D) in encoding (b64 or nested; the
+    answer comes in the same), with or without weights, and any other options."""
+    q, k, v = tensors(T, seed)
+    doc: dict = {"causal": True, "return_weights": weights, **options}
+    if encoding == "b64":
+        doc.update(q=b64(q), k=b64(k), v=b64(v))
+    else:
+        doc.update(q=q, k=k, v=v)
+    return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+# --- timing and tables ---------------------------------------------------------------------------
+
+
+def alternate(calls: Sequence[Callable[[], object]], reps: int) -> list[list[float]]:
+    """Each call reps times, in turns (the order rotated every round, so that none always follows
+    the same one): ms per call, one list per call. Sides measured this way see the same load."""
+    times: list[list[float]] = [[] for _ in calls]
+    for r in range(reps):
+        for i in (list(range(len(calls))) * 2)[r % len(calls) : r % len(calls) + len(calls)]:
+            t0 = time.perf_counter()
+            calls[i]()
+            times[i].append((time.perf_counter() - t0) * 1000)
+    return times
+
+
+def median(xs) -> float:
+    return statistics.median(xs)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table; floats with 2 significant decimals below 10, 1 below 100, none above."""
+
+    def cell(x: object) -> str:
+        if isinstance(x, float):
+            return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
+        return str(x)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)

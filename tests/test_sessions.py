@@ -1,0 +1,433 @@
+"""The sessions resource through the Flask test client (contract 1.3, "Sessions"): a decode loop
+(prefill, steps of 1, a step of 3 then truncate, a fork that diverges, a batched step) equal at
+every step to the float64 oracle over the whole sequence, in float32 and float64, with GQA,
+windows and ALiBi (hypothesis); `at` conflicts and replays; two keys; a full pool; expiry; the
+hostile cases, each a clear 4xx or 503, never a 500, nothing lost. The real server with two
+workers: tests/test_sessions_live.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.config import Settings
+from service.web import create_app
+
+from . import oracle
+from .helpers import b64
+
+_APPS: dict[tuple, object] = {}
+
+
+def client(**overrides):
+    """A test client of an app with these settings (one app per settings: the pool is the app's)."""
+    key = tuple(sorted(overrides.items()))
+    if key not in _APPS:
+        app = create_app(Settings(**{"warmup": False, "session_memory_bytes": 16 * 2**20, **overrides}))
+        app.testing = True
+        _APPS[key] = app
+    return _APPS[key].test_client()
+
+
+def enc(arr: np.ndarray, dtype: str) -> dict:
+    return b64(arr, dtype)
+
+
+def arr(value) -> np.ndarray:
+    from .helpers import tensor
+
+    return tensor(value)
+
+
+class Loop:
+    """A decode loop against the service and the float64 oracle side by side."""
+
+    def __init__(self, c, H, Hkv, d, dv, dtype, options, rng, headers=None):
+        self.c, self.H, self.Hkv, self.d, self.dv, self.dtype, self.options, self.rng = c, H, Hkv, d, dv, dtype, options, rng
+        self.headers = headers or {}
+        r = c.post("/sessions", json={"heads": H, "kv_heads": Hkv, "head_dim": d, "value_dim": dv, "dtype": dtype}, headers=self.headers)
+        assert r.status_code == 201, r.get_json()
+        self.id = r.get_json()["id"]
+        assert r.headers["Location"] == f"/sessions/{self.id}"
+        self.k, self.v = np.zeros((Hkv, 0, d)), np.zeros((Hkv, 0, dv))
+
+    def tokens(self, t):
+        cast = np.float32 if self.dtype == "float32" else np.float64
+        return (self.rng.standard_normal((self.Hkv, t, self.d)).astype(cast), self.rng.standard_normal((self.Hkv, t, self.dv)).astype(cast))
+
+    def step(self, t, append=True, at=True):
+        q = self.rng.standard_normal((self.H, t, self.d)).astype(np.float32 if self.dtype == "float32" else np.float64)
+        body = {"q": enc(q, self.dtype), "return_lse": True, "return_weights": True, **self.options}
+        if append:
+            k, v = self.tokens(t)
+            body.update(k=enc(k, self.dtype), v=enc(v, self.dtype))
+            if at:
+                body["at"] = self.k.shape[1]
+            self.k, self.v = np.concatenate([self.k, k], 1), np.concatenate([self.v, v], 1)
+        r = self.c.post(f"/sessions/{self.id}/attention", json=body, headers=self.headers)
+        assert r.status_code == 200, r.get_json()
+        got = r.get_json()
+        assert got["length"] == self.k.shape[1]
+        self.check(q, arr(got["out"]), arr(got["weights"]), arr(got["lse"]), self.k, self.v)
+        return got
+
+    def check(self, q, out, weights, lse, k, v):
+        kw = {"causal": self.options.get("causal", "bottom_right"), "enable_gqa": True, "return_lse": True}
+        if "window" in self.options:
+            kw["window"] = tuple(self.options["window"])
+        if "alibi_slopes" in self.options:
+            kw["alibi_slopes"] = np.array(self.options["alibi_slopes"])
+        want_out, want_w, want_lse = oracle.reference(q, k, v, **kw)
+        tol = 1e-4 if self.dtype == "float32" else 1e-10
+        np.testing.assert_allclose(out, want_out, rtol=tol, atol=tol)
+        np.testing.assert_allclose(weights, want_w, rtol=tol, atol=tol)
+        seen = np.isfinite(want_lse)
+        np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=tol, atol=tol)
+        assert (lse[~seen] == np.finfo(np.dtype(self.dtype)).min).all()
+
+    def truncate(self, n):
+        r = self.c.post(f"/sessions/{self.id}/truncate", json={"length": n}, headers=self.headers)
+        assert r.status_code == 200 and r.get_json() == {"length": n}
+        self.k, self.v = self.k[:, :n], self.v[:, :n]
+
+    def fork(self, n):
+        r = self.c.post(f"/sessions/{self.id}/fork", json={"length": n}, headers=self.headers)
+        assert r.status_code == 201, r.get_json()
+        child = object.__new__(Loop)
+        child.__dict__.update(self.__dict__)
+        child.id, child.k, child.v = r.get_json()["id"], self.k[:, :n], self.v[:, :n]
+        assert r.get_json()["length"] == n
+        return child
+
+
+@st.composite
+def loops(draw):
+    Hkv, g = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    options = {"causal": draw(st.sampled_from(["bottom_right", False]))}
+    if draw(st.booleans()):
+        options["window"] = [draw(st.integers(-1, 6)), draw(st.integers(-1, 3))]
+    if draw(st.booleans()):
+        options["alibi_slopes"] = [draw(st.floats(0, 1)) for _ in range(Hkv * g)]
+    return {
+        "H": Hkv * g,
+        "Hkv": Hkv,
+        "d": draw(st.integers(1, 8)),
+        "dv": draw(st.integers(1, 5)),
+        "dtype": draw(st.sampled_from(["float32", "float64"])),
+        "options": options,
+        "page": draw(st.sampled_from([1, 3, 4, 16])),
+        "prefill": draw(st.integers(1, 12)),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=40, deadline=None)
+@given(loops())
+def test_a_decode_loop_equals_the_float64_reference_at_every_step(case):
+    c = client(session_page_tokens=case["page"])
+    rng = np.random.default_rng(case["seed"])
+    loop = Loop(c, case["H"], case["Hkv"], case["d"], case["dv"], case["dtype"], case["options"], rng)
+    loop.step(case["prefill"])  # prefill: the prompt's tokens and queries at once
+    for _ in range(2):
+        loop.step(1)
+    loop.step(3)  # three draft tokens ...
+    loop.truncate(loop.k.shape[1] - 2)  # ... of which two are rejected
+    loop.step(1)
+    child = loop.fork(max(1, loop.k.shape[1] - 2))  # a fork that diverges from its parent
+    child.step(2)
+    loop.step(1)
+    loop.step(1, append=False)  # a step without new tokens
+    # A batched step: both sessions, of different lengths, one new token each.
+    q = rng.standard_normal((2, loop.H, 1, loop.d))
+    ks, vs = zip(*(s.tokens(1) for s in (loop, child)), strict=True)
+    body = {
+        "sessions": [loop.id, child.id],
+        "q": enc(q, loop.dtype),
+        "k": enc(np.stack(ks), loop.dtype),
+        "v": enc(np.stack(vs), loop.dtype),
+        "at": [loop.k.shape[1], child.k.shape[1]],
+        "return_lse": True,
+        "return_weights": True,
+        **loop.options,
+    }
+    r = c.post("/sessions/attention", json=body)
+    assert r.status_code == 200, r.get_json()
+    got = r.get_json()
+    cast = np.float32 if loop.dtype == "float32" else np.float64
+    for i, s in enumerate((loop, child)):
+        s.k, s.v = np.concatenate([s.k, ks[i]], 1), np.concatenate([s.v, vs[i]], 1)
+        S = s.k.shape[1]
+        assert got["lengths"][i] == S
+        weights = arr(got["weights"])[i]
+        assert (weights[..., S:] == 0).all()
+        s.check(q[i].astype(cast), arr(got["out"])[i], weights[..., :S], arr(got["lse"])[i], s.k, s.v)
+    for s in (loop, child):
+        assert c.delete(f"/sessions/{s.id}").status_code == 204
+
+
+def make(c, headers=None, **fields) -> str:
+    r = c.post("/sessions", json={"heads": 2, "head_dim": 2, **fields}, headers=headers or {})
+    assert r.status_code == 201, r.get_json()
+    return r.get_json()["id"]
+
+
+def append(c, sid, t=1, at=None, headers=None, value=1.0):
+    body = {"k": np.full((2, t, 2), value).tolist(), "v": np.full((2, t, 2), value).tolist()}
+    if at is not None:
+        body["at"] = at
+    return c.post(f"/sessions/{sid}/append", json=body, headers=headers or {})
+
+
+def length(c, sid, headers=None) -> int:
+    r = c.get(f"/sessions/{sid}", headers=headers or {})
+    assert r.status_code == 200
+    return r.get_json()["length"]
+
+
+def test_at_makes_an_append_exactly_once():
+    c = client()
+    sid = make(c)
+    assert append(c, sid, 3, at=0).get_json() == {"length": 3}
+    replay = append(c, sid, 3, at=0)  # the retry of an append that was applied
+    assert replay.status_code == 409
+    err = replay.get_json()["error"]
+    assert err["code"] == "length_conflict" and err["length"] == 3 and err["field"] == "at"
+    assert length(c, sid) == 3
+    step = c.post(f"/sessions/{sid}/attention", json={"q": [[[1, 0]], [[0, 1]]], "k": [[[1, 1]]] * 2, "v": [[[1, 1]]] * 2, "at": 0})
+    assert step.status_code == 409 and step.get_json()["error"]["length"] == 3  # nor computed
+    assert length(c, sid) == 3
+    assert append(c, sid, 1).get_json() == {"length": 4}  # without at: appended whatever the length
+
+
+def test_a_step_that_fails_appends_nothing():
+    c = client()
+    sid = make(c, dtype="float32")
+    append(c, sid, 2, at=0)
+    huge = np.full((2, 1, 2), 3e19).tolist()  # scores past float32: 422 non_finite after the tokens were written
+    r = c.post(f"/sessions/{sid}/attention", json={"q": huge, "k": huge, "v": [[[1, 1]]] * 2})
+    assert r.status_code == 422 and r.get_json()["error"]["code"] == "non_finite"
+    assert length(c, sid) == 2
+
+
+def test_sessions_are_per_key():
+    c = client(api_keys=("alice-key", "bob-key"))
+    alice, bob = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+    sid = make(c, alice)
+    append(c, sid, 2, headers=alice)
+    for method, path, body in (
+        ("get", f"/sessions/{sid}", None),
+        ("post", f"/sessions/{sid}/append", {"k": [[[1, 1]]] * 2, "v": [[[1, 1]]] * 2}),
+        ("post", f"/sessions/{sid}/attention", {"q": [[[1, 1]]] * 2}),
+        ("post", f"/sessions/{sid}/fork", {}),
+        ("post", f"/sessions/{sid}/truncate", {"length": 0}),
+        ("delete", f"/sessions/{sid}", None),
+        ("post", "/sessions/attention", {"sessions": [sid], "q": [[[[1, 1]]] * 2]}),
+    ):
+        r = getattr(c, method)(path, json=body, headers=bob)
+        assert r.status_code == 404 and r.get_json()["error"]["code"] == "session_not_found", (path, r.get_json())
+        assert getattr(c, method)(path, json=body).status_code == 401  # no key at all
+    assert length(c, sid, alice) == 2  # nothing bob did reached it
+
+
+def test_a_full_pool_is_503_with_retry_after_and_evicts_nothing():
+    c = client(session_memory_bytes=2 * 4096, session_page_tokens=16)  # two pages of (2 heads, 16 tokens, 2+2) float32... one unit each
+    a = make(c)
+    assert append(c, a, 32, at=0).status_code == 200  # both pages
+    b = make(c)
+    r = append(c, b, 1, at=0)
+    assert r.status_code == 503 and r.get_json()["error"]["code"] == "overloaded"
+    assert int(r.headers["Retry-After"]) >= 1
+    assert length(c, a) == 32 and length(c, b) == 0
+    step = c.post(f"/sessions/{b}/attention", json={"q": [[[1, 1]]] * 2, "k": [[[1, 1]]] * 2, "v": [[[1, 1]]] * 2})
+    assert step.status_code == 503 and length(c, b) == 0
+    assert c.delete(f"/sessions/{a}").status_code == 204
+    assert append(c, b, 1, at=0).status_code == 200  # room again
+
+
+def test_a_flood_of_creates_is_503_past_the_table_and_loses_nothing():
+    c = client(session_max_count=8)
+    ids = []
+    codes = set()
+    for _ in range(20):
+        r = c.post("/sessions", json={"heads": 1, "head_dim": 1})
+        codes.add(r.status_code)
+        if r.status_code == 201:
+            ids.append(r.get_json()["id"])
+        else:
+            assert r.status_code == 503 and "Retry-After" in r.headers
+    assert codes == {201, 503} and len(ids) == 8
+    assert all(c.get(f"/sessions/{sid}").status_code == 200 for sid in ids)
+    for sid in ids:
+        c.delete(f"/sessions/{sid}")
+
+
+def test_idle_sessions_expire():
+    c = client(session_idle_s=1)
+    sid = make(c)
+    append(c, sid, 2)
+    deadline = time.monotonic() + 20
+    while c.get(f"/sessions/{sid}").status_code == 200:  # each look is a use: wait without looking
+        assert time.monotonic() < deadline
+        time.sleep(1.2)
+    r = c.get(f"/sessions/{sid}")
+    assert r.status_code == 404 and r.get_json()["error"]["code"] == "session_not_found"
+    assert c.get("/limits").get_json()["sessions"]["expired"] >= 1
+    metrics = c.get("/metrics").get_data(as_text=True)
+    assert "attention_session_expiries_total" in metrics
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "status", "code"),
+    [
+        ("get", "/sessions/nope", None, 404, "session_not_found"),
+        ("get", "/sessions/" + "0" * 38, None, 404, "session_not_found"),
+        ("get", "/sessions/" + "f" * 38, None, 404, "session_not_found"),
+        ("post", "/sessions/nope/attention", {"q": [[[1, 1]]] * 2}, 404, "session_not_found"),
+        ("post", "/sessions", {"heads": 3, "kv_heads": 2, "head_dim": 2}, 422, "bad_option"),
+        ("post", "/sessions", {"heads": 2}, 422, "missing_field"),
+        ("post", "/sessions", {"heads": 2, "head_dim": 2, "max_tokens": 10**12}, 413, "too_long"),
+        ("post", "/sessions", {"heads": 2, "head_dim": 2, "casual": True}, 422, "unknown_field"),
+        ("post", "/sessions", {"heads": 2, "head_dim": 2, "dtype": "float16"}, 422, "bad_option"),
+        ("post", "/sessions", {"heads": True, "head_dim": 2}, 422, "bad_type"),
+    ],
+)
+def test_hostile_requests_are_clear_refusals(method, path, body, status, code):
+    r = getattr(client(), method)(path, json=body)
+    assert r.status_code == status and r.get_json()["error"]["code"] == code, r.get_json()
+
+
+def test_hostile_bodies_on_a_session():
+    c = client()
+    sid = make(c, max_tokens=8)
+    append(c, sid, 2, at=0)
+    cases = [
+        ("append", {"k": [[[1, 1]]] * 2, "v": [[[1, 1]]] * 2, "at": 2**62}, 409, "length_conflict"),
+        ("append", {"k": [[[1, 1]]] * 2, "v": [[[1, 1]]] * 2, "at": -1}, 422, "bad_option"),
+        ("append", {"k": [[[1, 1, 1]]] * 2, "v": [[[1, 1]]] * 2}, 422, "shape_mismatch"),
+        ("append", {"k": [[[1, 1]]] * 3, "v": [[[1, 1]]] * 3}, 422, "shape_mismatch"),
+        ("append", {"k": [[[1, 1]]] * 2, "v": [[[1, 1], [1, 1]]] * 2}, 422, "shape_mismatch"),
+        ("append", {"k": [[[1, 1]] * 7] * 2, "v": [[[1, 1]] * 7] * 2}, 413, "too_long"),
+        ("append", {"k": [[[1, 1]]] * 2}, 422, "missing_field"),
+        ("attention", {"q": [[[1, 1]]] * 3}, 422, "shape_mismatch"),
+        ("attention", {"q": [[[1, 1]]] * 2, "k": [[[1, 1]]] * 2}, 422, "missing_field"),
+        ("attention", {"q": [[[1, 1]]] * 2, "dtype": "float64"}, 422, "unknown_field"),
+        ("attention", {"q": [[[1, 1]]] * 2, "alibi_slopes": [1, 2, 3]}, 422, "shape_mismatch"),
+        ("attention", {"q": [[[1, 1]]] * 2, "window": [-2, 0]}, 422, "bad_option"),
+        ("truncate", {"length": 3}, 409, "length_conflict"),
+        ("truncate", {}, 422, "missing_field"),
+        ("fork", {"length": 99}, 409, "length_conflict"),
+    ]
+    for action, body, status, code in cases:
+        r = c.post(f"/sessions/{sid}/{action}", json=body)
+        assert r.status_code == status and r.get_json()["error"]["code"] == code, (action, body, r.get_json())
+        assert length(c, sid) == 2  # nothing lost, nothing half-applied
+    batch = [
+        ({"sessions": [sid, sid], "q": [[[[1, 1]]] * 2] * 2}, 422, "bad_option"),
+        ({"sessions": [sid], "q": [[[[1, 1]]] * 2] * 2}, 422, "shape_mismatch"),
+        ({"sessions": [sid, "nope"], "q": [[[[1, 1]]] * 2] * 2}, 404, "session_not_found"),
+        ({"sessions": [], "q": [[[[1, 1]]] * 2]}, 422, "bad_type"),
+        ({"sessions": [sid], "q": [[[[1, 1]]] * 2], "at": [2]}, 422, "bad_option"),
+    ]
+    for body, status, code in batch:
+        r = c.post("/sessions/attention", json=body)
+        assert r.status_code == status and r.get_json()["error"]["code"] == code, (body, r.get_json())
+    assert length(c, sid) == 2
+
+
+def test_a_batch_of_sessions_of_different_shapes_is_refused():
+    c = client()
+    a, b = make(c), make(c, value_dim=3)
+    r = c.post("/sessions/attention", json={"sessions": [a, b], "q": [[[[1, 1]]] * 2] * 2})
+    assert r.status_code == 422 and r.get_json()["error"]["field"] == "sessions", r.get_json()
+    assert "value_dim=3" in r.get_json()["error"]["message"]
+
+
+def test_a_batch_with_one_conflict_changes_no_session():
+    c = client()
+    a, b = make(c), make(c)
+    append(c, a, 1, at=0)
+    body = {
+        "sessions": [a, b],
+        "q": [[[[1, 1]]] * 2] * 2,
+        "k": [[[[1, 1]]] * 2] * 2,
+        "v": [[[[1, 1]]] * 2] * 2,
+        "at": [1, 5],
+    }
+    r = c.post("/sessions/attention", json=body)
+    assert r.status_code == 409 and r.get_json()["error"]["length"] == 0
+    assert (length(c, a), length(c, b)) == (1, 0)
+    body["at"] = [1, 0]
+    r = c.post("/sessions/attention", json=body)
+    assert r.status_code == 200 and r.get_json()["lengths"] == [2, 1]
+
+
+def test_appends_racing_on_one_session_are_serialised_and_none_is_lost():
+    c = client()
+    sid = make(c)
+    results: list[int] = []
+
+    def racer(i):
+        own = client()
+        for _ in range(10):
+            while True:  # the client's loop with at: read the length, append at it, retry on 409
+                L = length(own, sid)
+                r = append(own, sid, 1, at=L, value=float(i))
+                if r.status_code == 200:
+                    results.append(r.get_json()["length"])
+                    break
+                assert r.status_code == 409
+
+    threads = [threading.Thread(target=racer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(results) == list(range(1, 41)) and length(c, sid) == 40  # each append once, none lost
+
+
+def test_limits_and_openapi_show_sessions():
+    c = client()
+    pool = c.get("/limits").get_json()["sessions"]
+    assert {"memory_bytes", "used_bytes", "page_tokens", "sessions", "pages"} <= pool.keys()
+    paths = c.get("/openapi.json").get_json()["paths"]
+    for path in ("/sessions", "/sessions/{sid}", "/sessions/{sid}/append", "/sessions/{sid}/attention", "/sessions/attention"):
+        assert path in paths, sorted(paths)
+
+
+def sequence(c, seq_id, q, k, v, headers=None, **parameters):
+    inputs = [
+        {"name": n, "datatype": "FP32", "shape": list(a.shape), "data": a.reshape(-1).tolist()} for n, a in (("q", q), ("k", k), ("v", v))
+    ]
+    body = {"inputs": inputs, "parameters": {**({"sequence_id": seq_id} if seq_id is not None else {}), **parameters}}
+    return c.post("/v2/models/attention_sequence/infer", json=body, headers=headers or {})
+
+
+def test_v2_sequences_refuse_clearly():
+    c = client(api_keys=("alice-key", "bob-key"))
+    alice, bob = {"Authorization": "Bearer alice-key"}, {"Authorization": "Bearer bob-key"}
+    q, k, v = np.ones((2, 1, 2)), np.ones((1, 1, 2)), np.ones((1, 1, 2))
+    r = sequence(c, 7, q, k, v, alice)
+    assert r.status_code == 404 and r.headers["X-Error-Code"] == "session_not_found"  # never started
+    assert sequence(c, 7, q, k, np.array([[[1.0, 2.0]]]), alice, sequence_start=True).status_code == 200
+    assert sequence(c, 7, q, k, v, bob).status_code == 404  # another key's sequence of the same id does not exist for bob
+    r = sequence(c, 7, np.ones((3, 1, 2)), k, v, alice)
+    assert r.status_code == 400 and r.headers["X-Error-Code"] == "shape_mismatch"  # the protocol's 400
+    r = sequence(c, None, q, k, v, alice, sequence_start=True)
+    assert r.status_code == 400 and r.headers["X-Error-Code"] == "missing_field"
+    r = sequence(c, 0, q, k, v, alice, sequence_start=True)
+    assert r.status_code == 400 and r.headers["X-Error-Code"] == "bad_type"
+    r = sequence(c, 7, q, k, np.array([[[3.0, 4.0]]]), alice, sequence_end=True)
+    assert r.status_code == 200
+    out = tensor_of(r.get_json(), "out")
+    np.testing.assert_allclose(out, [[[2.0, 3.0]]] * 2)  # two equal keys, their values' mean: the refused requests appended nothing
+    assert sequence(c, 7, q, k, v, alice).status_code == 404  # ended
+
+
+def tensor_of(doc: dict, name: str) -> np.ndarray:
+    (entry,) = [o for o in doc["outputs"] if o["name"] == name]
+    return np.array(entry["data"]).reshape(entry["shape"])
