@@ -8,7 +8,9 @@ One request: q, k, v (1, 8, T, 64) float32, causal, weights returned (at T=1024 
 32 MiB). Three ways, taken in a new random order within every repetition so that drift from other
 load on the machine hits them alike:
 
-- in-process: service.core.attention in this process, on one BLAS thread as a worker computes;
+- in-process: service.core.attention in this process, on one BLAS thread as a worker computes
+  (the server runs with ATTN_SPLIT_THREADS=1, so that it computes on one thread too: a lone large
+  request would otherwise be split over both cores, or not, by the load of the moment);
 - shared memory: AttentionClient(url, shared_memory=True): the tensors in a region registered
   once, only a JSON head over HTTP, the outputs views of the region;
 - binary wire: AttentionClient(url) (the default): raw bytes both ways over loopback.
@@ -95,7 +97,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="64,256,1024", help="T values, comma-separated")
     parser.add_argument("--runs", type=int, default=None, help="repetitions per T (default: 200, 60, 40 for T = 64, 256, 1024)")
-    parser.add_argument("--url", default=None, help="a running server that allows client shared memory (default: start one)")
+    parser.add_argument(
+        "--url", default=None, help="a running server that allows client shared memory, ATTN_SPLIT_THREADS=1 (default: start one)"
+    )
     args = parser.parse_args()
     lengths = [int(t) for t in args.lengths.split(",")]
     runs = {length: args.runs or RUNS.get(length, 20) for length in lengths}
@@ -103,7 +107,7 @@ def main() -> None:
     load_start = os.getloadavg()
     server = None
     if args.url is None:
-        server = Server("shm", env={"ATTN_ALLOW_CLIENT_SHM": "true"})
+        server = Server("shm", env={"ATTN_ALLOW_CLIENT_SHM": "true", "ATTN_SPLIT_THREADS": "1"})  # the same computation
         server.wait_ready(in_a_row=8)
     try:
         results = measure(args.url or server.url, lengths, runs)  # type: ignore[union-attr]  # one of the two is set
