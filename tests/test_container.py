@@ -268,7 +268,11 @@ def _kube_variant(tmp_path: Path, name: str, port: int) -> Path:
     """deploy/k8s's Deployment and Service, one replica, the test image, the port on loopback."""
     docs = []
     for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] in ("Deployment", "Service")]
+        docs += [
+            d
+            for d in yaml.safe_load_all(path.read_text())
+            if d and d["kind"] in ("Deployment", "Service") and d["spec"].get("clusterIP") != "None"  # not the headless one
+        ]
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["Deployment", "Service"], kinds
     for doc in docs:

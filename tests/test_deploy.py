@@ -43,13 +43,14 @@ def instructions(name: str) -> list[str]:
 
 
 def manifests() -> dict[str, dict]:
-    """Every document under deploy/k8s, by kind (one of each)."""
+    """Every document under deploy/k8s, by kind (one of each; the headless Service as "Service/headless")."""
     docs: dict[str, dict] = {}
     for path in sorted(K8S.glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc:
-                assert doc["kind"] not in docs, f"two {doc['kind']}s"
-                docs[doc["kind"]] = doc
+                key = "Service/headless" if doc["kind"] == "Service" and doc["spec"].get("clusterIP") == "None" else doc["kind"]
+                assert key not in docs, f"two {key}s"
+                docs[key] = doc
     return docs
 
 
@@ -170,7 +171,7 @@ def test_strict_validation_rejects_a_typo(tmp_path):
 
 
 def test_the_kinds_are_all_there(docs):
-    assert sorted(docs) == ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service"]
+    assert sorted(docs) == ["Deployment", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Service", "Service/headless"]
     assert docs["HorizontalPodAutoscaler"]["apiVersion"] == "autoscaling/v2"
     assert docs["PodDisruptionBudget"]["apiVersion"] == "policy/v1"
 
@@ -202,6 +203,22 @@ def test_ports_line_up(docs):
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         if probe in c:
             assert c[probe]["httpGet"]["port"] in (ports["http"], "http"), probe
+
+
+def test_the_headless_service_reaches_each_pod(docs):
+    """Sessions live in one pod: the headless Service's DNS name lists the ready pods (no cluster
+    IP, not-ready pods left out) on the pods' own port, which its client connects to directly;
+    the docs point the client at it by that name and port."""
+    headless, deploy = docs["Service/headless"], docs["Deployment"]
+    spec = headless["spec"]
+    assert spec["clusterIP"] == "None" and not spec.get("publishNotReadyAddresses", False)
+    assert spec["selector"] == deploy["spec"]["selector"]["matchLabels"]
+    ports = {p["name"]: p["containerPort"] for p in container(docs)["ports"]}
+    (port,) = spec["ports"]
+    assert port["port"] == ports["http"] and port["targetPort"] in (ports["http"], "http")
+    url = f"http://{headless['metadata']['name']}:{port['port']}"
+    for doc in ("docs/operations.md", "client/README.md"):
+        assert url in (ROOT / doc).read_text(), doc
 
 
 def test_probe_and_scrape_paths_exist_in_the_app(docs, routes):

@@ -11,7 +11,9 @@ by their attention states (merge_states); the result is the one a single request
 __version__ = "2.0.0"  # the one version: the distribution's (read by the build), the User-Agent's and --version's
 
 from ._client import AttentionClient, AttentionError  # noqa: E402  (after the version, which _client reads)
+from ._replicas import replicas  # noqa: E402
+from ._sessions import Session  # noqa: E402
 from ._states import merge_states  # noqa: E402
 from ._wire import encode_tensor  # noqa: E402
 
-__all__ = ["AttentionClient", "AttentionError", "__version__", "encode_tensor", "merge_states"]
+__all__ = ["AttentionClient", "AttentionError", "Session", "__version__", "encode_tensor", "merge_states", "replicas"]

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote
 
 import numpy as np
@@ -30,6 +30,9 @@ from . import __version__, _shm, _split, _wire
 from ._http import Answer, Pool, TransportError
 from ._split import Block
 from ._states import Merger
+
+if TYPE_CHECKING:
+    from ._sessions import Session
 
 ENCODINGS = ("b64", "flat", "nested")
 WIRES = ("binary", "json")
@@ -302,6 +305,42 @@ class AttentionClient:
             weights = weights.reshape(*lead, T, S)
             weights = weights.mean(axis=-3) if average_weights else weights
         return (out, weights, lse.reshape(*lead, T)) if return_lse else (out, weights)
+
+    def session(
+        self,
+        heads: int,
+        head_dim: int,
+        *,
+        kv_heads: int | None = None,
+        value_dim: int | None = None,
+        dtype: str | None = None,
+        max_tokens: int | None = None,
+        shards: int = 1,
+    ) -> Session:
+        """A sequence's keys and values held by the server (the contract's "Sessions"): POST
+        /sessions now, DELETE on leaving its `with` block (or close()). heads, head_dim required;
+        kv_heads (grouped-query attention, dividing heads; default heads), value_dim (default
+        head_dim), dtype ("float32" default, or "float64"), max_tokens (the server's
+        ATTN_SESSION_MAX_TOKENS by default). Placed on the replicas in turn (the next if one
+        refuses), and kept there. shards=N: the keys may spread over up to N segments, each a
+        session of max_tokens on the next replica, a new one started when the last is full; each
+        step is sent to all and merged by lse, exactly. See attention_client._sessions.Session."""
+        from ._sessions import Session  # the sessions build on this module
+
+        return Session.create(
+            self, heads, head_dim, kv_heads=kv_heads, value_dim=value_dim, dtype=dtype, max_tokens=max_tokens, shards=shards
+        )
+
+    def attention_sessions(
+        self, sessions: Sequence[Session], q: np.ndarray, k: np.ndarray | None = None, v: np.ndarray | None = None, **options
+    ):
+        """One step for several sessions of any lengths: q (B, H, t, d), k (B, Hkv, t, d), v (B, Hkv,
+        t, dv) (their new tokens, appended first); options as Session.attention's but
+        return_weights. Sessions on one replica go in one POST /sessions/attention. Returns out
+        (B, H, t, dv), or (out, lse (B, H, t)) with return_lse=True."""
+        from ._sessions import attention_sessions
+
+        return attention_sessions(self, sessions, q, k, v, **options)
 
     def _attention_request(self, http: Pool, fields: dict, options: dict, return_weights: bool, return_lse: bool):
         """One /attention request of the given tensors and flags (None: not sent) -> (out, weights, lse)."""
@@ -591,13 +630,14 @@ class AttentionClient:
         except ValueError as exc:
             raise AttentionError(answer.status, "bad_response", f"the server's answer is not JSON: {exc}", _response(answer)) from None
 
-    def _send(self, method: str, path: str, parts, headers: dict, align_at=None, http: Pool | None = None) -> Answer:
+    def _send(self, method: str, path: str, parts, headers: dict, align_at=None, http: Pool | None = None, pinned: bool = False) -> Answer:
         """The answer, after retrying connection failures (backoff) and 503 (Retry-After): on the
-        next replica while one is left untried this round, then after the wait. A 503 from a
+        next replica while one is left untried this round, then after the wait (pinned: always on
+        http, the replica that holds what the request names, a session). A 503 from a
         replica that is computing another of this client's requests is this client's own doing:
         the request waits for one of those to finish and goes again, no retry spent (so blocks are
         sent as fast as each replica admits them, whatever max_workers is)."""
-        https = self._https
+        https = [http] if pinned and http is not None else self._https
         first = https.index(http) if http is not None else 0
         attempts = self.retries + len(https)  # every replica once, then `retries` more
         attempt = 0
