@@ -2,26 +2,36 @@
 field: a type error is bad_type, a failed validator bad_option, an absent required field
 missing_field. Messages call the field by its label, which the schema sets (the name itself, or
 the front door's term for it, say "input q"). The Tensor field decodes once with wire.decode
-and checks the whole array."""
+and checks the whole array.
+
+Only marshmallow's public interface is used: a field's `deserialize` (wrapped, to turn its
+refusals into coded errors and to answer an absent field at once), its `_deserialize` (the
+documented method a custom field implements) and `error_messages`."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
-from marshmallow import ValidationError, fields, validate
+from marshmallow import ValidationError, fields, missing, validate
 
 from service import wire
 from service.wire import show  # a client's value as a message shows it, cut if long
 
 from .errors import RequestError
 
+Messages = dict[str, str | list | dict]  # marshmallow's type of a field's error_messages
 
-class _Coded:
-    """Mixin: marshmallow's ValidationErrors become RequestErrors with a code and the field's name."""
 
-    name: str | None  # marshmallow's Field sets it when the schema binds the field
+class _Coded(fields.Field):
+    """Put before a marshmallow field class (class Bool(_Coded, fields.Boolean)): its
+    ValidationErrors become RequestErrors with a code and the field's name (or `error_field`, when
+    a front door names another)."""
+
+    default_error_messages: Messages = {"required": "{label} is required.", "null": "{label} may not be null."}
     _label: str | None = None
+    error_field: str | None = None
+    typed_null = False  # null refused by _deserialize, as any other value of the wrong type (a front door's choice)
 
     @property
     def label(self) -> str:
@@ -33,27 +43,35 @@ class _Coded:
         self._label = text
 
     def _error(self, code: str, text: str) -> RequestError:
-        return RequestError(code, text, self.name)
+        return RequestError(code, text, self.error_field or self.name)
 
-    def _validate_missing(self, value):
-        try:
-            super()._validate_missing(value)
-        except ValidationError:
-            if value is None:
-                raise self._error("bad_type", f"{self.label} may not be null.") from None
-            raise self._error("missing_field", f"{self.label} is required.") from None
+    def deserialize(self, value, attr=None, data=None, **kwargs):
+        """marshmallow's (Field.deserialize: the default of an absent field, null, _deserialize, the
+        validators; these fields take no field-level pre_load or post_load functions), with coded
+        errors: an absent required field is missing_field, null bad_type, a failed validator bad_option."""
+        if value is missing:
+            if self.required:
+                raise self._error("missing_field", str(self.error_messages["required"]).format(label=self.label))
+            default = self.load_default
+            return default() if callable(default) else default
+        if value is None:
+            if self.allow_none:
+                return None
+            if not self.typed_null:
+                raise self._error("bad_type", str(self.error_messages["null"]).format(label=self.label))
+        output = self._deserialize(value, attr, data, **kwargs)
+        for validator in self.validators:
+            try:
+                validator(output)
+            except ValidationError as exc:  # _deserialize turns its own into bad_type: this is a validator's
+                raise self._error("bad_option", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
+        return output
 
     def _deserialize(self, value, attr, data, **kwargs):
         try:
             return super()._deserialize(value, attr, data, **kwargs)
         except ValidationError as exc:
             raise self._error("bad_type", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
-
-    def _validate(self, value):
-        try:
-            super()._validate(value)
-        except ValidationError as exc:
-            raise self._error("bad_option", f"{self.label}: {_text(exc)} Got {show(value)}.") from None
 
 
 def _text(exc: ValidationError) -> str:
@@ -78,11 +96,13 @@ class Choice(_Coded, fields.Raw):
 
     def __init__(self, choices, **kwargs):
         self.choices = tuple(choices)
-        super().__init__(validate=validate.OneOf(self.choices), **kwargs)  # the validator documents the enum
+        metadata = {"enum": list(self.choices), **kwargs.pop("metadata", {})}  # the document's enum
+        super().__init__(metadata=metadata, **kwargs)
 
-    def _validate(self, value):
+    def _deserialize(self, value, attr, data, **kwargs):
         if not any(type(value) is type(c) and value == c for c in self.choices):
             raise self._error("bad_option", f"{self.label} must be one of {_choices(self.choices)}, not {show(value)}.")
+        return value
 
 
 def _choices(choices) -> str:
@@ -103,9 +123,11 @@ class PositiveFloat(_Coded, fields.Float):
         return float(value)
 
 
-class PositiveInt(_Coded, fields.Integer):
-    def __init__(self, **kwargs):
-        super().__init__(strict=True, validate=validate.Range(min=1), **kwargs)
+class Int(_Coded, fields.Integer):
+    """An integer >= minimum (booleans are not integers here)."""
+
+    def __init__(self, minimum: int = 0, **kwargs):
+        super().__init__(strict=True, validate=validate.Range(min=minimum), **kwargs)
 
     def _deserialize(self, value, attr, data, **kwargs):
         if isinstance(value, bool):
@@ -113,11 +135,18 @@ class PositiveInt(_Coded, fields.Integer):
         return super()._deserialize(value, attr, data, **kwargs)
 
 
-class NonNegativeInt(PositiveInt):
+class PositiveInt(Int):
+    """An integer >= 1 (a count, a width)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(minimum=1, **kwargs)
+
+
+class NonNegativeInt(Int):
     """An integer >= 0 (a length, a position)."""
 
     def __init__(self, **kwargs):
-        fields.Integer.__init__(self, strict=True, validate=validate.Range(min=0), **kwargs)
+        super().__init__(minimum=0, **kwargs)
 
 
 class Tensor(_Coded, fields.Field):

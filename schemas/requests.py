@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from marshmallow import RAISE, Schema, ValidationError, missing, post_load, pre_load, validates_schema
+from marshmallow import RAISE, Schema, ValidationError, post_load, pre_load, validates_schema
 
 from service import core, wire
 from service.config import Settings
@@ -33,38 +33,6 @@ class _Strict(Schema):
         self.labels = labels or {}
         super().__init__(**kwargs)
         self.settings = settings or Settings()
-        # for _deserialize's shortcut: the fields a request must send, and whether every field is
-        # loaded under its own name (no data_key, no attribute), as the shortcut assumes
-        self._required = {name for name, f in self.load_fields.items() if f.required}
-        self._plain = all(f.data_key is None and f.attribute is None for f in self.load_fields.values())
-
-    def _deserialize(self, data, *, error_store, many=False, partial=None, unknown=RAISE, index=None):
-        """marshmallow's, with a shortcut for the usual request (a dict of known fields, every
-        required one present): a present field is deserialized as marshmallow does, in the same
-        order (so the same first error), an absent one takes its load_default at once. marshmallow
-        passes each absent field through Field.deserialize to find that default, and most of a
-        usual request's fields are absent (`python -m bench small_profile` shows the share)."""
-        fields = self.load_fields
-        plain = self._plain and not many and partial is None and isinstance(data, dict)
-        if not (plain and self._required <= data.keys() <= fields.keys()):
-            return super()._deserialize(data, error_store=error_store, many=many, partial=partial, unknown=unknown, index=index)
-        index = index if self.opts.index_errors else None
-        out = {}
-        for name, field in fields.items():
-            if name in data:
-                value = self._call_and_store(
-                    lambda val, field=field, name=name: field.deserialize(val, name, data),
-                    data[name],
-                    field_name=name,
-                    error_store=error_store,
-                    index=index,
-                )
-            else:
-                value = field.load_default
-                value = value() if callable(value) else value
-            if value is not missing:
-                out[name] = value
-        return out
 
     def on_bind_field(self, field_name: str, field_obj) -> None:
         field_obj.label = self._label(field_name)

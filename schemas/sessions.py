@@ -91,6 +91,10 @@ class SessionStepRequest(_Step):
 class SequenceId(_Coded, fields.Field):
     """Triton's sequence_id: a number > 0 or a non-empty string, the client's -> its text."""
 
+    def __init__(self, **kwargs):
+        kinds = [{"type": "integer", "minimum": 1}, {"type": "string", "minLength": 1}]  # the document's type
+        super().__init__(metadata={"oneOf": kinds, **kwargs.pop("metadata", {})}, **kwargs)
+
     def _deserialize(self, value, attr, data, **kwargs) -> str:
         if type(value) is int and value > 0:
             return f"int:{value}"

@@ -13,8 +13,11 @@ import requests
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
+from schemas import RequestError
+from schemas.kserve import BinaryInput
 from service import core
 from service.web.context import services
+from service.web.kserve import ENVELOPES
 from service.wire import json as wire_json
 from service.wire import stream
 
@@ -716,3 +719,24 @@ def test_json_texts_answer_as_the_plain_parse_does(client, monkeypatch, name):
     assert fast.status_code != 500, fast.get_json()
     assert fast.get_json().get("error") == plain.get_json().get("error")
     assert fast.get_json().get("outputs") == plain.get_json().get("outputs")
+
+
+# --- the envelope's schema: read field by field as marshmallow's load reads it ---------------------
+
+
+def _outcome(read, body: dict):
+    try:
+        env = read(json.loads(json.dumps(body)))
+    except RequestError as exc:
+        return "refused", exc.code, exc.message, exc.field
+    native = {k: (v if isinstance(v, (bool, int, float, str, list, BinaryInput)) else sorted(v)) for k, v in env.native.items()}
+    return "read", env.id, native, env.requested, env.binary
+
+
+@pytest.mark.parametrize("model", ["attention", "attention_sequence", "mha"])
+@pytest.mark.parametrize("body", [SEED] + [r[1] for r in REFUSALS + VARIANT_REFUSALS if isinstance(r[1], dict)])
+def test_the_envelope_reads_as_marshmallow_loads(model, body):
+    """The hot path's read (field by field, marshmallow's public Field.deserialize) and the
+    schema's own load give the same envelope, or the same refusal."""
+    schema = ENVELOPES[model]
+    assert _outcome(schema.read, body) == _outcome(schema.load, body)

@@ -7,6 +7,7 @@ workers: tests/test_sessions_live.py."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -426,6 +427,46 @@ def test_v2_sequences_refuse_clearly():
     out = tensor_of(r.get_json(), "out")
     np.testing.assert_allclose(out, [[[2.0, 3.0]]] * 2)  # two equal keys, their values' mean: the refused requests appended nothing
     assert sequence(c, 7, q, k, v, alice).status_code == 404  # ended
+
+
+def test_v2_sequence_envelope_is_read_by_its_models_schema():
+    """attention_sequence's infer request is read by the envelope schema built from its row of the
+    model table (schemas/kserve.py), as every model's: its inputs, outputs and parameters and no
+    others, binary inputs included; its parameters checked by the native fields."""
+    c = client()
+    q, k, v = np.ones((2, 1, 2)), np.ones((1, 1, 2)), np.ones((1, 1, 2))
+    r = sequence(c, 9, q, k, v, sequence_start=True, average_weights=True)
+    assert r.status_code == 400 and r.headers["X-Error-Code"] == "unknown_field"
+    assert r.get_json()["error"].startswith("parameter 'average_weights' is not a parameter of model attention_sequence; its")
+    assert "sequence_id, sequence_start, sequence_end" in r.get_json()["error"]
+    r = sequence(c, 9, q, k, v, sequence_start="yes")
+    assert r.status_code == 400 and r.headers["X-Error-Code"] == "bad_type" and "parameter sequence_start" in r.get_json()["error"]
+    inputs = [
+        {"name": n, "datatype": "FP32", "shape": list(a.shape), "data": a.reshape(-1).tolist()} for n, a in (("q", q), ("k", k), ("v", v))
+    ]
+    start = {"sequence_id": "s", "sequence_start": True}
+    for body, field in (
+        ({"inputs": inputs, "outputs": [{"name": "weights"}], "parameters": start}, "outputs"),  # no weights output
+        ({"inputs": [*inputs, {**inputs[0], "name": "mask"}], "parameters": start}, "mask"),  # no mask input
+    ):
+        r = c.post("/v2/models/attention_sequence/infer", json=body)
+        assert r.status_code == 400 and r.headers["X-Error-Code"] == "unknown_field", r.get_json()
+        assert r.headers["X-Error-Field"] == field
+    # q's bytes after the JSON header (the binary tensor data extension), lse asked for as an output
+    header = {
+        "inputs": [{"name": "q", "datatype": "FP32", "shape": [2, 1, 2], "parameters": {"binary_data_size": 16}}, *inputs[1:]],
+        "outputs": [{"name": "out"}, {"name": "lse"}],
+        "parameters": {**start, "sequence_end": True},
+    }
+    head = json.dumps(header).encode()
+    r = c.post(
+        "/v2/models/attention_sequence/infer",
+        data=head + q.astype("<f4").tobytes(),
+        headers={"Inference-Header-Content-Length": str(len(head)), "Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 200, r.get_json()
+    assert [o["name"] for o in r.get_json()["outputs"]] == ["out", "lse"]
+    np.testing.assert_allclose(tensor_of(r.get_json(), "out"), np.ones((2, 1, 2)))
 
 
 def tensor_of(doc: dict, name: str) -> np.ndarray:

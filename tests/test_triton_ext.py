@@ -12,6 +12,7 @@ import secrets
 import signal
 from multiprocessing import shared_memory
 
+import jsonschema
 import numpy as np
 import pytest
 import requests
@@ -23,6 +24,7 @@ from service.web.app import create_app
 from service.web.kserve import MODELS
 
 from .helpers import all_ready, assert_seed_answered, wait_for_workers, wait_until
+from .test_openapi import json_schema
 
 rng = np.random.default_rng(7)
 Q, K, V = (rng.standard_normal((2, 4, 16, 8), dtype=np.float32) for _ in range(3))
@@ -69,6 +71,30 @@ def test_statistics_have_every_field_triton_documents(client):
     assert all(set(d) == {"count", "ns"} for d in stat["inference_stats"].values())
     every = client.get("/v2/models/stats").get_json()["model_stats"]
     assert [s["name"] for s in every] == list(MODELS)  # every model served, attention_sequence too
+
+
+def test_the_document_describes_the_extensions_answers_and_parameters(shm_app):
+    """The statistics and a region's status validate against the document's schemas, and the
+    shared-memory parameters are part of the infer request's tensors there."""
+    client, stem = shm_app.test_client(), secrets.token_hex(4)
+    doc = client.get("/openapi.json").get_json()
+    assert client.post(INFER, json=infer_body()).status_code == 200
+    jsonschema.validate(client.get("/v2/models/stats").get_json(), json_schema(doc, "stats_model_response"))
+    obj = shared_memory.SharedMemory(f"/attn-{stem}", create=True, size=64)
+    try:
+        assert client.post("/v2/systemsharedmemory/region/r/register", json={"key": f"/attn-{stem}", "byte_size": 64}).status_code == 200
+        status = client.get("/v2/systemsharedmemory/status").get_json()
+        assert [r["name"] for r in status] == ["r"]
+        jsonschema.validate(status, json_schema(doc, "system_shared_memory_status_response"))
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(status[0], json_schema(doc, "system_shared_memory_status_response"))  # an array, not one region
+    finally:
+        client.post("/v2/systemsharedmemory/unregister")
+        obj.close()
+        obj.unlink()
+    shm = {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
+    for tensor in ("request_input", "request_output"):
+        assert shm <= set(doc["components"]["schemas"][tensor]["properties"]["parameters"]["properties"])
 
 
 def test_statistics_count_successes_and_failures_with_their_phases(client):

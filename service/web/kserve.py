@@ -1,9 +1,10 @@
 """Blueprint for the Open Inference Protocol (KServe v2 REST, as Triton speaks it): /v2/...
 
-One computation, two front doors. An infer request is translated into the very dict that the
-native endpoint's schema loads -- each input becomes its tensor field, each request parameter its
-option -- so the same validation, limits, error codes, timing phases and numeric core apply; only
-the envelope differs:
+One computation, two front doors. An infer request is read by its model's envelope schema
+(schemas/kserve.py, built from the model table there, which is also the metadata, the
+configuration and the OpenAPI document) into the very dict that the native endpoint's schema
+loads -- each input becomes its tensor field, each request parameter its option -- so the same
+validation, limits, error codes, timing phases and numeric core apply; only the envelope differs:
 
   JSON input    {"name": "q", "datatype": "FP32", "shape": [2, 3], "data": [flat or nested]}
                   -> {"shape": [2, 3], "dtype": "float32", "data": [flat] or NestedData([nested])}
@@ -11,6 +12,9 @@ the envelope differs:
                 plus 24 raw little-endian bytes after the JSON header (Inference-Header-Content-Length)
                   -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as
                      service.wire's loads() gives a b64 value: the bytes are never re-encoded
+  shared memory {..., "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 24}}
+                  -> the same, the bytes read out of that registered region (shared_memory.py;
+                     an output so named is written there), where ATTN_ALLOW_CLIENT_SHM allows it
 
 Outputs are `out`, `weights` and (attention, with parameter return_lse) `lse`, as JSON `data` (flat, row-major) or, per output
 (`parameters.binary_data`) or request-wide (`parameters.binary_data_output`), as raw bytes after
@@ -22,7 +26,6 @@ blueprint), with the native status; the schemas are built with labels, so their 
 from __future__ import annotations
 
 import mmap
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +33,22 @@ import numpy as np
 from flask import Blueprint, Response, request
 
 from schemas import AttentionRequest, MhaRequest, RequestError
-from schemas.fields import show
 from schemas.jobs import AttentionJob, MhaJob, SessionStepJob
+from schemas.kserve import (
+    DATATYPES,
+    IGNORED_PARAMETERS,
+    MODEL_VERSION,
+    MODELS,
+    OUTPUT_DATATYPE,
+    OUTPUT_DATATYPES,
+    PLATFORM,
+    BinaryInput,
+    Envelope,
+    Model,
+    Shared,
+    SharedInput,
+    envelope,
+)
 from schemas.sessions import SequenceStepRequest, step_job
 from service import sessions, wire
 from service.config import VERSION, Settings
@@ -41,133 +58,13 @@ from .compute import cost, run, validate, validate_only
 from .context import services
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
 
+__all__ = ["DATATYPES", "IGNORED_PARAMETERS", "MODELS", "MODEL_VERSION", "PLATFORM", "Model", "bp", "build_schemas", "error_body"]
+
 bp = Blueprint("kserve", __name__, url_prefix="/v2")
 
 SERVER_NAME = "attention-service"
-MODEL_VERSION = "1"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]  # and system_shared_memory where allowed
-PLATFORM = "numpy"  # the metadata's platform, and the configuration's platform and backend
-
-DATATYPES = {"FP32": "float32", "FP64": "float64", "FP16": "float16", "BOOL": "bool", "INT32": "int32", "INT64": "int64"}  # -> wire dtypes
-FLOAT = ("FP32", "FP64", "FP16")  # FP16 inputs are computed in parameters.dtype, as float16 b64 in the native JSON
-OUTPUT_DATATYPES = {wire.WIRE_DTYPES[DATATYPES[datatype]]: datatype for datatype in FLOAT}  # FP16: weights_dtype float16
-OUTPUT_DATATYPE = FLOAT[0]  # the outputs' advertised datatype: FP64 or FP16 as the request's parameters say
-# Scheduling hints Triton's client may send (TRITON_RESERVED_REQUEST_PARAMS); this server has no
-# batcher or sequence scheduler to give them to, so they are accepted and have no effect.
-IGNORED_PARAMETERS = frozenset({"priority", "timeout"})
-REQUEST_KEYS = frozenset({"id", "parameters", "inputs", "outputs"})
-INPUT_KEYS = ("name", "datatype", "shape", "parameters", "data")  # the protocol's input tensor object
-OUTPUT_KEYS = ("name", "parameters")  # ... and its requested output object
-
-
-@dataclass(frozen=True)
-class Model:
-    """One served computation as the protocol describes it. inputs: name -> (accepted datatypes,
-    metadata shape with -1 for a variable axis, description); the first datatype is advertised."""
-
-    name: str
-    schema: type
-    inputs: dict[str, tuple[tuple[str, ...], list[int], str]]
-    optional: frozenset[str]
-    outputs: dict[str, tuple[list[int], str]]  # out and weights, then those sent only when asked for
-    parameters: dict[str, str]  # the request parameters, named as the native JSON fields -> what each takes
-
-    @property
-    def options(self) -> tuple[str, ...]:
-        """The request parameters' names."""
-        return tuple(self.parameters)
-
-    def labels(self) -> dict[str, str]:
-        """What the schema's messages call each field: the protocol's input or parameter."""
-        return {**{n: f"input {n}" for n in self.inputs}, **{o: f"parameter {o}" for o in self.options}}
-
-
-MODELS = {
-    "attention": Model(
-        name="attention",
-        schema=AttentionRequest,
-        inputs={
-            "q": (FLOAT, [-1, -1, -1, -1], "queries (..., T, d): rank 2 to 6, any leading axes"),
-            "k": (FLOAT, [-1, -1, -1, -1], "keys (..., S, d): q's leading axes"),
-            "v": (FLOAT, [-1, -1, -1, -1], "values (..., S, dv): k's leading axes and S"),
-            "mask": (("BOOL",), [-1, -1, -1, -1], "optional; true = may attend; broadcasts to (..., T, S)"),
-            "key_lengths": (
-                ("INT64", "INT32"),
-                [-1, -1],
-                "optional; key s allowed iff s < key_lengths[...]; broadcasts to the leading axes",
-            ),
-            "bias": (FLOAT, [-1, -1, -1, -1], "optional; added to the scaled scores (SDPA's float attn_mask); broadcasts to (..., T, S)"),
-            "alibi_slopes": (
-                FLOAT,
-                [-1, -1],
-                "optional; ALiBi slopes (FlashAttention's): -slope*|t + S - T - s|; broadcast to the leading axes",
-            ),
-        },
-        optional=frozenset({"mask", "key_lengths", "bias", "alibi_slopes"}),
-        outputs={
-            "out": ([-1, -1, -1, -1], "(..., T, dv)"),
-            "weights": ([-1, -1, -1, -1], "(..., T, S); (..., T, S) without axis -3 when averaged"),
-            "lse": ([-1, -1, -1], "(..., T): the log-sum-exp of each row's scores; optional, sent when parameter return_lse is true"),
-        },
-        parameters={
-            "causal": 'false, true, "top_left" or "bottom_right"',
-            "scale": "number > 0; default 1/sqrt(d)",
-            "return_weights": "bool; default true",
-            "dtype": '"float32" or "float64"',
-            "enable_gqa": "bool: k, v may have Hkv heads on axis -3 dividing q's H",
-            "window": '"left,right" (or [left, right]), integers >= -1: FlashAttention\'s window_size',
-            "average_weights": "bool: weights averaged over the heads axis -3",
-            "weights_dtype": '"float16", "float32" or "float64": the weights output\'s datatype',
-            "return_lse": "bool; default false: also the lse output (FlashAttention's softmax_lse)",
-        },
-    ),
-    "attention_sequence": Model(
-        name="attention_sequence",
-        schema=SequenceStepRequest,
-        inputs={
-            "q": (FLOAT, [-1, -1, -1], "the new tokens' queries (H, t, d)"),
-            "k": (FLOAT, [-1, -1, -1], "their keys (Hkv, t, d), appended to the sequence's"),
-            "v": (FLOAT, [-1, -1, -1], "their values (Hkv, t, dv)"),
-        },
-        optional=frozenset(),
-        outputs={
-            "out": ([-1, -1, -1], "(H, t, dv): the new tokens' attention over the whole sequence"),
-            "lse": ([-1, -1], "(H, t): optional, sent when parameter return_lse is true"),
-        },
-        parameters={
-            "sequence_id": "the sequence (Triton's sequence extension): a number > 0 or a string",
-            "sequence_start": "bool: this request starts the sequence, its shapes from q, k, v (and ends one of that id)",
-            "sequence_end": "bool: the sequence ends with this request",
-            "causal": 'default "bottom_right" (query i of t sees the keys up to its own); false sees all',
-            "scale": "number > 0; default 1/sqrt(d)",
-            "window": '"left,right" (or [left, right]), integers >= -1: FlashAttention\'s window_size',
-            "return_lse": "bool; default false: also the lse output",
-        },
-    ),
-    "mha": Model(
-        name="mha",
-        schema=MhaRequest,
-        inputs={
-            "x": (FLOAT, [-1, -1, -1], "input (n, d) or (B, n, d)"),
-            "wq": (FLOAT, [-1, -1], "query projection (d, heads*dk)"),
-            "wk": (FLOAT, [-1, -1], "key projection (d, kv_heads*dk)"),
-            "wv": (FLOAT, [-1, -1], "value projection (d, kv_heads*dv)"),
-            "wo": (FLOAT, [-1, -1], "optional; output projection (heads*dv, d_out); without it the heads are concatenated"),
-        },
-        optional=frozenset({"wo"}),
-        outputs={"out": ([-1, -1, -1], "(n, d_out) or (B, n, d_out)"), "weights": ([-1, -1, -1, -1], "(h, n, n) or (B, h, n, n)")},
-        parameters={
-            "heads": "int: query heads, dividing wq's width",
-            "causal": "bool; default true",
-            "return_weights": "bool; default true",
-            "dtype": '"float32" or "float64"',
-            "scale": "number > 0; default 1/sqrt(dk)",
-            "kv_heads": "int dividing heads: grouped-query attention; default heads",
-            "window": '"left,right" (or [left, right]), integers >= -1: FlashAttention\'s window_size',
-            "weights_dtype": '"float16", "float32" or "float64": the weights output\'s datatype',
-        },
-    ),
-}
+ENVELOPES = {name: envelope(model) for name, model in MODELS.items()}  # each model's infer request (schemas/kserve.py)
 
 
 def build_schemas(settings: Settings) -> dict[str, AttentionRequest | MhaRequest | SequenceStepRequest]:
@@ -318,19 +215,10 @@ def infer_sequence(model: Model) -> Response:
     makes the session (its shapes from q, k, v; one of the same id is ended first), every request
     appends its k, v and attends, sequence_end frees it. The sequence is found by its id among the
     sessions of the request's API key."""
-    check_media_type(require_json=False)
-    with phase("decode"):
-        header, blobs = _split_body(read_body())
-        doc = parse_json(header)
-        native, requested, binary_default = _translate(model, doc, _Blobs(blobs))
-    native.pop("return_weights", None)  # _translate's, from the outputs asked for: this model has no weights output
+    env, native = _read(model)
     schema = services().kserve_schemas[model.name]
     data = validate_only(schema, native)
-    if requested is None:
-        requested = ["out", "lse"] if data["return_lse"] else ["out"]
-    elif "lse" in requested and not data["return_lse"]:
-        raise RequestError("bad_option", "parameter return_lse is false but the lse output was requested; drop one of them.", "return_lse")
-    outputs = [(n, binary_default.get(n, binary_default[None])) for n in requested]
+    outputs = _outputs(env, weights=False, lse=data["return_lse"])
     q, k, v = data["q"], data["k"], data["v"]
     name, owner, pool = sessions.name_hash(data["sequence_id"]), held.owner(), held.pool()
     sid = pool.find(name, owner)
@@ -361,7 +249,7 @@ def infer_sequence(model: Model) -> Response:
         s.commit(S)
         if data["sequence_end"]:
             s.delete()
-    return respond_infer(model, InferRequest(job=job, id=doc.get("id"), outputs=outputs), {"out": out, "lse": lse[0] if lse else None})
+    return respond_infer(model, InferRequest(job=job, id=env.id, outputs=outputs), {"out": out, "lse": lse[0] if lse else None})
 
 
 @dataclass(frozen=True)
@@ -373,24 +261,39 @@ class InferRequest:
 
 def load_infer(model: Model) -> InferRequest:
     """Read the envelope (decode), then validate it with the native schema (validate)."""
+    env, native = _read(model)
+    job = validate(services().kserve_schemas[model.name], native)
+    return InferRequest(job=job, id=env.id, outputs=_outputs(env, weights=job.return_weights, lse=getattr(job, "return_lse", False)))
+
+
+def _read(model: Model) -> tuple[Envelope, dict[str, Any]]:
+    """The decode phase: the envelope read by its model's schema, into the native request with
+    the binary inputs' bytes in place."""
     check_media_type(require_json=False)  # the official client sends no Content-Type
     with phase("decode"):
-        header, blobs = _split_body(read_body())
-        doc = parse_json(header)
-        native, requested, binary_default = _translate(model, doc, _Blobs(blobs))
-    job = validate(services().kserve_schemas[model.name], native)
-    return_lse = getattr(job, "return_lse", False)
+        header, data = _split_body(read_body())
+        env = ENVELOPES[model.name].read(parse_json(header))
+        blobs = _Blobs(data)
+        native = {name: _take(blobs, name, value) for name, value in env.native.items()}
+        blobs.check_consumed()
+    return env, native
+
+
+def _outputs(env: Envelope, weights: bool, lse: bool) -> list[tuple[str, bool | shared_memory.Place]]:
+    """The outputs sent, in order, each as bytes or not, or the shared-memory region it is written
+    to: those asked for (each one the job computes), else out, and weights and lse when the job
+    computes them."""
+    requested = env.requested
     if requested is None:
-        requested = ["out", "weights"] if job.return_weights else ["out"]
-        requested += ["lse"] if return_lse else []
-    elif "weights" in requested and not job.return_weights:
+        requested = ["out", *(["weights"] if weights else []), *(["lse"] if lse else [])]
+    elif "weights" in requested and not weights:
         raise RequestError(
             "bad_option", "parameter return_weights is false but the weights output was requested; drop one of them.", "return_weights"
         )
-    elif "lse" in requested and not return_lse:
+    elif "lse" in requested and not lse:
         raise RequestError("bad_option", "parameter return_lse is false but the lse output was requested; drop one of them.", "return_lse")
-    outputs = [(n, binary_default.get(n, binary_default[None])) for n in requested]
-    return InferRequest(job=job, id=doc.get("id"), outputs=outputs)
+    sent = [(n, env.binary.get(n, env.binary[None])) for n in requested]
+    return [(n, shared_memory.place(how, f"output {n}", "outputs") if isinstance(how, Shared) else bool(how)) for n, how in sent]
 
 
 def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray | None]) -> Response:
@@ -475,143 +378,18 @@ def _split_body(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray 
     return body[:size], memoryview(body)[size:]
 
 
-def _translate(model: Model, doc: dict, blobs: _Blobs) -> tuple[dict, list[str] | None, dict]:
-    """The infer request -> (the native request dict, requested output names or None for all,
-    {output name or None: send as binary})."""
-    extra = sorted(set(doc) - REQUEST_KEYS)
-    if extra:
-        raise RequestError(
-            "unknown_field",
-            f"{show(extra[0])} is not a field of an infer request; the fields are: id, inputs, outputs, parameters.",
-            extra[0][:FIELD_CHARS],
-        )
-    if "id" in doc and not isinstance(doc["id"], str):
-        raise RequestError("bad_type", "id must be a string.", "id")
-    params = _object(doc.get("parameters", {}), "parameters", "parameters")
-    native = _inputs(model, doc.get("inputs"), blobs)
-
-    for key, value in params.items():
-        if key == "window" and isinstance(value, str):
-            value = _window(value)  # the protocol's parameters are strings, numbers or booleans
-        if key in model.options:
-            native[key] = value
-        elif key not in IGNORED_PARAMETERS and key != "binary_data_output":
-            known = ", ".join((*model.options, "binary_data_output"))
-            raise RequestError(
-                "unknown_field",
-                f"parameter {show(key)} is not a parameter of model {model.name}; its parameters are: {known}.",
-                key[:FIELD_CHARS],
-            )
-    binary_default = {None: _bool(params.get("binary_data_output", False), "parameter binary_data_output", "binary_data_output")}
-
-    requested = _outputs(model, doc["outputs"], binary_default) if "outputs" in doc else None
-    if requested is not None and "return_weights" not in native:
-        native["return_weights"] = "weights" in requested
-    if requested is not None and "lse" in requested and "return_lse" not in native:
-        native["return_lse"] = True
-    return native, requested, binary_default
-
-
-def _outputs(model: Model, specs, binary_default: dict) -> list[str]:
-    """The requested output names, in order; each one's binary_data goes into binary_default."""
-    requested = []
-    for spec in _list(specs, "outputs"):
-        spec = _object(spec, "each of outputs", "outputs")
-        name = _name(spec, "each of outputs", "outputs")
-        if name not in model.outputs:
-            raise RequestError(
-                "unknown_field",
-                f"output {show(name)} is not an output of model {model.name}; its outputs are: {', '.join(model.outputs)}.",
-                "outputs",
-            )
-        _known_keys(spec, OUTPUT_KEYS, f"output {name}", "outputs")
-        if name in requested:
-            raise RequestError("bad_option", f"output {name} is requested twice.", "outputs")
-        out_params = _object(spec.get("parameters", {}), f"output {name} parameters", "outputs")
-        unsupported = sorted(set(out_params) - {"binary_data"} - shared_memory.PARAMETERS)
-        if unsupported:
-            raise RequestError(
-                "bad_option",
-                f"output {name} has parameters {wire.show_names(unsupported)}; those supported are binary_data and "
-                f"{', '.join(sorted(shared_memory.PARAMETERS))}.",
-                "outputs",
-            )
-        if "binary_data" in out_params:
-            binary_default[name] = _bool(out_params["binary_data"], f"output {name} parameter binary_data", "outputs")
-        if (where := shared_memory.place(out_params, f"output {name}", "outputs")) is not None:
-            binary_default[name] = where
-        requested.append(name)
-    return requested
-
-
-def _inputs(model: Model, specs, blobs: _Blobs) -> dict:
-    """The inputs -> {field: native tensor value}; every required input present, none twice."""
-    native = {}
-    for spec in _list(specs, "inputs"):
-        spec = _object(spec, "each of inputs", "inputs")
-        name = _name(spec, "each of inputs", "inputs")
-        if name not in model.inputs:
-            known = ", ".join(model.inputs)
-            raise RequestError(
-                "unknown_field", f"input {show(name)} is not an input of model {model.name}; its inputs are: {known}.", name[:FIELD_CHARS]
-            )
-        if name in native:
-            raise RequestError("bad_option", f"input {name} is given twice.", name)
-        native[name] = _tensor(model, name, spec, blobs)
-    blobs.check_consumed()
-    missing = [n for n in model.inputs if n not in native and n not in model.optional]
-    if missing:
-        raise RequestError("missing_field", f"input {missing[0]} is required by model {model.name}.", missing[0])
-    return native
-
-
-def _tensor(model: Model, name: str, spec: dict, blobs: _Blobs) -> dict:
-    """One input tensor -> the flat or b64 value the native Tensor field decodes and checks."""
-    _known_keys(spec, INPUT_KEYS, f"input {name}", name)
-    accepted = model.inputs[name][0]
-    datatype = spec.get("datatype")
-    if datatype not in accepted:
-        raise RequestError("bad_type", f"input {name} has datatype {show(datatype)}; it must be {' or '.join(accepted)}.", name)
-    dtype = DATATYPES[datatype]
-    shape = spec.get("shape")  # wire.decode checks it: a list of positive integers
-    params = _object(spec.get("parameters", {}), f"input {name} parameters", name)
-    unsupported = sorted(set(params) - {"binary_data_size"} - shared_memory.PARAMETERS)
-    if unsupported:
-        raise RequestError(
-            "bad_option",
-            f"input {name} has parameters {wire.show_names(unsupported)}; those supported are binary_data_size and "
-            f"{', '.join(sorted(shared_memory.PARAMETERS))}.",
-            name,
-        )
-    if (where := shared_memory.place(params, f"input {name}", name)) is not None:
-        if "data" in spec or "binary_data_size" in params:
-            raise RequestError("bad_encoding", f"input {name} is in shared memory and has data or binary_data_size too; send one.", name)
-        return {"shape": shape, "dtype": dtype, "b64": wire.Payload(shared_memory.read_input(where, name))}
-    if "binary_data_size" in params:
-        size = params["binary_data_size"]
-        if type(size) is not int or size < 0:
-            raise RequestError("bad_type", f"input {name} has binary_data_size {show(size)}; it must be a byte count.", name)
-        if "data" in spec:
-            raise RequestError("bad_encoding", f"input {name} has both data and binary_data_size; send one.", name)
-        return {"shape": shape, "dtype": dtype, "b64": wire.Payload(blobs.take(name, size))}
-    if "data" not in spec:
-        raise RequestError("missing_field", f"input {name} has neither data nor parameters.binary_data_size.", name)
-    data = spec["data"]
-    if (isinstance(data, list) and data and isinstance(data[0], list)) or (isinstance(data, np.ndarray) and data.ndim > 1):
-        data = wire.NestedData(data)  # nested as the shape (lists, or an array wire.loads decoded): wire.decode checks that it is
-    return {"shape": shape, "dtype": dtype, "data": data}
+def _take(blobs: _Blobs, name: str, value: Any) -> Any:
+    """A binary input's bytes, or a shared-memory input's, as service.wire's loads() gives a b64
+    value: never re-encoded; any other value as it is."""
+    if isinstance(value, BinaryInput):
+        return {"shape": value.shape, "dtype": value.dtype, "b64": wire.Payload(blobs.take(name, value.size))}
+    if isinstance(value, SharedInput):
+        where = shared_memory.place(value.where, f"input {name}", name)
+        return {"shape": value.shape, "dtype": value.dtype, "b64": wire.Payload(shared_memory.read_input(where, name))}
+    return value
 
 
 # --- small helpers ---------------------------------------------------------------------------------
-
-FIELD_CHARS = 60  # of a name the client sent, as an error's field (logged, and sent as X-Error-Field)
-
-
-def _known_keys(spec: dict, known: tuple[str, ...], what: str, field: str) -> None:
-    """Refuse a key the protocol does not define (a typo such as "data_type" never passes silently)."""
-    extra = [key for key in spec if key not in known]
-    if extra:
-        raise RequestError("unknown_field", f"{what} has keys {wire.show_names(extra)}; its keys are: {', '.join(known)}.", field)
 
 
 def _model(name: str, version: str | None) -> Model:
@@ -625,42 +403,3 @@ def _model(name: str, version: str | None) -> Model:
 
 def _ready() -> bool:
     return services().readiness() == "ready"
-
-
-def _name(spec: dict, what: str, field: str) -> str:
-    """An input's or output's name, checked to be a string before it is looked up anywhere (a
-    list or an object is unhashable: a dict lookup would raise TypeError, a 500)."""
-    name = spec.get("name")
-    if not isinstance(name, str):
-        code = "bad_type" if name is not None else "missing_field"
-        raise RequestError(code, f"{what} needs a name (a string), not {show(name)}.", field)
-    return name
-
-
-def _object(value, what: str, field: str) -> dict:
-    """value if it is a JSON object; field: what the error names (the X-Error-Field header)."""
-    if not isinstance(value, dict):
-        raise RequestError("bad_type", f"{what} must be a JSON object, not {show(value)}.", field)
-    return value
-
-
-def _list(value, what: str) -> list:
-    if not isinstance(value, list) or not value:
-        raise RequestError("missing_field" if value is None else "bad_type", f"{what} must be a non-empty list.", what)
-    return value
-
-
-WINDOW_TEXT = re.compile(r"\s*(-?[0-9]+)\s*,\s*(-?[0-9]+)\s*")
-
-
-def _window(text: str):
-    """ "256,0" -> [256, 0]; text that is not two integers (in ASCII digits: int() also reads
-    "1_0" and other scripts' digits) is left for the schema to refuse."""
-    match = WINDOW_TEXT.fullmatch(text)
-    return [int(match[1]), int(match[2])] if match else text
-
-
-def _bool(value, what: str, field: str) -> bool:
-    if not isinstance(value, bool):
-        raise RequestError("bad_type", f"{what} must be true or false, not {show(value)}.", field)
-    return value

@@ -1,9 +1,10 @@
 """An infer request's tensors in client shared-memory regions (Triton's system shared-memory
 extension), for kserve.py: an input or a requested output whose parameters name
-shared_memory_region and shared_memory_byte_size (and optionally shared_memory_offset) is read from,
-or written to, that region instead of the body. The registry and the bytes' moving are
-service/shm.py's; this module checks the parameters, keeps a request's reads within
-ATTN_MAX_BODY_BYTES (as its body would be), and turns every refusal into a 400."""
+shared_memory_region and shared_memory_byte_size (and optionally shared_memory_offset; the envelope
+schema, schemas/kserve.py, checks them) is read from, or written to, that region instead of the
+body. The registry and the bytes' moving are service/shm.py's; this module finds the region,
+keeps a request's reads within ATTN_MAX_BODY_BYTES (as its body would be), and turns every
+refusal into a 400."""
 
 from __future__ import annotations
 
@@ -12,14 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from schemas import RequestError
-from schemas.fields import show
+from schemas.kserve import SHM_CODE, Shared
 from service import shm
 
 from .context import context, services
 
-REGION, OFFSET, SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
-PARAMETERS = frozenset({REGION, OFFSET, SIZE})
-CODE = "bad_shared_memory"  # errors.STATUS: 400
+CODE = SHM_CODE  # errors.STATUS: 400
 
 
 def registry() -> shm.Registry:
@@ -50,7 +49,7 @@ class Place:
             raise RequestError(
                 CODE,
                 f"output {name} is {arr.nbytes} bytes ({list(arr.shape)} of {arr.dtype.name}) but its "
-                f"{SIZE} is {self.byte_size}; give it a region of at least {arr.nbytes} bytes.",
+                f"shared_memory_byte_size is {self.byte_size}; give it a region of at least {arr.nbytes} bytes.",
                 "outputs",
             )
         try:
@@ -59,31 +58,21 @@ class Place:
             raise refused(err, "outputs") from None
 
 
-def place(params: dict, what: str, field: str) -> Place | None:
-    """The region a tensor's parameters name, or None when they name none (what: "input q",
-    "output out"; field: what an error names)."""
-    given = PARAMETERS & set(params)
-    if not given:
-        return None
-    if REGION not in given or SIZE not in given:
-        raise RequestError(CODE, f"{what} needs both {REGION} and {SIZE} (and optionally {OFFSET}).", field)
-    name = params[REGION]
-    if not isinstance(name, str):
-        raise RequestError(CODE, f"{what} has {REGION} {show(name)}; it must be a region's name.", field)
-    for key in (SIZE, OFFSET):
-        value = params.get(key, 0)
-        if type(value) is not int or value < 0:
-            raise RequestError(CODE, f"{what} has {key} {show(value)}; it must be a byte count.", field)
+def place(where: Shared, what: str, field: str) -> Place:
+    """The registered region a tensor's parameters name (schemas/kserve.py checked their types),
+    with its bytes in it (what: "input q", "output out"; field: what an error names)."""
     try:
-        region = registry().get(name)
+        region = registry().get(where.region)
     except shm.ShmError as err:
         raise refused(err, field) from None
-    offset, size = params.get(OFFSET, 0), params[SIZE]
-    if offset + size > region.byte_size:
+    if where.offset + where.byte_size > region.byte_size:
         raise RequestError(
-            CODE, f"{what}: {size} bytes at offset {offset} pass the end of region {name!r}, which holds {region.byte_size} bytes.", field
+            CODE,
+            f"{what}: {where.byte_size} bytes at offset {where.offset} pass the end of region {where.region!r}, "
+            f"which holds {region.byte_size} bytes.",
+            field,
         )
-    return Place(region, offset, size)
+    return Place(region, where.offset, where.byte_size)
 
 
 def read_input(where: Place, name: str) -> memoryview:
