@@ -16,6 +16,7 @@ SCENARIOS = {  # name: what it measures
     "v2_ab": "a small /v2 binary infer on this checkout and another side by side: the envelope's decode and validate phases (~1 min)",
     "sessions": "a decode step through a session against the same step in-process, resending the cache, and batched (~15 s)",
     "crowd": "what many clients see: bursts, closed loops, mixed sizes (~3 min)",
+    "deadlines": "what X-Deadline-Ms costs under overload: 16 closed-loop clients, phases with and without a deadline (~1 min)",
     "worker_peak": "a worker's peak RSS over single large requests (~1 min)",
     "garbage": "the work before a hostile body is refused, per MB (~1 min)",
     "peers": "KServe, MLServer, LitServe, Ray Serve and BentoML serving the same model (`make bench-peers`, ~5 min)",

@@ -3,7 +3,7 @@
 
     python -m bench.crowd burst [--n 64 128] [--T 64] [--reps 3] [--triton]
     python -m bench.crowd closed [--clients 4 8] [--T 1024] [--seconds 10] [--weights] [--deadline MS ...]
-                                 [--set ATTN_QUEUE_ORDER=edf]
+                                 [--set ATTN_MAX_INFLIGHT=1]
 
 burst: n requests at once, each on its own connection (B=1, H=8, d=64, float32 b64, causal, no
 weights), --reps bursts one after another; each burst's statuses and total time. --triton sends the
@@ -15,7 +15,7 @@ deadline, how many 503s carried Retry-After, and the refusals' latency p50 (the 
 server's: its Server-Timing total, from the request's first byte to the refusal). Latency is the
 client's: from sending the request to the last byte of the answer read. Several --deadline values
 are shared out among the clients in turn, and each one's clients summarised apart as well. --set
-passes a setting to the server it starts (ATTN_QUEUE_ORDER=edf, say). Bounded: each run is
+passes a setting to the server it starts (ATTN_MAX_INFLIGHT=1, say). Bounded: each run is
 seconds long; the machine may be shared (say so with the figures)."""
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def summary(records: list[tuple], deadline: float | None) -> dict:
 def learned(url: str) -> dict:
     """What one worker's cost model learned (the respond rate, the slowdown by requests busy)."""
     model = requests.get(f"{url}/limits", timeout=10).json()["cost_model"]
-    return {k: model.get(k) for k in ("respond_ms_per_MB", "slowdown_by_busy")}
+    return {k: model.get(k) for k in ("prediction_spread", "slowdown_by_busy")}
 
 
 def main() -> None:

@@ -5,14 +5,20 @@
 
 A decode step: t = 1 new token, H = 8 heads, d = 64, float32, its k and v appended and its q
 attending to all S keys (POST /sessions/{id}/attention, b64, one keep-alive connection, as a decode
-loop keeps one). Measured, interleaved (step, in-process, step, ...), medians:
-- at S = 1024, 4096, 16384: the step through `requests` against the same step in-process (numpy:
-  q kᵀ, softmax, weights v over the same contiguous arrays, on one BLAS thread as a worker has),
-  and the step over the pool's pages in-process (core.paged_attention, what the server runs);
-- at S = 4096: a stateless POST /attention resending the whole cache (q, k, v in b64) for the same
-  step; the bytes on the wire of each (request body and answer);
-- a batched step of 16 sessions at S = 4096 (POST /sessions/attention): tokens per second against
-  one session's steps per second."""
+loop keeps one). A step's time is the client's whole part: its body encoded, sent, answered, its
+out decoded. Measured, interleaved (client step, in-process steps, requests step, ...), medians:
+- at S = 1024, 4096, 16384: the step through the client (AttentionClient.session(...).attention:
+  b64 spliced into the JSON, one gathered send) and through `requests` (orjson, base64; its
+  answer's Server-Timing total and its bytes on the wire), against the same step in-process:
+  numpy's q kᵀ, softmax, weights v over the same contiguous arrays (np.concatenate'd a token a
+  step, as an in-process loop grows its cache) on one BLAS thread, as a worker has; and
+  core.paged_attention (what a worker runs) over the same keys in pages written a token at a time,
+  in a sessions pool in this process (shared memory, as the workers map it) and in an ordinary
+  array (private memory: huge pages where the host gives them);
+- at S = 4096: a stateless POST /attention resending the whole cache (q, k, v in b64, through the
+  client's transport) for the same step, and its bytes on the wire;
+- a batched step of 16 sessions at S = 4096 (api.attention_sessions: POST /sessions/attention):
+  tokens per second against one session's steps per second through the client."""
 
 from __future__ import annotations
 
@@ -28,11 +34,14 @@ import orjson
 import requests
 from threadpoolctl import threadpool_limits
 
+from attention_client import AttentionClient, _http, _wire
 from bench.common import Server
-from service import core
+from service import core, sessions
 
 H, D = 8, 64
+PAGE = 256  # the server's ATTN_SESSION_PAGE_TOKENS by default
 APPEND_CHUNK = 2048  # tokens a prefill request carries (8 heads x 64 x 4 bytes x 2: 8 MiB raw)
+JSON = {"Content-Type": "application/json"}
 
 
 def enc(a: np.ndarray) -> dict:
@@ -44,43 +53,90 @@ def dec(t: dict) -> np.ndarray:
     return np.frombuffer(base64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
 
 
-class Session:
-    """A session on the server and its keys and values here (contiguous, as an in-process loop holds them)."""
+class Sequence:
+    """A session on the server, made and stepped through the client (AttentionClient.session); its
+    keys and values here (contiguous, as an in-process loop holds them); with local, also in pages of
+    a pool of this process's own (shared memory, as a worker reads them) and in pages of ordinary
+    memory (kp, vp, with room for the steps' tokens), both written a token at a time as a pool is."""
 
-    def __init__(self, http: requests.Session, url: str, S: int, rng: np.random.Generator):
-        self.http, self.url = http, url
-        r = http.post(f"{url}/sessions", json={"heads": H, "head_dim": D}, timeout=60)
-        r.raise_for_status()
-        self.id = r.json()["id"]
+    def __init__(self, api: AttentionClient, S: int, rng: np.random.Generator, local: sessions.Pool | None = None, room: int = 0):
+        self.session = api.session(H, D)
         self.k = rng.standard_normal((H, S, D)).astype(np.float32)
         self.v = rng.standard_normal((H, S, D)).astype(np.float32)
         for s0 in range(0, S, APPEND_CHUNK):
-            body = {"k": enc(self.k[:, s0 : s0 + APPEND_CHUNK]), "v": enc(self.v[:, s0 : s0 + APPEND_CHUNK]), "at": s0}
-            post(http, f"{url}/sessions/{self.id}/append", body).raise_for_status()
+            self.session.append(self.k[:, s0 : s0 + APPEND_CHUNK], self.v[:, s0 : s0 + APPEND_CHUNK])
+        self.local, self.local_id = local, None
+        self.kp, self.vp = (np.zeros((-(-(S + room) // PAGE) if local else 0, H, PAGE, D), np.float32) for _ in range(2))
+        self.write_pages(0, self.k, self.v)
+        if local is not None:
+            self.local_id = local.create(sessions.Shape(H, H, D, D, np.dtype(np.float32)), local.max_tokens, sessions.owner_hash(None))
+            self.append_locally(self.k, self.v)
 
-    def step(self, q, k, v) -> tuple[float, np.ndarray, int, float]:
-        """One decode step: (seconds, out, bytes on the wire, the server's own ms: Server-Timing's total)."""
-        body = orjson.dumps({"q": enc(q), "k": enc(k), "v": enc(v), "at": self.k.shape[1], "response_encoding": "b64"})
+    @property
+    def length(self) -> int:
+        return self.k.shape[1]
+
+    def append_locally(self, k: np.ndarray, v: np.ndarray) -> None:
+        assert self.local is not None and self.local_id is not None
+        with self.local.session(self.local_id, sessions.owner_hash(None)) as s:
+            s.commit(s.append(k, v))
+
+    def write_pages(self, s0: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Tokens s0 .. into the ordinary pages (as a pool's append writes them)."""
+        end = s0 + k.shape[1]
+        for p in range(s0 // PAGE, min(self.kp.shape[0], -(-end // PAGE))):
+            a, b = max(s0, p * PAGE), min(end, (p + 1) * PAGE)
+            self.kp[p, :, a - p * PAGE : b - p * PAGE], self.vp[p, :, a - p * PAGE : b - p * PAGE] = (
+                k[:, a - s0 : b - s0],
+                v[:, a - s0 : b - s0],
+            )
+
+    def array_pages(self) -> list:
+        """The keys in pages of PAGE tokens of one ordinary array (one run)."""
+        n = -(-self.length // PAGE)
+        return [(self.kp[:n], self.vp[:n])]
+
+    def local_pages(self) -> list:
+        assert self.local is not None and self.local_id is not None
+        with self.local.session(self.local_id, sessions.owner_hash(None)) as s:
+            return s.pages(self.length)
+
+    def client_step(self, q, k, v) -> tuple[float, np.ndarray]:
+        """One decode step through the client (Session.attention): (seconds, out)."""
         t0 = time.perf_counter()
-        r = self.http.post(f"{self.url}/sessions/{self.id}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=60)
-        r.raise_for_status()
-        out = dec(r.json()["out"])
+        out = self.session.attention(q, k, v)
         elapsed = time.perf_counter() - t0
+        self.took(k, v)
+        return elapsed, out
+
+    def requests_step(self, http: requests.Session, url: str, q, k, v) -> tuple[float, np.ndarray, int, float]:
+        """The same step through `requests`: (seconds, out, bytes on the wire, the server's own ms:
+        Server-Timing's total)."""
+        t0 = time.perf_counter()
+        body = orjson.dumps({"q": enc(q), "k": enc(k), "v": enc(v), "at": self.length, "response_encoding": "b64"})
+        r = http.post(f"{url}/sessions/{self.session.id}/attention", data=body, headers=JSON, timeout=60)
+        r.raise_for_status()
+        out = dec(orjson.loads(r.content)["out"])
+        elapsed = time.perf_counter() - t0
+        self.took(k, v)
+        self.session.refresh()  # the client learns the length this step made
+        return elapsed, out, len(body) + len(r.content), server_ms(r.headers.get("Server-Timing", ""))
+
+    def took(self, k, v) -> None:
+        """The server took the token: here too."""
+        self.write_pages(self.length, k, v)
         self.k, self.v = np.concatenate([self.k, k], 1), np.concatenate([self.v, v], 1)
-        return elapsed, out, len(body) + len(r.content), server_ms(r)
+        if self.local is not None:
+            self.append_locally(k, v)
 
 
-def server_ms(r: requests.Response) -> float:
+def server_ms(timing: str) -> float:
     """Server-Timing's total: the server's own time for the request, in ms."""
-    for part in r.headers.get("Server-Timing", "").split(","):
+    for part in timing.split(","):
         name, _, dur = part.strip().partition(";dur=")
         if name == "total":
             return float(dur)
     return math.nan
-
-
-def post(http: requests.Session, url: str, body: dict) -> requests.Response:
-    return http.post(url, data=orjson.dumps(body), headers={"Content-Type": "application/json"}, timeout=120)
 
 
 def in_process(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[float, np.ndarray]:
@@ -93,89 +149,90 @@ def in_process(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[float, np.n
     return time.perf_counter() - t0, out
 
 
-def paged_in_process(q: np.ndarray, k: np.ndarray, v: np.ndarray, page: int = 256) -> float:
-    """core.paged_attention over the same keys in pages of page tokens, one run of them as a pool
-    hands consecutive pages (the server's compute, without HTTP)."""
-    S = k.shape[1]
-    n = -(-S // page)
-    kp, vp = np.zeros((n, H, page, D), np.float32), np.zeros((n, H, page, D), np.float32)
-    for i in range(n):
-        m = min(page, S - i * page)
-        kp[i, :, :m], vp[i, :, :m] = k[:, i * page : i * page + m], v[:, i * page : i * page + m]
+def paged(q: np.ndarray, pages: list, S: int) -> float:
+    """core.paged_attention over pages (the server's compute, without HTTP): seconds."""
     t0 = time.perf_counter()
-    core.paged_attention(q, [(kp, vp)], S)
+    core.paged_attention(q, pages, S)
     return time.perf_counter() - t0
 
 
-def stateless(http: requests.Session, url: str, q, k, v) -> tuple[float, int]:
-    """The same step as POST /attention, resending the cache: (seconds, bytes on the wire)."""
-    body = orjson.dumps(
-        {"q": enc(q), "k": enc(k), "v": enc(v), "causal": "bottom_right", "return_weights": False, "response_encoding": "b64"}
-    )
+def stateless(client: _http.Pool, q, k, v) -> tuple[float, int]:
+    """The same step as POST /attention, resending the cache, through the same transport: (seconds, bytes on the wire)."""
     t0 = time.perf_counter()
-    r = http.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)
-    r.raise_for_status()
-    dec(r.json()["out"])
-    return time.perf_counter() - t0, len(body) + len(r.content)
+    parts = _wire.json_request(
+        {"q": q, "k": k, "v": v, "causal": "bottom_right", "return_weights": False, "response_encoding": "b64"}, "b64"
+    )
+    answer = client.request("POST", "/attention", parts, JSON)
+    assert answer.status == 200, bytes(answer.body)[:300]
+    _wire.decode_tensor(_wire.loads(answer.body)["out"])
+    return time.perf_counter() - t0, sum(len(p) for p in parts) + len(answer.body)
+
+
+def ms(xs) -> float:
+    return statistics.median(xs) * 1000
 
 
 def run(url: str, runs: int, batch: int) -> None:
     rng = np.random.default_rng(0)
-    http = requests.Session()
-    print(f"decode step, t=1, H={H}, d={D}, float32; medians of {runs} interleaved runs")
-    print(f"{'S':>6} {'step ms':>8} {'server ms':>10} {'numpy ms':>9} {'ratio':>6} {'paged ms':>9} {'bytes/step':>11}")
+    api, transport, http = AttentionClient(url, timeout=120), _http.Pool(url, 120, 1, {}), requests.Session()
+    local = sessions.Pool(2 * (16384 + 2 * runs) * H * D * 4 * 2, PAGE, 16384 + 2 * runs + PAGE, 4, 3600)
+    print(f"decode step, t=1, H={H}, d={D}, float32; medians of {runs} interleaved runs; ratio: the client's step over numpy's")
+    print(
+        f"{'S':>6} {'client ms':>9} {'requests ms':>11} {'server ms':>9} {'numpy ms':>8} {'ratio':>5} "
+        f"{'paged pool ms':>13} {'paged array ms':>14} {'bytes/step':>10}"
+    )
     single_ms = {}
     for S in (1024, 4096, 16384):
-        s = Session(http, url, S, rng)
-        steps, numpy_ms, paged_ms, wire, server = [], [], [], [], []
+        s = Sequence(api, S, rng, local, room=2 * runs)
+        t: dict[str, list[float]] = {name: [] for name in ("client", "requests", "server", "numpy", "pool", "array", "wire")}
         for _ in range(runs):
             q, k, v = (rng.standard_normal((H, 1, D)).astype(np.float32) for _ in range(3))
-            elapsed, out, nbytes, own = s.step(q, k, v)
-            steps.append(elapsed)
-            server.append(own)
-            wire.append(nbytes)
+            elapsed, out = s.client_step(q, k, v)
+            t["client"].append(elapsed)
             took, want = in_process(q, s.k, s.v)
-            numpy_ms.append(took)
+            t["numpy"].append(took)
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
-            paged_ms.append(paged_in_process(q, s.k, s.v))
-        step, numpy_med = statistics.median(steps) * 1000, statistics.median(numpy_ms) * 1000
-        single_ms[S] = step
+            t["pool"].append(paged(q, s.local_pages(), s.length))
+            t["array"].append(paged(q, s.array_pages(), s.length))
+            q, k, v = (rng.standard_normal((H, 1, D)).astype(np.float32) for _ in range(3))
+            elapsed, _, nbytes, own = s.requests_step(http, url, q, k, v)
+            t["requests"].append(elapsed)
+            t["wire"].append(nbytes)
+            t["server"].append(own / 1000)
+        single_ms[S] = ms(t["client"])
         print(
-            f"{S:>6} {step:>8.2f} {statistics.median(server):>10.2f} {numpy_med:>9.2f} {step / numpy_med:>6.2f} {statistics.median(paged_ms) * 1000:>9.2f} {statistics.median(wire):>11.0f}"
+            f"{S:>6} {single_ms[S]:>9.2f} {ms(t['requests']):>11.2f} {ms(t['server']):>9.2f} {ms(t['numpy']):>8.2f} "
+            f"{single_ms[S] / ms(t['numpy']):>5.2f} {ms(t['pool']):>13.2f} {ms(t['array']):>14.2f} {statistics.median(t['wire']):>10.0f}"
         )
         if S == 4096:
             resend, resend_bytes = [], 0
             for _ in range(max(3, runs // 4)):
                 q = rng.standard_normal((H, 1, D)).astype(np.float32)
-                took, resend_bytes = stateless(http, url, q, s.k[:, :S], s.v[:, :S])  # ATTN_MAX_S: 4096
+                took, resend_bytes = stateless(transport, q, s.k[:, :S], s.v[:, :S])  # ATTN_MAX_S: 4096
                 resend.append(took)
-            resend_ms = statistics.median(resend) * 1000
             print(
-                f"       stateless POST /attention resending the cache at S=4096: {resend_ms:.1f} ms, {resend_bytes} bytes "
-                f"({resend_ms / step:.0f}x the step's time, {resend_bytes / statistics.median(wire):.0f}x its bytes)"
+                f"       stateless POST /attention resending the cache at S=4096: {ms(resend):.1f} ms, {resend_bytes} bytes "
+                f"({ms(resend) / single_ms[S]:.0f}x the step's time, {resend_bytes / statistics.median(t['wire']):.0f}x its bytes)"
             )
-        http.delete(f"{url}/sessions/{s.id}", timeout=60)
-    sessions = [Session(http, url, 4096, rng) for _ in range(batch)]
-    times, timing = [], []
+        s.session.close()
+    group = [Sequence(api, 4096, rng) for _ in range(batch)]
+    times = []
     for _ in range(max(5, runs // 4)):
         q, k, v = (rng.standard_normal((batch, H, 1, D)).astype(np.float32) for _ in range(3))
-        body = {"sessions": [s.id for s in sessions], "q": enc(q), "k": enc(k), "v": enc(v), "response_encoding": "b64"}
-        body["at"] = [s.k.shape[1] for s in sessions]
         t0 = time.perf_counter()
-        r = post(http, f"{url}/sessions/attention", body)
-        r.raise_for_status()
+        api.attention_sessions([s.session for s in group], q, k, v)
         times.append(time.perf_counter() - t0)
-        timing.append(r.headers.get("Server-Timing", ""))
-        for i, s in enumerate(sessions):
-            s.k, s.v = np.concatenate([s.k, k[i]], 1), np.concatenate([s.v, v[i]], 1)
-    batch_ms = statistics.median(times) * 1000
+        for i, s in enumerate(group):
+            s.took(k[i], v[i])
+    batch_ms = ms(times)
     tokens_s, steps_s = batch / batch_ms * 1000, 1000 / single_ms[4096]
     print(
-        f"batched step of {batch} sessions at S=4096: {batch_ms:.1f} ms, {tokens_s:.0f} tokens/s against one session's "
-        f"{steps_s:.0f} steps/s ({tokens_s / steps_s:.1f}x); the server's phases (one of them): {timing[len(timing) // 2]}"
+        f"batched step of {batch} sessions at S=4096 (api.attention_sessions): {batch_ms:.1f} ms, {tokens_s:.0f} tokens/s "
+        f"against one session's {steps_s:.0f} steps/s ({tokens_s / steps_s:.1f}x)"
     )
-    for s in sessions:
-        http.delete(f"{url}/sessions/{s.id}", timeout=60)
+    for s in group:
+        s.session.close()
+    api.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -61,7 +61,7 @@ STAGES = [
     ("compute (numeric core)", ["AttentionJob._compute"]),
     ("cost model (work, predict, observe)", ["CostModel.", "_Job.work"]),
     ("metrics (prometheus_client)", ["service/web/metrics.py", "prometheus_client"]),
-    ("admission gate (admission.py)", ["service/web/admission.py"]),
+    ("admission (service/admission, admit.py)", ["service/admission/", "service/web/admit.py"]),
     ("read + decode body (JSON, b64)", ["read_json"]),
     ("validate (marshmallow schema, cast)", ["Schema.load"]),
     ("access log, tracing (accesslog.py, tracing.py)", ["service/web/accesslog.py", "service/web/tracing.py"]),

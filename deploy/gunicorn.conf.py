@@ -118,7 +118,7 @@ control_socket_disable = True
 # (the worker raises its soft open-files limit to fit). docs/operations.md: "Slow and stalled clients".
 worker_class = "service.transport.worker.FrontWorker"
 # Admission queues by predicted wait, under a server-wide safety cap of requests held
-# (service/web/census.py): one worker may hold every admitted request (waiting in its queue, or
+# (service/admission/census.py): one worker may hold every admitted request (waiting in its queue, or
 # computing) while its siblings idle, so its threads fit all of them, and 16 more for the
 # operations endpoints and the refusals.
 threads = workers * (_settings.max_inflight + _settings.max_queue) + 16
@@ -134,7 +134,7 @@ def on_starting(server):
     allowed) the client shared-memory registry the workers will share (they inherit them when they
     fork), and an empty metrics directory, so a previous run's counts do not come back."""
     from service import sessions, shm, stats
-    from service.web import census
+    from service.admission import census
 
     census.create()
     sessions.create(_settings)
@@ -192,7 +192,7 @@ def child_exit(server, worker):
     counts stop counting."""
     from prometheus_client import multiprocess
 
-    from service.web import census
+    from service.admission import census
 
     multiprocess.mark_process_dead(worker.pid)
     if census.shared() is not None:

@@ -132,7 +132,7 @@ class _Job:
         is its decoded bytes, no copy), the core's arrays (_core_bytes), the weights if returned,
         a response chunk and the core's scratch, both bounded by the job's own size, and checked
         against the peak RSS of the same pipeline (git log -- bench/peak_rss.py). The parse
-        of a JSON body peaks before the job exists (the gate charges it, see service.web.admission)."""
+        of a JSON body peaks before the job exists (the gate charges it, see service.admission.charge)."""
         itemsize = np.dtype(self.dtype).itemsize
         elements = sum(a.size for a in vars(self).values() if isinstance(a, np.ndarray))  # a bias included
         total = elements * itemsize

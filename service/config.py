@@ -125,13 +125,6 @@ def log_format(raw: str) -> str:
     return raw.strip().lower()
 
 
-def queue_order(raw: str) -> str:
-    """ATTN_QUEUE_ORDER: fifo or edf (any case)."""
-    if raw.strip().lower() not in ("fifo", "edf"):
-        raise ValueError(raw)
-    return raw.strip().lower()
-
-
 def compress_answers(raw: str) -> str:
     """ATTN_COMPRESS_ANSWERS: preferred or accepted (any case)."""
     if raw.strip().lower() not in ("preferred", "accepted"):
@@ -169,7 +162,7 @@ class Settings:
     max_weights_elements: int = 2**25  # B*T*S returned as weights (33.5M: 8 heads at T=S=2048, 134 MB f32)
     max_output_elements: int = 2**25  # out returned, B*T*dv (or B*n*d for /mha): 134 MB f32, as the weights
     # Request body, refused before it is parsed. 32 MiB: parsing a hostile JSON body peaks at up to
-    # 33x its size (service.web.admission.PARSE_FACTOR), ~1.1 GB here, which a worker's lone
+    # 33x its size (service.admission.PARSE_FACTOR), ~1.1 GB here, which a worker's lone
     # request may take. Valid b64 bodies up to q, k, v (8, 4096, 63) float32 fit.
     max_body_bytes: int = 32 * 2**20
     max_rank: int = 6  # rank of q, k, v
@@ -177,15 +170,12 @@ class Settings:
     default_dtype: str = "float32"
     api_keys: tuple[str, ...] = ()  # empty: no authentication
     max_inflight: int = 2  # computing requests per worker (its compute slots); the rest wait in its queue
-    # Admission is by predicted wait (service/web/admission.py): a request waits while the predicted
-    # time until its answer is sent fits its X-Deadline-Ms, or without one while its predicted wait
+    # Admission is by predicted wait (service/admission/): a request waits, first come first served,
+    # while its predicted wait and compute fit its X-Deadline-Ms, or without one while its predicted wait
     # fits max_queue_wait_ms. max_queue is only a safety cap on the requests the server holds,
     # (max_inflight + max_queue) x workers: room for a burst of 128 small requests on 2 workers.
     max_queue: int = 64
     max_queue_wait_ms: int = 5000
-    # The order waiting jobs get compute slots in: fifo (by arrival) or edf (earliest deadline
-    # first, jobs without one after those with, by arrival among equals).
-    queue_order: str = "edf"
     max_inflight_bytes: int = 512 * 2**20  # bodies + estimated working bytes per worker before 503
     warmup: bool = True  # calibrate the cost model at start-up
     # Slow and stalled clients (service/transport/worker.py): a request is read by the event loop, under
@@ -254,7 +244,6 @@ class Settings:
                 max_queue=_env("ATTN_MAX_QUEUE", d.max_queue, int),
                 max_inflight_bytes=_env("ATTN_MAX_INFLIGHT_BYTES", d.max_inflight_bytes, int),
                 max_queue_wait_ms=_env("ATTN_MAX_QUEUE_WAIT_MS", d.max_queue_wait_ms, int),
-                queue_order=_env("ATTN_QUEUE_ORDER", d.queue_order, queue_order),
                 warmup=_env("ATTN_WARMUP", d.warmup, _bool),
                 header_timeout_s=_env("ATTN_HEADER_TIMEOUT_S", d.header_timeout_s, int),
                 body_timeout_s=_env("ATTN_BODY_TIMEOUT_S", d.body_timeout_s, int),

@@ -1,5 +1,7 @@
-"""Admission control: deadlines (X-Deadline-Ms against the cost model's prediction) and the
-overload gate's bounds on requests and bytes. API keys: test_auth.py; a real burst: test_overload.py."""
+"""Admission control (service/admission/, and its hooks service/web/admit.py): deadlines
+(X-Deadline-Ms against the cost model's prediction, kept as gRPC keeps them: until the answer
+starts) and the overload gate's bounds on requests and bytes. API keys: test_auth.py; a real
+burst: test_overload.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import os
 import signal
 import socket
 import threading
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -19,17 +20,26 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from schemas import AttentionRequest
-from service.cost import CostModel
-from service.web import admission, census, create_app, ops
+from service.admission import Admission, Refused, census, charge, parse_charge
+from service.config import Settings
+from service.cost import CostModel, Work
+from service.web import create_app, metrics, ops
 from service.web.context import services
-from service.web.errors import ApiError
-from service.web.sending import Send
 
 from .helpers import WORKED, b64, big_body, start_server, stop_server, wait_until
 
 
 def post(client, body=WORKED, **headers):
     return client.post("/attention", json=body, headers=headers)
+
+
+WORK = Work(flops=1, score_elements=1, dtype="float32", T=1)  # never split
+
+
+def gate_of(max_inflight: int = 1, max_queue: int = 8, max_bytes: int = 1_000, predicted_ms: float = 0.0, table=None) -> Admission:
+    """An admission of its own, every job predicted at predicted_ms."""
+    settings = Settings(max_inflight=max_inflight, max_queue=max_queue, max_inflight_bytes=max_bytes)
+    return Admission(settings, lambda *_: predicted_ms, table=table)
 
 
 # --- deadlines ---------------------------------------------------------------------------------
@@ -63,9 +73,9 @@ def test_a_deadline_shorter_than_the_prediction_is_504_before_compute(app, clien
 
 def test_waiting_for_a_slot_counts_against_the_deadline(app, client):
     services(app).cost = CostModel(a=0, b=0, c=0)  # predicted at 0 ms: only the wait can miss the deadline
-    gate = services(app).gate
+    gate = services(app).admission
     for _ in range(gate.max_inflight):
-        assert gate._slots.try_take()  # every compute slot busy
+        assert gate._slots.acquire(blocking=False)  # every compute slot busy
     try:
         r = post(client, **{"X-Deadline-Ms": "500"})
         assert r.status_code == 504 and r.json["error"]["code"] == "deadline"
@@ -73,23 +83,23 @@ def test_waiting_for_a_slot_counts_against_the_deadline(app, client):
         assert "queue" in r.headers["Server-Timing"] and "compute" not in r.headers["Server-Timing"]
     finally:
         for _ in range(gate.max_inflight):
-            gate._slots.give()
+            gate._slots.release()
     assert gate.admitted == 0 and gate.bytes == 0  # everything given back
     assert post(client).status_code == 200
 
 
 @pytest.mark.live
 def test_a_deadline_too_short_for_the_upload_is_refused_before_parsing(live_server):
-    """X-Deadline-Ms: 1 on a 16.8 MB body (T=2048, B=1, H=8, d=64): refused on its Content-Length,
-    before the body is parsed; the same body with a generous deadline is served. How long the
+    """X-Deadline-Ms: 1 on a 16.8 MB body (T=2048, B=1, H=8, d=64): it passed while the body was
+    received, so it is refused before the body is parsed; the same body with a generous deadline is served. How long the
     refusal took is printed, not asserted."""
     body = big_body(2048, weights=False)
     headers = {"Content-Type": "application/json", "X-Deadline-Ms": "1"}
     r = requests.post(f"{live_server}/attention", data=body, headers=headers, timeout=120)
     print(f"\nX-Deadline-Ms: 1, T=2048 ({len(body) / 1e6:.1f} MB body): 504 in {r.elapsed.total_seconds() * 1000:.0f} ms")
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline"
-    assert "receiving and parsing" in r.json()["error"]["message"]
-    assert "decode" not in r.headers["Server-Timing"]  # refused on Content-Length, before parsing
+    assert "passed while the request was received" in r.json()["error"]["message"]
+    assert "decode" not in r.headers["Server-Timing"]  # refused before parsing
     r = requests.post(f"{live_server}/attention", data=body, headers={**headers, "X-Deadline-Ms": "600000"}, timeout=120)
     assert r.status_code == 200, r.text[:300]
     assert "compute" in r.headers["Server-Timing"] and "weights" not in r.json()
@@ -108,7 +118,7 @@ def test_the_kserve_infer_route_is_admitted_the_same_way(app, client):
 
 
 def test_past_the_request_bound_is_503_with_retry_after(app, client):
-    gate = services(app).gate
+    gate = services(app).admission
     held = [gate.enter(0) for _ in range(gate.max_inflight + gate.max_queue)]
     try:
         r = post(client)
@@ -124,7 +134,7 @@ def test_past_the_request_bound_is_503_with_retry_after(app, client):
 def test_bytes_in_flight_are_bounded_before_the_body_is_read(settings, rng):
     app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
-    gate = services(app).gate
+    gate = services(app).admission
     held = gate.enter(40_000)
     try:
         q = rng.standard_normal((64, 16))
@@ -138,19 +148,19 @@ def test_bytes_in_flight_are_bounded_before_the_body_is_read(settings, rng):
 
 
 def test_a_streamed_answer_frees_its_slot_at_once_and_its_bytes_when_sent(app, client, rng):
-    gate = services(app).gate
+    gate = services(app).admission
     q = rng.standard_normal((2, 32, 8))
     r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)})  # b64 answers are encoded as they stream
     assert r.is_streamed and gate.bytes > 0  # the answer is in memory until it is sent ...
-    assert gate.admitted == 0 and all(gate._slots.try_take() for _ in range(gate.max_inflight))  # ... computing is not
+    assert gate.admitted == 0 and all(gate._slots.acquire(blocking=False) for _ in range(gate.max_inflight))  # ... computing is not
     for _ in range(gate.max_inflight):
-        gate._slots.give()
+        gate._slots.release()
     r.get_data()
     assert (gate.admitted, gate.bytes) == (0, 0)
 
 
 def test_a_built_answer_holds_its_bytes_until_sent_too(app, client):
-    gate = services(app).gate
+    gate = services(app).admission
     r = post(client)  # a small nested answer: built whole before it is sent
     assert gate.admitted == 0 and gate.bytes > 0
     r.get_data()
@@ -158,13 +168,14 @@ def test_a_built_answer_holds_its_bytes_until_sent_too(app, client):
 
 
 def test_a_ticket_gives_back_each_part_once():
-    gate = admission.Gate(max_inflight=1, max_queue=0, max_bytes=1_000)
+    gate = gate_of(max_queue=0)
     ticket = gate.enter(100)
-    assert ticket.take_slot()
+    ticket.admit(WORK, 0)
+    assert ticket.running
     ticket.end_compute()
     ticket.end_compute()
-    assert (gate.admitted, gate.bytes) == (0, 100) and gate._slots.try_take()
-    gate._slots.give()
+    assert (gate.admitted, gate.bytes) == (0, 100) and gate._slots.acquire(blocking=False)
+    gate._slots.release()
     ticket.release()
     ticket.release()
     assert (gate.admitted, gate.bytes) == (0, 0)
@@ -224,11 +235,11 @@ def test_stalled_downloads_do_not_pin_compute_slots(rng):
 
 
 def test_a_lone_request_is_always_admitted():
-    gate = admission.Gate(max_inflight=1, max_queue=0, max_bytes=10)
+    gate = gate_of(max_queue=0, max_bytes=10)
     ticket = gate.enter(1_000)
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(Refused) as err:
         gate.enter(1)
-    assert err.value.status == 503 and err.value.headers["Retry-After"]
+    assert err.value.code == "overloaded" and err.value.retry_after >= 1
     ticket.release()
     gate.enter(1_000).release()
     assert (gate.admitted, gate.bytes) == (0, 0)
@@ -243,8 +254,8 @@ def test_the_parse_is_charged_before_the_body_is_read(settings, rng):
     length = len(json.dumps(body))  # ~17 kB: its body fits in 100 kB, its parse charge does not
     app = create_app(replace(settings, max_inflight_bytes=100_000))
     client = app.test_client()
-    gate = services(app).gate
-    assert length < 100_000 < length * (1 + admission.PARSE_FACTOR)
+    gate = services(app).admission
+    assert length < 100_000 < length * (1 + charge.PARSE_FACTOR)
     held = gate.enter(1)
     try:
         r = post(client, body)
@@ -257,7 +268,7 @@ def test_the_parse_is_charged_before_the_body_is_read(settings, rng):
 
 
 def test_after_validation_the_parse_charge_becomes_the_working_bytes(app, client, rng):
-    gate = services(app).gate
+    gate = services(app).admission
     q = rng.standard_normal((2, 32, 8))
     body = {"q": b64(q), "k": b64(q), "v": b64(q)}
     r = post(client, body)  # b64 answers stream: the ticket is held until the body is read
@@ -268,10 +279,10 @@ def test_after_validation_the_parse_charge_becomes_the_working_bytes(app, client
 
 
 def test_working_bytes_are_reserved_after_validation(settings, rng, monkeypatch):
-    monkeypatch.setattr(admission, "PARSE_FACTOR", 0)  # the gate charges the body alone: the reservation is what is tested
+    monkeypatch.setattr(charge, "PARSE_FACTOR", 0)  # the gate charges the body alone: the reservation is what is tested
     app = create_app(replace(settings, max_inflight_bytes=50_000))
     client = app.test_client()
-    gate = services(app).gate
+    gate = services(app).admission
     held = gate.enter(10_000)
     try:
         q = rng.standard_normal((4, 64, 8))  # a 33 kB body fits; its 16k scores need ~16 kB more
@@ -295,15 +306,15 @@ def test_the_parse_charge_follows_what_the_body_holds(rng):
     q = rng.standard_normal((8, 256, 64)).astype(np.float32)
     b64_body = json.dumps({"q": b64(q), "k": b64(q), "v": b64(q)}).encode()
     nested_body = json.dumps({"q": _nested(q), "k": _nested(q), "v": _nested(q)}).encode()
-    factor = lambda body: admission.parse_charge(bytearray(body)) / len(body)
-    assert factor(b64_body) <= admission.STRING_FACTOR + 0.01
-    assert admission.STRING_FACTOR < factor(nested_body) < admission.PARSE_FACTOR / 2
+    factor = lambda body: parse_charge(bytearray(body)) / len(body)
+    assert factor(b64_body) <= charge.STRING_FACTOR + 0.01
+    assert charge.STRING_FACTOR < factor(nested_body) < charge.PARSE_FACTOR / 2
     header = b'{"inputs":[]}'
     binary = header + q.tobytes()
-    assert admission.parse_charge(binary, len(header)) == pytest.approx(q.nbytes, rel=0.01)
+    assert parse_charge(binary, len(header)) == pytest.approx(q.nbytes, rel=0.01)
     for name in ("b64_empty_objects", "rows1", "rows3_ragged_end", "nested_zeros"):
         body = CATALOGUE[name](2**20)
-        assert admission.parse_charge(body) == admission.PARSE_FACTOR * len(body), name
+        assert parse_charge(body) == charge.PARSE_FACTOR * len(body), name
 
 
 def test_a_body_in_memory_is_charged_by_what_it_holds(settings, rng):
@@ -316,7 +327,7 @@ def test_a_body_in_memory_is_charged_by_what_it_holds(settings, rng):
     app = create_app(
         replace(settings, max_inflight_bytes=len(data) * 20)
     )  # under PARSE_FACTOR x, above the b64 charge and its working bytes
-    client, gate = app.test_client(), services(app).gate
+    client, gate = app.test_client(), services(app).admission
     held = gate.enter(1)
     try:
         send = lambda **extra: client.post("/attention", data=data, content_type="application/json", **extra)
@@ -329,6 +340,55 @@ def test_a_body_in_memory_is_charged_by_what_it_holds(settings, rng):
     assert (gate.admitted, gate.bytes) == (0, 0)
 
 
+def test_the_binary_header_lowers_no_charge_at_the_native_door(settings, rng):
+    """The native door parses the whole body as JSON, whatever Inference-Header-Content-Length
+    says: with that header (0: "all of it is binary") a body is still charged as JSON, so a body
+    whose JSON parse would take the worker past ATTN_MAX_INFLIGHT_BYTES beside another request is
+    503, as without the header. (It was charged 1x, the binary rate, and admitted: the bound below
+    holds the body at that rate and then the job's working bytes.)"""
+    from service.transport import BODY_KEY
+
+    q = _nested(rng.standard_normal((16, 64)))
+    data = json.dumps({"q": q, "k": q, "v": q, "return_weights": False}).encode()
+    working = AttentionRequest(settings).load(json.loads(data)).working_bytes()
+    bound = 1 + len(data) + max(len(data), working) + 10  # another request's byte, the body, then its binary charge or its job
+    assert 1 + len(data) + parse_charge(data) > bound >= 1 + len(data) + parse_charge(data, 0)
+    app = create_app(replace(settings, max_inflight_bytes=bound))
+    client = app.test_client()
+    gate = services(app).admission
+    held = gate.enter(1)
+    try:
+        send = lambda **headers: client.post(
+            "/attention", data=data, content_type="application/json", headers=headers, environ_overrides={BODY_KEY: bytearray(data)}
+        )
+        for headers in ({}, {"Inference-Header-Content-Length": "0"}):
+            r = send(**headers)
+            assert r.status_code == 503 and "parse" in r.json["error"]["message"], (headers, r.json)
+    finally:
+        held.release()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+    r = client.post("/attention", data=data, content_type="application/json", environ_overrides={BODY_KEY: bytearray(data)})
+    assert r.status_code == 200  # alone, it is admitted
+
+
+def test_the_v2_door_charges_its_binary_tensors_their_size(rng):
+    """At /v2 the header says where the JSON ends: the JSON header is charged as JSON, the binary
+    tensors after it their own size (the split the door really makes); a header the door refuses
+    unparsed (past the body) leaves the whole body charged as JSON."""
+    from flask import Flask
+
+    from service.web import kserve
+
+    bare = Flask(__name__)  # a request's headers, without the app's hooks
+    head = json.dumps({"inputs": [{"name": "q", "datatype": "FP32", "shape": [4, 8], "parameters": {"binary_data_size": 128}}]}).encode()
+    body = bytearray(head + rng.standard_normal(32).astype(np.float32).tobytes())
+    for header, charged in ((str(len(head)), parse_charge(body, len(head))), (None, parse_charge(body)), ("99999", parse_charge(body))):
+        headers = {} if header is None else {"Inference-Header-Content-Length": header}
+        with bare.test_request_context("/v2/models/attention/infer", method="POST", headers=headers):
+            assert kserve.body_charge(body) == charged
+    assert parse_charge(body, len(head)) < parse_charge(body)
+
+
 # --- admission by predicted wait -----------------------------------------------------------------
 
 
@@ -337,46 +397,61 @@ def _busy_slots(gate, predicted_ms: float) -> list:
     held = []
     for _ in range(gate.max_inflight):
         ticket = gate.enter(0)
-        ticket.reserve(0, predicted_ms)
-        assert ticket.take_slot()
+        ticket.admit(WORK, 0)
+        assert ticket.running
+        ticket.predicted_ms = predicted_ms
         held.append(ticket)
     return held
 
 
 def test_the_wait_ahead_is_the_predicted_work_over_the_slots():
-    gate = admission.Gate(max_inflight=2, max_queue=8, max_bytes=1_000)
+    gate = gate_of(max_inflight=2)
     assert gate.wait_ms() == 0
     held = _busy_slots(gate, 4_000)
-    queued = gate.enter(0)
-    queued.reserve(0, 2_000)
-    assert 4_000 < gate.wait_ms() <= (4_000 * 2 + 2_000) / 2  # computing: what remains of theirs
-    assert not queued.take_slot() or gate.waiting  # no slot is free
-    for ticket in [*held, queued]:
+    assert 3_000 < gate.wait_ms() <= 4_000  # computing: what remains of theirs
+    queued, got = gate.enter(0), []
+    gate.predict = lambda *_: 2_000.0
+    thread = threading.Thread(target=lambda: got.append(queued.admit(WORK, 0)))
+    thread.start()
+    wait_until(lambda: gate.waiting == 1, timeout=HANG, interval=0.01)  # no slot is free: it waits
+    assert 4_000 < gate.wait_ms() <= (4_000 * 2 + 2_000) / 2
+    for ticket in held:
         ticket.release()
+    thread.join(HANG)
+    assert got == [None] and queued.running and queued.waited_ms > 0
+    queued.release()
     assert gate.wait_ms() == 0 and (gate.admitted, gate.bytes) == (0, 0)
 
 
 def test_a_free_slot_goes_to_the_job_that_waits_first():
-    gate = admission.Gate(max_inflight=1, max_queue=8, max_bytes=1_000)
+    """First come, first served: a job waiting for a slot gets the one freed before a newcomer,
+    whether the newcomer waits or arrives just as it is freed."""
+    gate = gate_of(predicted_ms=100)
     (running,) = _busy_slots(gate, 100)
-    waiter, got = gate.enter(0), []
-    waiter.reserve(0, 100)
-    thread = threading.Thread(target=lambda: got.append(waiter.wait_for_slot(HANG)))
-    thread.start()
+    order = []
+
+    def admit(name):
+        ticket = gate.enter(0)
+        ticket.admit(WORK, 0)
+        order.append(name)
+        return ticket
+
+    first = threading.Thread(target=lambda: order.append(admit("first").release()))
+    first.start()
     wait_until(lambda: gate.waiting == 1, timeout=HANG, interval=0.01)
-    late = gate.enter(0)
-    late.reserve(0, 100)
+    second = threading.Thread(target=lambda: admit("second").release())
+    second.start()
+    wait_until(lambda: gate.waiting == 2, timeout=HANG, interval=0.01)
     running.release()
-    assert not late.take_slot()  # a job waits: a newcomer does not take the slot before it
-    thread.join(HANG)
-    assert got == [True]
-    for ticket in (waiter, late):
-        ticket.release()
+    first.join(HANG)
+    second.join(HANG)
+    assert order[0] == "first" and "second" in order
+    assert (gate.admitted, gate.bytes, gate.waiting) == (0, 0, 0)
 
 
 def test_a_predicted_wait_past_the_bound_is_503_with_retry_after_the_drain(app, client):
     services(app).cost = CostModel(a=0, b=0, c=0)  # the request itself is predicted at 0 ms
-    gate = services(app).gate
+    gate = services(app).admission
     held = _busy_slots(gate, 60_000)  # a minute of work ahead on every slot
     try:
         r = post(client)
@@ -397,7 +472,7 @@ def test_a_predicted_wait_past_the_bound_is_503_with_retry_after_the_drain(app, 
 
 def test_a_short_wait_is_waited_for(app, client):
     services(app).cost = CostModel(a=0, b=0, c=0)
-    gate = services(app).gate
+    gate = services(app).admission
     held = _busy_slots(gate, 200)
     timer = threading.Timer(0.3, lambda: [t.release() for t in held])
     timer.start()
@@ -410,71 +485,49 @@ def test_a_short_wait_is_waited_for(app, client):
     assert (gate.admitted, gate.bytes) == (0, 0)
 
 
-def test_the_answers_send_time_counts_against_the_deadline(app, client):
-    model = services(app).cost = CostModel(a=0, b=0, c=0, respond_ms_per_mb=1e9)  # computed at once, sent in ages
-    r = post(client, **{"X-Deadline-Ms": "5000"})
-    assert r.status_code == 504 and "sending the answer" in r.json["error"]["message"]
-    model.respond_ms_per_mb = 0.0
-    assert post(client, **{"X-Deadline-Ms": "5000"}).status_code == 200
+def test_no_answer_starts_after_its_deadline(app, client, rng, monkeypatch):
+    """A compute predicted in time that ends past the deadline (here made slow on purpose, with no
+    block boundary to stop at) is answered 504, never a late 200; its ticket is given back."""
+    from schemas.jobs import AttentionJob
+
+    services(app).cost = CostModel(a=0, b=0, c=0)  # predicted at about 0 ms: admitted
+    compute, passed = AttentionJob.compute, threading.Event()
+
+    def slow(self, threads=1, pool=None, stop=None):
+        passed.wait(1.0)  # past the deadline below
+        return compute(self, threads, pool, None)
+
+    monkeypatch.setattr(AttentionJob, "compute", slow)
+    r = post(client, **{"X-Deadline-Ms": "500"})
+    assert r.status_code == 504 and r.json["error"]["code"] == "deadline", r.json
+    assert "before its answer could start" in r.json["error"]["message"]
+    assert "compute" in r.headers["Server-Timing"]
+    gate = services(app).admission
+    assert (gate.admitted, gate.bytes) == (0, 0)
+    assert post(client, **{"X-Deadline-Ms": "100000"}).status_code == 200
 
 
-def _sending_at(ms_per_mb: float) -> CostModel:
-    """A model that computes in no time and predicts every send at ms_per_mb, no spread."""
-    model = CostModel(a=0, b=0, c=0, respond_ms_per_mb=ms_per_mb)
-    model.respond_spread = 0.0
-    return model
+def _sample(metric, suffix: str, **labels) -> float:
+    """metric's sample named with suffix (_total, _count) for labels, summed (0 if none yet)."""
+    return sum(s.value for s in metric.collect()[0].samples if s.name.endswith(suffix) and s.labels.items() >= labels.items())
 
 
-def _answer_of_44_kb(rng) -> dict:
-    q = rng.standard_normal((64, 64)).astype(np.float32)
-    return {"q": b64(q), "k": b64(q), "v": b64(q), "return_weights": True}  # out and weights: 43.7 KB of b64
-
-
-def test_an_answer_that_cannot_be_sent_beside_those_sending_is_refused_before_computing(app, client, rng):
-    """The answers the worker is sending share the pipe with a new one: a 44 KB answer at 30 ms per
-    KB takes 1.3 s alone, twice that beside 1 GB still to send, past a 2 s deadline."""
-    services(app).cost = _sending_at(30_000.0)
-    gate = services(app).gate
-    with gate._lock:
-        gate.advance_pipe(30_000.0)
-        gate.pipe.sends.append(Send(10**9))
-    try:
-        r = post(client, _answer_of_44_kb(rng), **{"X-Deadline-Ms": "2000"})
-        assert r.status_code == 504 and "sending the answer" in r.json["error"]["message"], r.json
-        gate.pipe.sends.clear()
-        r = post(client, _answer_of_44_kb(rng), **{"X-Deadline-Ms": "2000"})
-        assert r.status_code == 200
-        r.get_data()
-    finally:
-        gate.pipe.sends.clear()
-
-
-def test_an_answer_that_would_make_one_being_sent_late_is_503(app, client, rng):
-    """An answer computed while another is being sent starts sending only if the other still makes
-    its own deadline beside it: first come, first served, as in the compute queue. Here the one
-    sending (40 KB at 30 ms per KB: 1.2 s alone) is due within 1.5 s; a 44 KB answer beside it
-    would take it past that."""
-    services(app).cost = _sending_at(30_000.0)
-    gate = services(app).gate
-    with gate._lock:
-        gate.advance_pipe(30_000.0)
-        sending = Send(40_000, deadline=time.perf_counter() + 1.5)
-        gate.pipe.sends.append(sending)
-    try:
-        r = post(client, _answer_of_44_kb(rng), **{"X-Deadline-Ms": "60000"})
-        assert r.status_code == 503 and r.json["error"]["code"] == "overloaded", r.json
-        assert "would make 1 of the 1 answers" in r.json["error"]["message"] and int(r.headers["Retry-After"]) >= 1
-        assert gate.pipe.sends == [sending] and (gate.admitted, gate.bytes) == (0, 0)
-    finally:
-        gate.pipe.sends.clear()
-
-
-def test_the_census_counts_other_workers_answers_sending():
-    table = census.Table(rows=2, shared=False)
-    table.put(0, census.SENDING, 3)
-    table.put(0, census.SENDING_BYTES, 5_000_000)
-    assert table.others(1, census.SENDING) == 3 and table.others(1, census.SENDING_BYTES) == 5_000_000
-    assert table.others(0, census.SENDING) == 0
+def test_an_answer_sent_after_its_deadline_is_counted_not_refused(app, client, rng):
+    """The deadline covers the server's work until the answer starts: an answer started in time is
+    sent however long its client takes to read it; /metrics counts the time it took and, past the
+    deadline, one answer late."""
+    q = rng.standard_normal((2, 32, 8))
+    before_late = _sample(metrics.LATE_ANSWERS, "_total", endpoint="/attention")
+    before_sent = _sample(metrics.ANSWER_SEND, "_count", endpoint="/attention")
+    r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)}, **{"X-Deadline-Ms": "1000"})
+    assert r.status_code == 200 and r.is_streamed  # started in time; its body not yet read
+    threading.Event().wait(1.1)  # the client reads it only after the deadline
+    r.get_data()
+    assert _sample(metrics.LATE_ANSWERS, "_total", endpoint="/attention") == before_late + 1
+    assert _sample(metrics.ANSWER_SEND, "_count", endpoint="/attention") > before_sent
+    r = post(client, {"q": b64(q), "k": b64(q), "v": b64(q)}, **{"X-Deadline-Ms": "100000"})
+    r.get_data()
+    assert _sample(metrics.LATE_ANSWERS, "_total", endpoint="/attention") == before_late + 1  # read in time: not late
 
 
 def test_a_deadline_that_passes_mid_compute_stops_it_between_blocks(app, client, rng, monkeypatch):
@@ -499,20 +552,20 @@ def test_a_deadline_that_passes_mid_compute_stops_it_between_blocks(app, client,
     r = post(client, body, **{"X-Deadline-Ms": "300"})
     assert r.status_code == 504 and r.json["error"]["code"] == "deadline" and "Stopped" in r.json["error"]["message"]
     assert len(computed) < blocks
-    gate = services(app).gate
-    assert (gate.admitted, gate.bytes) == (0, 0) and gate._slots.try_take()
-    gate._slots.give()
+    gate = services(app).admission
+    assert (gate.admitted, gate.bytes) == (0, 0) and gate._slots.acquire(blocking=False)
+    gate._slots.release()
 
 
 def test_limits_state_the_admission_policy(client, settings):
     policy = client.get("/limits").json["admission"]
-    assert policy["queue_order"] == settings.queue_order == "edf"
+    assert policy["queue_order"] == "fifo"
     assert policy["max_queue_wait_ms"] == settings.max_queue_wait_ms
     assert policy["compute_slots_per_worker"] == settings.max_inflight
     assert policy["max_inflight_bytes"] == settings.max_inflight_bytes
 
 
-# --- the server's bound: a census shared by the workers (service/web/census.py) -----------------
+# --- the server's bound: a census shared by the workers (service/admission/census.py) -----------
 
 FORK = multiprocessing.get_context("fork")  # a worker is forked from the arbiter that made the table
 HANG = 30.0  # seconds: only ever stops a hang
@@ -588,7 +641,7 @@ def test_server_computing_counts_every_worker(settings, monkeypatch):
     table = census.Table(rows=4)
     monkeypatch.setattr(census, "_shared", table)  # as in a worker forked from the arbiter
     app = create_app(settings)
-    gate = services(app).gate
+    gate = services(app).admission
     assert gate.table is table
     started, stop = FORK.Event(), FORK.Event()
     child = FORK.Process(target=_compute_until, args=(table, started, stop))
@@ -596,33 +649,35 @@ def test_server_computing_counts_every_worker(settings, monkeypatch):
     try:
         assert started.wait(HANG)
         ticket = gate.enter(0)
-        assert ticket.take_slot()
+        ticket.admit(WORK, 0)
+        assert ticket.running
         with app.app_context():
-            assert admission.server_computing() == 2  # this worker's and the other's
+            assert gate.computing() == 2  # this worker's and the other's
         ticket.release()
-        assert admission.server_computing() == 1  # outside a request too
+        assert gate.computing() == 1
     finally:
         stop.set()
         child.join(HANG)
 
 
 def test_without_a_shared_table_server_computing_is_this_apps_count(app, client):
-    gate = services(app).gate
+    gate = services(app).admission
     assert not gate.table.shared
     ticket = gate.enter(0)
     with app.app_context():
-        assert admission.server_computing() == 0
-        assert ticket.take_slot()
-        assert admission.server_computing() == 1
+        assert gate.computing() == 0
+        ticket.admit(WORK, 0)
+        assert ticket.running
+        assert gate.computing() == 1
     ticket.release()
     with app.app_context():
-        assert admission.server_computing() == 0
+        assert gate.computing() == 0
 
 
 def test_busy_counts_each_workers_admitted_up_to_its_compute_slots():
     """The count the cost model's slowdown is keyed by: what will compute at once in the server."""
     table = census.Table(rows=3, shared=False)
-    gate = admission.Gate(max_inflight=2, max_queue=4, max_bytes=1_000, table=table)
+    gate = gate_of(max_inflight=2, max_queue=4, table=table)
     assert gate.busy() == 0
     ticket = gate.enter(0)
     assert gate.busy() == 1  # the request itself, being read
@@ -634,16 +689,16 @@ def test_busy_counts_each_workers_admitted_up_to_its_compute_slots():
 
 def test_the_gate_refuses_at_the_servers_bound_with_retry_after():
     table = census.Table(rows=4)
-    gate = admission.Gate(max_inflight=1, max_queue=1, max_bytes=1_000, table=table)
+    gate = gate_of(max_inflight=1, max_queue=1, table=table)
     started, stop = FORK.Event(), FORK.Event()
     sibling = FORK.Process(target=_compute_until, args=(table, started, stop, 2))  # holds 1 of its 2
     sibling.start()
     try:
         assert started.wait(HANG)
         held = [gate.enter(0) for _ in range(3)]  # 3 > this worker's own 2: the server's bound is 4
-        with pytest.raises(ApiError) as err:
+        with pytest.raises(Refused) as err:
             gate.enter(0)
-        assert err.value.status == 503 and int(err.value.headers["Retry-After"]) >= 1
+        assert err.value.code == "overloaded" and err.value.retry_after >= 1
         assert "already holds 4" in err.value.message and "x 2 workers" in err.value.message
         held.pop().release()
         gate.enter(0).release()  # room again
@@ -688,7 +743,7 @@ def test_a_draining_worker_draws_no_clients(settings, monkeypatch):
     try:
         assert started.wait(HANG)
         app = create_app(settings)
-        gate = services(app).gate
+        gate = services(app).admission
         held = [gate.enter(0) for _ in range(3)]
         row = next(r for r in range(table.rows) if table.cells[r * census.FIELDS + census.PID] == sibling.pid)
         assert table.busiest_margin(row) == -2 and table.busiest_margin(gate.row) == 2

@@ -18,8 +18,9 @@ import requests
 import tritonclient.http as triton
 
 from schemas import RequestError
+from service.admission import PARSE_FACTOR, Admission, Refused
 from service.config import Settings
-from service.web import admission, compression
+from service.web import compression
 from service.web.app import create_app
 
 from .helpers import WORKED, b64, raw_exchange, serving, wait_until
@@ -131,15 +132,15 @@ def test_a_corrupt_deflate_block_is_bad_compression():
 def test_an_inflating_body_is_charged_to_its_ticket():
     """The admission ticket grows with the inflated body and its parse, and a body that inflates
     past what the worker holds (beside another request's bytes) is 503."""
-    gate = admission.Gate(2, 4, 10_000_000, None)
+    gate = Admission(Settings(max_inflight=2, max_queue=4, max_inflight_bytes=10_000_000), lambda *_: 0.0)
     other = gate.enter(1000)
-    ticket = gate.enter(100, 100 * admission.PARSE_FACTOR)
+    ticket = gate.enter(100, 100 * PARSE_FACTOR)
     before = gate.bytes
     ticket.charge_body(50)  # below what its Content-Length was charged
     assert gate.bytes == before
     ticket.charge_body(1100)
-    assert gate.bytes == before + 1000 * (1 + admission.PARSE_FACTOR)
-    with pytest.raises(RequestError) as err:
+    assert gate.bytes == before + 1000 * (1 + PARSE_FACTOR)
+    with pytest.raises(Refused) as err:
         ticket.charge_body(10_000_000)
     assert err.value.code == "overloaded"
     for t in (ticket, other):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from flask import g
 
+from service.admission import Admission, Deadline
 from service.cost import CostModel, work_of
-from service.web.admission import Gate
 from service.web.context import RequestContext, context, services
 
 from .helpers import post
@@ -34,10 +34,13 @@ def test_a_compute_request_keeps_its_state_in_one_context(client, seen):
     assert keys == {"attention"} and isinstance(ctx, RequestContext)
     assert ctx.request_id == r.headers["X-Request-Id"] == "req-1"
     assert ctx.trace is not None and r.headers["traceparent"] == ctx.trace.traceparent()
-    assert ctx.deadline_ms == 10000.0 and ctx.error_code is None
-    assert ctx.job is not None and ctx.work == work_of(ctx.job)
-    assert r.json["cost"]["predicted_ms"] == round(ctx.predicted_ms, 3)
+    assert ctx.deadline == Deadline(10000.0, ctx.arrived + 10.0) and ctx.error_code is None
+    ticket = ctx.ticket  # admission's facts about the job live on its ticket
+    assert ctx.job is not None and ticket is not None and ticket.work == work_of(ctx.job)
+    assert ticket.stop is not None and not ticket.stop()  # the core's hook, by the deadline
+    assert r.json["cost"]["predicted_ms"] == round(ticket.predicted_ms, 3)
     assert {"decode", "validate", "compute"} <= set(ctx.phases)
+    assert [name for name, _, _ in ctx.timeline] == list(ctx.phases)  # each phase timed once, in order
 
 
 def test_an_error_answer_names_its_code_and_field_in_the_context(client, seen):
@@ -46,19 +49,19 @@ def test_an_error_answer_names_its_code_and_field_in_the_context(client, seen):
     [(keys, ctx)] = seen
     assert keys == {"attention"}
     assert (ctx.error_code, ctx.error_field) == (r.json["error"]["code"], r.json["error"]["field"]) == ("bad_option", "scale")
-    assert ctx.job is None and ctx.predicted_ms is None
+    assert ctx.job is None and ctx.ticket is not None and ctx.ticket.work is None  # admitted to be read, refused before admit()
 
 
 def test_a_request_without_compute_has_a_context_too(client, seen):
     assert client.get("/healthz").status_code == 200
     [(keys, ctx)] = seen
-    assert keys == {"attention"} and ctx.job is None and ctx.admission is None
+    assert keys == {"attention"} and ctx.job is None and ctx.ticket is None and ctx.deadline is None
 
 
 def test_the_apps_state_is_one_services_object(app, settings):
     held = services(app)
     assert held.settings is settings
-    assert isinstance(held.cost, CostModel) and isinstance(held.gate, Gate)
+    assert isinstance(held.cost, CostModel) and isinstance(held.admission, Admission)
     assert held.readiness() == "ready"  # warmup=False
     held.draining = True
     assert held.readiness() == "draining"

@@ -123,13 +123,11 @@ def test_the_slowdown_follows_the_load_and_stays_at_least_one():
 def test_admit_predicts_at_the_load_it_admits_into_and_run_teaches_by_the_same_count(app, client, monkeypatch):
     """admit() multiplies the alone-time by the slowdown at the count of busy requests; run() gives
     observe() that count, the wall time and the thread's CPU time."""
-    from service.web import admission
-
     model = services(app).cost
-    monkeypatch.setattr(admission, "server_busy", lambda: 4)
+    monkeypatch.setattr(services(app).admission, "busy", lambda: 4)
     monkeypatch.setattr(model, "contention", lambda busy: {4: 2.5}[busy])
     seen = []
-    monkeypatch.setattr(model, "observe", lambda work, ms, cpu_ms, busy, threads: seen.append((work, ms, cpu_ms, busy)))
+    monkeypatch.setattr(model, "observe", lambda work, ms, cpu_ms, busy, threads, predicted: seen.append((work, ms, cpu_ms, busy)))
     r = client.post("/attention", json={"q": [[1.0, 0.0], [0.0, 1.0]], "k": [[1.0, 0.0], [0.0, 1.0]], "v": [[1.0, 2.0], [3.0, 4.0]]})
     assert r.status_code == 200
     [(work, ms, cpu_ms, busy)] = seen
@@ -515,49 +513,18 @@ def test_observations_that_swamp_the_ridge_leave_a_fit_not_an_error(monkeypatch)
     assert np.isfinite(theta).all() and (theta >= 0).all() and model.predict(work) >= 0
 
 
-def test_the_respond_rate_is_learned_from_answers_large_enough_to_tell():
-    """respond_ms_per_mb follows the pipe's rate answers saw (their bytes over their share of it):
-    the first answer's replaces the calibrated rate, then a running geometric mean; answers too
-    small for their bytes to dominate teach nothing."""
-    from service.cost.model import RESPOND_MIN_BYTES
-
-    model = CostModel(respond_ms_per_mb=1.0)
-    model.observe_respond(RESPOND_MIN_BYTES - 1, 1e6)  # fixed costs, not bytes
-    assert model.respond_ms_per_mb == 1.0 and model.responds_seen == 0
-    assert model.respond_bound() > 5.0  # no answer seen: the spread is taken as wide
-    model.observe_respond(4_000_000, 8.0)  # the first answer replaces the calibrated rate
-    assert model.respond_ms_per_mb == pytest.approx(2.0) and model.respond_bound() > 2.0
-    for _ in range(100):
-        model.observe_respond(4_000_000, 40.0)  # 10 ms per MB
-    assert model.respond_ms_per_mb == pytest.approx(10.0, rel=0.01)
-    assert model.respond_bound() == pytest.approx(10.0, rel=0.01)  # a steady rate: no spread left
-    assert model.coefficients()["respond_ms_per_MB"] == pytest.approx(10.0, rel=0.01)
-
-
-def test_the_respond_bound_covers_all_but_a_few_answers_of_a_varying_rate():
-    """Admission predicts sends by respond_bound(): above the mean by the spread of what answers
-    saw, so that few are slower than predicted; the spread fades once the rate is steady."""
+def test_the_spread_of_measured_over_predicted_is_measured():
+    """What admission reads is the prediction itself (its centre), and how measurements fall around
+    it is measured: a lognormal ratio's median and 98th percentile come out as its own."""
     rng = np.random.default_rng(3)
     model = CostModel()
-    seen = np.exp(rng.normal(np.log(5.0), 0.4, 2000))  # ms per MB, lognormal
-    above = 0
-    for i, rate in enumerate(seen):
-        if i >= 100:  # once learned: how many answers were slower than the bound predicted
-            above += rate > model.respond_bound()
-        model.observe_respond(1_000_000, float(rate))
-    assert model.respond_bound() > model.respond_ms_per_mb
-    assert above / (len(seen) - 100) < 0.05
-    for _ in range(200):
-        model.observe_respond(1_000_000, 5.0)
-    assert model.respond_bound() == pytest.approx(5.0, rel=0.01)
-
-
-def test_answer_bytes_follow_the_encoding(rng):
-    from schemas import AttentionJob
-    from service.cost import answer_bytes
-
-    q = rng.standard_normal((2, 16, 8)).astype(np.float32)
-    job = lambda encoding, weights: AttentionJob(q, q, q, None, False, None, None, weights, encoding)
-    assert answer_bytes(job("b64", False)) == q.nbytes * 4 // 3
-    assert answer_bytes(job("b64", True)) == (q.nbytes + 2 * 16 * 16 * 4) * 4 // 3
-    assert answer_bytes(job("nested", False)) > answer_bytes(job("b64", False)) * 2
+    work, alone = synthetic(20.0, 3.0, 0.3)[5]
+    assert model.spread()["computes_seen"] == 0
+    for ratio in np.exp(rng.normal(np.log(1.2), 0.2, 2000)):
+        model.observe(work, alone * ratio, predicted_ms=alone)
+    spread = model.coefficients()["prediction_spread"]
+    assert spread["computes_seen"] == 2000
+    assert spread["measured_over_predicted_median"] == pytest.approx(1.2, rel=0.15)
+    assert spread["measured_over_predicted_p98"] == pytest.approx(1.2 * math.exp(2.05 * 0.2), rel=0.2)
+    model.observe(work, alone, predicted_ms=0.0)  # nothing predicted: nothing to compare
+    assert model.spread()["computes_seen"] == 2000

@@ -341,7 +341,7 @@ def test_in_the_app_a_body_of_exactly_the_limit_keeps_its_refusal(status):
         503: {"Authorization": f"Bearer {KEY}"},
         504: {"Authorization": f"Bearer {KEY}", "X-Deadline-Ms": "0.001"},
     }[status]
-    held = services(app).gate.enter(0) if status == 503 else None  # the server's one place: the next is 503
+    held = services(app).admission.enter(0) if status == 503 else None  # the server's one place: the next is 503
     try:
         client = app.test_client()
         for n, expected in ((999, status), (1000, status), (1001, 401 if status == 401 else 413)):

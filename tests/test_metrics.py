@@ -14,7 +14,8 @@ from prometheus_client import REGISTRY
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.web.metrics import METHODS, method_label, t_bucket, when_sent
+from service.web.http import when_sent
+from service.web.metrics import METHODS, method_label, t_bucket
 
 from .helpers import WORKED, b64, start_server, stop_server, wait_for_workers, wait_until
 

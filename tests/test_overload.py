@@ -27,6 +27,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .helpers import all_ready, big_body, start_server, stop_server, wait_for_workers, wait_until
 
+# The wait bound (ATTN_MAX_QUEUE_WAIT_MS) refuses by predicted time, which a busy machine stretches:
+# where a test's promise is about counts (the server's cap, placement), the bound is set out of reach,
+# so that what it asserts does not depend on how fast the machine is.
+NO_WAIT_BOUND = {"ATTN_MAX_QUEUE_WAIT_MS": "600000"}
+
 
 def burst(url: str, body: bytes, n: int, pids: set[int] = frozenset()) -> dict:
     """n concurrent POSTs of body, each on its own connection, while /healthz is polled every
@@ -100,9 +105,9 @@ def summary(result: dict) -> str:
 
 @pytest.mark.live
 def test_a_burst_of_128_small_requests_is_queued_and_all_served():
-    """128 T=64 requests at once, past the old count of places (12) but each a few milliseconds: the
-    predicted wait of the last is far within ATTN_MAX_QUEUE_WAIT_MS, so every one waits its turn."""
-    proc, url = start_server({"WEB_CONCURRENCY": "2"})
+    """128 T=64 requests at once, within the server's cap of 132 (2 x (2 + 64)): every one is
+    admitted and waits its turn (the wait bound out of reach: NO_WAIT_BOUND)."""
+    proc, url = start_server({"WEB_CONCURRENCY": "2", **NO_WAIT_BOUND})
     try:
         wait_until(lambda: all_ready(url), timeout=30)
         result = burst(url, big_body(64, weights=False), 128)
@@ -159,8 +164,8 @@ def keep_alive_load(url: str, body: bytes, connections: int, each: int) -> dict:
 def test_keep_alive_clients_get_no_503_while_the_server_has_room():
     """12 keep-alive connections at T=64 on 2 workers: however the kernel placed them (all on one
     worker, when each counted alone, overloaded it), no request is refused, since the server's cap,
-    2 x (2 + 64), is counted over both and the wait of a T=64 request is milliseconds."""
-    proc, url = start_server({"WEB_CONCURRENCY": "2"})
+    2 x (2 + 64), is counted over both (the wait bound out of reach: NO_WAIT_BOUND)."""
+    proc, url = start_server({"WEB_CONCURRENCY": "2", **NO_WAIT_BOUND})
     try:
         wait_until(lambda: all_ready(url), timeout=30)
         assert requests.get(f"{url}/limits", timeout=10).json()["server_slots"] == 132
@@ -173,34 +178,39 @@ def test_keep_alive_clients_get_no_503_while_the_server_has_room():
 
 @pytest.mark.live
 def test_a_crowded_worker_sends_keep_alive_clients_elsewhere():
-    """With its sibling stopped (SIGSTOP: alive, holding nothing), the one worker that accepted 8
-    keep-alive clients holds 3 or more requests than it (worker.PLACEMENT_MARGIN): it answers some POSTs with Connection:
-    close, so that those clients reconnect, and the next connection can land on the sibling. Every
-    request is served."""
-    proc, url = start_server({"WEB_CONCURRENCY": "2"})
+    """With its sibling stopped (SIGSTOP: alive, holding nothing), a worker holding fewer than 3
+    requests more than it (worker.PLACEMENT_MARGIN) keeps its keep-alive clients: one client alone
+    never gets Connection: close. Then 8 clients, each request slow on purpose (one compute slot,
+    T=1024: the others wait admitted meanwhile), so that the worker holds 3 or more whenever a POST
+    arrives but the first: it answers POSTs with Connection: close, so that those clients reconnect,
+    and the next connection can land on the sibling. Every request is served."""
+    proc, url = start_server({"WEB_CONCURRENCY": "2", "ATTN_MAX_INFLIGHT": "1", **NO_WAIT_BOUND})
     try:
         wait_until(lambda: all_ready(url), timeout=30)
         sibling = min(wait_for_workers(proc))
         os.kill(sibling, signal.SIGSTOP)
         try:
-            body, closes, statuses, lock = big_body(256, weights=False), [], {}, threading.Lock()
+            body, statuses, lock = big_body(1024, weights=False), {}, threading.Lock()
 
-            def loop():
+            def loop(closes: list, n: int):
                 with requests.Session() as session:
-                    for _ in range(20):
+                    for _ in range(n):
                         r = session.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)
                         with lock:
                             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
                             closes.append(r.headers.get("Connection", "").lower() == "close")
 
-            threads = [threading.Thread(target=loop) for _ in range(8)]
+            alone: list[bool] = []
+            loop(alone, 5)
+            crowded: list[bool] = []
+            threads = [threading.Thread(target=loop, args=(crowded, 10)) for _ in range(8)]
             [t.start() for t in threads]
             [t.join() for t in threads]
         finally:
             os.kill(sibling, signal.SIGCONT)
-        print(f"\n{sum(closes)} of {len(closes)} answers said Connection: close")
-        assert statuses == {200: 160}, statuses
-        assert any(closes) and not all(closes)
+        print(f"\nalone: {sum(alone)} of {len(alone)} answers said Connection: close; crowded: {sum(crowded)} of {len(crowded)}")
+        assert statuses == {200: 85}, statuses
+        assert not any(alone) and any(crowded)
     finally:
         stop_server(proc)
 

@@ -1,4 +1,4 @@
-"""The split policy (service/cost/split.py, asked through service/web/parallel.py): a large request alone on the server is computed on
+"""The split policy (service/cost/split.py, asked by admission, service/admission/): a large request alone on the server is computed on
 ATTN_SPLIT_THREADS threads, anything else on one; the decision unit-tested, then through the app
 (the gate's count), then on the real server (its answer equals the in-process core's, bit for bit)."""
 
@@ -11,9 +11,10 @@ import pytest
 import requests
 from prometheus_client import REGISTRY
 
+from service.admission import Admission, census
 from service.core import attention, kernels
 from service.cost import Work, split, threads_for, work_of
-from service.web import admission, census, create_app
+from service.web import create_app
 from service.web.context import services
 
 from .conftest import SMALL
@@ -81,11 +82,12 @@ def test_alone_it_splits_and_answers_as_one_thread(split_app, rng):
 def test_beside_another_request_it_does_not_split(split_app, rng, where):
     """A request admitted and not yet answered, in this worker's gate or in a sibling's that shares
     the server's census, keeps this one on one thread; alone again, it splits."""
-    gate = services(split_app).gate
+    held = services(split_app)
+    gate = held.admission
     if where == "another worker":
         table = census.Table(rows=2, shared=False)  # the server's table, as the arbiter makes it (here in-process)
-        services(split_app).gate = admission.Gate(SMALL.max_inflight, SMALL.max_queue, SMALL.max_inflight_bytes, table)
-        gate = admission.Gate(SMALL.max_inflight, SMALL.max_queue, SMALL.max_inflight_bytes, table)
+        held.admission = Admission(SMALL, gate.predict, count=gate.count, table=table)
+        gate = Admission(SMALL, gate.predict, table=table)
     other = gate.enter(0)
     try:
         before = splits()
@@ -153,13 +155,13 @@ def test_a_request_that_will_split_is_predicted_at_the_split_s_share(split_app, 
     model = services(split_app).cost
     monkeypatch.setattr(model, "split_factor", lambda threads: {1: 1.0, 2: 0.5}[threads])
     taught = []  # the model learns nothing: predictions stay comparable
-    monkeypatch.setattr(model, "observe", lambda work, ms, cpu_ms, busy, threads: taught.append((work, threads)))
+    monkeypatch.setattr(model, "observe", lambda work, ms, cpu_ms, busy, threads, predicted: taught.append((work, threads)))
     r = post(split_app.test_client(), body(rng)[1])
     assert r.status_code == 200, r.json
     [(work, threads)] = taught
     assert threads == 2
     assert r.json["cost"]["predicted_ms"] == pytest.approx(model.predict(work, 1) * 0.5, abs=1e-3)
-    other = services(split_app).gate.enter(0)  # another request admitted: no split
+    other = services(split_app).admission.enter(0)  # another request admitted: no split
     try:
         r = post(split_app.test_client(), body(rng)[1])
     finally:

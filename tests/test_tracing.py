@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from service.config import Settings
+from service.web import spans as otel
 from service.web import tracing
 
 from .helpers import ROOT, WORKED, post, serving, wait_until
@@ -62,7 +63,7 @@ VALID = f"00-{TRACE_ID}-{PARENT_ID}-01"
     ],
 )
 def test_parse_traceparent(value, parsed):
-    assert tracing.parse_traceparent(value) == parsed
+    assert otel.parse_traceparent(value) == parsed
 
 
 def test_a_valid_traceparent_is_continued(client):
@@ -76,13 +77,13 @@ def test_a_valid_traceparent_is_continued(client):
 def test_a_bad_traceparent_starts_a_new_trace(client, bad):
     r = post(client, WORKED, headers={"traceparent": bad})
     assert r.status_code == 200
-    parsed = tracing.parse_traceparent(r.headers["traceparent"])
+    parsed = otel.parse_traceparent(r.headers["traceparent"])
     assert parsed is not None and parsed[0] != TRACE_ID and parsed[2] == "00"
 
 
 def test_every_answer_carries_a_traceparent(client):
     for r in (client.get("/healthz"), client.get("/nowhere"), post(client, b"{", path="/attention")):
-        assert tracing.parse_traceparent(r.headers["traceparent"]) is not None
+        assert otel.parse_traceparent(r.headers["traceparent"]) is not None
 
 
 @pytest.mark.parametrize(
@@ -202,5 +203,5 @@ def test_an_exporter_that_is_not_installed_turns_tracing_off(caplog):
     """OTEL_TRACES_EXPORTER naming an exporter whose package is missing: a warning, and no
     provider, so no spans are made."""
     with caplog.at_level("WARNING", logger="service"):
-        assert tracing._provider(("no_such_exporter",)) is None
+        assert otel._provider(("no_such_exporter",)) is None
     assert "no_such_exporter" in caplog.text

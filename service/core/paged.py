@@ -74,7 +74,7 @@ def paged_attention(
     last = -(-end // P)
     per = max(1, scratch_elements // (Hkv * rows * P))
     weights = np.zeros((Hkv, rows, S), dtype) if return_weights else None
-    out, lse = np.zeros((Hkv, rows, dv), dtype), np.full((Hkv, rows), np.finfo(dtype).min, dtype)
+    out, lse = None, None
     chunks: list[tuple[int, int, np.ndarray]] = []  # (first key, last key + 1, lse) of each chunk's weights
     for c0 in range(first, last, per):
         if stop is not None and stop():
@@ -83,7 +83,9 @@ def paged_attention(
         o_c, lse_c = _chunk(qs, runs, c0, c1, S, T, t, upper, lower, slopes, weights)
         if weights is not None:
             chunks.append((c0 * P, min(S, c1 * P), lse_c))
-        out, lse = _merge(out, lse, o_c, lse_c)
+        out, lse = (o_c, lse_c) if out is None or lse is None else _merge(out, lse, o_c, lse_c)
+    if out is None or lse is None:  # no page any row may see
+        out, lse = np.zeros((Hkv, rows, dv), dtype), np.full((Hkv, rows), np.finfo(dtype).min, dtype)
     if weights is not None:
         for k0, k1, lse_c in chunks:  # each chunk's weights were normalised by its own sum
             weights[:, :, k0:k1] *= np.exp(lse_c - lse, where=lse > np.finfo(dtype).min, out=np.zeros_like(lse))[..., None]
@@ -124,19 +126,22 @@ def _chunk(qs, runs, c0, c1, S, T, t, upper, lower, slopes, weights) -> tuple[np
     with np.errstate(over="ignore", invalid="ignore"):
         for j, k, _ in pieces:
             np.matmul(qs, k.transpose(0, 1, 3, 2), out=sc[j : j + k.shape[0]])
-        pos = (np.arange(c0 * P, c1 * P).reshape(n, 1, 1, P)).astype(np.int64)  # each column's key position
         if slopes is not None:
+            pos = np.arange(c0 * P, c1 * P).reshape(n, 1, 1, P)  # each column's key position
             sc -= slopes * np.abs(t + (S - T) - pos).astype(dtype)
-        hidden = pos >= S
-        if upper is not None:
-            hidden = hidden | (pos > t + upper)
-        if lower is not None:
-            hidden = hidden | (pos < t + lower)
-        if hidden.any():
-            np.copyto(sc, -np.inf, where=hidden)
+        # Only the pages at the chunk's ends may hide a key from a row (past S, the causal limit, a
+        # window's far side): every row sees keys T - 1 + lower .. min(S - 1, upper) (row t sees
+        # t + lower .. t + upper). Those pages are masked; the run between them is left alone.
+        lo = 0 if lower is None else T - 1 + lower
+        hi = S - 1 if upper is None else min(S - 1, upper)
+        a = min(n, max(0, -(-lo // P) - c0))  # the chunk's first page whose keys all rows see
+        b = max(a, min(n, (hi + 1) // P - c0))  # ... and the page after its last
+        for j0, j1 in ((0, a), (b, n)):
+            if j0 < j1:
+                np.copyto(sc[j0:j1], -np.inf, where=_hidden(c0 + j0, c0 + j1, P, S, t, upper, lower))
         top = sc.max(axis=(0, 3))  # (Hkv, rows)
         if not np.isfinite(top).all():
-            seen = (~np.broadcast_to(hidden, sc.shape)).any(axis=(0, 3))
+            seen = (~np.broadcast_to(_hidden(c0, c1, P, S, t, upper, lower), sc.shape)).any(axis=(0, 3))
             if (np.isnan(top) | np.isposinf(top) | (np.isneginf(top) & seen)).any():
                 raise ScoreOverflow(dtype)
             top[np.isneginf(top)] = 0  # a row with no key here: exp(-inf) = 0 for all of it
@@ -161,6 +166,17 @@ def _chunk(qs, runs, c0, c1, S, T, t, upper, lower, slopes, weights) -> tuple[np
             k1 = min(S, k0 + P)
             np.divide(e[j, :, :, : k1 - k0], norm[..., None], out=weights[:, :, k0:k1])
     return o, lse
+
+
+def _hidden(p0: int, p1: int, P: int, S: int, t: np.ndarray, upper: int | None, lower: int | None) -> np.ndarray:
+    """Which keys of pages p0 .. p1 - 1 each row may not see: (p1 - p0, 1, rows, P), or (.., 1, P)."""
+    pos = np.arange(p0 * P, p1 * P).reshape(p1 - p0, 1, 1, P)
+    hidden = pos >= S
+    if upper is not None:
+        hidden = hidden | (pos > t + upper)
+    if lower is not None:
+        hidden = hidden | (pos < t + lower)
+    return hidden
 
 
 def _merge(out: np.ndarray, lse: np.ndarray, o_c: np.ndarray, lse_c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -3,12 +3,10 @@ blocks counts (plan, the one place that asks the core), the fit that predicts co
 learns from measured computes (model), its start-up calibration, and the split policy (split).
 
 The interface is CostModel.predict(work, busy, threads) and CostModel.observe(work, ms, ...),
-with work_of(job) and threads_for(work, ...); answer_bytes(job), CostModel.respond_ms_per_mb and
-observe_respond(...) for the rate at which answers are encoded and sent. Knows nothing of the web
-(an import-linter contract)."""
+with work_of(job) and threads_for(work, ...). Knows nothing of the web (an import-linter contract)."""
 
 from .calibration import median_ms
-from .features import EXTRA_COST, Work, answer_bytes, work_of
+from .features import EXTRA_COST, Work, work_of
 from .model import FORMULA, MAX_PULL, CostModel, contention
 from .split import MIN_FLOPS, threads_for
 
@@ -21,7 +19,6 @@ __all__ = [
     "Work",
     "contention",
     "median_ms",
-    "answer_bytes",
     "threads_for",
     "work_of",
 ]

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import socket
 import statistics
-import threading
 import time
 
 from schemas import AttentionJob, MhaJob
-from service import wire
 
 # (dtype, shape, kind): attention shapes are (B, H, T, d), S = T (S = 1 for "one key"); mha is (n, d, heads).
 CALIBRATION = [
@@ -41,42 +38,6 @@ def probe(rng, dtype: str, shape: tuple, kind: str) -> AttentionJob | MhaJob:
     k, v = (rng.standard_normal((B, H, 1 if kind == "one key" else T, d)).astype(dtype) for _ in range(2))
     causal, weights = ("top_left", False) if kind == "causal, no weights" else (False, True)
     return AttentionJob(q, k, v, None, causal=causal, key_lengths=None, scale=None, return_weights=weights, encoding="b64")
-
-
-def receive_and_parse(body: bytes) -> None:
-    """Send body through a local socket pair, receive it in 1 MiB reads and decode it."""
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        thread = threading.Thread(target=sender.sendall, args=(body,))
-        thread.start()
-        buf = bytearray(len(body))
-        view, got = memoryview(buf), 0
-        while got < len(buf):
-            got += receiver.recv_into(view[got : got + 2**20])
-        view.release()
-        thread.join()
-    wire.decode(wire.loads(buf)["q"])
-
-
-def encode_and_send(arr) -> int:
-    """Encode arr as a b64 answer, chunk by chunk as the server sends one, through a local socket
-    pair read by another thread; the bytes sent."""
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        received = []
-
-        def read() -> None:
-            while chunk := receiver.recv(2**20):
-                received.append(len(chunk))
-
-        thread = threading.Thread(target=read)
-        thread.start()
-        data, _ = wire.dump_chunks({"out": wire.encode(arr, "b64", lazy=True)})
-        for chunk in [data] if isinstance(data, bytes) else data:
-            sender.sendall(chunk)
-        sender.shutdown(socket.SHUT_WR)
-        thread.join()
-    return sum(received)
 
 
 def median_ms(run, min_runs: int = 3, min_ms: float = 30.0, max_runs: int = 25, clock=time.perf_counter) -> float:

@@ -32,25 +32,6 @@ ZEROED_WEIGHT_SHARE = 0.5
 KEY_ELEMENT_WEIGHT = 0.3
 
 
-# Bytes on the wire per number of an answer: b64 is 4/3 of the raw bytes; JSON text (nested, flat)
-# writes a float32 in about 10-12 characters and a comma, a float64 in about 20 (shortest round-trip
-# repr, as orjson writes them), a float16 in about 7. An estimate: the respond rate is learned
-# against it (CostModel.observe_respond), so its bias is learned too.
-TEXT_BYTES_PER_NUMBER = {2: 8, 4: 12, 8: 20}
-
-
-def answer_bytes(job: Job) -> int:
-    """The bytes of the job's answer on the wire, about: out and the weights in the job's encoding
-    (/v2's binary outputs are counted as b64, a third more than they are)."""
-    out_itemsize, w_itemsize = job.itemsize, job.weights_itemsize
-    if job.encoding == "b64":
-        raw = job.output_elements * out_itemsize + job.weights_elements * w_itemsize
-        return raw * 4 // 3
-    return job.output_elements * TEXT_BYTES_PER_NUMBER.get(out_itemsize, 20) + job.weights_elements * TEXT_BYTES_PER_NUMBER.get(
-        w_itemsize, 20
-    )
-
-
 @dataclass(frozen=True)
 class Work:
     """What the cost model reads of a job: the arithmetic the numeric core actually does.

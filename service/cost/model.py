@@ -51,22 +51,11 @@ alone, split over the idle cores (split.py), is not fed to the fit: it is predic
 thread's time x split_factor(threads), the running mean of the share of that time splits have
 taken.
 
-It also measures the fastest this machine receives and parses a request body (a b64 body through
-a local socket): a deadline shorter than that is refused before the body is even read.
-
-And the rate at which the server's answers are encoded and sent, in ms per MB (respond_ms_per_mb):
-the pipe the answers sending at once share (the web layer's sending.py, which predicts from it when
-an answer's last byte will have been written; X-Deadline-Ms is end to end). First timed at
-calibration (a b64 answer encoded through a local socket: this machine's own part, the clients'
-reading not yet seen), then the running mean of what answers of at least RESPOND_MIN_BYTES saw
-(observe_respond: an answer's bytes over its share of the pipe), so that a slow network, slow
-clients or a busy machine are learned. The first answer replaces the calibrated rate, which cannot
-have seen a client read. The rate answers see varies from one to the next (how fast each client
-reads, what else the cores do), and an answer predicted too fast is sent after its deadline, one
-predicted too slow only refused: admission reads respond_bound(), the rate at the running mean of
-its logarithm plus RESPOND_Z running standard deviations, which a lognormal rate exceeds for about
-2% of answers. Until answers have shown their spread, a wide one is assumed
-(RESPOND_PRIOR_SPREAD).
+What admission reads is the prediction itself, the centre of what computes take (the fit of the
+relative error), not a bound above it: a deadline is refused only when the prediction says it
+cannot be met. How far measurements fall from it is measured (observe()'s predicted_ms: the
+running mean and spread of log(measured / predicted), spread(); /limits shows its median and 98th
+percentile, /metrics the attention_cost_prediction_ratio histogram).
 """
 
 from __future__ import annotations
@@ -80,9 +69,8 @@ import time
 import numpy as np
 
 from schemas import COMPUTE_DTYPES
-from service import wire
 
-from .calibration import CALIBRATION, encode_and_send, median_ms, probe, receive_and_parse, timed
+from .calibration import CALIBRATION, median_ms, probe
 from .features import Work, work_of
 
 
@@ -127,17 +115,9 @@ FORMULA = "ms = a*GFLOP + b*M_score_elements + c*blocks + e*M_elements"
 # well within it of their prediction (`pytest -s tests/test_costmodel.py -k calibrated`,
 # bench/README.md), so honest traffic is not cut.
 MAX_PULL = 4.0
-# The least answer whose encode-and-send time teaches the respond rate: below it the time is the
-# response's fixed costs (headers, a syscall or two), not its bytes.
-RESPOND_MIN_BYTES = 256 * 1024
-# Standard deviations of the rate's logarithm above its mean that respond_bound() is: 2.05 is the
-# 98th percentile of a normal distribution, so that at most about 2% of answers are slower.
-RESPOND_Z = 2.05
-# The spread of the rate's logarithm assumed before answers have shown theirs: the calibration
-# timed this machine's part alone, not a client's reading nor other answers beside it, so the
-# first answers are predicted at up to e^(RESPOND_Z x this) times its rate, until the spread seen
-# replaces it (each answer's weight is SLOWDOWN_WEIGHT).
-RESPOND_PRIOR_SPREAD = 1.0
+# Standard deviations of log(measured / predicted) above its mean that spread()'s high end is: 2.05
+# is the 98th percentile of a normal distribution.
+SPREAD_Z = 2.05
 
 
 class _Fit:
@@ -226,17 +206,12 @@ class CostModel:
         *,
         forget: float = 0.99,
         ridge: float = 1e-3,
-        read_ms_per_mb: float = 0.4,
-        respond_ms_per_mb: float = 2.0,
         cores: int | None = None,
     ):
         # Defaults: one core of a 2-core x86 machine, single-threaded BLAS, float32 (float64: twice).
         self._lock = threading.Lock()
         self._fits = {name: _Fit((a * k, b * k, c, e * k), forget, ridge) for name, k in zip(COMPUTE_DTYPES, (1.0, 2.0), strict=True)}
-        self.read_ms_per_mb = read_ms_per_mb  # a lower bound: the fastest a body arrives and is parsed
-        self.respond_ms_per_mb = respond_ms_per_mb  # the answers' pipe: ms per MB on the wire, shared by those sending (learned)
-        self.respond_spread = RESPOND_PRIOR_SPREAD  # the running standard deviation of the logarithm of the rate answers saw
-        self.responds_seen = 0  # answers the respond rate has learned from
+        self._error = (0.0, 0.0, 0)  # log(measured / predicted): running mean, running variance, computes seen
         self.calibrated = False
         self.calibration_s = 0.0
         self.cores = cores if cores is not None else available_cores()  # the contention is threads over these
@@ -280,39 +255,27 @@ class CostModel:
             ms *= self.contention(busy)
         return ms * self.split_factor(threads)
 
-    def read_floor_ms(self, body_bytes: int) -> float:
-        """The least time receiving and parsing a body of this many bytes takes (a b64 body, the
-        fastest kind, through a local socket): what a deadline must allow before compute starts."""
-        return self.read_ms_per_mb * body_bytes / 1e6
+    def spread(self) -> dict:
+        """How measured computes compare with their predictions: the running median and 98th
+        percentile of measured / predicted (a lognormal ratio), over the computes seen."""
+        mean, var, n = self._error
+        return {
+            "measured_over_predicted_median": round(math.exp(mean), 3),
+            "measured_over_predicted_p98": round(math.exp(mean + SPREAD_Z * math.sqrt(var)), 3),
+            "computes_seen": n,
+        }
 
-    def observe_respond(self, answer_bytes: int, ms: float) -> None:
-        """Learn the respond rate from one answer of answer_bytes whose encoding and sending, from
-        the end of its compute to its last byte written, had ms of the pipe (its share of the time,
-        with n answers sending 1/n of it; all of it alone). Answers under RESPOND_MIN_BYTES teach
-        nothing: their time is the response's fixed costs, not their bytes."""
-        if answer_bytes < RESPOND_MIN_BYTES or not (ms > 0 and math.isfinite(ms)):
-            return
-        seen = ms / (answer_bytes / 1e6)
-        with self._lock:
-            if not self.responds_seen or not self.respond_ms_per_mb > 0:  # calibration timed no client's reading
-                self.respond_ms_per_mb = seen
-            else:  # the running mean and variance of the logarithm (exponentially weighted)
-                w, gap = SLOWDOWN_WEIGHT, math.log(seen / self.respond_ms_per_mb)
-                self.respond_ms_per_mb *= math.exp(w * gap)
-                self.respond_spread = math.sqrt((1 - w) * (self.respond_spread**2 + w * gap * gap))
-            self.responds_seen += 1
-
-    def respond_bound(self) -> float:
-        """The respond rate (ms per MB) that about 98% of answers see at most: the running mean's
-        logarithm plus RESPOND_Z standard deviations. What admission predicts sends by."""
-        return self.respond_ms_per_mb * math.exp(RESPOND_Z * self.respond_spread)
-
-    def observe(self, work: Work, ms: float, cpu_ms: float | None = None, busy: float = 1.0, threads: int = 1) -> None:
+    def observe(
+        self, work: Work, ms: float, cpu_ms: float | None = None, busy: float = 1.0, threads: int = 1, predicted_ms: float = 0.0
+    ) -> None:
         """Learn from one measured compute: ms of wall time, cpu_ms of the computing thread's CPU
         time over it (None: ms was measured alone), admitted while busy requests were computing in
         the server or about to (itself included), on threads threads. On one thread the fit learns
         the alone-time, min(cpu_ms, ms), and the slowdown at that count ms / alone-time; a split
-        teaches only split_factor(threads), the fit being one thread's time."""
+        teaches only split_factor(threads), the fit being one thread's time. predicted_ms, what it
+        was admitted on, counts in spread()."""
+        if predicted_ms > 0 and ms > 0 and math.isfinite(ms):
+            self._observe_error(math.log(ms / predicted_ms))
         if threads > 1:
             self._observe_split(work, ms, threads)
             return
@@ -327,6 +290,16 @@ class CostModel:
             if cpu_ms is not None and cpu_ms > 0:
                 n = _level(busy)
                 self._slowdown[n] = _running_mean(self._slowdown.get(n, contention(n, self.cores)), ms / alone)
+
+    def _observe_error(self, gap: float) -> None:
+        """One log(measured / predicted) into the running mean and variance (exponentially weighted)."""
+        with self._lock:
+            mean, var, n = self._error
+            if n == 0:
+                self._error = (gap, 0.0, 1)
+                return
+            w, d = SLOWDOWN_WEIGHT, gap - mean
+            self._error = (mean + w * d, (1 - w) * (var + w * d * d), n + 1)
 
     def _bounded(self, fit: _Fit, x: np.ndarray, ms: float) -> float:
         """ms as the fit is taught it: once calibrated, within MAX_PULL x or 1/MAX_PULL of what
@@ -365,11 +338,6 @@ class CostModel:
         and fit to them; stops early when the budget is spent. The fit then anchors the ridge."""
         rng = np.random.default_rng(seed)
         start = time.perf_counter()
-        body = wire.dumps({"q": wire.encode(rng.standard_normal((8, 256, 256)).astype(np.float32), "b64")})  # 2.8 MB
-        self.read_ms_per_mb = min(timed(lambda: receive_and_parse(body)) for _ in range(3)) / (len(body) / 1e6)
-        answer = rng.standard_normal((8, 256, 256)).astype(np.float32)
-        sent = encode_and_send(answer)  # warm
-        self.respond_ms_per_mb = median_ms(lambda: encode_and_send(answer), max_runs=5) / (sent / 1e6)
         for dtype, shape, kind in CALIBRATION:
             if time.perf_counter() - start > budget_s:
                 break
@@ -396,9 +364,7 @@ class CostModel:
             "formula": FORMULA,
             **{k: fits["float32"][k] for k in "abce"},
             "by_dtype": fits,
-            "read_ms_per_MB": round(self.read_ms_per_mb, 4),
-            "respond_ms_per_MB": round(self.respond_ms_per_mb, 4),
-            "respond_bound_ms_per_MB": round(self.respond_bound(), 4),
+            "prediction_spread": self.spread(),
             "calibrated": self.calibrated,
             "calibration_s": round(self.calibration_s, 3),
             "cores": self.cores,

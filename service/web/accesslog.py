@@ -136,8 +136,8 @@ def install(app: Flask) -> None:
             record["phases"] = {k: round(v, 3) for k, v in phases.items()}
         if (job := ctx.job) is not None:
             record.update(tracing.job_fields(job))
-        if (predicted := ctx.predicted_ms) is not None:
-            record["predicted_ms"] = round(predicted, 3)
+        if (ticket := ctx.ticket) is not None and ticket.work is not None:
+            record["predicted_ms"] = round(ticket.predicted_ms, 3)
         if phases and "compute" in phases:
             record["compute_ms"] = round(phases["compute"], 3)
         record["bytes_in"] = req.content_length

@@ -18,22 +18,23 @@ from service.cost import CostModel
 
 from . import (
     accesslog,
-    admission,
+    admit,
     api,
     auth,
     compression,
+    compute,
     errors,
     http,
     kserve,
     metrics,
     openapi,
     ops,
-    parallel,
     playground,
     sessions,
+    spans,
     tracing,
 )
-from .context import EXTENSION, Services
+from .context import EXTENSION, Services, services
 from .triton_ext import install as install_triton  # importing it adds Triton's extensions' routes to kserve.bp
 
 
@@ -88,16 +89,19 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     app = ServiceFlask("service")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    gate = admission.make_gate(settings)
+
+    def predict(work, busy, threads):  # the app's cost model, whichever it holds now (tests swap it)
+        return services(app).cost.predict(work, busy, threads)
+
     app.extensions[EXTENSION] = Services(
         settings=settings,
         schemas={cls: cls(settings) for cls in (AttentionRequest, MhaRequest, *sessions.SCHEMAS)},
         kserve_schemas=kserve.build_schemas(settings),
         cost=CostModel(),
-        gate=gate,
-        pool=parallel.make_pool(settings),
+        admission=admit.make(settings, predict),
+        pool=compute.make_pool(settings),
         sessions=session_pool.shared() or session_pool.pool_for(settings),  # the arbiter's, shared by the workers
-        spans=tracing.spans_for(settings),
+        spans=spans.spans_for(settings),
         ready=not settings.warmup,  # else ops.warm_up() readies it
     )
     install_triton(app)  # the statistics table's row, the shared-memory registry
@@ -106,7 +110,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     accesslog.install(app)
     metrics.install(app)  # before auth and admission: their refusals are counted too
     auth.install(app)
-    admission.install(app)
+    admit.install(app, charges={kserve.bp: kserve.body_charge})  # the /v2 door parses only its JSON header as JSON
     compression.install(
         app, settings.compress_level, settings.compress_min_bytes, settings.compress_max_bytes, settings.compress_answers
     )  # last: its hook runs first (compression.install)

@@ -7,23 +7,25 @@ A RequestContext is made in one place, begin(), by the app's first before_reques
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flask import Flask, current_app, g
 
-if TYPE_CHECKING:  # annotations only: this module is imported by every other of the web layer
-    from schemas import AttentionJob, MhaJob, SessionBatchJob, SessionStepJob
+if TYPE_CHECKING:  # annotations only; and only of what sits below this module (no cycle: tests/test_layers.py)
+    from flask import Response
+
+    from schemas import AttentionJob, MhaJob, RequestError, SessionBatchJob, SessionStepJob
+    from service.admission import Admission, Deadline, Ticket
     from service.config import Settings
-    from service.cost import CostModel, Work
+    from service.cost import CostModel
     from service.sessions import Pool
     from service.shm import Registry
     from service.stats import Row
 
-    from .admission import Gate, Ticket
-    from .sending import Send
-    from .tracing import Spans, Trace
+    from .spans import Spans, Trace
 
 EXTENSION = "attention"  # app.extensions[EXTENSION]: this app's Services
 _G = "attention"  # flask.g.attention: this request's RequestContext
@@ -37,10 +39,11 @@ class Services:
     schemas: dict[type, Any]  # the native schemas by class (AttentionRequest, MhaRequest, the sessions')
     kserve_schemas: dict[str, Any]  # the Open Inference Protocol's, by model name
     cost: CostModel
-    gate: Gate  # admission: this worker's requests, bytes and compute slots
+    admission: Admission  # this worker's requests, bytes and compute slots (service.admission)
     pool: Executor | None  # the threads a split computation shares (None: splitting is off)
     sessions: Pool  # every session's keys and values (service.sessions): the server's, or this app's own
     spans: Spans | None = None  # OpenTelemetry, when an exporter is configured (tracing)
+    answer_error: Callable[[RequestError], Response] | None = None  # a refusal as its front door answers it (errors.register)
     ready: bool = False  # warm-up done (ops.warm_up)
     draining: bool = False  # SIGTERM came (ops.drain)
     openapi: dict | None = None  # the OpenAPI document, built on first use
@@ -60,38 +63,27 @@ def services(app: Flask | None = None) -> Services:
 
 @dataclass(slots=True)
 class RequestContext:
-    """What one request holds between the hooks and the view that fill and read it."""
+    """What one request is: its id, its clock and phases, its deadline, its trace, its admission
+    ticket, its job, and the error it was answered with. Each field has one writer (named)."""
 
-    t0: float  # time.perf_counter() when the app saw the request: its clock
-    request_id: str  # X-Request-Id, the client's or ours (http.request_id)
-    arrived: float  # time.perf_counter() of its first byte (the transport's STARTED_KEY; else t0): X-Deadline-Ms runs from it
+    t0: float  # time.perf_counter() when the app saw the request: its clock (http)
+    request_id: str  # X-Request-Id, the client's or ours (http)
+    arrived: float  # time.perf_counter() of its first byte, the clock X-Deadline-Ms runs on (http)
     phases: dict[str, float] = field(default_factory=dict)  # phase name -> ms (http.phase)
-    # tracing
-    trace: Trace | None = None
-    span: Any = None  # the OpenTelemetry span, when spans are on; ended once the response is sent
-    spans: list[tuple[str, float, float]] | None = None  # (phase, start, ms) for child spans, when on
-    trace_clock: tuple[int, float] = (0, 0.0)  # (time.time_ns(), perf_counter()) at the span's start
-    # metrics
-    metrics_t0: float | None = None  # set by metrics' before hook, taken by its after or teardown hook
-    # admission and compute
-    deadline_ms: float | None = None  # X-Deadline-Ms
-    admission: Ticket | None = None  # the gate's hold on this request, given back once
-    job: AttentionJob | MhaJob | SessionStepJob | SessionBatchJob | None = None  # the validated job (its shape for the log and the trace)
-    work: Work | None = None  # its work, as the cost model counts it
-    busy: int = 1  # requests busy in the server when it was admitted (the count its slowdown is keyed by)
-    predicted_ms: float | None = None  # the cost model's prediction, made when it was admitted
-    answer_bytes: int = 0  # its answer's predicted bytes on the wire (cost.answer_bytes)
-    stop_at: float | None = None  # perf_counter() past which its answer could not be sent by X-Deadline-Ms
-    send: Send | None = None  # its answer in the worker's pipe of answers sending (sending.py), until written
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (phase, start, ms) as timed (http.phase)
+    deadline: Deadline | None = None  # X-Deadline-Ms (admit)
+    ticket: Ticket | None = None  # its hold on admission, and what admission decided for its job (admit)
+    trace: Trace | None = None  # its place in a trace, and its span when spans are on (tracing)
+    job: AttentionJob | MhaJob | SessionStepJob | SessionBatchJob | None = None  # the validated job (compute)
     shm_read: int = 0  # bytes its inputs in shared memory came to so far (shared_memory.read_input)
-    # an error answer
-    error_code: str | None = None
+    error_code: str | None = None  # the error it was answered with (errors)
     error_field: str | None = None
+    counted: bool = False  # in the in-flight gauges until its answer is sent (metrics)
 
 
-def begin(t0: float, request_id: str) -> RequestContext:
+def begin(t0: float, request_id: str, arrived: float) -> RequestContext:
     """Make this request's context: the first before_request hook's (http.install) alone."""
-    ctx = RequestContext(t0, request_id, t0)
+    ctx = RequestContext(t0, request_id, arrived)
     setattr(g, _G, ctx)
     return ctx
 

@@ -1,8 +1,9 @@
 """The one place where errors become HTTP: every refusal, from any layer, is a RequestError
-(code, message, field); STATUS maps its code to a status, and the front door that served the
-request (its blueprint, a Door) picks the body's shape and may remap statuses: the Open Inference
-Protocol's door answers 400 where the native one answers 422 (PROTOCOL_STATUS). No traceback ever
-leaves the process: unexpected exceptions are logged here and answered with a plain 500."""
+(code, message, field), or admission's Refused (code, message, retry-after); STATUS maps its code
+to a status, and the front door that served the request (its blueprint, a Door) picks the body's
+shape and may remap statuses: the Open Inference Protocol's door answers 400 where the native one
+answers 422 (PROTOCOL_STATUS). No traceback ever leaves the process: unexpected exceptions are
+logged here and answered with a plain 500."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from werkzeug.exceptions import HTTPException
 
 from schemas import RequestError
 from service import wire
+from service.admission import Refused
 
-from .context import context
+from .context import context, services
 
 log = logging.getLogger("service")
 
@@ -187,6 +189,7 @@ def register(app: Flask, doors: dict[Blueprint, Door]) -> None:
     """Install the handlers that turn every failure into its door's error answer; doors gives the
     blueprints that answer otherwise than the native door."""
     responder = Responder(doors)
+    services(app).answer_error = responder.respond
 
     @app.errorhandler(RequestError)
     def _request_error(err: RequestError):
@@ -195,6 +198,12 @@ def register(app: Flask, doors: dict[Blueprint, Door]) -> None:
     @app.errorhandler(ApiError)
     def _api_error(err: ApiError):
         return responder.respond(err, err.headers, err.status)
+
+    @app.errorhandler(Refused)
+    def _refused(refusal: Refused):
+        """Admission's refusals: 503 overloaded (with Retry-After) or 504 deadline."""
+        headers = {"Retry-After": str(refusal.retry_after)} if refusal.retry_after is not None else None
+        return responder.respond(RequestError(refusal.code, refusal.message), headers)
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):

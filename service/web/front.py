@@ -4,7 +4,7 @@ app, handed to it at start (deploy/gunicorn.conf.py, post_worker_init).
 What the app refuses from a request's head alone is refused by the worker as soon as the head is
 in, before the body is read or 100 Continue sent (check_head): a compute request, or one under
 /sessions, without a valid API key (401, auth.py), or a compute request with an X-Deadline-Ms
-that is not a positive number (422, admission.py), in that order, as the app's own hooks would
+that is not a positive number (422, admit.py), in that order, as the app's own hooks would
 (they still check, for a request that reaches the app another way).
 
 The worker's own refusals (408, 413, 431, 400 bad_framing, ..., and heads gunicorn's parser refuses)
@@ -22,7 +22,7 @@ from flask import Flask
 from schemas import RequestError
 from service import transport, wire
 
-from . import accesslog, admission, auth, errors, http, kserve, metrics
+from . import accesslog, admit, auth, errors, http, kserve, metrics
 from .context import services
 
 
@@ -47,7 +47,7 @@ class Front:
     """service.transport.Hooks over app (a create_app() app)."""
 
     def __init__(self, app: Flask):
-        self.app, self.gate = app, services(app).gate
+        self.app, self.admission = app, services(app).admission
         self.log_format = services(app).settings.log_format
         self.keys = services(app).settings.api_keys
 
@@ -60,10 +60,10 @@ class Front:
         if self.keys and not auth.key_ok(authorization, self.keys):
             err = auth.refusal(authorization)
             return transport.Refusal(err.status, err.code, err.message, headers=tuple(err.headers.items()))
-        if method != "POST" or not admission.COMPUTE_PATH.fullmatch(route):
+        if method != "POST" or not admit.COMPUTE_PATH.fullmatch(route):
             return None
         try:
-            admission.parse_deadline(headers.get(b"x-deadline-ms"))
+            admit.parse_deadline(headers.get(b"x-deadline-ms"))
         except RequestError as err:
             return transport.Refusal(errors.status_of(err.code), err.code, err.message, field=err.field)
         return None
@@ -80,9 +80,7 @@ class Front:
         return answer
 
     def margin(self) -> int:
-        table, row = self.gate.table, self.gate.row
-        assert table is not None and row is not None  # a Gate always has its table and row
-        return table.busiest_margin(row)
+        return self.admission.table.busiest_margin(self.admission.row)
 
     def _endpoint(self, path: str, method: str) -> str:
         """The route path is served by, as the app labels it (a bounded label): "unmatched" when

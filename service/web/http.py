@@ -9,7 +9,9 @@ import base64
 import hashlib
 import mmap
 import os
+import threading
 import time
+from collections.abc import Callable
 
 import orjson
 from flask import Flask, Response, request
@@ -17,7 +19,7 @@ from gunicorn.http.errors import NoMoreData, ParseException
 
 from schemas import RequestError
 from service import wire
-from service.transport import BODY_KEY
+from service.transport import BODY_KEY, STARTED_KEY
 
 from . import compression
 from .context import begin, context
@@ -42,10 +44,15 @@ class phase:  # noqa: N801 - used as a function: `with phase("decode"):`
 
     def __exit__(self, *exc) -> None:
         self.ms = (time.perf_counter() - self.start) * 1000
-        ctx = context()
-        ctx.phases[self.name] = ctx.phases.get(self.name, 0.0) + self.ms
-        if ctx.spans is not None:  # OpenTelemetry is on: each phase is also a child span (service.web.tracing)
-            ctx.spans.append((self.name, self.start, self.ms))
+        record(self.name, self.start, self.ms)
+
+
+def record(name: str, start: float, ms: float) -> None:
+    """One phase of this request: ms from start (a perf_counter()), added to its phases (Server-Timing,
+    timing_ms) and its timeline (each a child span when spans are on: tracing)."""
+    ctx = context()
+    ctx.phases[name] = ctx.phases.get(name, 0.0) + ms
+    ctx.timeline.append((name, start, ms))
 
 
 def phases_ms() -> dict[str, float]:
@@ -80,7 +87,7 @@ def read_body() -> bytes | bytearray | mmap.mmap:
         raise RequestError("bad_framing", f"The request body could not be read: {type(exc).__name__}: {exc}.") from None
     if coding is None:
         return body
-    ticket = context().admission
+    ticket = context().ticket
     limit = request.max_content_length or 0  # create_app sets it (ATTN_MAX_BODY_BYTES)
     return compression.inflate(body, coding, limit, ticket.charge_body if ticket is not None else None)
 
@@ -132,6 +139,49 @@ def json_response(body, status: int = 200) -> Response:
     return resp
 
 
+def when_sent(resp: Response, done: Callable[[], None]) -> None:
+    """Call done() once resp's body has been sent: after its last chunk, or when the server closes
+    the response (a client gone, a HEAD request). A response with b64 or large nested tensors
+    streams (they are encoded as they are sent); any other body is built, and held in memory
+    until it has been written, so it ends the same way.
+
+    Several hooks ask this of one response (admission, metrics, the access log, tracing): the
+    first call wraps the body once, later ones join its list, and the callbacks run in the order
+    they were given, each even if one before it raised. One generator between the body and the
+    server, not one per hook."""
+    callbacks = resp.__dict__.get("_when_sent")
+    if callbacks is not None:
+        callbacks.append(done)
+        return
+    callbacks = resp.__dict__["_when_sent"] = [done]
+    once = threading.Lock()
+
+    def finish():
+        if once.acquire(blocking=False):
+            _call_all(callbacks)
+
+    def chunks(body):
+        try:
+            yield from body
+        finally:
+            finish()
+
+    resp.response = chunks(resp.response)
+    resp.call_on_close(finish)
+
+
+def _call_all(callbacks: list[Callable[[], None]]) -> None:
+    """Call each in turn; the first exception, if any, is raised once all have run."""
+    error = None
+    for done in callbacks:
+        try:
+            done()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others ran
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 MAX_REQUEST_ID = 128
 
 
@@ -178,7 +228,10 @@ def install(app: Flask) -> None:
 
     @app.before_request
     def _start():
-        begin(time.perf_counter(), request_id(request.headers.get("X-Request-Id", "")))
+        t0, started = time.perf_counter(), request.environ.get(STARTED_KEY)
+        # The event loop read the body before the app saw the request (its first byte at STARTED_KEY, on the monotonic clock).
+        arrived = t0 if started is None else t0 - max(time.monotonic() - started, 0.0)
+        begin(t0, request_id(request.headers.get("X-Request-Id", "")), arrived)
 
     @app.after_request
     def _headers(resp: Response):

@@ -51,6 +51,7 @@ from schemas.kserve import (
 )
 from schemas.sessions import SequenceStepRequest, step_job
 from service import sessions, wire
+from service.admission import parse_charge
 from service.config import VERSION, Settings
 
 from . import held, shared_memory
@@ -363,14 +364,31 @@ class _Blobs:
             )
 
 
+def _header_size(raw: str | None, n: int) -> int | None:
+    """Inference-Header-Content-Length's JSON header size in a body of n bytes: None without the
+    header, -1 if it is not a size of 0..n."""
+    if raw is None:
+        return None
+    # ASCII digits only: int() also reads "3_53", "+353", " 353" and other scripts' digits.
+    size = int(raw) if raw.isascii() and raw.isdigit() else -1
+    return size if 0 <= size <= n else -1
+
+
+def body_charge(body: bytes | bytearray | mmap.mmap) -> int:
+    """What parsing body takes at this door (service.admission.charge): the JSON header the binary
+    extension names as JSON, the binary tensors after it their own size; the whole body as JSON
+    without the header, or with one this door refuses unparsed."""
+    size = _header_size(request.headers.get("Inference-Header-Content-Length"), len(body))
+    return parse_charge(body, None if size is None or size < 0 else size)
+
+
 def _split_body(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray | mmap.mmap, memoryview]:
     """(JSON header, binary data) per the Inference-Header-Content-Length header."""
     raw = request.headers.get("Inference-Header-Content-Length")
-    if raw is None:
+    size = _header_size(raw, len(body))
+    if size is None:
         return body, memoryview(b"")
-    # ASCII digits only: int() also reads "3_53", "+353", " 353" and other scripts' digits.
-    size = int(raw) if raw.isascii() and raw.isdigit() else -1
-    if not 0 <= size <= len(body):
+    if size < 0:
         raise RequestError(
             "bad_json",
             f"Inference-Header-Content-Length is {wire.show(raw)}; it must be the byte length of the JSON header, 0..{len(body)}.",

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
-from collections.abc import Callable
 
 from flask import Blueprint, Flask, Response, request
 
 from service.cost import Work
+from service.transport import SENT_KEY
 
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # named but perhaps not made (an emptyDir at /tmp)
     os.makedirs(os.environ["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
@@ -36,13 +35,16 @@ from prometheus_client import (  # noqa: E402  (after the directory exists)
     Histogram,
     generate_latest,
     multiprocess,
-    values,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # noqa: E402
 
 from .context import context, services  # noqa: E402
+from .http import when_sent  # noqa: E402
 
-MULTIPROCESS = getattr(values.ValueClass, "_multiprocess", False)
+# prometheus_client chose its mode by this variable when first imported (above, or earlier in the
+# same process: the variable is set before either, deploy/gunicorn.conf.py). The library has no
+# public accessor for the mode it chose; it documents the variable as the switch, so it is read here.
+MULTIPROCESS = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
@@ -102,6 +104,17 @@ READY = Gauge(
     "attention_workers_ready",
     "Live workers that are ready (warm-up done, not draining): a drop is a worker lost or going.",
     multiprocess_mode="livesum",
+)
+ANSWER_SEND = Histogram(
+    "attention_answer_send_seconds",
+    "Time from a computed answer's start (its head about to be written) to its last byte handed to the kernel, by endpoint: what X-Deadline-Ms does not cover.",
+    ["endpoint"],
+    buckets=LATENCY_BUCKETS,
+)
+LATE_ANSWERS = Counter(
+    "attention_answers_after_deadline_total",
+    "Answers started within their X-Deadline-Ms whose last byte left after it (the client's reading, the network), by endpoint.",
+    ["endpoint"],
 )
 SPLITS = Counter(
     "attention_split_computations_total",
@@ -190,49 +203,6 @@ def t_bucket(T: int) -> str:
     return str(max(64, 1 << max(0, math.ceil(math.log2(max(T, 1))))))
 
 
-def when_sent(resp: Response, done: Callable[[], None]) -> None:
-    """Call done() once resp's body has been sent: after its last chunk, or when the server closes
-    the response (a client gone, a HEAD request). A response with b64 or large nested tensors
-    streams (they are encoded as they are sent); any other body is built, and held in memory
-    until it has been written, so it ends the same way.
-
-    Several hooks ask this of one response (admission, metrics, the access log, tracing): the
-    first call wraps the body once, later ones join its list, and the callbacks run in the order
-    they were given (as nested wrappers ran them), each even if one before it raised. One
-    generator between the body and the server, not one per hook."""
-    callbacks = resp.__dict__.get("_when_sent")
-    if callbacks is not None:
-        callbacks.append(done)
-        return
-    callbacks = resp.__dict__["_when_sent"] = [done]
-    once = threading.Lock()
-
-    def finish():
-        if once.acquire(blocking=False):
-            _call_all(callbacks)
-
-    def chunks(body):
-        try:
-            yield from body
-        finally:
-            finish()
-
-    resp.response = chunks(resp.response)
-    resp.call_on_close(finish)
-
-
-def _call_all(callbacks: list[Callable[[], None]]) -> None:
-    """Call each in turn; the first exception, if any, is raised once all have run."""
-    error = None
-    for done in callbacks:
-        try:
-            done()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others ran
-            error = error or exc
-    if error is not None:
-        raise error
-
-
 _children: dict[tuple, object] = {}
 
 
@@ -264,6 +234,17 @@ def _endpoint() -> str:
     return request.url_rule.rule if request.url_rule is not None else "unmatched"
 
 
+_GAUGES = {"queued": QUEUED, "running": RUNNING, "bytes": BYTES}
+
+
+def admission_count(what: str, change: float) -> None:
+    """Admission's metrics callback (service.admission.Admission's count)."""
+    if what == "splits":
+        SPLITS.inc(change)
+    else:
+        _GAUGES[what].inc(change)
+
+
 def install(app: Flask) -> None:
     """Count every request: register before the admission hooks so rejections are counted too."""
     app.register_blueprint(bp)
@@ -271,19 +252,19 @@ def install(app: Flask) -> None:
 
     @app.before_request
     def _start():
-        context().metrics_t0 = time.perf_counter()
+        context().counted = True
         IN_FLIGHT.inc()
         IN_FLIGHT_MAX.inc()
 
     @app.after_request
     def _observe(resp: Response):
         ctx = context()
-        t0, ctx.metrics_t0 = ctx.metrics_t0, None
-        if t0 is None:
+        if not ctx.counted:
             return resp
+        ctx.counted = False
         endpoint, method, status = _endpoint(), method_label(request.method), str(resp.status_code)
         child(REQUESTS, endpoint, method, status).inc()
-        latency = child(LATENCY, endpoint, method, status)
+        latency, t0 = child(LATENCY, endpoint, method, status), ctx.t0
 
         def sent():
             latency.observe(time.perf_counter() - t0)
@@ -291,6 +272,8 @@ def install(app: Flask) -> None:
             IN_FLIGHT_MAX.dec()
 
         when_sent(resp, sent)
+        if ctx.job is not None and resp.status_code < 400:  # a computed answer
+            _time_the_send(resp, endpoint, ctx.deadline.at if ctx.deadline is not None else math.inf)
         for name, ms in ctx.phases.items():
             child(PHASES, endpoint, name).observe(ms / 1000)
         if ctx.error_code is not None:  # an error answer (not, say, /readyz's 503)
@@ -300,7 +283,27 @@ def install(app: Flask) -> None:
     @app.teardown_request
     def _finish(exc):
         ctx = context()
-        if ctx.metrics_t0 is not None:  # no response was made
-            ctx.metrics_t0 = None
+        if ctx.counted:  # no response was made
+            ctx.counted = False
             IN_FLIGHT.dec()
             IN_FLIGHT_MAX.dec()
+
+
+def _time_the_send(resp: Response, endpoint: str, deadline_at: float) -> None:
+    """The answer's way to its client, from now (its start) to its last byte handed to the kernel:
+    the event loop's moment (SENT_KEY) where the worker has one, since a slow reader's rest is
+    written there after the thread is done; else when the body has been iterated."""
+    start = time.perf_counter()
+
+    def sent(written: bool = True) -> None:
+        if written:
+            end = time.perf_counter()
+            child(ANSWER_SEND, endpoint).observe(end - start)
+            if end > deadline_at:
+                child(LATE_ANSWERS, endpoint).inc()
+
+    when_written = request.environ.get(SENT_KEY)
+    if when_written is not None:
+        when_written(sent)
+    else:
+        when_sent(resp, sent)

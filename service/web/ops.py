@@ -8,9 +8,10 @@ import threading
 
 from flask import Blueprint, Flask
 
+from service.admission import charge
 from service.config import VERSION
 
-from . import admission, metrics
+from . import metrics
 from .context import services
 from .http import json_response
 
@@ -41,9 +42,9 @@ def limits():
     return json_response(
         {
             **svc.settings.limits(),
-            "server_slots": svc.gate.server_slots(),
+            "server_slots": svc.admission.server_slots(),
             "sessions": svc.sessions.stats(),
-            "admission": admission.policy(svc.settings, svc.gate),
+            "admission": {**svc.admission.policy(), "parse_charge": charge.POLICY},
             "cost_model": svc.cost.coefficients(),
             "version": VERSION,
         }
@@ -73,7 +74,6 @@ def start_warm_up(app: Flask) -> threading.Thread | None:
 
 def drain(app: Flask) -> None:
     """From now on /readyz says 503; requests in flight finish (the server stops accepting)."""
-    gate = services(app).gate  # the other workers send no keep-alive clients this way (admission's census)
-    gate.table.retire(gate.row)
+    services(app).admission.retire()  # the other workers send no keep-alive clients this way (admission's census)
     services(app).draining = True
     metrics.READY.set(0)

@@ -1,12 +1,10 @@
 """How many compute requests the whole server holds: a table in memory shared by the gunicorn
 arbiter and its workers, one row per worker, so that admission bounds the server, not one worker.
 
-A row is (pid, capacity, admitted, computing, draining, sending, sending bytes): the worker's pid,
-the requests it brings to the server's bound (its ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE), the requests
-it has admitted, those of them computing now, 1 once it drains (SIGTERM), and the answers it is
-sending with the bytes its pipe takes them to have left (admission.py: the answers of every worker
-share the machine's cores and network). A free row is all zeros, so sums over
-every row are sums over live workers.
+A row is (pid, capacity, admitted, computing, draining): the worker's pid, the requests it brings
+to the server's bound (its ATTN_MAX_INFLIGHT + ATTN_MAX_QUEUE), the requests it has admitted, those
+of them computing now, and 1 once it drains (SIGTERM). A free row is all zeros, so sums over every
+row are sums over live workers.
 
 - Made once in the arbiter (create(), from deploy/gunicorn.conf.py's on_starting), before any
   worker forks: a memfd (an anonymous file; a temporary file where there is none) mapped shared,
@@ -18,12 +16,13 @@ every row are sums over live workers.
   the kernel releases it if its holder dies, so a worker killed at any moment cannot wedge the
   others. Giving back and computing counts (add()) are stores to the worker's own row, under a
   lock of its threads only: a reader sees the count before or after, both true at some instant.
-- Connection placement (service/transport/worker.py) reads busiest_margin(), a snapshot without lock.
+- Connection placement (service/transport/worker.py, through service.web.front) reads
+  busiest_margin(), a snapshot without lock.
 - A dead worker's counts do not leak: the arbiter zeroes its row (forget(), from child_exit), and
   a worker that joins zeroes any row whose process is gone (should the hook not have run).
 
 Without a shared table (the Flask test client, create_app() in a script) a worker counts alone in a
-private one-row table: the bound is then its own, as before."""
+private one-row table: the bound is then its own."""
 
 from __future__ import annotations
 
@@ -35,16 +34,16 @@ import tempfile
 import threading
 
 ROWS = 16  # workers that can share one table; one past it counts alone (a private table)
-PID, CAPACITY, ADMITTED, COMPUTING, DRAINING, SENDING, SENDING_BYTES = range(7)
-FIELDS = 7
+PID, CAPACITY, ADMITTED, COMPUTING, DRAINING = range(5)
+FIELDS = 5
 CELL = 8  # bytes: int64 cells
 
 _shared: Table | None = None  # the server's table, inherited by the workers from the arbiter
 
 
 class Table:
-    """Rows of int64 (pid, capacity, admitted, computing, draining, sending, sending bytes) in a shared mapping
-    (shared=True) or in this process's memory alone."""
+    """Rows of int64 (pid, capacity, admitted, computing, draining) in a shared mapping (shared=True)
+    or in this process's memory alone."""
 
     def __init__(self, rows: int = ROWS, shared: bool = True):
         self.rows = rows
@@ -99,15 +98,7 @@ class Table:
 
     def _zero(self, row: int) -> None:
         base = row * FIELDS
-        for field in (
-            CAPACITY,
-            ADMITTED,
-            COMPUTING,
-            DRAINING,
-            SENDING,
-            SENDING_BYTES,
-            PID,
-        ):  # pid last: a reader never sees a live row with stale counts
+        for field in (CAPACITY, ADMITTED, COMPUTING, DRAINING, PID):  # pid last: a reader never sees a live row with stale counts
             self.cells[base + field] = 0
 
     def admit(self, row: int) -> tuple[bool, int, int]:
@@ -127,15 +118,6 @@ class Table:
         writes its row, under its threads' lock: no record lock needed (nor a wait behind one)."""
         with self._row_lock:
             self.cells[row * FIELDS + field] += n
-
-    def put(self, row: int, field: int, value: int) -> None:
-        """Set one of row's own values (SENDING, SENDING_BYTES); only row's worker writes its row."""
-        with self._row_lock:
-            self.cells[row * FIELDS + field] = value
-
-    def others(self, row: int, field: int) -> int:
-        """field summed over every row but row (a snapshot without the lock)."""
-        return self.total(field) - self.cells[row * FIELDS + field]
 
     def retire(self, row: int) -> None:
         """Row's worker is draining (SIGTERM): it accepts no new connection, so busiest_margin()
