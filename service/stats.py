@@ -2,7 +2,7 @@
 all of its workers: the numbers behind Triton's statistics extension (GET /v2/models/.../stats).
 
 A table of int64 cells in memory shared by the gunicorn arbiter and its workers, as the admission
-census (service/web/census.py) is: made once in the arbiter (create(), from deploy/gunicorn.conf.py's
+census (service/admission/census.py) is: made once in the arbiter (create(), from deploy/gunicorn.conf.py's
 on_starting) before any worker forks, one row per worker, each row holding every model's counts
 (MODELS slots; the web layer gives each model its slot). A worker writes only its own row, under a
 lock of its threads; a reader sums the rows without a lock (each cell is true at some instant of

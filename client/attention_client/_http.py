@@ -1,10 +1,9 @@
 """The client's HTTP/1.1: keep-alive sockets, pooled, one per request in flight; http.client's
 HTTPResponse parses the answer's status line and headers.
 
-Why not urllib3 (or requests on it): measured side by side (bench/client_wire.py,
-docs/architecture.md), the same wire over urllib3 takes 1.12x the time at T=64 and 1.23x at
-T=1024, with twice the client's CPU: it writes each body part with its own sendall and copies an
-answer through its read(). Here a request's head and its body's
+Why not urllib3 (or requests on it): measured side by side (`python -m bench client_wire`, its
+figures in bench/README.md), the same wire over urllib3 takes longer, with more of the client's
+CPU: it writes each body part with its own sendall and copies an answer through its read(). Here a request's head and its body's
 parts (the JSON head, then each tensor's buffer as it lies in memory) go in one gathered send
 (sendmsg: no copy, no write per part), and the answer's body is read once, straight into one
 preallocated buffer that numpy then views (a body of no declared length: in counted pieces, up

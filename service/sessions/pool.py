@@ -15,7 +15,7 @@ A page with more than one reference is never written: a session that appends int
 partly filled last page first copies it (copy on write).
 
 Locks (POSIX record locks on the memfd's bytes, which the kernel releases when their holder dies,
-as the census's: service/web/census.py): byte 0 is the pool lock (the table's slots, the refs,
+as the census's: service/admission/census.py): byte 0 is the pool lock (the table's slots, the refs,
 the header), byte 1 + slot a session's lock. A session's lock is held for a whole request on it
 (requests on one session are serialised, on different sessions run in parallel); the pool lock
 for a few stores at a time, always taken after a session's, never before.
