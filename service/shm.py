@@ -28,13 +28,14 @@ import fcntl
 import mmap
 import os
 import stat
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import orjson
+
+from service import memfd
 
 try:
     from _posixshmem import shm_open  # type: ignore[import-not-found]  # CPython's own binding of shm_open(3), as multiprocessing.shared_memory uses
@@ -77,7 +78,7 @@ class Registry:
     process's memory alone."""
 
     def __init__(self, shared: bool = True):
-        self._fd = _anonymous_file(HEAD + DOC_BYTES) if shared else None
+        self._fd = memfd.anonymous_file("attention-shm-registry", HEAD + DOC_BYTES) if shared else None
         self._map = mmap.mmap(-1 if self._fd is None else self._fd, HEAD + DOC_BYTES)
         self._thread_lock = threading.Lock()  # record locks belong to a process: its threads take turns here first
         self._parsed: tuple[int, dict[str, Region]] = (0, {})  # (version, regions): parsed again only when another version is found
@@ -225,14 +226,3 @@ def create() -> Registry:
 def shared() -> Registry | None:
     """The server's registry, if this process was forked from an arbiter that made one."""
     return _shared
-
-
-def _anonymous_file(size: int) -> int:
-    """A file descriptor of size bytes that no other process can open by name."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("attention-shm-registry", os.MFD_CLOEXEC)
-    else:  # not Linux: a temporary file, unlinked at once
-        with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
-    os.ftruncate(fd, size)
-    return fd

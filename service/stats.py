@@ -21,9 +21,10 @@ import contextlib
 import fcntl
 import mmap
 import os
-import tempfile
 import threading
 from dataclasses import dataclass
+
+from service import memfd
 
 ROWS = 64  # workers that can share one table; a worker past them counts alone (a private table)
 MODELS = 8  # model slots per row
@@ -60,7 +61,7 @@ class Table:
         self.rows, self.models = rows, models
         self.width = 1 + models * CELLS  # cells per row
         size = rows * self.width * CELL
-        self._fd = _anonymous_file(size) if shared else None
+        self._fd = memfd.anonymous_file("attention-stats", size) if shared else None
         self._map = mmap.mmap(-1 if self._fd is None else self._fd, size)  # MAP_SHARED: the workers see our bytes
         self.cells = memoryview(self._map).cast("q")
         self._thread_lock = threading.Lock()  # record locks belong to a process: its threads take turns here first
@@ -87,7 +88,7 @@ class Table:
             owners = [cells[row * width + PID] for row in range(self.rows)]
             if pid in owners:
                 return owners.index(pid)
-            free = [row for row, owner in enumerate(owners) if owner == 0 or (self._fd is not None and not _alive(owner))]
+            free = [row for row, owner in enumerate(owners) if owner == 0 or (self._fd is not None and not memfd.alive(owner))]
             if not free:
                 return None
             cells[free[0] * width + PID] = pid
@@ -159,24 +160,3 @@ def create(rows: int = ROWS, models: int = MODELS) -> Table:
 def shared() -> Table | None:
     """The server's table, if this process was forked from an arbiter that made one."""
     return _shared
-
-
-def _anonymous_file(size: int) -> int:
-    """A file descriptor of size bytes that no other process can open by name."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("attention-stats", os.MFD_CLOEXEC)
-    else:  # not Linux: a temporary file, unlinked at once
-        with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
-    os.ftruncate(fd, size)
-    return fd
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True

@@ -30,8 +30,9 @@ import contextlib
 import fcntl
 import mmap
 import os
-import tempfile
 import threading
+
+from service import memfd
 
 ROWS = 16  # workers that can share one table; one past it counts alone (a private table)
 PID, CAPACITY, ADMITTED, COMPUTING, DRAINING = range(5)
@@ -48,7 +49,7 @@ class Table:
     def __init__(self, rows: int = ROWS, shared: bool = True):
         self.rows = rows
         size = rows * FIELDS * CELL
-        self._fd = _anonymous_file(size) if shared else None
+        self._fd = memfd.anonymous_file("attention-census", size) if shared else None
         self._map = mmap.mmap(-1 if self._fd is None else self._fd, size)  # MAP_SHARED: the workers see our bytes
         self.cells = memoryview(self._map).cast("q")
         self._thread_lock = threading.Lock()  # record locks belong to a process: its threads take turns here first
@@ -78,7 +79,7 @@ class Table:
             if self.shared:
                 for row in range(self.rows):
                     owner = cells[row * FIELDS + PID]
-                    if owner and owner != pid and not _alive(owner):
+                    if owner and owner != pid and not memfd.alive(owner):
                         self._zero(row)
             owners = cells[PID::FIELDS].tolist()
             if pid not in owners and 0 not in owners:
@@ -150,24 +151,3 @@ def create(rows: int = ROWS) -> Table:
 def shared() -> Table | None:
     """The server's table, if this process was forked from an arbiter that made one."""
     return _shared
-
-
-def _anonymous_file(size: int) -> int:
-    """A file descriptor of size zero bytes that no other process can open by name."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("attention-census", os.MFD_CLOEXEC)
-    else:  # not Linux: a temporary file, unlinked at once
-        with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
-    os.ftruncate(fd, size)
-    return fd
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True

@@ -41,13 +41,14 @@ import hmac
 import mmap
 import os
 import secrets
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from service import memfd
 
 UNIT = 4096  # bytes: the pool's allocation unit (a page is whole units)
 HOLDER, SESSIONS, PAGES, USED_UNITS, EXPIRED, SWEPT_MS = range(6)
@@ -153,7 +154,7 @@ class Pool:
         refs_at = table_at + self.record.itemsize * max_sessions
         data_at = -(-(refs_at + 4 * self.units) // UNIT) * UNIT
         size = data_at + self.units * UNIT
-        self._fd = _anonymous_file(size)
+        self._fd = memfd.anonymous_file("attention-sessions", size)
         self._map = mmap.mmap(self._fd, size)  # MAP_SHARED: every worker forked after this sees these bytes
         _advise_huge_pages(self._map)
         self.header = np.ndarray((HEADER_CELLS,), np.int64, self._map, 0)
@@ -576,15 +577,3 @@ def _advise_huge_pages(mapping: mmap.mmap) -> None:
     this changes nothing."""
     with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE (not Linux), or a kernel without THP
         mapping.madvise(mmap.MADV_HUGEPAGE)
-
-
-def _anonymous_file(size: int) -> int:
-    """A file descriptor of size bytes (sparse: untouched memory costs nothing) that no other
-    process can open by name."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("attention-sessions", os.MFD_CLOEXEC)
-    else:  # not Linux: a temporary file, unlinked at once
-        with tempfile.TemporaryFile() as f:
-            fd = os.dup(f.fileno())
-    os.ftruncate(fd, size)
-    return fd
