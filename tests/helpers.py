@@ -300,6 +300,57 @@ class _OneReader:
         return self.reader
 
 
+# --- raw sockets against a live server (the slow and hostile clients' tests) -----------------------
+
+HANG = 30.0  # seconds: a raw socket's timeout, which only ever stops a hang
+
+
+def connect(srv: Server, source: str = "127.0.0.1", rcvbuf: int | None = None) -> socket.socket:
+    """A connection to srv from source, an address of the loopback network (127.0.0.0/8: each one
+    is a client of its own to the server), with a receive buffer of rcvbuf bytes if given."""
+    s = socket.socket()
+    if rcvbuf:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    s.settimeout(HANG)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", srv.port))
+    return s
+
+
+def post_head(length: int, path: str = "/attention", extra: str = "") -> bytes:
+    """A JSON POST's head declaring a body of length bytes; extra: more header lines, each ending in CRLF."""
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n{extra}\r\n".encode()
+
+
+def read_to_end(s: socket.socket) -> tuple[bytes, bool]:
+    """Everything until the server closes; (bytes, whether it ended with a reset)."""
+    data = bytearray()
+    while True:
+        try:
+            chunk = s.recv(1 << 20)
+        except ConnectionResetError:
+            return bytes(data), True
+        if not chunk:
+            return bytes(data), False
+        data += chunk
+
+
+def unread_bytes(port: int) -> int:
+    """Bytes on their way to the server on port that it has not read yet: what the clients' side
+    still holds unsent and the server's side holds received but unread, over the established
+    loopback connections (Linux /proc/net/tcp: tx_queue and rx_queue)."""
+    total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state, (tx, rx) = fields[1], fields[2], fields[3], fields[4].split(":")
+        if state == "01":  # ESTABLISHED
+            if int(remote.split(":")[1], 16) == port:
+                total += int(tx, 16)
+            if int(local.split(":")[1], 16) == port:
+                total += int(rx, 16)
+    return total
+
+
 def raw_exchange(
     url: str, data: bytes | list[bytes], *, responses: int = 1, shut_write: bool = False, timeout: float = 30.0
 ) -> list[tuple[int | None, dict, bytes]]:

@@ -29,9 +29,8 @@ from service.web.app import create_app
 from service.web.context import services
 
 from . import helpers
-from .helpers import WORKED
+from .helpers import HANG, WORKED, connect, post_head, read_to_end, unread_bytes
 
-HANG = 30.0  # seconds: only ever stops a hang
 KEY = "hostile-test-key"
 LIMIT = 1_000_000  # ATTN_MAX_BODY_BYTES here
 BUDGET = 4 * LIMIT  # ATTN_MAX_INFLIGHT_BYTES here: a client's share is half of it
@@ -67,32 +66,6 @@ def keyed_server():
 # --- raw HTTP --------------------------------------------------------------------------------------
 
 
-def connect(srv: helpers.Server, source: str = "127.0.0.1") -> socket.socket:
-    """A connection from source, an address of the loopback network (127.0.0.0/8: each one is a
-    client of its own to the server)."""
-    s = socket.socket()
-    s.settimeout(HANG)
-    s.bind((source, 0))
-    s.connect(("127.0.0.1", srv.port))
-    return s
-
-
-def post_head(length: int, path: str = "/attention", extra: str = "") -> bytes:
-    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n{extra}\r\n".encode()
-
-
-def read_to_end(s: socket.socket) -> bytes:
-    data = bytearray()
-    while True:
-        try:
-            chunk = s.recv(1 << 20)
-        except ConnectionResetError:
-            return bytes(data)
-        if not chunk:
-            return bytes(data)
-        data += chunk
-
-
 def first_answer(s: socket.socket) -> tuple[int, dict, bytes]:
     """The first answer on s (an interim 100 Continue included): status, headers, and as much of
     the body as its Content-Length says."""
@@ -110,21 +83,6 @@ def first_answer(s: socket.socket) -> tuple[int, dict, bytes]:
         assert chunk, "closed mid-answer"
         rest += chunk
     return int(lines[0].split()[1]), headers, rest[:n]
-
-
-def unread_bytes(port: int) -> int:
-    """Bytes sent to the server on port that it has not read yet (Linux /proc/net/tcp: what the
-    clients' side holds unsent and the server's side holds unread)."""
-    total = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        remote, local, state, (tx, rx) = fields[2], fields[1], fields[3], fields[4].split(":")
-        if state == "01":
-            if int(remote.split(":")[1], 16) == port:
-                total += int(tx, 16)
-            if int(local.split(":")[1], 16) == port:
-                total += int(rx, 16)
-    return total
 
 
 def all_read(srv: helpers.Server) -> None:
@@ -266,7 +224,7 @@ def test_refused_at_the_head_before_100_continue(keyed_server, case):
             assert headers["www-authenticate"].startswith("Bearer")
         if code == "bad_option":
             assert headers["x-error-field"] == "X-Deadline-Ms"
-        assert read_to_end(s) == b""  # then closed
+        assert read_to_end(s)[0] == b""  # then closed
 
 
 @pytest.mark.live

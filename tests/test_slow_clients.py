@@ -21,11 +21,10 @@ import pytest
 import requests
 
 from . import helpers
-from .helpers import Server, b64
+from .helpers import HANG, Server, b64, connect, post_head, read_to_end, unread_bytes
 
 pytestmark = pytest.mark.live
 
-HANG = 30.0  # seconds: only ever stops a hang
 ENV = {
     "WEB_CONCURRENCY": "1",
     "ATTN_WARMUP": "0",
@@ -78,32 +77,6 @@ def body_of(T: int, weights: bool = False, seed: int = 0) -> bytes:
     ).encode()
 
 
-def post_head(length: int, path: str = "/attention", extra: str = "") -> bytes:
-    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n{extra}\r\n".encode()
-
-
-def connect(srv: Server, rcvbuf: int | None = None) -> socket.socket:
-    s = socket.socket()
-    if rcvbuf:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    s.settimeout(HANG)
-    s.connect(("127.0.0.1", srv.port))
-    return s
-
-
-def read_to_end(s: socket.socket) -> tuple[bytes, bool]:
-    """Everything until the server closes; (bytes, whether it ended with a reset)."""
-    data = bytearray()
-    while True:
-        try:
-            chunk = s.recv(1 << 20)
-        except ConnectionResetError:
-            return bytes(data), True
-        if not chunk:
-            return bytes(data), False
-        data += chunk
-
-
 def assert_continue(s: socket.socket) -> None:
     """The interim 100 Continue a client that sent Expect: 100-continue waits for, and nothing else."""
     interim = b""
@@ -139,22 +112,6 @@ def read_response(s: socket.socket) -> tuple[int, dict, bytes]:
         chunk = s.recv(65536)
         assert chunk, "closed before a whole response"
         data += chunk
-
-
-def unread_bytes(port: int) -> int:
-    """Bytes on their way to the server on port that it has not read yet: what the clients' side
-    still holds unsent and the server's side holds received but unread, over the established
-    loopback connections (Linux /proc/net/tcp: tx_queue and rx_queue)."""
-    total = 0
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, remote, state, (tx, rx) = fields[1], fields[2], fields[3], fields[4].split(":")
-        if state == "01":  # ESTABLISHED
-            if int(remote.split(":")[1], 16) == port:
-                total += int(tx, 16)
-            if int(local.split(":")[1], 16) == port:
-                total += int(rx, 16)
-    return total
 
 
 def valid_request_ok(srv: Server) -> bool:
