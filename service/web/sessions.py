@@ -63,6 +63,11 @@ def create():
     shape = Shape(data["heads"], data["kv_heads"], data["head_dim"], data["value_dim"], np.dtype(data["dtype"]))
     with held.refusals():
         sid = held.pool().create(shape, data["max_tokens"], held.owner())
+    return _created(sid)
+
+
+def _created(sid: str) -> Response:
+    """201: the new session's description, and its Location."""
     with held.session(sid) as s:
         resp = json_response(s.describe(), status=201)
     resp.headers["Location"] = f"/sessions/{sid}"
@@ -178,10 +183,7 @@ def fork(sid: str):
         if length > s.length:
             raise sessions.Conflict(s.length)
         child = s.fork(length, held.owner())
-    with held.session(child) as c:
-        resp = json_response(c.describe(), status=201)
-    resp.headers["Location"] = f"/sessions/{child}"
-    return resp
+    return _created(child)
 
 
 @bp.post("/sessions/<sid:sid>/truncate")
