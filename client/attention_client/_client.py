@@ -622,13 +622,7 @@ class AttentionClient:
     def _call(self, method: str, path: str, parts: list[bytes] | None = None, http: Pool | None = None) -> dict:
         """One call with retries; the parsed JSON of a 200, else AttentionError."""
         headers = {"Content-Type": "application/json"} if parts is not None else {}
-        answer = self._send(method, path, parts or (), headers, http=http)
-        if answer.status != 200:
-            raise _error(answer)
-        try:
-            return _wire.loads(answer.body)
-        except ValueError as exc:
-            raise AttentionError(answer.status, "bad_response", f"the server's answer is not JSON: {exc}", _response(answer)) from None
+        return _document(self._send(method, path, parts or (), headers, http=http))
 
     def _send(self, method: str, path: str, parts, headers: dict, align_at=None, http: Pool | None = None, pinned: bool = False) -> Answer:
         """The answer, after retrying connection failures (backoff) and 503 (Retry-After): on the
@@ -836,6 +830,22 @@ def _v2_message(answer: Answer) -> str:
     except (ValueError, KeyError, TypeError):
         pass
     return bytes(answer.body[:200]).decode("utf-8", "replace").strip() or answer.reason or "no body"
+
+
+def _document(answer: Answer, ok: Sequence[int] = (200,)) -> dict:
+    """The answer's JSON object if its status is one of ok ({} for an empty body, a 204), else
+    AttentionError: the server's error, or bad_response for a body that is not a JSON object."""
+    if answer.status not in ok:
+        raise _error(answer)
+    if not len(answer.body):
+        return {}
+    try:
+        doc = _wire.loads(answer.body)
+    except ValueError as exc:
+        raise AttentionError(answer.status, "bad_response", f"the server's answer is not JSON: {exc}", _response(answer)) from None
+    if not isinstance(doc, dict):
+        raise AttentionError(answer.status, "bad_response", "the server's answer is not a JSON object", _response(answer))
+    return doc
 
 
 def _error(answer: Answer) -> AttentionError:

@@ -29,8 +29,8 @@ from urllib.parse import quote
 import numpy as np
 
 from . import _wire
-from ._client import AttentionError, _error, _response
-from ._http import Answer, Pool
+from ._client import AttentionError, _document, _response
+from ._http import Pool
 from ._states import merge_states
 
 if TYPE_CHECKING:
@@ -120,26 +120,11 @@ def segment_options(start: int, end: int, S: int, t: int, causal, window, alibi:
 # --- requests --------------------------------------------------------------------------------------
 
 
-def _answer(answer: Answer, ok: Sequence[int]) -> dict:
-    """The answer's JSON document if its status is one of ok ({} for 204), else AttentionError."""
-    if answer.status not in ok:
-        raise _error(answer)
-    if answer.status == 204 or not len(answer.body):
-        return {}
-    try:
-        doc = _wire.loads(answer.body)
-    except ValueError as exc:
-        raise AttentionError(answer.status, "bad_response", f"the server's answer is not JSON: {exc}", _response(answer)) from None
-    if not isinstance(doc, dict):
-        raise AttentionError(answer.status, "bad_response", "the server's answer is not a JSON object", _response(answer))
-    return doc
-
-
 def _exchange(client: AttentionClient, pool: Pool, method: str, path: str, body: dict | None = None, ok: Sequence[int] = (200,)) -> dict:
     """One request to the replica holding the session (retried there, never elsewhere)."""
     parts = () if body is None else _wire.json_request(_jsonable(body), client.encoding)
     answer = client._send(method, path, parts, JSON if body is not None else {}, http=pool, pinned=True)
-    return _answer(answer, ok)
+    return _document(answer, ok)
 
 
 def _jsonable(body: dict) -> dict:
@@ -170,7 +155,7 @@ def _new_segment(client: AttentionClient, spec: dict, replica: int) -> tuple[Seg
     the next that takes it; and the server's description of it."""
     pool = client._https[replica % len(client._https)]
     answer = client._send("POST", "/sessions", _wire.json_request(spec, client.encoding), JSON, http=pool)
-    doc = _answer(answer, (201, 200))
+    doc = _document(answer, (201, 200))
     pool = next((p for p in client._https if answer.url == p.base_url + "/sessions"), pool)  # the replica that answered
     if not isinstance(doc.get("id"), str) or not doc["id"]:
         raise AttentionError(answer.status, "bad_response", f"the server's new session has id {doc.get('id')!r}", _response(answer))
