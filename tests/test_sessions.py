@@ -566,6 +566,39 @@ def test_v2_sequences_refuse_clearly():
     assert sequence(c, 7, q, k, v, alice).status_code == 404  # ended
 
 
+def test_v2_sequence_starts_racing_leave_one_sequence_and_a_bad_start_ends_none():
+    """Starts of one sequence id at once: however they interleave, one session holds the sequence
+    afterwards (none is left behind to hold memory, or to be found after the sequence ended)."""
+    c = client(session_max_count=64)
+    q = np.ones((2, 1, 2))
+    sessions_live = lambda: c.get("/limits").get_json()["sessions"]["sessions"]  # noqa: E731
+    before = sessions_live()
+    gate = threading.Barrier(8)
+    codes: list[int] = []
+
+    def starter():
+        own = client(session_max_count=64)
+        gate.wait(30)
+        for _ in range(4):
+            r = sequence(own, "raced", q, q, q, sequence_start=True)
+            codes.append(r.status_code)
+            r.close()
+
+    threads = [threading.Thread(target=starter) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(codes) <= {200, 404}, codes  # 404: a start whose sequence the next start ended before it stepped
+    assert sessions_live() == before + 1
+    bad = sequence(c, "raced", np.ones((3, 1, 2)), np.ones((2, 1, 2)), np.ones((2, 1, 2)), sequence_start=True)
+    assert bad.status_code == 400 and bad.headers["X-Error-Code"] == "shape_mismatch"
+    assert sequence(c, "raced", q, q, q).status_code == 200  # the bad start ended nothing
+    assert sequence(c, "raced", q, q, q, sequence_end=True).status_code == 200
+    assert sessions_live() == before
+    assert sequence(c, "raced", q, q, q).status_code == 404  # ended: nothing of it is found
+
+
 def test_v2_sequence_envelope_is_read_by_its_models_schema():
     """attention_sequence's infer request is read by the envelope schema built from its row of the
     model table (schemas/kserve.py), as every model's: its inputs, outputs and parameters and no

@@ -58,6 +58,7 @@ DTYPES: dict[int, np.dtype] = {4: np.dtype(np.float32), 8: np.dtype(np.float64)}
 ID_SLOT_HEX, ID_TOKEN_BYTES = 6, 16  # an id: the slot in 6 hex digits, then 16 random bytes in hex
 OWNER_BYTES = 32  # sha256 of the API key that made a session
 SWEEP_EVERY_S = 5.0
+START_ATTEMPTS = 64  # Pool.start: starts of one name that may overtake another before it gives up
 
 
 class SessionError(Exception):
@@ -90,6 +91,10 @@ class PageTooLarge(SessionError):
     def __init__(self, page_bytes: int, memory_bytes: int):
         super().__init__(f"a page takes {page_bytes} bytes, the pool {memory_bytes}")
         self.page_bytes, self.memory_bytes = page_bytes, memory_bytes
+
+
+class NameTaken(SessionError):
+    """A live session of the owner already has the name (Pool.start ends it and tries again)."""
 
 
 class PoolFull(SessionError):
@@ -228,6 +233,8 @@ class Pool:
             raise PageTooLarge(self.page_bytes(shape), self.units * UNIT)
         self.sweep()
         with self._pool_locked():
+            if name and self._named(name, owner).size:
+                raise NameTaken(name.hex())
             free = np.flatnonzero(self.table["state"] == FREE)
             if not free.size:
                 raise PoolFull(f"all {self.max_sessions} sessions are live")
@@ -236,16 +243,35 @@ class Pool:
             self._fill(slot, shape, max_tokens, owner, token, length=0, pages=[], name=name)
             return _id(slot, token)
 
+    def start(self, shape: Shape, max_tokens: int, owner: bytes, name: bytes) -> str:
+        """A new session of owner named name, its live one of that name (if any) deleted first (a
+        sequence started again): at most one live session of an owner has a name, however many
+        starts of it race. PoolFull if others keep overtaking this one."""
+        for _ in range(START_ATTEMPTS):
+            old = self.find(name, owner)
+            if old is not None:
+                with contextlib.suppress(NotFound), self.session(old, owner) as s:
+                    s.delete()
+            try:
+                return self.create(shape, max_tokens, owner, name)
+            except NameTaken:  # another start made its session in between: that one is ended next
+                continue
+        raise PoolFull(f"{START_ATTEMPTS} other starts of this name overtook this one")
+
     def find(self, name: bytes, owner: bytes) -> str | None:
         """The id of owner's live session named name, or None (a snapshot: it may expire or be
         deleted before it is used, which session() then says)."""
+        hits = self._named(name, owner)
+        return _id(int(hits[0]), self.table["token"][hits[0]].tobytes()) if hits.size else None
+
+    def _named(self, name: bytes, owner: bytes) -> np.ndarray:
+        """The slots of owner's live sessions named name."""
         table = self.table
-        hits = np.flatnonzero(
+        return np.flatnonzero(
             (table["state"] == LIVE)
             & (table["name"] == np.frombuffer(name, np.uint8)).all(axis=1)
             & (table["owner"] == np.frombuffer(owner, np.uint8)).all(axis=1)
         )
-        return _id(int(hits[0]), table["token"][hits[0]].tobytes()) if hits.size else None
 
     def _fill(
         self, slot: int, shape: Shape, max_tokens: int, owner: bytes, token: bytes, length: int, pages: list[int], name: bytes = b""

@@ -222,11 +222,7 @@ def infer_sequence(model: Model) -> Response:
     outputs = _outputs(env, weights=False, lse=data["return_lse"])
     q, k, v = data["q"], data["k"], data["v"]
     name, owner, pool = sessions.name_hash(data["sequence_id"]), held.owner(), held.pool()
-    sid = pool.find(name, owner)
     if data["sequence_start"]:
-        if sid is not None:  # a sequence of that id still held: ended, as a new one starts
-            with held.session(sid) as old:
-                old.delete()
         dtype = np.dtype(np.float64 if q.dtype == np.float64 else np.float32)
         heads, kv_heads = q.shape[0], k.shape[0]
         if kv_heads < 1 or heads % kv_heads:
@@ -234,9 +230,9 @@ def infer_sequence(model: Model) -> Response:
                 "shape_mismatch", f"input k has {kv_heads} key/value heads, which do not divide input q's {heads} heads.", "k"
             )
         shape = sessions.Shape(heads, kv_heads, q.shape[2], v.shape[2], dtype)
-        with held.refusals():
-            sid = pool.create(shape, services().settings.session_max_tokens, owner, name=name)
-    elif sid is None:
+        with held.refusals():  # a sequence of that id still held is ended, as a new one starts
+            sid = pool.start(shape, services().settings.session_max_tokens, owner, name)
+    elif (sid := pool.find(name, owner)) is None:
         raise RequestError(
             "session_not_found",
             f"Sequence {data['sequence_id'].partition(':')[2]} is not held: start it with parameter sequence_start, or it has ended or expired.",
