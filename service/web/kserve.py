@@ -232,7 +232,9 @@ def infer_sequence(model: Model) -> Response:
         shape = sessions.Shape(heads, kv_heads, q.shape[2], v.shape[2], dtype)
         with held.refusals():  # a sequence of that id still held is ended, as a new one starts
             sid = pool.start(shape, services().settings.session_max_tokens, owner, name)
-    elif (sid := pool.find(name, owner)) is None:
+    elif (found := pool.find(name, owner)) is not None:
+        sid = found
+    else:
         raise RequestError(
             "session_not_found",
             f"Sequence {data['sequence_id'].partition(':')[2]} is not held: start it with parameter sequence_start, or it has ended or expired.",
