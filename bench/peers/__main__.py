@@ -1,42 +1,18 @@
-"""This service against the servers a user would pick instead, serving the same attention.
+"""`make bench-peers` (`python -m bench peers`): this service against the servers a user would pick
+instead, serving the same attention (bench/peers/: each peer's model and pinned requirements).
 
-    make bench-peers                                   # = python -m bench peers (about 5 minutes)
     python -m bench peers --lengths 64,256,1024 --runs 15   # more cells, more repetitions
-    python -m bench peers --only ours,bentoml          # a subset
+    python -m bench peers --only ours,bentoml               # a subset
 
-Starts the servers on free loopback ports, each as its users would run it:
-
-- ours: `python -m service` (as `make run`: deploy/gunicorn.conf.py, 2 gthread workers), measured
-  at both doors: the native POST /attention with the b64 JSON body, and /v2 binary;
-- kserve: bench/peers/kserve_model.py, a kserve.Model on KServe's ModelServer, `--workers 2`
-  (uvicorn worker processes), gRPC off (only REST is measured);
-- mlserver: `mlserver start bench/peers/mlserver`, a custom MLModel runtime, `parallel_workers`
-  2 (one HTTP process hands each request to one of two inference processes);
-- litserve: bench/peers/litserve_model.py, a LitAPI, one API server and 2 inference workers;
-- rayserve: bench/peers/rayserve_model.py, a Serve deployment of 2 replicas on a Ray of its own;
-- bentoml: `bentoml serve` of bench/peers/bentoml_service.py, 2 worker processes;
-
-all computing with this repository's service.core and one BLAS thread per worker process, and
-each process's every socket on loopback (checked with `ss` after start and at the end: a server
-with a socket elsewhere stops the run). KServe and MLServer are measured with tritonclient.http
-(the Open Inference Protocol's client): binary tensors both ways for KServe, JSON for MLServer,
-whose REST server refuses binary bodies. LitServe, Ray Serve and BentoML speak no such protocol:
-they are sent the native door's b64 JSON body at POST /attention, as ours is (b64_body.py reads
-and answers it), through a requests.Session with requests' default headers (Accept-Encoding:
-gzip, deflate), as users call a server. End to end from numpy arrays to numpy arrays, q, k, v (1, 8, T, 64) float32,
-causal:
-
-- latency at each of --lengths, with and without weights (the request names its outputs / sets
-  return_weights), one request at a time, the servers alternating within each repetition (order
-  rotated), median; --runs repetitions at T=64, fewer at 256 and 1024, and a cell stops early
-  (after 3) once it has taken --cell-budget seconds, so that a slow peer cannot stretch the run;
-- throughput at T = 64 without weights: --clients threads, each with its own client, for
-  --duration seconds per server, --rounds rounds alternating, median of the rounds' req/s, and
-  the server's CPU time per request over each round (utime + stime of all its processes, /proc),
-  and the clients' (this process's).
-
-Every server's outputs are checked against the core computed here before anything is timed.
-Writes the tables to bench/out/peers.md.
+Each server starts on a free loopback port as its users run it, two processes computing, one BLAS
+thread each, every socket checked to be on loopback (ss, after start and at the end). ours is
+measured at both doors; KServe (/v2 binary) and MLServer (/v2 JSON) through tritonclient.http;
+LitServe, Ray Serve and BentoML are sent the native door's b64 JSON body (b64_body.py), through a
+requests.Session with its default headers, as ours is. Numpy to numpy, q, k, v (1, 8, T, 64),
+causal, every answer checked against the core first. Latency: one request at a time, the servers
+in turn (order rotated), medians, a cell stopped after --cell-budget s (at least 3 runs).
+Throughput: T=64 without weights, --clients threads for --duration s, --rounds rounds alternating,
+with the server's and the clients' CPU per request (/proc). Writes bench/out/peers.md.
 """
 
 from __future__ import annotations
@@ -62,7 +38,7 @@ import pybase64
 import requests
 import tritonclient.http as triton
 
-from bench.common import ROOT, Server, free_port
+from bench.common import ROOT, Server, b64, free_port
 from bench.peers import venvs
 from service import core
 from service.config import ONE_BLAS_THREAD
@@ -164,10 +140,7 @@ class NativeClient:
         self.url, self.session = f"http://127.0.0.1:{port}/attention", requests.Session()
 
     def infer(self, qkv: dict, weights: bool) -> dict[str, np.ndarray]:
-        tensors = {
-            name: {"shape": list(a.shape), "dtype": "float32", "b64": pybase64.b64encode(a.data).decode()} for name, a in qkv.items()
-        }
-        body = orjson.dumps({**tensors, "causal": True, "return_weights": weights})
+        body = orjson.dumps({**{name: b64(a) for name, a in qkv.items()}, "causal": True, "return_weights": weights})
         resp = self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}, timeout=600)
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.content[:300]!r}")
