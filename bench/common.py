@@ -4,6 +4,7 @@ project's client; only the hostile ones write raw bytes on purpose."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import statistics
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +110,18 @@ class Server:
         """SIGTERM, and time for gunicorn's 30 s graceful shutdown; then SIGKILL. The log file goes too."""
         terminate(self.proc, 35)
         Path(self.log.name).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def served(url: str | None, name: str = "service", in_a_row: int = 4) -> Iterator[str]:
+    """The server at url, or one started here as `make run` starts it (in_a_row: readiness checks
+    in a row, to warm its workers), for the block: its URL."""
+    if url:
+        yield url.rstrip("/")
+        return
+    with Server(name) as server:
+        server.wait_ready(in_a_row=in_a_row)
+        yield server.url
 
 
 def status_kb(pid: int, field: str) -> int:

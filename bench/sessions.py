@@ -26,7 +26,7 @@ from threadpoolctl import threadpool_limits
 
 from attention_client import AttentionClient, _http, _wire
 from attention_client.loadtest.transport import parse_server_timing
-from bench.common import Server, b64
+from bench.common import b64, served
 from service import core, sessions
 
 H, D = 8, 64
@@ -219,12 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args(argv)
     with threadpool_limits(limits=1, user_api="blas"):  # as a worker computes (deploy/gunicorn.conf.py)
-        if args.url:
-            run(args.url, args.runs, args.batch)
-            return
-        with Server("sessions") as server:
-            server.wait_ready(in_a_row=8)
-            run(server.url, args.runs, args.batch)
+        with served(args.url, "sessions", in_a_row=8) as url:
+            run(url, args.runs, args.batch)
 
 
 if __name__ == "__main__":
