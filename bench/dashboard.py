@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from bench.common import Server
+from bench.common import Server, attention_body
 from bench.prometheus import ALERTS, LocalPrometheus, dashboard, ensure_prometheus, grafana_expr, panels, rate_interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,17 +37,6 @@ SMALL = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1,
 
 
 # --- traffic -------------------------------------------------------------------------------------
-
-
-def b64_body(T: int, heads: int = 8, d: int = 64, seed: int = 0) -> bytes:
-    """A /attention body: q, k, v of (1, heads, T, d) float32 in b64, no weights back."""
-    import base64
-    import json
-
-    rng = np.random.default_rng(seed)
-    arr = lambda: rng.standard_normal((1, heads, T, d)).astype(np.float32)
-    doc = {n: {"shape": [1, heads, T, d], "dtype": "float32", "b64": base64.b64encode(arr().tobytes()).decode()} for n in "qkv"}
-    return json.dumps({**doc, "return_weights": False}).encode()
 
 
 def mha_body(n: int = 16, d: int = 32, heads: int = 4) -> dict:
@@ -85,7 +74,7 @@ def every_kind(url: str, big: bytes, burst_size: int = 8, bursts: int = 5) -> di
         counts[status] = counts.get(status, 0) + 1
 
     note(s.post(f"{url}/attention", json=SMALL, timeout=30).status_code)
-    note(s.post(f"{url}/attention", data=b64_body(256), headers=JSON, timeout=30).status_code)
+    note(s.post(f"{url}/attention", data=attention_body(256, causal=False), headers=JSON, timeout=30).status_code)
     note(s.post(f"{url}/attention", data=big, headers=JSON, timeout=60).status_code)
     note(s.post(f"{url}/mha", json=mha_body(), timeout=30).status_code)
     note(s.post(f"{url}/v2/models/attention/infer", json=V2_BODY, timeout=30).status_code)
@@ -267,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         prom.wait_ready()
         prom.wait_for_scrape_after(time.time())
         start = time.time()
-        big = b64_body(1024)
+        big = attention_body(1024, causal=False)
         counts: dict[int, int] = {}
 
         def side_traffic():
