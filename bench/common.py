@@ -132,6 +132,18 @@ def status_kb(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 # --- requests ----------------------------------------------------------------------------------
 
 
@@ -176,8 +188,11 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table; floats with 2 significant decimals below 10, 1 below 100, none above."""
+def table(header: str | Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table (header: its cells, or one string of them between " | "); floats with 2
+    decimals below 10, 1 below 100, none above."""
+    if isinstance(header, str):
+        header = header.split(" | ")
 
     def cell(x: object) -> str:
         if isinstance(x, float):
