@@ -12,7 +12,7 @@ SCENARIOS = {  # name: what it measures
     "compression": "which answers pay for compressing; requests' default Accept-Encoding against identity; the gzip bomb (~2 min)",
     "client_wire": "the Python client against tritonclient, urllib3, requests, numpy to numpy (~2 min)",
     "small_requests": "the fixed cost per request: T=64 b64 req/s over /healthz req/s, wrk, 8 connections (~2 min; needs wrk)",
-    "small_profile": "where a small request's CPU goes, phase by phase, in-process (~30 s)",
+    "small_profile": "where a small request's CPU goes, stage by stage, in-process (~30 s; the table needs py-spy)",
     "sessions": "a decode step through a session against the same step in-process, resending the cache, and batched (~15 s)",
     "crowd": "what many clients see: bursts, closed loops, mixed sizes (~3 min)",
     "deadlines": "what X-Deadline-Ms costs under overload: 16 closed-loop clients, phases with and without a deadline (~1 min)",
