@@ -1,16 +1,10 @@
-"""docs/dashboard.png: the Grafana dashboard (deploy/grafana/attention.json) drawn from its own
-queries over a real run with load. Grafana is in none of the registries this project may use, so
-this is a faithful render, not Grafana's screenshot: each panel's PromQL, as Grafana would send it
-($__rate_interval by Grafana's rule), runs against a real Prometheus (Debian's) that scraped the
-service during the run, and matplotlib draws the panels where gridPos puts them, with their
-titles, units, legends, stacking and thresholds.
-
-    python -m bench dashboard [--out docs/dashboard.png] [--duration-per-cell 6]
-
-It starts the service (2 workers) and Prometheus on loopback, runs the load-test tool
-(`attention-loadtest`, T=64..1024, concurrency 1 and 4) with, beside it, the other kinds of
-traffic the dashboard shows (every() below: /mha, /v2, 422, 404, 504 and bursts that draw 503),
-then renders. About 2 minutes."""
+"""`python -m bench dashboard [--out docs/dashboard.png]`: the Grafana dashboard
+(deploy/grafana/attention.json) drawn from its own queries over a real run with load. Grafana is
+in none of the registries this project may use, so this is a faithful render, not a screenshot:
+each panel's PromQL, as Grafana sends it, runs against a real Prometheus (Debian's) that scraped
+the service (2 workers) while the load tester ran (T=64..1024, concurrency 1 and 4) beside the
+other kinds of traffic the dashboard shows (every_kind()); matplotlib draws the panels where
+gridPos puts them. About 2 minutes."""
 
 from __future__ import annotations
 
@@ -246,49 +240,43 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     ensure_prometheus()
-    server = Server("dashboard", env={"WEB_CONCURRENCY": "2"})
-    prom = None
     stop = threading.Event()
-    try:
+    with Server("dashboard", env={"WEB_CONCURRENCY": "2"}) as server:
         server.wait_ready(in_a_row=20)
-        port = server.url.rsplit(":", 1)[1]
-        prom = LocalPrometheus([f"127.0.0.1:{port}"], scrape_interval=f"{args.scrape_interval:g}s", rule_files=[ALERTS])
-        prom.wait_ready()
-        prom.wait_for_scrape_after(time.time())
-        start = time.time()
-        big = attention_body(1024, causal=False)
-        counts: dict[int, int] = {}
+        prom = LocalPrometheus([f"127.0.0.1:{server.port}"], scrape_interval=f"{args.scrape_interval:g}s", rule_files=[ALERTS])
+        with prom:
+            prom.wait_for_scrape_after(time.time())
+            start = time.time()
+            big = attention_body(1024, causal=False)
+            counts: dict[int, int] = {}
 
-        def side_traffic():
-            """Every kind beside the load test, about every 8 s, bounded in count."""
-            for _ in range(40):
-                for status, n in every_kind(server.url, big, burst_size=12, bursts=1).items():
-                    counts[status] = counts.get(status, 0) + n
-                if stop.wait(8):
-                    return
+            def side_traffic():
+                """Every kind beside the load test, about every 8 s, bounded in count."""
+                for _ in range(40):
+                    for status, n in every_kind(server.url, big, burst_size=12, bursts=1).items():
+                        counts[status] = counts.get(status, 0) + n
+                    if stop.wait(8):
+                        return
 
-        side = threading.Thread(target=side_traffic, daemon=True)
-        side.start()
-        with tempfile.TemporaryDirectory(prefix="dashboard-loadtest-") as out:
-            cmd = [sys.executable, "-m", "attention_client.loadtest", "--url", server.url, "--T", "64..1024", "--concurrency", "1,4"]
-            cmd += ["--duration", f"{args.duration_per_cell:g}", "--heads", "8", "--no-weights", "--encoding", "b64", "--out", out]
-            print("+", " ".join(cmd[1:]), file=sys.stderr)
-            subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
-        stop.set()
-        side.join(timeout=120)
-        end = time.time()
-        prom.wait_for_scrape_after(end)
-        end = time.time()
-        print(f"side traffic by status: {dict(sorted(counts.items()))}", file=sys.stderr)
-        note = "rendered by bench/dashboard.py from the dashboard's queries on a real Prometheus (not a Grafana screenshot)"
-        for line in render(prom, start - 5, end, args.out, args.scrape_interval, note):
-            print(line, file=sys.stderr)
-        print(f"wrote {args.out}", file=sys.stderr)
-    finally:
-        stop.set()
-        if prom:
-            prom.stop()
-        server.stop()
+            side = threading.Thread(target=side_traffic, daemon=True)
+            side.start()
+            try:
+                with tempfile.TemporaryDirectory(prefix="dashboard-loadtest-") as out:
+                    cmd = [sys.executable, "-m", "attention_client.loadtest", "--url", server.url, "--T", "64..1024"]
+                    cmd += ["--concurrency", "1,4", "--duration", f"{args.duration_per_cell:g}", "--heads", "8", "--no-weights"]
+                    cmd += ["--encoding", "b64", "--out", out]
+                    print("+", " ".join(cmd[1:]), file=sys.stderr)
+                    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
+            finally:
+                stop.set()
+            side.join(timeout=120)
+            prom.wait_for_scrape_after(time.time())
+            end = time.time()
+            print(f"side traffic by status: {dict(sorted(counts.items()))}", file=sys.stderr)
+            note = "rendered by bench/dashboard.py from the dashboard's queries on a real Prometheus (not a Grafana screenshot)"
+            for line in render(prom, start - 5, end, args.out, args.scrape_interval, note):
+                print(line, file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

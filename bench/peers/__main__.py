@@ -38,7 +38,7 @@ import pybase64
 import requests
 import tritonclient.http as triton
 
-from bench.common import ROOT, Server, b64, free_port
+from bench.common import ROOT, Server, b64, free_port, table
 from bench.peers import venvs
 from service import core
 from service.config import ONE_BLAS_THREAD
@@ -369,31 +369,29 @@ def report(targets: list[Target], args, lengths: list[int], sockets: int) -> str
         lines.append(f"- {t.name}: {t.versions}; {t.workers}; one BLAS thread per process; {WIRES[t.wire]}")
     over = " (x = over ours, the native door)" if base else ""
     lines += ["", f"Latency, one request at a time (ms, median{over}):", ""]
-    lines.append("| T | weights | " + " | ".join(names) + " |")
-    lines.append("|---|---|" + "---:|" * len(names))
+    rows = []
     for T in lengths:
         for weights in (False, True):
-            cells = []
-            for t in targets:
-                ms = statistics.median(t.latency[T, weights])
-                ratio = f" ({ms / statistics.median(base.latency[T, weights]):.1f}x)" if base and t is not base else ""
-                cells.append(f"{ms:,.1f}{ratio}")
-            lines.append(f"| {T} | {'yes' if weights else 'no'} | " + " | ".join(cells) + " |")
+            ms = {t.name: statistics.median(t.latency[T, weights]) for t in targets}
+            cells = [f"{ms[t.name]:,.1f}" + (f" ({ms[t.name] / ms[base.name]:.1f}x)" if base and t is not base else "") for t in targets]
+            rows.append([T, "yes" if weights else "no", *cells])
+    lines += [table(["T", "weights", *names], rows), ""]
     lines += [
-        "",
         f"Throughput, T=64 without weights, {args.clients} client threads (median of {args.rounds} passes of {args.duration:g} s):",
         "",
     ]
-    lines.append("| | " + " | ".join(names) + " |")
-    lines.append("|---|" + "---:|" * len(names))
-    lines.append("| req/s | " + " | ".join(f"{statistics.median(t.rounds):,.1f}" for t in targets) + " |")
+    rows = [["req/s", *(f"{statistics.median(t.rounds):,.1f}" for t in targets)]]
     if base:
-        lead = statistics.median(base.rounds)
-        cells = ("" if t is base else f"{lead / statistics.median(t.rounds):.2f}x" for t in targets)
-        lines.append("| the native door's lead | " + " | ".join(cells) + " |")
-    lines.append("| server CPU ms per request | " + " | ".join(f"{statistics.median(t.cpu_ms):.2f}" for t in targets) + " |")
-    lines.append("| client CPU ms per request | " + " | ".join(f"{statistics.median(t.client_cpu_ms):.2f}" for t in targets) + " |")
-    lines.append("| failed requests | " + " | ".join(str(t.errors) for t in targets) + " |")
+        rows.append(
+            [
+                "the native door's lead",
+                *("" if t is base else f"{statistics.median(base.rounds) / statistics.median(t.rounds):.2f}x" for t in targets),
+            ]
+        )
+    rows.append(["server CPU ms per request", *(f"{statistics.median(t.cpu_ms):.2f}" for t in targets)])
+    rows.append(["client CPU ms per request", *(f"{statistics.median(t.client_cpu_ms):.2f}" for t in targets)])
+    rows.append(["failed requests", *(t.errors for t in targets)])
+    lines.append(table(["", *names], rows))
     lines += [f"\nFirst failure ({t.name}): {t.first_error}" for t in targets if t.first_error]
     return "\n".join(lines) + "\n"
 
