@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import orjson
 import pybase64
 import requests
+
+from attention_client.loadtest.transport import parse_server_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -167,6 +172,57 @@ def attention_body(T: int, encoding: str = "b64", weights: bool = False, seed: i
     else:
         doc.update(q=q, k=k, v=v)
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+class Answer(NamedTuple):
+    """One answer a closed-loop client got."""
+
+    deadline: float | None  # the X-Deadline-Ms it sent
+    status: int | str  # the exception's name where there was no answer
+    ms: float  # the client's: request sent to answer read
+    server_ms: float | None  # Server-Timing's total
+    reason: str | None  # a refusal's code and message, numbers blanked (alike ones count together)
+    retry_after: bool
+
+
+def refusal(r: requests.Response) -> str:
+    """A refusal's status, code and message, its numbers blanked."""
+    try:
+        error = r.json()["error"]
+    except ValueError:
+        return f"{r.status_code} (not JSON)"
+    code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (r.headers.get("X-Error-Code"), error)
+    return f"{r.status_code} {code}: {re.sub(r'[0-9][0-9.e+]*', '#', message)[:160]}"
+
+
+def closed_loops(url: str, body: bytes, clients: int, seconds: float, deadlines: Sequence[float] = ()) -> list[Answer]:
+    """clients threads POST body to url/attention back to back for seconds, each on a keep-alive
+    session of its own, the next request sent as soon as an answer is read (refusals included);
+    client i sends X-Deadline-Ms deadlines[i % len(deadlines)], none if there are none."""
+    answers: list[Answer] = []
+    lock, stop = threading.Lock(), time.monotonic() + seconds
+
+    def loop(deadline: float | None) -> None:
+        headers = {"Content-Type": "application/json", **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
+        with requests.Session() as session:
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                try:
+                    r = session.post(f"{url}/attention", data=body, headers=headers, timeout=120)
+                    total = parse_server_timing(r.headers.get("Server-Timing")).get("total")
+                    why = None if r.status_code == 200 else refusal(r)
+                    answer = Answer(deadline, r.status_code, (time.perf_counter() - t0) * 1000, total, why, "Retry-After" in r.headers)
+                except requests.RequestException as exc:
+                    answer = Answer(deadline, type(exc).__name__, (time.perf_counter() - t0) * 1000, None, None, False)
+                with lock:
+                    answers.append(answer)
+
+    threads = [threading.Thread(target=loop, args=(deadlines[i % len(deadlines)] if deadlines else None,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
 
 
 # --- timing and tables ---------------------------------------------------------------------------

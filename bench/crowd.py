@@ -19,26 +19,15 @@ import asyncio
 import json
 import re
 import statistics
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from bench.common import Server, attention_body, tensors
+from bench.common import Server, attention_body, closed_loops, refusal, tensors
 
 HEADERS = {"Content-Type": "application/json"}
-
-
-def reason(r: requests.Response) -> str:
-    """The server's refusal, as code: message with its numbers blanked (so that alike ones count together)."""
-    try:
-        error = r.json()["error"]
-    except ValueError:
-        return f"{r.status_code} (not JSON)"
-    code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (r.headers.get("X-Error-Code"), error)
-    return f"{r.status_code} {code}: {re.sub(r'[0-9][0-9.e+]*', '#', message)[:160]}"
 
 
 def native_burst(url: str, body: bytes, n: int) -> tuple[Counter, float, Counter]:
@@ -47,7 +36,7 @@ def native_burst(url: str, body: bytes, n: int) -> tuple[Counter, float, Counter
             r = requests.post(f"{url}/attention", data=body, headers=HEADERS, timeout=120)
         except requests.RequestException as exc:
             return type(exc).__name__, None
-        return r.status_code, None if r.status_code == 200 else reason(r)
+        return r.status_code, None if r.status_code == 200 else refusal(r)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
@@ -90,41 +79,11 @@ def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
 
 
 def closed(url: str, body: bytes, clients: int, seconds: float, deadlines: list[float]) -> dict:
-    """clients closed-loop clients; client i sends X-Deadline-Ms deadlines[i % len(deadlines)]
-    (none if deadlines is empty). The summary of all, and of each deadline's clients apart when
-    there are several."""
-    records, lock = [], threading.Lock()  # (deadline, status, client ms, Server-Timing total, reason, Retry-After)
-    stop = time.monotonic() + seconds
-
-    def loop(deadline: float | None):
-        headers = {**HEADERS, **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
-        with requests.Session() as session:
-            while time.monotonic() < stop:
-                t0 = time.perf_counter()
-                try:
-                    r = session.post(f"{url}/attention", data=body, headers=headers, timeout=120)
-                    status = r.status_code
-                except requests.RequestException as exc:
-                    status, r = type(exc).__name__, None
-                ms = (time.perf_counter() - t0) * 1000
-                server = re.search(r"total;dur=([0-9.]+)", r.headers.get("Server-Timing", "")) if r is not None else None
-                record = (
-                    deadline,
-                    status,
-                    ms,
-                    float(server.group(1)) if server else None,
-                    reason(r) if r is not None and status != 200 else None,
-                    bool(r.headers.get("Retry-After")) if r is not None else None,
-                )
-                with lock:
-                    records.append(record)
-
-    threads = [threading.Thread(target=loop, args=(deadlines[i % len(deadlines)] if deadlines else None,)) for i in range(clients)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    """The closed loops' summary, and each deadline's clients' apart when there are several."""
+    records = closed_loops(url, body, clients, seconds, deadlines)
     result = {"clients": clients, **summary(records, deadlines[0] if len(deadlines) == 1 else None)}
     if len(deadlines) > 1:
-        result["by_deadline"] = {f"{d:g}": summary([r for r in records if r[0] == d], d) for d in deadlines}
+        result["by_deadline"] = {f"{d:g}": summary([r for r in records if r.deadline == d], d) for d in deadlines}
     return result
 
 
