@@ -1,11 +1,6 @@
-"""The peers' virtual environments: one per peer, built from bench/peers/requirements-NAME.txt.
-
-    python -m bench peers.venvs            # build (or bring up to date) each; prints their Pythons
-
-They live in $BENCH_PEERS_DIR, by default .peers/ at the repository root (gitignored). A venv is
-(re)installed when its requirements file changed since the last install (a stamp holds its hash);
-otherwise it is used as it is, so a run after the first spends no time here. PyPI is the only
-network they need."""
+"""The peers' venvs, one per peer from bench/peers/requirements-NAME.txt, in $BENCH_PEERS_DIR
+(default .peers/, gitignored): `python -m bench.peers.venvs` builds them. A venv is reinstalled
+when its requirements file changed since the last install (a stamp holds its hash)."""
 
 from __future__ import annotations
 
