@@ -129,8 +129,8 @@ def served(url: str | None, name: str = "service", in_a_row: int = 4) -> Iterato
         yield server.url
 
 
-def status_kb(pid: int, field: str) -> int:
-    """A /proc/PID/status figure in kB (VmRSS, VmHWM)."""
+def status_kb(pid: int | str, field: str) -> int:
+    """A /proc/PID/status figure in kB (VmRSS, VmHWM); pid may be "self"."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
