@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -207,25 +206,15 @@ def torch_compute(sizes) -> tuple[dict, str]:
             res[T], ours[T] = statistics.median(ts), statistics.median(us)
         print(json.dumps({{"version": torch.__version__, "ms": res, "ours": ours}}))
     """)
-    candidates = [sys.executable]
-    if os.environ.get("BENCH_TORCH_PYTHON"):
-        candidates.insert(0, os.environ["BENCH_TORCH_PYTHON"])
-    for python in candidates:
-        if not shutil.which(python) and not Path(python).exists():
-            continue
-        probe = subprocess.run([python, "-c", "import torch"], capture_output=True)
-        if probe.returncode != 0:
-            continue
-        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
-        run = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=600, env=env)
-        if run.returncode == 0:
-            doc = json.loads(run.stdout.strip().splitlines()[-1])
-            return (
-                {int(t): (ms, doc["ours"][t]) for t, ms in doc["ms"].items()},
-                f"torch {doc['version']} ({'BENCH_TORCH_PYTHON' if python != sys.executable else 'this interpreter'}); "
-                "torch and this core timed alternately in that interpreter",
-            )
-    return {}, "torch not installed: no SDPA column (set BENCH_TORCH_PYTHON to an interpreter that has it)"
+    python = os.environ.get("BENCH_TORCH_PYTHON", sys.executable)
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    if run.returncode != 0:
+        return {}, f"no SDPA column: torch failed or is missing in {python} (BENCH_TORCH_PYTHON names another): {run.stderr[-200:]}"
+    doc = json.loads(run.stdout.strip().splitlines()[-1])
+    return {
+        int(t): (ms, doc["ours"][t]) for t, ms in doc["ms"].items()
+    }, f"torch {doc['version']} in {python}, timed alternately with this core"
 
 
 def ratio(a, b, digits: int = 1, unit: str = "x") -> str:
