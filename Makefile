@@ -56,8 +56,9 @@ bench: $(VENV)/.dev-stamp
 bench-peers: $(VENV)/.dev-stamp
 	env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $(PY) -m bench peers $(BENCH_PEERS_ARGS)
 
-# Triton's perf_analyzer against `make run`'s server at concurrency 1 to 4 for T=64, 256, 1024 (a few
-# minutes): bench/out/perf_analyzer.md. Not part of `make test`. perf_analyzer (the tritonclient 2.40.0
+# Triton's perf_analyzer against `make run`'s server (shared memory allowed) at concurrency 1 to 4 for
+# T=64, 256, 1024, binary tensors and system shared memory side by side, with the server's queue and
+# compute times (a few minutes): bench/out/perf_analyzer.md. Not part of `make test`. perf_analyzer (the tritonclient 2.40.0
 # wheel's binary) is fetched on first use into .perf-analyzer/, or $BENCH_PERF_ANALYZER_DIR if set;
 # it needs Debian's libb64-0d, installed with apt-get if missing.
 .PHONY: bench-perf-analyzer

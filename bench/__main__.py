@@ -19,7 +19,8 @@ SCENARIOS = {  # name: what it measures
     "worker_peak": "a worker's peak RSS over single large requests (~1 min)",
     "garbage": "the work before a hostile body is refused, per MB (~1 min)",
     "peers": "KServe, MLServer, LitServe, Ray Serve and BentoML serving the same model (`make bench-peers`, ~5 min)",
-    "perf_analyzer": "Triton's perf_analyzer against this service (`make bench-perf-analyzer`, ~3 min)",
+    "perf_analyzer": "Triton's perf_analyzer against this service, binary tensors and shared memory (`make bench-perf-analyzer`, ~5 min)",
+    "shm": "a client on the server's host: shared memory and the binary wire against the same computation in-process (~1 min)",
     "dashboard": "docs/dashboard.png: the Grafana dashboard drawn from a real Prometheus over a run with load",
 }
 HEADLINE = ("textbook", "compression", "client_wire", "small_requests")  # `make bench`

@@ -118,13 +118,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def served(url: str | None, name: str = "service", in_a_row: int = 4) -> Iterator[str]:
-    """The server at url, or one started here as `make run` starts it (in_a_row: readiness checks
-    in a row, to warm its workers), for the block: its URL."""
+def served(url: str | None, name: str = "service", in_a_row: int = 4, env: dict | None = None) -> Iterator[str]:
+    """The server at url, or one started here as `make run` starts it (with env; in_a_row:
+    readiness checks in a row, to warm its workers), for the block: its URL."""
     if url:
         yield url.rstrip("/")
         return
-    with Server(name) as server:
+    with Server(name, env=env) as server:
         server.wait_ready(in_a_row=in_a_row)
         yield server.url
 

@@ -2,6 +2,7 @@
 
     make bench-perf-analyzer                          # = python -m bench perf_analyzer (a few minutes)
     python -m bench perf_analyzer --window-ms 500     # shorter windows, noisier
+    python -m bench perf_analyzer --lengths 64,1024 --concurrency 1,4 --shared-memory none,system
 
 perf_analyzer is the C++ binary that the tritonclient 2.40.0 wheel (the last to ship it) puts in
 its venv's bin/. It links the CUDA runtime even over HTTP on a machine without a GPU (the
@@ -11,11 +12,16 @@ $BENCH_PERF_ANALYZER_DIR, by default .perf-analyzer/ at the repository root (git
 once and rebuilt when REQUIREMENTS change.
 
 The service starts as `make run` starts it (python -m service, the default settings) on a free
-loopback port. perf_analyzer reads the model's metadata and configuration (/v2/models/attention
-and .../config), then sends q, k, v (1, 8, T, 64) float32 (seeded normal values, from an
---input-data file: the optional inputs are left out), synchronous requests, binary tensors both
-ways; it asks for every output the metadata lists, so each answer carries the weights. One run of
-perf_analyzer per (T, concurrency), so that a concurrency that does not stabilise within its
+loopback port, but with ATTN_ALLOW_CLIENT_SHM=true. perf_analyzer reads the model's metadata and
+configuration (/v2/models/attention and .../config), then sends q, k, v (1, 8, T, 64) float32
+(seeded normal values, from an --input-data file: the optional inputs are left out), synchronous
+requests; it asks for every output the metadata lists, so each answer carries the weights. The
+tensors go as binary data both ways (--shared-memory none), or through system shared-memory
+regions perf_analyzer registers (--shared-memory system; each output's region sized to the
+weights, --output-shared-memory-size). The server's side comes from its statistics extension
+(/v2/models/attention/stats): per request, the time waiting for a compute slot (queue), decoding
+and validating (compute input), computing (compute infer) and encoding (compute output). One run
+of perf_analyzer per (T, concurrency, tensors), so that one that does not stabilise within its
 windows costs only its own row. The table goes to bench/out/perf_analyzer.md and is printed.
 """
 
@@ -91,21 +97,45 @@ def ensure_libb64(binary: Path, env: dict[str, str]) -> None:
         raise SystemExit(f"perf_analyzer cannot load {', '.join(missing)} (libb64.so.0d: apt-get install libb64-0d)")
 
 
-def input_file(length: int, seed: int = 0) -> Path:
-    """perf_analyzer's --input-data JSON: q, k, v (B, H, T, D) float32 as b64, with their shapes."""
+# perf_analyzer 2.40 sends every input through shared memory, and stops when an optional input has
+# no data ("does not support optional inputs at this time"): with --shared-memory system every row
+# sends these too, values that leave the computation as it is (every key allowed, nothing added).
+NO_OP_INPUTS = {
+    "mask": np.ones((1, 1, 1, 1), np.bool_),
+    "key_lengths": None,  # (1, 1) int64 of T: every key
+    "bias": np.zeros((1, 1, 1, 1), np.float32),
+    "alibi_slopes": np.zeros((1, 1), np.float32),
+}
+
+
+def input_file(length: int, seed: int = 0, optional: bool = False) -> Path:
+    """perf_analyzer's --input-data JSON: q, k, v (B, H, T, D) float32 as b64, with their shapes;
+    with optional, NO_OP_INPUTS too."""
     rng = np.random.default_rng(seed)
     shape = [B, H, length, D]
-    step = {
-        name: {"b64": base64.b64encode(rng.standard_normal(shape, dtype=np.float32).tobytes()).decode(), "shape": shape} for name in "qkv"
-    }
-    path = tool_dir() / "inputs" / f"attention-T{length}.json"
+    arrays = {name: rng.standard_normal(shape, dtype=np.float32) for name in "qkv"}
+    if optional:
+        arrays.update({name: np.full((1, 1), length, np.int64) if a is None else a for name, a in NO_OP_INPUTS.items()})
+    step = {name: {"b64": base64.b64encode(a.tobytes()).decode(), "shape": list(a.shape)} for name, a in arrays.items()}
+    path = tool_dir() / "inputs" / f"attention-T{length}{'-all' if optional else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"data": [step]}))
     return path
 
 
-def measure(binary: Path, env: dict, url: str, data: Path, concurrency: int, args) -> dict | str:
-    """One perf_analyzer run at one concurrency: {infer_s, p50_ms, p99_ms}, or its last error line."""
+SERVER_COLUMNS = {
+    "queue": "Server Queue",
+    "input": "Server Compute Input",
+    "infer": "Server Compute Infer",
+    "output": "Server Compute Output",
+}
+
+
+def measure(
+    binary: Path, env: dict, url: str, data: Path, concurrency: int, args, shared_memory: str = "none", length: int = 0
+) -> dict | str:
+    """One perf_analyzer run at one concurrency: {infer_s, p50_ms, p99_ms, and the server's
+    queue_ms, input_ms, infer_ms, output_ms}, or its last error line."""
     csv_path = tool_dir() / "result.csv"
     csv_path.unlink(missing_ok=True)
     argv = [
@@ -114,6 +144,8 @@ def measure(binary: Path, env: dict, url: str, data: Path, concurrency: int, arg
         *("--concurrency-range", f"{concurrency}:{concurrency}", "--input-data", str(data)),
         *("--measurement-interval", str(args.window_ms), "--max-trials", str(args.max_trials)),
         *("--stability-percentage", str(args.stability), "-f", str(csv_path)),
+        *("--shared-memory", shared_memory),
+        *(("--output-shared-memory-size", str(B * H * length * length * 4)) if shared_memory != "none" else ()),
     ]
     try:
         run = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.timeout, check=False)
@@ -128,18 +160,24 @@ def measure(binary: Path, env: dict, url: str, data: Path, concurrency: int, arg
         "infer_s": float(row["Inferences/Second"]),
         "p50_ms": float(row["p50 latency"]) / 1e3,
         "p99_ms": float(row["p99 latency"]) / 1e3,
+        **{f"{name}_ms": float(row.get(column) or "nan") / 1e3 for name, column in SERVER_COLUMNS.items()},  # µs in the CSV
     }
 
 
-def table(results: dict[tuple[int, int], dict | str], lengths, concurrencies) -> str:
-    lines = ["| T | concurrency | infer/s | p50 ms | p99 ms |", "|---:|---:|---:|---:|---:|"]
+def table(results: dict[tuple[int, int, str], dict | str], lengths, concurrencies, memories) -> str:
+    lines = [
+        "| T | concurrency | tensors | infer/s | p50 ms | p99 ms | server queue ms | compute input ms | compute infer ms | compute output ms |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for length in lengths:
         for c in concurrencies:
-            r = results[length, c]
-            if isinstance(r, str):
-                lines.append(f"| {length} | {c} | {r} | | |")
-            else:
-                lines.append(f"| {length} | {c} | {r['infer_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |")
+            for memory in memories:
+                r, tensors = results[length, c, memory], "binary" if memory == "none" else f"{memory} shared memory"
+                if isinstance(r, str):
+                    lines.append(f"| {length} | {c} | {tensors} | {r} | | | | | | |")
+                else:
+                    server = " | ".join(f"{r[f'{name}_ms']:.2f}" for name in SERVER_COLUMNS)
+                    lines.append(f"| {length} | {c} | {tensors} | {r['infer_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {server} |")
     return "\n".join(lines)
 
 
@@ -147,28 +185,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="64,256,1024", help="T values, comma-separated")
     parser.add_argument("--max-concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", default=None, help="concurrencies, comma-separated (default: 1 to --max-concurrency)")
+    parser.add_argument("--shared-memory", default="none,system", help="perf_analyzer's --shared-memory values, comma-separated")
     parser.add_argument("--window-ms", type=int, default=2000, help="perf_analyzer's --measurement-interval")
     parser.add_argument("--max-trials", type=int, default=8, help="windows before a concurrency gives up stabilising")
     parser.add_argument("--stability", type=int, default=50, help="perf_analyzer's --stability-percentage")
     parser.add_argument("--timeout", type=float, default=120, help="seconds for one perf_analyzer run before it is stopped")
     args = parser.parse_args()
     lengths = [int(t) for t in args.lengths.split(",")]
-    concurrencies = range(1, args.max_concurrency + 1)
+    concurrencies = [int(c) for c in args.concurrency.split(",")] if args.concurrency else list(range(1, args.max_concurrency + 1))
+    memories = args.shared_memory.split(",")
 
     venv = ensure_venv()
     binary, env = venv / "bin" / "perf_analyzer", tool_env(venv)
     ensure_libb64(binary, env)
-    inputs = {length: input_file(length) for length in lengths}
+    inputs = {length: input_file(length, optional=memories != ["none"]) for length in lengths}
 
     load_start = os.getloadavg()
-    server = Server("perf-analyzer", inherit_settings=False)  # as `make run`: python -m service, default settings
+    server = Server("perf-analyzer", env={"ATTN_ALLOW_CLIENT_SHM": "true"}, inherit_settings=False)  # as `make run`, with shared memory
     try:
         server.wait_ready(in_a_row=4, path="/v2/health/ready")
         results = {}
         for length in lengths:
             for c in concurrencies:
-                results[length, c] = measure(binary, env, server.url, inputs[length], c, args)
-                print(f"T={length} concurrency={c}: {results[length, c]}", file=sys.stderr, flush=True)
+                for memory in memories:
+                    results[length, c, memory] = measure(binary, env, server.url, inputs[length], c, args, memory, length)
+                    print(f"T={length} concurrency={c} shared memory {memory}: {results[length, c, memory]}", file=sys.stderr, flush=True)
     finally:
         server.stop()
 
@@ -181,11 +223,21 @@ def main() -> None:
             "",
             f"`{command}`: perf_analyzer (tritonclient 2.40.0) -m {MODEL} -i http, synchronous, --concurrency-range c:c,",
             f"--measurement-interval {args.window_ms} ms, --stability-percentage {args.stability}, --max-trials {args.max_trials};",
-            f"q, k, v ({B}, {H}, T, {D}) float32, both outputs (out, weights) as binary; the server as `make run` starts it.",
+            f"q, k, v ({B}, {H}, T, {D}) float32"
+            + (
+                ", and mask, key_lengths, bias, alibi_slopes that change nothing (all keys, nothing added: perf_analyzer's shared memory"
+                " sends every input)"
+                if memories != ["none"]
+                else ""
+            )
+            + "; both outputs (out, weights, lse), as binary data or through system shared memory;"
+            " the server as `make run` starts it, with ATTN_ALLOW_CLIENT_SHM=true. The server's columns: its statistics"
+            " extension's averages per request (queue: waiting for a compute slot; compute input: decoding and validating;"
+            " compute infer: the core; compute output: encoding, and writing outputs to shared memory).",
             f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; {when},"
             f" load average at start {load[0]}, at end {load[1]}.",
             "",
-            table(results, lengths, concurrencies),
+            table(results, lengths, concurrencies, memories),
             "",
         ]
     )

@@ -130,14 +130,17 @@ sendfile = False  # every byte goes through the worker's sendall, which never bl
 
 
 def on_starting(server):
-    """Arbiter start: the admission census and the sessions' pool the workers will share (they
-    inherit both when they fork), and an empty metrics directory, so a previous run's counts do not
-    come back."""
-    from service import sessions
+    """Arbiter start: the admission census, the sessions' pool, Triton's statistics table and (when
+    allowed) the client shared-memory registry the workers will share (they inherit them when they
+    fork), and an empty metrics directory, so a previous run's counts do not come back."""
+    from service import sessions, shm, stats
     from service.admission import census
 
     census.create()
     sessions.create(_settings)
+    stats.create()  # Triton's statistics, counted over every worker
+    if _settings.allow_client_shm:
+        shm.create()  # the client shared-memory regions every worker sees
     for said in warnings(_settings):
         server.log.warning("configuration: %s", said)
     directory = os.environ["PROMETHEUS_MULTIPROC_DIR"]

@@ -36,6 +36,7 @@ OUTPUT_DATATYPE = FLOAT[0]  # the outputs' advertised datatype: FP64 or FP16 as 
 # Scheduling hints Triton's client may send (TRITON_RESERVED_REQUEST_PARAMS); this server has no
 # batcher or sequence scheduler to give them to, so they are accepted and have no effect.
 IGNORED_PARAMETERS = ("priority", "timeout")
+SHM_CODE = "bad_shared_memory"  # a shared-memory parameter's refusals (400)
 FIELD_CHARS = 60  # of a name the client sent, as an error's field (logged, and sent as X-Error-Field)
 
 
@@ -159,16 +160,34 @@ class BinaryInput(NamedTuple):
     size: int
 
 
+class Shared(NamedTuple):
+    """Where a tensor lies in a client's shared-memory region (Triton's system shared-memory
+    extension): byte_size bytes at offset in the region registered under that name."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+class SharedInput(NamedTuple):
+    """An input whose bytes the web layer reads out of a shared-memory region."""
+
+    shape: Any
+    dtype: str
+    where: Shared
+
+
 @dataclass(frozen=True)
 class Envelope:
     """An infer request as the native door takes it. native: the native request dict, a
     BinaryInput standing for each tensor whose bytes the web layer takes; requested: the outputs
-    wanted in order, None for the default; binary: {output name or None (the default): as bytes}."""
+    wanted in order, None for the default; binary: {output name or None (the default): as bytes,
+    or the shared-memory region it is written to}."""
 
     id: str | None
     native: dict[str, Any]
     requested: list[str] | None
-    binary: dict[str | None, bool]
+    binary: dict[str | None, bool | Shared]
 
 
 # --- the envelope's fields ---------------------------------------------------------------------
@@ -219,14 +238,24 @@ class TensorData(_Coded, fields.Raw):
 
 
 class ByteCount(_Coded, fields.Integer):
-    """binary_data_size: a byte count."""
+    """binary_data_size (or a shared-memory parameter, its code bad_shared_memory): a byte count."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, code: str = "bad_type", **kwargs):
+        self.code = code
         super().__init__(strict=True, metadata={"minimum": 0, **kwargs.pop("metadata", {})}, **kwargs)
 
     def _deserialize(self, value, attr, data, **kwargs):
         if type(value) is not int or value < 0:
-            raise self._error("bad_type", f"{self.label} has binary_data_size {show(value)}; it must be a byte count.")
+            raise self._error(self.code, f"{self.label} has {self.name} {show(value)}; it must be a byte count.")
+        return value
+
+
+class RegionName(_Coded, fields.String):
+    """shared_memory_region: a registered region's name (whether it is one is the web layer's)."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, str):
+            raise self._error(SHM_CODE, f"{self.label} has {self.name} {show(value)}; it must be a region's name.")
         return value
 
 
@@ -366,17 +395,35 @@ class _Envelope(Schema):
         raise RequestError("bad_type", f"{self.what} {name}: {text}".replace("  ", " "), self.field or name or None)
 
 
-class InputParameters(_Envelope):
+class SharedParameters(_Envelope):
+    """The system shared-memory extension's parameters of a tensor (off unless the server allows it)."""
+
+    shared_memory_region = RegionName(metadata={"description": "system shared-memory extension: the registered region the tensor is in"})
+    shared_memory_offset = ByteCount(SHM_CODE, metadata={"description": "system shared-memory extension: where in the region; default 0"})
+    shared_memory_byte_size = ByteCount(SHM_CODE, metadata={"description": "system shared-memory extension: the tensor's bytes"})
+
+    def _unknown(self, keys):
+        known = ", ".join(self.fields)
+        raise RequestError("bad_option", f"{self.what} has parameters {wire.show_names(keys)}; those supported are {known}.", self.field)
+
+    def finish(self, data: dict) -> dict:
+        """The parameters, with `shared`: the region the tensor is in, when they name one."""
+        given = data.keys() & {"shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"}
+        if given and not {"shared_memory_region", "shared_memory_byte_size"} <= given:
+            raise RequestError(
+                SHM_CODE,
+                f"{self.what} needs both shared_memory_region and shared_memory_byte_size (and optionally shared_memory_offset).",
+                self.field,
+            )
+        if given:
+            data["shared"] = Shared(data["shared_memory_region"], data.get("shared_memory_offset", 0), data["shared_memory_byte_size"])
+        return data
+
+
+class InputParameters(SharedParameters):
     binary_data_size = ByteCount(
         metadata={"description": "binary tensor data extension: the tensor's bytes follow the JSON header (no data then)"}
     )
-
-    def _unknown(self, keys):
-        raise RequestError(
-            "bad_option",
-            f"{self.what} has parameters {wire.show_names(keys)}; the only one supported is binary_data_size (no shared memory).",
-            self.field,
-        )
 
 
 class RequestInput(_Envelope):
@@ -398,6 +445,12 @@ class RequestInput(_Envelope):
         """The native Tensor field's value: flat or nested data, or a BinaryInput."""
         dtype, shape, what = DATATYPES[data["datatype"]], data["shape"], self.what
         size = data.get("parameters", {}).get("binary_data_size")
+        if (where := data.get("parameters", {}).get("shared")) is not None:
+            if "data" in data or size is not None:
+                raise RequestError(
+                    "bad_encoding", f"{what} is in shared memory and has data or binary_data_size too; send one.", self.field
+                )
+            return SharedInput(shape, dtype, where)
         if size is not None:
             if "data" in data:
                 raise RequestError("bad_encoding", f"{what} has both data and binary_data_size; send one.", self.field)
@@ -410,16 +463,11 @@ class RequestInput(_Envelope):
         return {"shape": shape, "dtype": dtype, "data": values}
 
 
-class OutputParameters(_Envelope):
+class OutputParameters(SharedParameters):
     binary_data = Bool(metadata={"description": "binary tensor data extension: this output as raw bytes"})
 
     def _label(self, name: str) -> str:
-        return f"{self.what} parameter {name}"
-
-    def _unknown(self, keys):
-        raise RequestError(
-            "bad_option", f"{self.what} has parameters {wire.show_names(keys)}; the only one supported is binary_data.", self.field
-        )
+        return f"{self.what} parameter {name}" if name == "binary_data" else self.what
 
 
 class RequestOutput(_Envelope):
@@ -429,9 +477,11 @@ class RequestOutput(_Envelope):
     def _label(self, name: str) -> str:
         return f"{self.what} parameters"
 
-    def finish(self, data: dict) -> bool | None:
-        """Whether this output is sent as bytes; None: as the request's binary_data_output says."""
-        return data.get("parameters", {}).get("binary_data")
+    def finish(self, data: dict) -> bool | Shared | None:
+        """Whether this output is sent as bytes, or the shared-memory region it is written to;
+        None: as the request's binary_data_output says."""
+        params = data.get("parameters", {})
+        return params.get("shared", params.get("binary_data"))
 
 
 class RequestParameters(_Envelope):
@@ -496,7 +546,7 @@ class InferenceRequest(_Envelope):
             raise RequestError("missing_field", f"input {missing[0]} is required by model {model.name}.", missing[0])
         params = data.get("parameters", {})
         native.update((key, params[key]) for key in model.options if key in params)
-        binary: dict[str | None, bool] = {None: params.get("binary_data_output", False)}
+        binary: dict[str | None, bool | Shared] = {None: params.get("binary_data_output", False)}
         outputs = data.get("outputs")
         requested = None if outputs is None else list(outputs)
         if outputs is not None:
@@ -714,6 +764,66 @@ class InferenceError(_Answer):
     error = fields.String(required=True, metadata={"description": "one sentence naming the input or parameter and what is wrong"})
 
 
+# --- Triton's statistics and system shared-memory extensions (service/web/triton_ext.py) ----------
+
+
+def _count(**kwargs) -> fields.Integer:
+    return fields.Integer(required=True, validate=validate.Range(min=0), **kwargs)
+
+
+class Duration(_Answer):
+    count = _count()
+    ns = _count(metadata={"description": "cumulative nanoseconds"})
+
+
+PHASES = ("compute_input", "compute_infer", "compute_output")
+
+
+def _durations(*names: str) -> dict[str, fields.Field]:
+    return {name: fields.Nested(Duration, required=True) for name in names}
+
+
+InferenceStats = _Answer.from_dict(_durations("success", "fail", "queue", *PHASES, "cache_hit", "cache_miss"), name="InferenceStats")
+BatchStats = _Answer.from_dict({"batch_size": _count(), **_durations(*PHASES)}, name="BatchStats")
+
+
+class ModelStat(_Answer):
+    name = _model_name()
+    version = fields.String(required=True, validate=_one_of([MODEL_VERSION]))
+    last_inference = _count(metadata={"description": "ms since the epoch; 0 before the first"})
+    inference_count = _count()
+    execution_count = _count()
+    inference_stats = fields.Nested(InferenceStats, required=True)
+    batch_stats = fields.List(fields.Nested(BatchStats), required=True)
+
+
+class ModelStats(_Answer):
+    model_stats = fields.List(fields.Nested(ModelStat), required=True)
+
+
+class RegionStatus(_Answer):
+    name = fields.String(required=True)
+    key = fields.String(required=True, metadata={"description": "the POSIX shared-memory object's name (shm_open's)"})
+    offset = _count()
+    byte_size = _count()
+
+
+class RegisterRequest(Schema):
+    """What POST .../region/{region}/register takes (triton_ext.py reads it)."""
+
+    class Meta:
+        unknown = RAISE
+
+    key = fields.String(required=True, metadata={"description": "the POSIX shared-memory object's name (shm_open's)"})
+    offset = fields.Integer(validate=validate.Range(min=0), metadata={"description": "default 0"})
+    byte_size = fields.Integer(required=True, validate=validate.Range(min=1))
+
+
+class Empty(Schema):
+    class Meta:
+        unknown = RAISE
+
+
 def components() -> dict[str, Schema]:
     """The /v2 part of the document, named as in the protocol's own (open_inference_rest.yaml)
     where it has a name; a schema nested in another comes before it."""
@@ -736,4 +846,8 @@ def components() -> dict[str, Schema]:
         "response_output": ResponseOutput(),
         "inference_response": InferenceResponse(),
         "inference_error_response": InferenceError(),
+        "stats_model_response": ModelStats(),  # named as Triton's documents name them
+        "system_shared_memory_status_response": RegionStatus(many=True),
+        "system_shared_memory_register_request": RegisterRequest(),
+        "system_shared_memory_response": Empty(),
     }

@@ -217,6 +217,11 @@ class Settings:
     session_idle_s: int = 600
     session_max_tokens: int = 65536
     session_max_count: int = 1024
+    # Triton's system shared-memory extension (service/shm.py): clients on this host may register
+    # POSIX shared-memory objects and pass tensors through them. Off by default, as Triton's
+    # --allow-client-shm: it lets a local client have the server read and write any shared-memory
+    # object the server's user can open (docs/operations.md).
+    allow_client_shm: bool = False
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -258,6 +263,7 @@ class Settings:
                 session_idle_s=_env("ATTN_SESSION_IDLE_S", d.session_idle_s, int),
                 session_max_tokens=_env("ATTN_SESSION_MAX_TOKENS", d.session_max_tokens, int),
                 session_max_count=_env("ATTN_SESSION_MAX_COUNT", d.session_max_count, int),
+                allow_client_shm=_env("ATTN_ALLOW_CLIENT_SHM", d.allow_client_shm, _bool),
             )
         )
 

@@ -13,7 +13,7 @@ from hypothesis import settings as hypothesis_settings
 from service.config import Settings
 from service.web import create_app
 
-from .helpers import start_server, stop_server
+from .helpers import serving, start_server, stop_server
 
 # Property tests explore freely on a developer's machine and replay a fixed set in CI (CI set, as
 # .ci/run does): hypothesis's own "ci" profile, derandomized, no deadline, no example database, and
@@ -52,6 +52,13 @@ def live_server():
     proc, url = start_server()
     yield url
     stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def shm_server():
+    """A real server of two workers that takes client shared memory (ATTN_ALLOW_CLIENT_SHM=true): a helpers.Server."""
+    with serving({"ATTN_ALLOW_CLIENT_SHM": "true", "WEB_CONCURRENCY": "2"}) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

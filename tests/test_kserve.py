@@ -375,7 +375,12 @@ REFUSALS = [
         400,
         "input q has both data and binary_data_size",
     ),
-    ("shared-memory", with_input("q", parameters={"shared_memory_region": "r"}), 400, "input q has parameters ['shared_memory_region']"),
+    (
+        "shared-memory",
+        with_input("q", parameters={"shared_memory_region": "r"}),
+        400,
+        "input q needs both shared_memory_region and shared_memory_byte_size",
+    ),
     ("binary-leftover", framed(SEED, bytes(2)), 400, "2 bytes of binary data follow the JSON header"),
     (
         "bad-header-length",

@@ -68,6 +68,19 @@ V2_OPERATIONS = {
     *(("get", f"/v2/models/{{name}}{version}{what}") for version in ("", "/versions/{version}") for what in ("", "/ready", "/config")),
     ("post", "/v2/models/{name}/infer"),
     ("post", "/v2/models/{name}/versions/{version}/infer"),
+    ("get", "/v2/models/stats"),
+    ("get", "/v2/models/{name}/stats"),
+    ("get", "/v2/models/{name}/versions/{version}/stats"),
+    ("get", "/v2/systemsharedmemory/status"),
+    ("get", "/v2/systemsharedmemory/region/{region}/status"),
+    ("post", "/v2/systemsharedmemory/region/{region}/register"),
+    ("post", "/v2/systemsharedmemory/unregister"),
+    ("post", "/v2/systemsharedmemory/region/{region}/unregister"),
+    ("get", "/v2/cudasharedmemory/status"),
+    ("get", "/v2/cudasharedmemory/region/{region}/status"),
+    ("post", "/v2/cudasharedmemory/region/{region}/register"),
+    ("post", "/v2/cudasharedmemory/unregister"),
+    ("post", "/v2/cudasharedmemory/region/{region}/unregister"),
 }
 
 
@@ -112,7 +125,7 @@ def test_v2_operations_are_the_routes_served(app, client, doc):
     for method, path in V2_OPERATIONS:
         op = doc["paths"][path][method]
         assert op["tags"] == ["Open Inference Protocol"] and op["summary"] and op["description"]
-        params = {p["name"]: p["schema"]["enum"] for p in op.get("parameters", []) if p["in"] == "path"}
+        params = {p["name"]: p["schema"].get("enum") or [p["schema"]["example"]] for p in op.get("parameters", []) if p["in"] == "path"}
         assert set(params) == set(re.findall(r"{([^}]+)}", path))
         url = path.format(**{name: values[0] for name, values in params.items()})
         resp = client.open(url, method=method.upper(), json={"inputs": []} if method == "post" else None)

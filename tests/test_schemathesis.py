@@ -56,6 +56,10 @@ V2_OPERATIONS = {
     *(("GET", f"/v2/models/{{name}}{version}{what}") for version in ("", "/versions/{version}") for what in ("", "/ready", "/config")),
     ("POST", "/v2/models/{name}/infer"),
     ("POST", "/v2/models/{name}/versions/{version}/infer"),
+    *(("GET", f"/v2/models{path}/stats") for path in ("", "/{name}", "/{name}/versions/{version}")),  # Triton's extensions
+    *(("GET", f"/v2/{kind}sharedmemory{region}/status") for kind in ("system", "cuda") for region in ("", "/region/{region}")),
+    *(("POST", f"/v2/{kind}sharedmemory{region}/unregister") for kind in ("system", "cuda") for region in ("", "/region/{region}")),
+    *(("POST", f"/v2/{kind}sharedmemory/region/{{region}}/register") for kind in ("system", "cuda")),
 }
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import requests
 from requests.structures import CaseInsensitiveDict
 
-from . import __version__, _split, _wire
+from . import __version__, _shm, _split, _wire
 from ._http import Answer, Pool, TransportError
 from ._split import Block
 from ._states import Merger
@@ -68,7 +68,12 @@ class AttentionClient:
     Retries: connection failures and 503 are retried up to `retries` times, on the next replica
     when there are several, waiting Retry-After when the server gives one (capped at
     max_retry_after), else an exponential backoff with jitter, once every replica has been tried;
-    attention is idempotent, so a retry is safe."""
+    attention is idempotent, so a retry is safe.
+
+    shared_memory=True (with the binary wire, for a server on this host that allows it:
+    ATTN_ALLOW_CLIENT_SHM): the tensors go through POSIX shared-memory regions this client
+    registers with the server, and the outputs come back as views of them (see _shm); where the
+    server refuses, the binary wire."""
 
     def __init__(
         self,
@@ -83,6 +88,7 @@ class AttentionClient:
         max_retry_after: float = 30.0,
         split: bool = True,
         wire: str | None = None,
+        shared_memory: bool = False,
     ):
         _check_settings(timeout=timeout, retries=retries, backoff=backoff, max_retry_after=max_retry_after, max_workers=max_workers)
         if encoding is not None and encoding not in ENCODINGS:
@@ -90,6 +96,8 @@ class AttentionClient:
         wire = wire or ("binary" if encoding is None else "json")
         if wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}, not {wire!r}")
+        if shared_memory and wire != "binary":
+            raise ValueError('shared_memory=True takes the binary wire\'s door (/v2); it cannot go with wire="json"')
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls or not all(isinstance(u, str) for u in urls):
             raise ValueError(f"base_url must be a URL or a non-empty list of URLs, not {base_url!r}")
@@ -112,6 +120,7 @@ class AttentionClient:
         self._admits: dict[int, int] = {}  # requests at once a replica was seen to admit (a 503 past them)
         self._next_replica = itertools.count()
         self._sleep = time.sleep  # replaced in tests
+        self._regions = {http.base_url: _shm.Regions() for http in self._https} if shared_memory else None  # by replica
 
     # --- lifecycle ---
 
@@ -120,6 +129,8 @@ class AttentionClient:
             self._pool.shutdown(wait=True)
             self._pool = None
         for http in self._https:
+            if self._regions is not None:
+                self._regions[http.base_url].close(self._sender(http))
             http.close()
 
     def __enter__(self) -> AttentionClient:
@@ -553,7 +564,8 @@ class AttentionClient:
         if self.wire == "binary":
             binary = _binary_arrays(arrays)
             if binary is not None:
-                return self._compute_binary(path, body, binary, http)
+                result = self._compute_shm(path, body, binary, http or self._http) if self._regions is not None else None
+                return result or self._compute_binary(path, body, binary, http)
         return self._compute_json(path, body, arrays, http)
 
     def _compute_binary(self, path: str, body: dict, arrays: dict[str, np.ndarray], http: Pool | None = None):
@@ -576,6 +588,23 @@ class AttentionClient:
             raise AttentionError(
                 answer.status, "bad_response", f"the server's infer response is malformed: {exc!r}", _response(answer)
             ) from None
+
+    def _compute_shm(self, path: str, body: dict, arrays: dict[str, np.ndarray], http: Pool):
+        """Through shared memory (_shm): (out, weights, lse), or None to take the binary wire."""
+        assert self._regions is not None
+        outputs = ["out", "weights"] if body.get("return_weights", True) else ["out"]
+        outputs += ["lse"] if body.get("return_lse") else []
+        try:
+            results = _shm.infer(self._regions[http.base_url], self._sender(http), path, body, arrays, outputs)
+            if results is None:
+                return None
+            return results["out"], results.get("weights"), _lse_of(results.get("lse"), body, results["out"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AttentionError(200, "bad_response", f"the server's infer response is malformed: {exc!r}") from None
+
+    def _sender(self, http: Pool):
+        """_send bound to one replica: (method, path, parts, headers) -> Answer."""
+        return lambda method, path, parts, headers: self._send(method, path, parts, headers, http=http)
 
     def _compute_json(self, path: str, body: dict, arrays: dict[str, np.ndarray], http: Pool | None = None):
         """At the native endpoint, tensors in self.encoding (b64 by pybase64, spliced into orjson's text)."""

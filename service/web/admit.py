@@ -1,6 +1,7 @@
 """The web layer's hooks into admission (service.admission): the request's deadline read, its
 ticket taken before its body is parsed, its answer refused if the deadline passed before it could
-start, and the ticket given back (its slot once the answer is built, its bytes once it is sent).
+start, and the ticket given back (its slot once the answer is built, its bytes once it is sent, or
+at once for an error answer).
 
 What parsing a body will take is its front door's to say (service.admission.charge): the native
 door parses all of it as JSON; a door that parses otherwise (the /v2 binary extension) hands its
@@ -101,8 +102,11 @@ def install(app: Flask, charges: dict[Blueprint, Charge] | None = None) -> None:
         if ticket is None or not ticket.holding:
             return resp
         ticket.end_compute()  # a slow reader must not pin a compute slot
+        if resp.status_code >= 400:  # a refused request leaves nothing held: the next one is served as if it had not come
+            ticket.release()
+            return resp
         deadline = ctx.deadline
-        if resp.status_code < 400 and deadline is not None and time.perf_counter() > deadline.at:
+        if deadline is not None and time.perf_counter() > deadline.at:
             ticket.release()
             assert held.answer_error is not None  # errors.register() set it
             return held.answer_error(late())  # no answer starts after its deadline

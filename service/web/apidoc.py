@@ -115,6 +115,13 @@ V2_SUMMARIES = {
     "model_config": "Model Configuration (Triton's extension)",
     "model_ready": "Model Ready",
     "infer": "Inference",
+    "model_stats": "Model Statistics (Triton's extension)",
+    "shm_status": "System Shared Memory Status (Triton's extension)",
+    "shm_register": "System Shared Memory Register (Triton's extension)",
+    "shm_unregister": "System Shared Memory Unregister (Triton's extension)",
+    "cuda_shm_status": "CUDA Shared Memory Status (Triton's extension; always empty: no GPU)",
+    "cuda_shm_register": "CUDA Shared Memory Register (Triton's extension; always 400: no GPU)",
+    "cuda_shm_unregister": "CUDA Shared Memory Unregister (Triton's extension; nothing to unregister)",
 }
 BINARY_NOTE = (
     " The binary tensor data extension: an input may carry parameters.binary_data_size (bytes) instead of data; "
@@ -125,12 +132,20 @@ BINARY_NOTE = (
     "output with parameters.binary_data_size in place of data) followed by the outputs' bytes in order, its length "
     "in Inference-Header-Content-Length."
 )
+SHM_NOTE = (
+    " Off unless the server runs with ATTN_ALLOW_CLIENT_SHM=true (400 otherwise). An infer input or requested output "
+    "whose parameters give shared_memory_region and shared_memory_byte_size (and optionally shared_memory_offset) is "
+    "read from, or written to, that registered region instead of the body."
+)
 
 
 PATH_PARAMETERS = {  # by name, wherever a path has it
     "sid": parameter("sid", "path", "the session's id", required=True),
     "name": parameter("name", "path", "the model", {"type": "string", "enum": list(protocol.MODELS)}, required=True),
     "version": parameter("version", "path", "the only version of each model", {"type": "string", "enum": [protocol.MODEL_VERSION]}, True),
+    "region": parameter(
+        "region", "path", "a system shared-memory region's name, the client's choice", {"type": "string", "example": "input0"}, True
+    ),
 }
 INFERENCE_HEADER_PARAMETER = parameter(
     "Inference-Header-Content-Length",
@@ -328,13 +343,34 @@ LIMITS = {  # what /limits answers beyond the settings' limits
         "slots, memory and parse charges",
     },
 }
-# Each /v2 view's answer (ready, model_ready and infer have their own).
+# Each /v2 view's answer (infer's is drawn with its headers), its error statuses, and those 401
+# too when API keys are in force (auth.COMPUTE_PATH's).
 V2_BODIES = {
     "server_metadata": "metadata_server_response",
     "live": "server_live_response",
+    "ready": "server_ready_response",
+    "model_ready": "model_ready_response",
     "model_metadata": "metadata_model_response",
     "model_config": "model_config_response",
+    "model_stats": "stats_model_response",
+    **dict.fromkeys(("shm_status", "cuda_shm_status"), "system_shared_memory_status_response"),
+    **dict.fromkeys(("shm_register", "shm_unregister", "cuda_shm_register", "cuda_shm_unregister"), "system_shared_memory_response"),
 }
+V2_ERRORS = {
+    **dict.fromkeys(("model_metadata", "model_config", "model_ready", "model_stats"), (404,)),  # no such model or version
+    **dict.fromkeys(("shm_status", "shm_unregister", "cuda_shm_status", "cuda_shm_unregister"), (400,)),
+    **dict.fromkeys(("shm_register", "cuda_shm_register"), (400, 415)),
+}
+V2_GUARDED = frozenset({"shm_register", "shm_unregister", "cuda_shm_register", "cuda_shm_unregister"})  # POSTs
+V2_REQUESTS = dict.fromkeys(  # the operations' request bodies (infer's is drawn with its examples)
+    ("shm_register", "cuda_shm_register"),
+    {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/system_shared_memory_register_request"}}},
+        }
+    },
+)
 BINARY_ANSWER_HEADER = {
     "Inference-Header-Content-Length": header("on an application/octet-stream answer: the JSON header's byte length", False, "integer")
 }
@@ -347,3 +383,11 @@ def models_summary() -> str:
         inputs = ", ".join(f"{n} (optional)" if n in model.optional else n for n in model.inputs)
         parts.append(f"{model.name}: inputs {inputs}; outputs {', '.join(model.outputs)}; parameters {', '.join(model.parameters)}.")
     return "The models: " + " ".join(parts)
+
+
+# What a /v2 view's description says beyond its docstring.
+V2_NOTES = {
+    "model_metadata": " " + models_summary(),
+    "infer": BINARY_NOTE + DEADLINE_NOTE,
+    **dict.fromkeys((f"{kind}shm_{op}" for kind in ("", "cuda_") for op in ("status", "register", "unregister")), SHM_NOTE),
+}

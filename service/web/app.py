@@ -35,6 +35,7 @@ from . import (
     tracing,
 )
 from .context import EXTENSION, Services, services
+from .triton_ext import install as install_triton  # importing it adds Triton's extensions' routes to kserve.bp
 
 
 class ServiceRequest(Request):
@@ -103,6 +104,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         spans=spans.spans_for(settings),
         ready=not settings.warmup,  # else ops.warm_up() readies it
     )
+    install_triton(app)  # the statistics table's row, the shared-memory registry
     http.install(app)  # first: it makes each request's context
     tracing.install(app)  # after http (its clock), before the rest: every request has a trace
     accesslog.install(app)

@@ -1,5 +1,6 @@
-"""Authentication: with ATTN_API_KEYS set, the compute endpoints and the sessions resource (every
-method: a session is visible to the key that made it only) need `Authorization: Bearer <key>`
+"""Authentication: with ATTN_API_KEYS set, the compute endpoints, the shared-memory register and
+unregister (which let a request read and write memory) and the sessions resource (every method: a
+session is visible to the key that made it only) need `Authorization: Bearer <key>`
 (401 unauthorized otherwise). Checked before anything else looks at the request, in constant time
 over every key, so that the time taken does not tell which key came close."""
 
@@ -13,13 +14,13 @@ from flask import Flask, request
 from .context import services
 from .errors import ApiError
 
-COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer")
+COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer|/v2/(system|cuda)sharedmemory(/region/[^/]+)?/\w+")
 SESSIONS_PATH = re.compile(r"/sessions(/.*)?")  # every method: a session is its key's alone
 
 
 def guarded(method: str, path: str) -> bool:
-    """Whether a request needs a key (when keys are set): a compute POST, or any request under
-    /sessions."""
+    """Whether a request needs a key (when keys are set): a compute POST (or a shared-memory
+    register or unregister), or any request under /sessions."""
     return (method == "POST" and COMPUTE_PATH.fullmatch(path) is not None) or SESSIONS_PATH.fullmatch(path) is not None
 
 

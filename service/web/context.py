@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # annotations only; and only of what sits below this module (
     from service.config import Settings
     from service.cost import CostModel
     from service.sessions import Pool
+    from service.shm import Registry
+    from service.stats import Row
 
     from .spans import Spans, Trace
 
@@ -45,6 +47,8 @@ class Services:
     ready: bool = False  # warm-up done (ops.warm_up)
     draining: bool = False  # SIGTERM came (ops.drain)
     openapi: dict | None = None  # the OpenAPI document, built on first use
+    stats: Row | None = None  # Triton's statistics: the server's table, this worker's row (triton_ext)
+    shm: Registry | None = None  # client shared-memory regions, when ATTN_ALLOW_CLIENT_SHM (triton_ext)
 
     def readiness(self) -> str:
         """This worker's readiness, the one source for both front doors (/readyz and /v2's ready
@@ -71,6 +75,7 @@ class RequestContext:
     ticket: Ticket | None = None  # its hold on admission, and what admission decided for its job (admit)
     trace: Trace | None = None  # its place in a trace, and its span when spans are on (tracing)
     job: AttentionJob | MhaJob | SessionStepJob | SessionBatchJob | None = None  # the validated job (compute)
+    shm_read: int = 0  # bytes its inputs in shared memory came to so far (shared_memory.read_input)
     error_code: str | None = None  # the error it was answered with (errors)
     error_field: str | None = None
     counted: bool = False  # in the in-flight gauges until its answer is sent (metrics)

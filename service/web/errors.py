@@ -28,6 +28,7 @@ STATUS = {
     "bad_request": 400,
     "bad_framing": 400,
     "bad_compression": 400,
+    "bad_shared_memory": 400,
     "incomplete_request": 400,
     "unauthorized": 401,
     "not_found": 404,

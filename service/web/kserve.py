@@ -12,6 +12,9 @@ validation, limits, error codes, timing phases and numeric core apply; only the 
                 plus 24 raw little-endian bytes after the JSON header (Inference-Header-Content-Length)
                   -> {"shape": [2, 3], "dtype": "float32", "b64": Payload(the 24 bytes)}, as
                      service.wire's loads() gives a b64 value: the bytes are never re-encoded
+  shared memory {..., "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 24}}
+                  -> the same, the bytes read out of that registered region (shared_memory.py;
+                     an output so named is written there), where ATTN_ALLOW_CLIENT_SHM allows it
 
 Outputs are `out`, `weights` and (attention, with parameter return_lse) `lse`, as JSON `data` (flat, row-major) or, per output
 (`parameters.binary_data`) or request-wide (`parameters.binary_data_output`), as raw bytes after
@@ -42,6 +45,8 @@ from schemas.kserve import (
     BinaryInput,
     Envelope,
     Model,
+    Shared,
+    SharedInput,
     envelope,
 )
 from schemas.sessions import SequenceStepRequest, step_job
@@ -49,7 +54,7 @@ from service import sessions, wire
 from service.admission import parse_charge
 from service.config import VERSION, Settings
 
-from . import held
+from . import held, shared_memory
 from .compute import cost, run, validate, validate_only
 from .context import services
 from .http import check_media_type, json_response, parse_json, phase, phases_ms, read_body
@@ -59,7 +64,7 @@ __all__ = ["DATATYPES", "IGNORED_PARAMETERS", "MODELS", "MODEL_VERSION", "PLATFO
 bp = Blueprint("kserve", __name__, url_prefix="/v2")
 
 SERVER_NAME = "attention-service"
-EXTENSIONS = ["binary_tensor_data", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]  # and system_shared_memory where allowed
 ENVELOPES = {name: envelope(model) for name, model in MODELS.items()}  # each model's infer request (schemas/kserve.py)
 
 
@@ -87,7 +92,8 @@ def _known_model() -> None:
 @bp.get("")
 def server_metadata():
     """The server's name, version and protocol extensions."""
-    return json_response({"name": SERVER_NAME, "version": VERSION, "extensions": EXTENSIONS})
+    extensions = EXTENSIONS + (["system_shared_memory"] if services().shm is not None else [])
+    return json_response({"name": SERVER_NAME, "version": VERSION, "extensions": extensions})
 
 
 @bp.get("/health/live")
@@ -251,7 +257,7 @@ def infer_sequence(model: Model) -> Response:
 class InferRequest:
     job: AttentionJob | MhaJob | SessionStepJob
     id: str | None
-    outputs: list[tuple[str, bool]]  # (name, as binary) in response order
+    outputs: list[tuple[str, bool | shared_memory.Place]]  # (name, as binary, or the region it goes to) in response order
 
 
 def load_infer(model: Model) -> InferRequest:
@@ -269,14 +275,15 @@ def _read(model: Model) -> tuple[Envelope, dict[str, Any]]:
         header, data = _split_body(read_body())
         env = ENVELOPES[model.name].read(parse_json(header))
         blobs = _Blobs(data)
-        native = {name: _take(blobs, name, value) if isinstance(value, BinaryInput) else value for name, value in env.native.items()}
+        native = {name: _take(blobs, name, value) for name, value in env.native.items()}
         blobs.check_consumed()
     return env, native
 
 
-def _outputs(env: Envelope, weights: bool, lse: bool) -> list[tuple[str, bool]]:
-    """The outputs sent, in order, each as bytes or not: those asked for (each one the job
-    computes), else out, and weights and lse when the job computes them."""
+def _outputs(env: Envelope, weights: bool, lse: bool) -> list[tuple[str, bool | shared_memory.Place]]:
+    """The outputs sent, in order, each as bytes or not, or the shared-memory region it is written
+    to: those asked for (each one the job computes), else out, and weights and lse when the job
+    computes them."""
     requested = env.requested
     if requested is None:
         requested = ["out", *(["weights"] if weights else []), *(["lse"] if lse else [])]
@@ -286,7 +293,8 @@ def _outputs(env: Envelope, weights: bool, lse: bool) -> list[tuple[str, bool]]:
         )
     elif "lse" in requested and not lse:
         raise RequestError("bad_option", "parameter return_lse is false but the lse output was requested; drop one of them.", "return_lse")
-    return [(n, env.binary.get(n, env.binary[None])) for n in requested]
+    sent = [(n, env.binary.get(n, env.binary[None])) for n in requested]
+    return [(n, shared_memory.place(how, f"output {n}", "outputs") if isinstance(how, Shared) else bool(how)) for n, how in sent]
 
 
 def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray | None]) -> Response:
@@ -309,7 +317,9 @@ def respond_infer(model: Model, req: InferRequest, results: dict[str, np.ndarray
             dtype = np.dtype(job.weights_dtype or arr.dtype) if name == "weights" else arr.dtype  # weights_dtype: FP16 weights
             arr = np.ascontiguousarray(arr, dtype=dtype.newbyteorder("<"))
             entry: dict[str, Any] = {"name": name, "datatype": OUTPUT_DATATYPES[arr.dtype], "shape": list(arr.shape)}
-            if binary:
+            if isinstance(binary, shared_memory.Place):
+                binary.write(arr, name)  # answered with neither data nor parameters, as Triton does (its C++ client requires so)
+            elif binary:
                 entry["parameters"] = {"binary_data_size": arr.nbytes}
                 blobs.append(memoryview(arr).cast("B"))  # type: ignore[arg-type]  # an ndarray is a buffer
             else:
@@ -386,9 +396,15 @@ def _split_body(body: bytes | bytearray | mmap.mmap) -> tuple[bytes | bytearray 
     return body[:size], memoryview(body)[size:]
 
 
-def _take(blobs: _Blobs, name: str, value: BinaryInput) -> dict:
-    """A binary input's bytes, as service.wire's loads() gives a b64 value: never re-encoded."""
-    return {"shape": value.shape, "dtype": value.dtype, "b64": wire.Payload(blobs.take(name, value.size))}
+def _take(blobs: _Blobs, name: str, value: Any) -> Any:
+    """A binary input's bytes, or a shared-memory input's, as service.wire's loads() gives a b64
+    value: never re-encoded; any other value as it is."""
+    if isinstance(value, BinaryInput):
+        return {"shape": value.shape, "dtype": value.dtype, "b64": wire.Payload(blobs.take(name, value.size))}
+    if isinstance(value, SharedInput):
+        where = shared_memory.place(value.where, f"input {name}", name)
+        return {"shape": value.shape, "dtype": value.dtype, "b64": wire.Payload(shared_memory.read_input(where, name))}
+    return value
 
 
 # --- small helpers ---------------------------------------------------------------------------------

@@ -214,6 +214,8 @@ def _spec(settings: Settings) -> APISpec:
     named = {**{cls.__name__: cls(settings) for cls in (*requests, SessionBatchRequest)}, **{cls.__name__: cls for cls in answers}}
     for name, schema in {**named, **protocol.components()}.items():
         spec.components.schema(name, schema=schema)
+        if getattr(schema, "many", False):  # a JSON array of the schema's objects (apispec draws a component as one object)
+            spec.components.schemas[name] = {"type": "array", "items": spec.components.schemas[name]}
     if settings.api_keys:
         spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
     return spec
@@ -271,7 +273,7 @@ def _json(description: str, schema: str) -> dict:
 
 
 def _limits_schema(settings: Settings) -> dict:
-    kinds = {int: "integer", "int": "integer", str: "string", "str": "string"}
+    kinds = {int: "integer", "int": "integer", str: "string", "str": "string", bool: "boolean", "bool": "boolean"}
     props = {f.name: {"type": kinds.get(f.type, "string")} for f in dataclass_fields(settings) if f.name in settings.limits()}
     props.update({name: dict(schema) for name, schema in apidoc.LIMITS.items()})
     props["cost_model"] = {"type": "object", "description": FORMULA}
@@ -306,10 +308,9 @@ def _v2_paths(settings: Settings, rules: list, views: dict) -> dict:
             "responses": _v2_responses(settings, endpoint),
         }
         params = [apidoc.PATH_PARAMETERS[name] for name in re.findall(r"{([^}]+)}", path)]
-        if endpoint == "model_metadata":
-            op["description"] += " " + apidoc.models_summary()
+        op["description"] += apidoc.V2_NOTES.get(endpoint, "")
+        op.update(apidoc.V2_REQUESTS.get(endpoint, {}))  # Triton's extensions' bodies (infer's below)
         if endpoint == "infer":
-            op["description"] += apidoc.BINARY_NOTE + apidoc.DEADLINE_NOTE
             params += [*apidoc.COMPUTE_PARAMETERS, apidoc.INFERENCE_HEADER_PARAMETER]
             op["requestBody"] = {
                 "required": True,
@@ -333,10 +334,10 @@ def _path(rule: str) -> str:
 
 def _v2_responses(settings: Settings, endpoint: str) -> dict:
     errors: dict[str, Any] = {"body": "inference_error_response", "descriptions": apidoc.V2_ERROR_DESCRIPTIONS}
-    model = (404,) if endpoint.startswith("model_") else ()
+    statuses = (*apidoc.V2_ERRORS.get(endpoint, ()), *(_auth(settings) if endpoint in apidoc.V2_GUARDED else ()))
     if endpoint in ("ready", "model_ready"):
-        body = "server_ready_response" if endpoint == "ready" else "model_ready_response"
-        return {"200": _json("ready", body), "503": _json("starting or draining", body), **_errors(*model, **errors)}
+        ready = apidoc.V2_BODIES[endpoint]
+        return {"200": _json("ready", ready), "503": _json("starting or draining", ready), **_errors(*statuses, **errors)}
     if endpoint == "infer":
         return {
             "200": {
@@ -349,8 +350,7 @@ def _v2_responses(settings: Settings, endpoint: str) -> dict:
             },
             **_errors(400, 404, 413, 415, 503, 504, *_auth(settings), **errors),
         }
-    body = apidoc.V2_BODIES[endpoint]
-    return {"200": _json("OK", body), **_errors(*model, **errors)}
+    return {"200": _json("OK", apidoc.V2_BODIES[endpoint]), **_errors(*statuses, **errors)}
 
 
 def document() -> dict:
