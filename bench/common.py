@@ -149,6 +149,20 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def venv(path: Path, pip_args: Sequence[str], digest: str) -> Path:
+    """The Python of a venv at path, pip-installed with pip_args; rebuilt only when digest (of
+    what it holds) differs from the stamp of its last install, so a run after the first spends no
+    time here."""
+    python, stamp = path / "bin" / "python", path / ".requirements-sha256"
+    if not (python.exists() and stamp.exists() and stamp.read_text().strip() == digest):
+        print(f"building the venv {path} (a few minutes, once)", file=sys.stderr, flush=True)
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *pip_args], check=True)
+        stamp.write_text(digest + "\n")
+    return python
+
+
 # --- requests ----------------------------------------------------------------------------------
 
 

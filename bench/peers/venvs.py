@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from bench.common import venv
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -22,17 +22,7 @@ def peers_dir() -> Path:
 def ensure(name: str) -> Path:
     """The Python of peer `name`'s venv, built or updated first if its requirements changed."""
     requirements = HERE / f"requirements-{name}.txt"
-    venv = peers_dir() / name
-    python, stamp = venv / "bin" / "python", venv / ".requirements-sha256"
-    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()
-    if python.exists() and stamp.exists() and stamp.read_text().strip() == digest:
-        return python
-    print(f"building the {name} venv in {venv} from {requirements.name} (a few minutes, once)", file=sys.stderr, flush=True)
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(requirements)], check=True)
-    stamp.write_text(digest + "\n")
-    return python
+    return venv(peers_dir() / name, ["-r", str(requirements)], hashlib.sha256(requirements.read_bytes()).hexdigest())
 
 
 if __name__ == "__main__":
