@@ -27,18 +27,14 @@ import tritonclient.http as triton
 import urllib3
 
 from attention_client import AttentionClient, _wire
-from bench.common import served, table
+from bench.common import served, table, triton_inputs
 
 Path = tuple[Callable, Callable]  # (call(q, k, v) -> (out, weights), close())
 
 
 def client_path(url: str, wire: str) -> Path:
     api = AttentionClient(url, wire=wire, retries=0, split=False, timeout=120)
-
-    def call(q, k, v):
-        return api.attention(q, k, v, causal=True)
-
-    return call, api.close
+    return (lambda q, k, v: api.attention(q, k, v, causal=True)), api.close
 
 
 def triton_path(url: str) -> Path:
@@ -46,12 +42,7 @@ def triton_path(url: str) -> Path:
     outputs = [triton.InferRequestedOutput("out", binary_data=True), triton.InferRequestedOutput("weights", binary_data=True)]
 
     def call(q, k, v):
-        inputs = []
-        for name, a in (("q", q), ("k", k), ("v", v)):
-            tensor = triton.InferInput(name, list(a.shape), "FP32")
-            tensor.set_data_from_numpy(a, binary_data=True)
-            inputs.append(tensor)
-        result = client.infer("attention", inputs, outputs=outputs, parameters={"causal": True})
+        result = client.infer("attention", triton_inputs({"q": q, "k": k, "v": v}), outputs=outputs, parameters={"causal": True})
         return result.as_numpy("out"), result.as_numpy("weights")
 
     return call, client.close

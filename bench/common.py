@@ -239,6 +239,16 @@ def closed_loops(url: str, body: bytes, clients: int, seconds: float, deadlines:
     return answers
 
 
+def triton_inputs(arrays: dict[str, np.ndarray], binary: bool = True) -> list:
+    """tritonclient.http's InferInputs of FP32 arrays by name, as a Triton user sets them."""
+    import tritonclient.http as triton
+
+    inputs = [triton.InferInput(name, list(a.shape), "FP32") for name, a in arrays.items()]
+    for tensor, a in zip(inputs, arrays.values(), strict=True):
+        tensor.set_data_from_numpy(a, binary_data=binary)
+    return inputs
+
+
 # --- timing and tables ---------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from bench.common import Server, attention_body, closed_loops, refusal, tensors
+from bench.common import Server, attention_body, closed_loops, refusal, tensors, triton_inputs
 
 HEADERS = {"Content-Type": "application/json"}
 
@@ -46,7 +46,6 @@ def native_burst(url: str, body: bytes, n: int) -> tuple[Counter, float, Counter
 
 
 def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
-    import tritonclient.http as httpclient
     import tritonclient.http.aio as aioclient
     from tritonclient.utils import InferenceServerException
 
@@ -57,13 +56,8 @@ def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
         try:
 
             async def one():
-                inputs = []
-                for name, a in data.items():
-                    tensor = httpclient.InferInput(name, list(a.shape), "FP32")
-                    tensor.set_data_from_numpy(a, binary_data=True)
-                    inputs.append(tensor)
                 try:
-                    await client.infer("attention", inputs, parameters={"causal": True, "return_weights": False})
+                    await client.infer("attention", triton_inputs(data), parameters={"causal": True, "return_weights": False})
                     return 200, None
                 except InferenceServerException as exc:
                     return exc.status() or "error", re.sub(r"[0-9][0-9.e+]*", "#", str(exc.message()))[:160]

@@ -38,7 +38,7 @@ import pybase64
 import requests
 import tritonclient.http as triton
 
-from bench.common import ROOT, Server, b64, free_port, table
+from bench.common import ROOT, Server, b64, free_port, table, triton_inputs
 from bench.peers import venvs
 from service import core
 from service.config import ONE_BLAS_THREAD
@@ -117,11 +117,7 @@ class V2Client:
         self.binary = binary
 
     def infer(self, qkv: dict, weights: bool) -> dict[str, np.ndarray]:
-        inputs = []
-        for name, a in qkv.items():
-            tensor = triton.InferInput(name, list(a.shape), "FP32")
-            tensor.set_data_from_numpy(a, binary_data=self.binary)
-            inputs.append(tensor)
+        inputs = triton_inputs(qkv, self.binary)
         names = ("out", "weights") if weights else ("out",)
         outputs = [triton.InferRequestedOutput(n, binary_data=self.binary) for n in names]
         result = self.http.infer("attention", inputs, outputs=outputs, parameters={"causal": True})
