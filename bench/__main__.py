@@ -12,17 +12,16 @@ SCENARIOS = {  # name: what it measures
     "compression": "which answers pay for compressing; requests' default Accept-Encoding against identity; the gzip bomb (~2 min)",
     "client_wire": "the Python client against tritonclient, urllib3, requests, numpy to numpy (~2 min)",
     "small_requests": "the fixed cost per request: T=64 b64 req/s over /healthz req/s, wrk, 8 connections (~2 min; needs wrk)",
-    "small_profile": "where a small request's CPU goes, phase by phase, in-process (~30 s)",
-    "v2_ab": "a small /v2 binary infer on this checkout and another side by side: the envelope's decode and validate phases (~1 min)",
+    "small_profile": "where a small request's CPU goes, stage by stage, in-process (~30 s; the table needs py-spy)",
     "sessions": "a decode step through a session against the same step in-process, resending the cache, and batched (~15 s)",
-    "crowd": "what many clients see: bursts, closed loops, mixed sizes (~3 min)",
+    "crowd": "what many clients see: bursts, closed loops, with deadlines if asked (~1-3 min a run)",
     "deadlines": "what X-Deadline-Ms costs under overload: 16 closed-loop clients, phases with and without a deadline (~1 min)",
     "worker_peak": "a worker's peak RSS over single large requests (~1 min)",
     "garbage": "the work before a hostile body is refused, per MB (~1 min)",
     "peers": "KServe, MLServer, LitServe, Ray Serve and BentoML serving the same model (`make bench-peers`, ~5 min)",
     "perf_analyzer": "Triton's perf_analyzer against this service, binary tensors and shared memory (`make bench-perf-analyzer`, ~5 min)",
     "shm": "a client on the server's host: shared memory and the binary wire against the same computation in-process (~1 min)",
-    "dashboard": "docs/dashboard.png: the Grafana dashboard drawn from a real Prometheus over a run with load",
+    "dashboard": "docs/dashboard.png: the Grafana dashboard drawn from a real Prometheus over a run with load (~2 min)",
 }
 HEADLINE = ("textbook", "compression", "client_wire", "small_requests")  # `make bench`
 

@@ -1,13 +1,7 @@
-"""The textbook attention service the benchmark measures this one against.
-
-Written the way a tutorial would: Flask's stdlib-json request parsing, a marshmallow schema of
-List(List(...Float())) that checks every number, textbook numpy (the whole score matrix, a
-float64 scale, np.where for the mask), and `.tolist()` responses through stdlib json. b64 tensors
-are decoded with the standard library's base64. No Server-Timing: only its end-to-end time and
-its worker's memory are compared.
-
-Run by `python -m bench` as `gunicorn bench.baseline_service:app` (one sync worker, the default).
-"""
+"""The textbook attention service `python -m bench textbook` measures this one against (as
+`gunicorn bench.baseline_service:app`, one sync worker), written as a tutorial would: Flask's
+stdlib json, a marshmallow List(List(...Float())) schema checking every number, textbook numpy
+(the whole score matrix, float64 scale, np.where mask), `.tolist()` answers; b64 by stdlib base64."""
 
 from __future__ import annotations
 

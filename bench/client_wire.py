@@ -1,26 +1,13 @@
-"""The Python client against tritonclient, end to end numpy to numpy, on the same server.
+"""`python -m bench client_wire [--url URL] [--runs 400,20]`: the Python client against tritonclient,
+urllib3 and `requests`, end to end numpy to numpy, on the same server (started here by default).
 
-    .venv/bin/python -m bench client_wire                        # starts `python -m service` on a free port
-    .venv/bin/python -m bench client_wire --url http://127.0.0.1:8000 --runs 400,20
-
-One request: q, k, v (B, H, T, d) = (1, 8, T, 64) float32, causal, weights returned, at T=64 and
-T=1024. Five ways in, each with its own keep-alive connection (new ones every 20 repetitions, so
-that which server worker serves which path changes), taken in turn within every repetition, in a
-new (seeded) random order each time: drift from other load on the machine hits
-them alike, and each follows each other one as often (a fixed rotation would always put the same
-path after the heaviest one, with its garbage to collect and its server-side after-work):
-
-- AttentionClient, wire="binary" (the default): /v2/models/attention/infer, raw bytes both ways;
-- AttentionClient, wire="json" (b64): POST /attention, orjson + pybase64;
-- the client's binary wire (its codecs) over urllib3 (what requests rests on) instead of its own
-  sockets;
-- tritonclient.http, inputs set_data_from_numpy(binary_data=True), outputs binary_data=True: the
-  same /v2 door, as a Triton/KServe user would call it;
-- requests + stdlib json and base64 to POST /attention: what a user writes by hand.
-
-Reported: the median (and min) of each in ms, its ratio to tritonclient's median, the median CPU
-time of this process per request (the client's own work: encoding, copies, HTTP), the load average.
-tritonclient[http] is a bench-only dependency (requirements-dev.txt)."""
+One request: q, k, v (1, 8, T, 64) float32, causal, weights returned, T=64 and 1024. Five paths,
+each its own keep-alive connection (new every --reconnect repetitions, so that which worker serves
+which path changes), taken in a new seeded random order every repetition (a rotation would fix
+each path's predecessor): AttentionClient binary (/v2) and json (b64); the client's binary wire
+over urllib3 at its best; tritonclient.http binary; `requests` with stdlib json and base64 at
+POST /attention, as a user writes by hand. Medians (and min) in ms, the ratio to tritonclient's,
+and this process's CPU per request (the client's own work)."""
 
 from __future__ import annotations
 
@@ -40,18 +27,14 @@ import tritonclient.http as triton
 import urllib3
 
 from attention_client import AttentionClient, _wire
-from bench.common import Server
+from bench.common import served, table, triton_inputs
 
 Path = tuple[Callable, Callable]  # (call(q, k, v) -> (out, weights), close())
 
 
 def client_path(url: str, wire: str) -> Path:
     api = AttentionClient(url, wire=wire, retries=0, split=False, timeout=120)
-
-    def call(q, k, v):
-        return api.attention(q, k, v, causal=True)
-
-    return call, api.close
+    return (lambda q, k, v: api.attention(q, k, v, causal=True)), api.close
 
 
 def triton_path(url: str) -> Path:
@@ -59,12 +42,7 @@ def triton_path(url: str) -> Path:
     outputs = [triton.InferRequestedOutput("out", binary_data=True), triton.InferRequestedOutput("weights", binary_data=True)]
 
     def call(q, k, v):
-        inputs = []
-        for name, a in (("q", q), ("k", k), ("v", v)):
-            tensor = triton.InferInput(name, list(a.shape), "FP32")
-            tensor.set_data_from_numpy(a, binary_data=True)
-            inputs.append(tensor)
-        result = client.infer("attention", inputs, outputs=outputs, parameters={"causal": True})
+        result = client.infer("attention", triton_inputs({"q": q, "k": k, "v": v}), outputs=outputs, parameters={"causal": True})
         return result.as_numpy("out"), result.as_numpy("weights")
 
     return call, client.close
@@ -175,37 +153,16 @@ def main() -> None:
     runs = [int(n) for n in args.runs.split(",")]
     runs += runs[-1:] * (len(lengths) - len(runs))
 
-    server = None
-    if args.url:
-        url = args.url.rstrip("/")
-    else:
-        server = Server("service")
-        server.wait_ready(in_a_row=4)
-        url = server.url
-    try:
-        load = os.getloadavg()
-        print(
-            "q, k, v (1, 8, T, 64) float32, causal, weights returned; end to end numpy to numpy, one keep-alive connection each (new every --reconnect repetitions);"
-        )
-        print(
-            f"the paths alternate, shuffled, within each repetition. machine: {os.cpu_count()} cores, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-        )
-        print()
-        print("| T | path | median ms | min ms | / tritonclient | client CPU ms (median) |")
-        print("|---|---|---:|---:|---:|---:|")
+    with served(args.url) as url:
+        print(f"q, k, v (1, 8, T, 64) float32, causal, weights returned; load average {os.getloadavg()[0]:.2f} at the start\n")
+        rows = []
         for T, n in zip(lengths, runs, strict=True):
             times, cpus = measure(url, T, n, args.warmup, args.reconnect)
             ref = statistics.median(times[REFERENCE])
             for name, ts in times.items():
-                med = statistics.median(ts)
-                print(f"| {T} | {name} | {med:.2f} | {min(ts):.2f} | {med / ref:.2f}x | {statistics.median(cpus[name]):.2f} |")
-        load = os.getloadavg()
-        print(
-            f"\n{sum(runs)} repetitions per path in all (after {args.warmup} warm-up per T); load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
-        )
-    finally:
-        if server is not None:
-            server.stop()
+                rows.append([T, name, statistics.median(ts), min(ts), f"{statistics.median(ts) / ref:.2f}x", statistics.median(cpus[name])])
+        print(table(["T", "path", "median ms", "min ms", "/ tritonclient", "client CPU ms (median)"], rows))
+        print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

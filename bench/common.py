@@ -4,20 +4,26 @@ project's client; only the hostile ones write raw bytes on purpose."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import orjson
 import pybase64
 import requests
+
+from attention_client.loadtest.transport import parse_server_timing
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "out"
@@ -111,12 +117,50 @@ class Server:
         Path(self.log.name).unlink(missing_ok=True)
 
 
-def status_kb(pid: int, field: str) -> int:
-    """A /proc/PID/status figure in kB (VmRSS, VmHWM)."""
+@contextlib.contextmanager
+def served(url: str | None, name: str = "service", in_a_row: int = 4, env: dict | None = None) -> Iterator[str]:
+    """The server at url, or one started here as `make run` starts it (with env; in_a_row:
+    readiness checks in a row, to warm its workers), for the block: its URL."""
+    if url:
+        yield url.rstrip("/")
+        return
+    with Server(name, env=env) as server:
+        server.wait_ready(in_a_row=in_a_row)
+        yield server.url
+
+
+def status_kb(pid: int | str, field: str) -> int:
+    """A /proc/PID/status figure in kB (VmRSS, VmHWM); pid may be "self"."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(field)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user + system) the processes have used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def venv(path: Path, pip_args: Sequence[str], digest: str) -> Path:
+    """The Python of a venv at path, pip-installed with pip_args; rebuilt only when digest (of
+    what it holds) differs from the stamp of its last install, so a run after the first spends no
+    time here."""
+    python, stamp = path / "bin" / "python", path / ".requirements-sha256"
+    if not (python.exists() and stamp.exists() and stamp.read_text().strip() == digest):
+        print(f"building the venv {path} (a few minutes, once)", file=sys.stderr, flush=True)
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(path)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *pip_args], check=True)
+        stamp.write_text(digest + "\n")
+    return python
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -144,6 +188,67 @@ def attention_body(T: int, encoding: str = "b64", weights: bool = False, seed: i
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+class Answer(NamedTuple):
+    """One answer a closed-loop client got."""
+
+    deadline: float | None  # the X-Deadline-Ms it sent
+    status: int | str  # the exception's name where there was no answer
+    ms: float  # the client's: request sent to answer read
+    server_ms: float | None  # Server-Timing's total
+    reason: str | None  # a refusal's code and message, numbers blanked (alike ones count together)
+    retry_after: bool
+
+
+def refusal(r: requests.Response) -> str:
+    """A refusal's status, code and message, its numbers blanked."""
+    try:
+        error = r.json()["error"]
+    except ValueError:
+        return f"{r.status_code} (not JSON)"
+    code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (r.headers.get("X-Error-Code"), error)
+    return f"{r.status_code} {code}: {re.sub(r'[0-9][0-9.e+]*', '#', message)[:160]}"
+
+
+def closed_loops(url: str, body: bytes, clients: int, seconds: float, deadlines: Sequence[float] = ()) -> list[Answer]:
+    """clients threads POST body to url/attention back to back for seconds, each on a keep-alive
+    session of its own, the next request sent as soon as an answer is read (refusals included);
+    client i sends X-Deadline-Ms deadlines[i % len(deadlines)], none if there are none."""
+    answers: list[Answer] = []
+    lock, stop = threading.Lock(), time.monotonic() + seconds
+
+    def loop(deadline: float | None) -> None:
+        headers = {"Content-Type": "application/json", **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
+        with requests.Session() as session:
+            while time.monotonic() < stop:
+                t0 = time.perf_counter()
+                try:
+                    r = session.post(f"{url}/attention", data=body, headers=headers, timeout=120)
+                    total = parse_server_timing(r.headers.get("Server-Timing")).get("total")
+                    why = None if r.status_code == 200 else refusal(r)
+                    answer = Answer(deadline, r.status_code, (time.perf_counter() - t0) * 1000, total, why, "Retry-After" in r.headers)
+                except requests.RequestException as exc:
+                    answer = Answer(deadline, type(exc).__name__, (time.perf_counter() - t0) * 1000, None, None, False)
+                with lock:
+                    answers.append(answer)
+
+    threads = [threading.Thread(target=loop, args=(deadlines[i % len(deadlines)] if deadlines else None,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
+
+
+def triton_inputs(arrays: dict[str, np.ndarray], binary: bool = True) -> list:
+    """tritonclient.http's InferInputs of FP32 arrays by name, as a Triton user sets them."""
+    import tritonclient.http as triton
+
+    inputs = [triton.InferInput(name, list(a.shape), "FP32") for name, a in arrays.items()]
+    for tensor, a in zip(inputs, arrays.values(), strict=True):
+        tensor.set_data_from_numpy(a, binary_data=binary)
+    return inputs
+
+
 # --- timing and tables ---------------------------------------------------------------------------
 
 
@@ -163,8 +268,11 @@ def median(xs) -> float:
     return statistics.median(xs)
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A markdown table; floats with 2 significant decimals below 10, 1 below 100, none above."""
+def table(header: str | Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table (header: its cells, or one string of them between " | "); floats with 2
+    decimals below 10, 1 below 100, none above."""
+    if isinstance(header, str):
+        header = header.split(" | ")
 
     def cell(x: object) -> str:
         if isinstance(x, float):

@@ -1,19 +1,14 @@
 """`python -m bench compression`: which answers are worth compressing, and what `requests`' default
 `Accept-Encoding: gzip, deflate` costs a client.
 
-  1. Each kind of answer compressed in this process at ATTN_COMPRESS_LEVEL 1 (zlib): its ratio,
-     compression and decompression speed, and the link speed below which compressing pays
-     (the bytes saved take longer to send than compressing and decompressing take).
-  2. POST /attention with `requests.Session()` as it comes (gzip, deflate) and with
-     `Accept-Encoding: identity`, against a server with the defaults, and with `requests`'
-     defaults against one with ATTN_COMPRESS_ANSWERS=accepted (what compressing what is merely
-     accepted costs): b64 T=64, T=256 and nested T=64, H=8, d=64, causal, no weights, the answer
-     parsed (`resp.json()`), all alternating, medians of --reps. On the loopback, and on a modelled
-     gigabit link: each exchange's bytes (request, and the answer as sent: `resp.raw.tell()`) at
-     125 MB/s added to its time.
-  3. The gzip bomb: 1 GiB of zeros in about 1 MiB POSTed --bombs times (raw bytes on purpose: no
-     client sends a body this way); the time from the last byte sent to the answer's status line
-     and the worker's peak RSS growth (VmHWM after clear_refs, Linux).
+1. Each kind of answer compressed here at level 1 (zlib): ratio, speeds, and the link speed below
+   which compressing pays (the bytes saved take longer to send than (de)compressing them).
+2. POST /attention (b64 T=64, 256, nested T=64, no weights, `resp.json()`) with `requests`'
+   defaults and with `Accept-Encoding: identity` against the default server, and with the
+   defaults against ATTN_COMPRESS_ANSWERS=accepted; alternating, medians of --reps; on the
+   loopback and with each exchange's bytes at a gigabit (125 MB/s) added.
+3. The gzip bomb, 1 GiB of zeros in about 1 MiB, raw bytes --bombs times: the time from the last
+   byte sent to the status line, and the worker's peak RSS growth (VmHWM after clear_refs).
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ import requests
 from bench.common import GIGABIT, Server, alternate, attention_body, median, status_kb, table
 
 BOMB = 2**30
+HEADER = "request | defaults ms | identity ms | accepted ms | defaults / identity | accepted / identity | gigabit: defaults / identity | gigabit: accepted / identity | answer bytes identity/gzip"
 
 
 def kinds(url: str) -> dict[str, bytes]:
@@ -63,7 +59,7 @@ def pays(url: str, runs: int = 10) -> str:
         saved_s_per_byte_at_1 = 1 - r  # bytes saved per byte of answer; pays while saved / link > pack + unpack
         link = saved_s_per_byte_at_1 * len(data) / (pack_s + unpack_s)
         rows.append((name, len(data), r, len(data) / pack_s / 1e6, len(data) / unpack_s / 1e6, link * 8 / 1e6))
-    return table(("answer", "bytes", "gzip ratio", "compress MB/s", "decompress MB/s", "pays below (Mbit/s)"), rows)
+    return table("answer | bytes | gzip ratio | compress MB/s | decompress MB/s | pays below (Mbit/s)", rows)
 
 
 def clients(base_url: str, accepted_url: str, body: bytes):
@@ -101,31 +97,9 @@ def defaults_against_identity(server: Server, accepted: Server, reps: int) -> st
         loop = [median(m) for m in ms]
         gig = [median(m) + wire[i] / GIGABIT * 1000 for i, m in enumerate(ms)]
         answer = [w - len(attention_body(T, encoding)) for w in wire]
-        rows.append(
-            (
-                f"{encoding} T={T}",
-                *loop,
-                loop[0] / loop[1],
-                loop[2] / loop[1],
-                gig[0] / gig[1],
-                gig[2] / gig[1],
-                f"{answer[1]} / {answer[2]}",
-            )
-        )
-    return table(
-        (
-            "request",
-            "defaults ms",
-            "identity ms",
-            "accepted ms",
-            "defaults / identity",
-            "accepted / identity",
-            "gigabit: defaults / identity",
-            "gigabit: accepted / identity",
-            "answer bytes identity/gzip",
-        ),
-        rows,
-    )
+        ratios = [loop[0] / loop[1], loop[2] / loop[1], gig[0] / gig[1], gig[2] / gig[1]]
+        rows.append([f"{encoding} T={T}", *loop, *ratios, f"{answer[1]} / {answer[2]}"])
+    return table(HEADER, rows)
 
 
 def bomb() -> bytes:
@@ -158,9 +132,8 @@ def bombs(n: int) -> str:
         [pid] = server.workers()
         for i in range(n):
             rows.append((i + 1, *send_bomb(server.port, body, pid)))
-    return f"{BOMB >> 20} MiB of zeros in {len(body) / 2**20:.2f} MiB, ATTN_MAX_BODY_BYTES 32 MiB\n\n" + table(
-        ("try", "status", "ms from the last byte sent to the answer", "worker peak RSS growth (MiB)"), rows
-    )
+    head = f"{BOMB >> 20} MiB of zeros in {len(body) / 2**20:.2f} MiB, ATTN_MAX_BODY_BYTES 32 MiB\n\n"
+    return head + table("try | status | ms from the last byte sent to the answer | worker peak RSS growth (MiB)", rows)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,22 +1,16 @@
 """`python -m bench crowd`: what many clients see, against a server started as `make run` does
-(`python -m service`, 2 workers, the defaults; a free 127.0.0.1 port).
+(2 workers, the defaults, a free loopback port). Latency is the client's, request sent to answer read.
 
-    python -m bench.crowd burst [--n 64 128] [--T 64] [--reps 3] [--triton]
-    python -m bench.crowd closed [--clients 4 8] [--T 1024] [--seconds 10] [--weights] [--deadline MS ...]
+    python -m bench crowd burst [--n 64 128] [--T 64] [--reps 3] [--triton]
+    python -m bench crowd closed [--clients 4 8] [--T 1024] [--seconds 10] [--weights] [--deadline MS ...]
                                  [--set ATTN_MAX_INFLIGHT=1]
 
-burst: n requests at once, each on its own connection (B=1, H=8, d=64, float32 b64, causal, no
-weights), --reps bursts one after another; each burst's statuses and total time. --triton sends the
-same through tritonclient.http.aio (binary tensors, asyncio.gather), as a Triton user would.
-closed: --clients clients each POST back to back on one keep-alive connection for --seconds;
-statuses, the servers' refusal codes and messages (counted, numbers blanked), p50/p99 of the 200s,
-and under --deadline (X-Deadline-Ms) the share of 200s the client received later than 1.25 x the
-deadline, how many 503s carried Retry-After, and the refusals' latency p50 (the client's, and the
-server's: its Server-Timing total, from the request's first byte to the refusal). Latency is the
-client's: from sending the request to the last byte of the answer read. Several --deadline values
-are shared out among the clients in turn, and each one's clients summarised apart as well. --set
-passes a setting to the server it starts (ATTN_MAX_INFLIGHT=1, say). Bounded: each run is
-seconds long; the machine may be shared (say so with the figures)."""
+burst: n requests at once, each on its own connection (b64, causal, no weights), --reps bursts;
+each burst's statuses and time (--triton: the same through tritonclient.http.aio, binary).
+closed: --clients clients POST back to back on a keep-alive connection each for --seconds:
+statuses, refusals (numbers blanked), p50/p99 of the 200s, and under --deadline (X-Deadline-Ms,
+shared out among the clients in turn) the late 200s (past 1.25 x the deadline), the 503s with
+Retry-After and the refusals' p50. --set passes a setting to the server."""
 
 from __future__ import annotations
 
@@ -25,39 +19,15 @@ import asyncio
 import json
 import re
 import statistics
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import requests
 
-from bench.common import Server
+from bench.common import Server, attention_body, closed_loops, refusal, tensors, triton_inputs
 
 HEADERS = {"Content-Type": "application/json"}
-
-
-def arrays(T: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal((1, 8, T, 64)).astype(np.float32) for name in ("q", "k", "v")}
-
-
-def native_body(T: int, weights: bool, causal: bool) -> bytes:
-    from attention_client import encode_tensor
-
-    doc = {name: encode_tensor(a, "b64") for name, a in arrays(T).items()}
-    return json.dumps({**doc, "return_weights": weights, "causal": causal}).encode()
-
-
-def reason(r: requests.Response) -> str:
-    """The server's refusal, as code: message with its numbers blanked (so that alike ones count together)."""
-    try:
-        error = r.json()["error"]
-    except ValueError:
-        return f"{r.status_code} (not JSON)"
-    code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (r.headers.get("X-Error-Code"), error)
-    return f"{r.status_code} {code}: {re.sub(r'[0-9][0-9.e+]*', '#', message)[:160]}"
 
 
 def native_burst(url: str, body: bytes, n: int) -> tuple[Counter, float, Counter]:
@@ -66,7 +36,7 @@ def native_burst(url: str, body: bytes, n: int) -> tuple[Counter, float, Counter
             r = requests.post(f"{url}/attention", data=body, headers=HEADERS, timeout=120)
         except requests.RequestException as exc:
             return type(exc).__name__, None
-        return r.status_code, None if r.status_code == 200 else reason(r)
+        return r.status_code, None if r.status_code == 200 else refusal(r)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(n) as pool:
@@ -76,24 +46,18 @@ def native_burst(url: str, body: bytes, n: int) -> tuple[Counter, float, Counter
 
 
 def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
-    import tritonclient.http as httpclient
     import tritonclient.http.aio as aioclient
     from tritonclient.utils import InferenceServerException
 
-    data = arrays(T)
+    data = dict(zip("qkv", tensors(T), strict=True))
 
     async def run() -> tuple[list, float]:
         client = aioclient.InferenceServerClient(url.removeprefix("http://"), conn_limit=n)
         try:
 
             async def one():
-                inputs = []
-                for name, a in data.items():
-                    tensor = httpclient.InferInput(name, list(a.shape), "FP32")
-                    tensor.set_data_from_numpy(a, binary_data=True)
-                    inputs.append(tensor)
                 try:
-                    await client.infer("attention", inputs, parameters={"causal": True, "return_weights": False})
+                    await client.infer("attention", triton_inputs(data), parameters={"causal": True, "return_weights": False})
                     return 200, None
                 except InferenceServerException as exc:
                     return exc.status() or "error", re.sub(r"[0-9][0-9.e+]*", "#", str(exc.message()))[:160]
@@ -109,41 +73,11 @@ def triton_burst(url: str, T: int, n: int) -> tuple[Counter, float, Counter]:
 
 
 def closed(url: str, body: bytes, clients: int, seconds: float, deadlines: list[float]) -> dict:
-    """clients closed-loop clients; client i sends X-Deadline-Ms deadlines[i % len(deadlines)]
-    (none if deadlines is empty). The summary of all, and of each deadline's clients apart when
-    there are several."""
-    records, lock = [], threading.Lock()  # (deadline, status, client ms, Server-Timing total, reason, Retry-After)
-    stop = time.monotonic() + seconds
-
-    def loop(deadline: float | None):
-        headers = {**HEADERS, **({"X-Deadline-Ms": f"{deadline:g}"} if deadline else {})}
-        with requests.Session() as session:
-            while time.monotonic() < stop:
-                t0 = time.perf_counter()
-                try:
-                    r = session.post(f"{url}/attention", data=body, headers=headers, timeout=120)
-                    status = r.status_code
-                except requests.RequestException as exc:
-                    status, r = type(exc).__name__, None
-                ms = (time.perf_counter() - t0) * 1000
-                server = re.search(r"total;dur=([0-9.]+)", r.headers.get("Server-Timing", "")) if r is not None else None
-                record = (
-                    deadline,
-                    status,
-                    ms,
-                    float(server.group(1)) if server else None,
-                    reason(r) if r is not None and status != 200 else None,
-                    bool(r.headers.get("Retry-After")) if r is not None else None,
-                )
-                with lock:
-                    records.append(record)
-
-    threads = [threading.Thread(target=loop, args=(deadlines[i % len(deadlines)] if deadlines else None,)) for i in range(clients)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    """The closed loops' summary, and each deadline's clients' apart when there are several."""
+    records = closed_loops(url, body, clients, seconds, deadlines)
     result = {"clients": clients, **summary(records, deadlines[0] if len(deadlines) == 1 else None)}
     if len(deadlines) > 1:
-        result["by_deadline"] = {f"{d:g}": summary([r for r in records if r[0] == d], d) for d in deadlines}
+        result["by_deadline"] = {f"{d:g}": summary([r for r in records if r.deadline == d], d) for d in deadlines}
     return result
 
 
@@ -191,46 +125,24 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="VAR=VALUE", help="a setting for the server it starts")
     a = ap.parse_args()
     settings = dict(item.split("=", 1) for item in a.set)
-    server = Server("crowd", env={"WEB_CONCURRENCY": "2", **settings}, inherit_settings=False)
-    try:
+    with Server("crowd", env={"WEB_CONCURRENCY": "2", **settings}, inherit_settings=False) as server:
         server.wait_ready(in_a_row=4)
         if a.mode == "burst":
-            T = a.T or 64
-            body = native_body(T, weights=False, causal=True)
+            T, door = a.T or 64, "tritonclient.http.aio" if a.triton else "native"
+            body = attention_body(T)
             for n in a.n:
                 for rep in range(a.reps):
                     statuses, wall, reasons = triton_burst(server.url, T, n) if a.triton else native_burst(server.url, body, n)
-                    door = "tritonclient.http.aio" if a.triton else "native"
-                    print(
-                        json.dumps(
-                            {
-                                "door": door,
-                                "n": n,
-                                "T": T,
-                                "rep": rep,
-                                "statuses": dict(statuses),
-                                "wall_s": round(wall, 3),
-                                "reasons": dict(reasons),
-                            }
-                        )
-                    )
+                    run = dict(door=door, n=n, T=T, rep=rep, statuses=dict(statuses), wall_s=round(wall, 3), reasons=dict(reasons))
+                    print(json.dumps(run))
         else:
-            body = native_body(a.T or 1024, weights=a.weights, causal=False)
+            T, body = a.T or 1024, attention_body(a.T or 1024, weights=a.weights, causal=False)
             for clients in a.clients:
+                result = closed(server.url, body, clients, a.seconds, a.deadline)
+                model = learned(server.url)
                 print(
-                    json.dumps(
-                        {
-                            "T": a.T or 1024,
-                            "weights": a.weights,
-                            "deadline_ms": a.deadline,
-                            "settings": settings,
-                            **closed(server.url, body, clients, a.seconds, a.deadline),
-                            "one_workers_model": learned(server.url),
-                        }
-                    )
+                    json.dumps(dict(T=T, weights=a.weights, deadline_ms=a.deadline, settings=settings, **result, one_workers_model=model))
                 )
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

@@ -1,16 +1,10 @@
-"""docs/dashboard.png: the Grafana dashboard (deploy/grafana/attention.json) drawn from its own
-queries over a real run with load. Grafana is in none of the registries this project may use, so
-this is a faithful render, not Grafana's screenshot: each panel's PromQL, as Grafana would send it
-($__rate_interval by Grafana's rule), runs against a real Prometheus (Debian's) that scraped the
-service during the run, and matplotlib draws the panels where gridPos puts them, with their
-titles, units, legends, stacking and thresholds.
-
-    python -m bench dashboard [--out docs/dashboard.png] [--duration-per-cell 6]
-
-It starts the service (2 workers) and Prometheus on loopback, runs the load-test tool
-(`attention-loadtest`, T=64..1024, concurrency 1 and 4) with, beside it, the other kinds of
-traffic the dashboard shows (every() below: /mha, /v2, 422, 404, 504 and bursts that draw 503),
-then renders. About 2 minutes."""
+"""`python -m bench dashboard [--out docs/dashboard.png]`: the Grafana dashboard
+(deploy/grafana/attention.json) drawn from its own queries over a real run with load. Grafana is
+in none of the registries this project may use, so this is a faithful render, not a screenshot:
+each panel's PromQL, as Grafana sends it, runs against a real Prometheus (Debian's) that scraped
+the service (2 workers) while the load tester ran (T=64..1024, concurrency 1 and 4) beside the
+other kinds of traffic the dashboard shows (every_kind()); matplotlib draws the panels where
+gridPos puts them. About 2 minutes."""
 
 from __future__ import annotations
 
@@ -29,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from bench.common import Server
+from bench.common import Server, attention_body
 from bench.prometheus import ALERTS, LocalPrometheus, dashboard, ensure_prometheus, grafana_expr, panels, rate_interval
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,17 +31,6 @@ SMALL = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1,
 
 
 # --- traffic -------------------------------------------------------------------------------------
-
-
-def b64_body(T: int, heads: int = 8, d: int = 64, seed: int = 0) -> bytes:
-    """A /attention body: q, k, v of (1, heads, T, d) float32 in b64, no weights back."""
-    import base64
-    import json
-
-    rng = np.random.default_rng(seed)
-    arr = lambda: rng.standard_normal((1, heads, T, d)).astype(np.float32)
-    doc = {n: {"shape": [1, heads, T, d], "dtype": "float32", "b64": base64.b64encode(arr().tobytes()).decode()} for n in "qkv"}
-    return json.dumps({**doc, "return_weights": False}).encode()
 
 
 def mha_body(n: int = 16, d: int = 32, heads: int = 4) -> dict:
@@ -85,7 +68,7 @@ def every_kind(url: str, big: bytes, burst_size: int = 8, bursts: int = 5) -> di
         counts[status] = counts.get(status, 0) + 1
 
     note(s.post(f"{url}/attention", json=SMALL, timeout=30).status_code)
-    note(s.post(f"{url}/attention", data=b64_body(256), headers=JSON, timeout=30).status_code)
+    note(s.post(f"{url}/attention", data=attention_body(256, causal=False), headers=JSON, timeout=30).status_code)
     note(s.post(f"{url}/attention", data=big, headers=JSON, timeout=60).status_code)
     note(s.post(f"{url}/mha", json=mha_body(), timeout=30).status_code)
     note(s.post(f"{url}/v2/models/attention/infer", json=V2_BODY, timeout=30).status_code)
@@ -257,49 +240,43 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     ensure_prometheus()
-    server = Server("dashboard", env={"WEB_CONCURRENCY": "2"})
-    prom = None
     stop = threading.Event()
-    try:
+    with Server("dashboard", env={"WEB_CONCURRENCY": "2"}) as server:
         server.wait_ready(in_a_row=20)
-        port = server.url.rsplit(":", 1)[1]
-        prom = LocalPrometheus([f"127.0.0.1:{port}"], scrape_interval=f"{args.scrape_interval:g}s", rule_files=[ALERTS])
-        prom.wait_ready()
-        prom.wait_for_scrape_after(time.time())
-        start = time.time()
-        big = b64_body(1024)
-        counts: dict[int, int] = {}
+        prom = LocalPrometheus([f"127.0.0.1:{server.port}"], scrape_interval=f"{args.scrape_interval:g}s", rule_files=[ALERTS])
+        with prom:
+            prom.wait_for_scrape_after(time.time())
+            start = time.time()
+            big = attention_body(1024, causal=False)
+            counts: dict[int, int] = {}
 
-        def side_traffic():
-            """Every kind beside the load test, about every 8 s, bounded in count."""
-            for _ in range(40):
-                for status, n in every_kind(server.url, big, burst_size=12, bursts=1).items():
-                    counts[status] = counts.get(status, 0) + n
-                if stop.wait(8):
-                    return
+            def side_traffic():
+                """Every kind beside the load test, about every 8 s, bounded in count."""
+                for _ in range(40):
+                    for status, n in every_kind(server.url, big, burst_size=12, bursts=1).items():
+                        counts[status] = counts.get(status, 0) + n
+                    if stop.wait(8):
+                        return
 
-        side = threading.Thread(target=side_traffic, daemon=True)
-        side.start()
-        with tempfile.TemporaryDirectory(prefix="dashboard-loadtest-") as out:
-            cmd = [sys.executable, "-m", "attention_client.loadtest", "--url", server.url, "--T", "64..1024", "--concurrency", "1,4"]
-            cmd += ["--duration", f"{args.duration_per_cell:g}", "--heads", "8", "--no-weights", "--encoding", "b64", "--out", out]
-            print("+", " ".join(cmd[1:]), file=sys.stderr)
-            subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
-        stop.set()
-        side.join(timeout=120)
-        end = time.time()
-        prom.wait_for_scrape_after(end)
-        end = time.time()
-        print(f"side traffic by status: {dict(sorted(counts.items()))}", file=sys.stderr)
-        note = "rendered by bench/dashboard.py from the dashboard's queries on a real Prometheus (not a Grafana screenshot)"
-        for line in render(prom, start - 5, end, args.out, args.scrape_interval, note):
-            print(line, file=sys.stderr)
-        print(f"wrote {args.out}", file=sys.stderr)
-    finally:
-        stop.set()
-        if prom:
-            prom.stop()
-        server.stop()
+            side = threading.Thread(target=side_traffic, daemon=True)
+            side.start()
+            try:
+                with tempfile.TemporaryDirectory(prefix="dashboard-loadtest-") as out:
+                    cmd = [sys.executable, "-m", "attention_client.loadtest", "--url", server.url, "--T", "64..1024"]
+                    cmd += ["--concurrency", "1,4", "--duration", f"{args.duration_per_cell:g}", "--heads", "8", "--no-weights"]
+                    cmd += ["--encoding", "b64", "--out", out]
+                    print("+", " ".join(cmd[1:]), file=sys.stderr)
+                    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
+            finally:
+                stop.set()
+            side.join(timeout=120)
+            prom.wait_for_scrape_after(time.time())
+            end = time.time()
+            print(f"side traffic by status: {dict(sorted(counts.items()))}", file=sys.stderr)
+            note = "rendered by bench/dashboard.py from the dashboard's queries on a real Prometheus (not a Grafana screenshot)"
+            for line in render(prom, start - 5, end, args.out, args.scrape_interval, note):
+                print(line, file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
     return 0
 
 

@@ -1,105 +1,51 @@
-"""`python -m bench deadlines`: what X-Deadline-Ms costs under overload (contract 1.3, "Deadlines").
+"""`python -m bench deadlines [--clients 16] [--seconds 12] [--phases none 1000 none 300] [--checkout DIR]`:
+what X-Deadline-Ms costs under overload (contract 1.3, "Deadlines").
 
-16 closed-loop clients (threads of one process, `requests`, a keep-alive session each) post the same
-request back to back, H=8, T=S=2048, d=16, causal, no weights, b64 (4.2 MB up, 1.4 MB down), to a
-fresh `python -m service` (its defaults: 2 workers), in phases of 12 s that alternate: no deadline,
-X-Deadline-Ms 1000, none, 300 (each after a few seconds of unreported warm-up). A client sends its
-next request as soon as it has an answer, a refusal included (it ignores Retry-After: the worst
-case for the server). Per phase:
-
-- answers (200s), and on time: read whole within 1.25x the deadline, measured by the client;
-- late 200s (read after 1.25x), 503s (and how many carry Retry-After), 504s, anything else;
-- 200s whose server time (Server-Timing's total) exceeds the deadline: the promise says none;
-- the ratio of on-time answers to the mean of the no-deadline phases' answers.
-
-At the end, the server's own count of answers whose last byte left after their deadline
-(attention_answers_after_deadline_total) and the cost model's measured spread (/limits).
-
-    python -m bench deadlines [--clients 16] [--seconds 12] [--phases none 1000 none 300] [--checkout DIR]
-
---checkout serves another checkout of the service (an older commit, to compare) with this one's script.
-"""
+Closed-loop clients (threads, `requests`, a keep-alive session each; the next request sent at once
+after any answer, refusals included) post H=8, T=S=2048, d=16, causal, b64 bodies to a fresh
+`python -m service` (or --checkout's), in alternating phases after a warm-up. Per phase: answers,
+on time (read whole within 1.25x the deadline), late 200s, 503s (with Retry-After), 504s, 200s
+whose Server-Timing total exceeds the deadline, and on-time answers over the no-deadline mean;
+then the server's attention_answers_after_deadline_total and the cost model's spread (/limits)."""
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
-import re
-import threading
-import time
+import math
+import statistics
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import requests
 
-from bench.common import ROOT, Server
+from bench.common import ROOT, Answer, Server, b64, closed_loops, table, tensors
 
-TOTAL = re.compile(r"total;dur=([0-9.]+)")
 WARMUP_S = 4.0
+HEADER = "X-Deadline-Ms | answers | on time (<= 1.25x) | on time / no-deadline mean | late 200 | 503 (with Retry-After) | 504 | 200 over deadline (server time)"
 
 
-def body(H: int = 8, T: int = 2048, d: int = 16, seed: int = 0) -> bytes:
-    rng = np.random.default_rng(seed)
-    enc = lambda a: {"shape": list(a.shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode()}  # noqa: E731
-    q, k, v = (rng.standard_normal((H, T, d)).astype(np.float32) for _ in range(3))
-    return json.dumps({"q": enc(q), "k": enc(k), "v": enc(v), "causal": True, "return_weights": False}).encode()
+def body(H: int = 8, T: int = 2048, d: int = 16) -> bytes:
+    q, k, v = (b64(a[0]) for a in tensors(T, h=H, d=d))
+    return json.dumps({"q": q, "k": k, "v": v, "causal": True, "return_weights": False}).encode()
 
 
-def phase(url: str, data: bytes, clients: int, seconds: float, deadline: float | None) -> list[tuple]:
-    """clients closed loops for seconds: (status, client ms, Retry-After present, server total ms)."""
-    records, lock, stop = [], threading.Lock(), time.monotonic() + seconds
-    headers = {"Content-Type": "application/json"}
-    if deadline is not None:
-        headers["X-Deadline-Ms"] = f"{deadline:g}"
-
-    def loop() -> None:
-        with requests.Session() as session:
-            while time.monotonic() < stop:
-                t0 = time.perf_counter()
-                try:
-                    r = session.post(f"{url}/attention", data=data, headers=headers, timeout=120)
-                    ms = (time.perf_counter() - t0) * 1000
-                    total = TOTAL.search(r.headers.get("Server-Timing", ""))
-                    why = _why(r) if r.status_code != 200 else ""
-                    record = (r.status_code, ms, "Retry-After" in r.headers, float(total.group(1)) if total else None, why)
-                except requests.RequestException as exc:
-                    record = (type(exc).__name__, (time.perf_counter() - t0) * 1000, False, None, "")
-                with lock:
-                    records.append(record)
-
-    threads = [threading.Thread(target=loop) for _ in range(clients)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    return records
-
-
-def _why(r: requests.Response) -> str:
-    """A refusal's reason, its message without the figures: what refused it."""
-    try:
-        message = r.json()["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return r.text[:60]
-    return re.sub(r"[0-9][0-9.e+]*", "N", message.split(";")[0])[:110]
-
-
-def summary(records: list[tuple], deadline: float | None) -> dict:
-    ok = [r for r in records if r[0] == 200]
-    bound = None if deadline is None else 1.25 * deadline
-    statuses = Counter(r[0] for r in records)
+def summary(answers: list[Answer], deadline: float | None) -> dict:
+    ok = [a for a in answers if a.status == 200]
+    bound = math.inf if deadline is None else 1.25 * deadline
+    statuses = Counter(a.status for a in answers)
     return {
         "deadline_ms": deadline,
         "answers": len(ok),
-        "on_time": len(ok) if bound is None else sum(1 for r in ok if r[1] <= bound),
-        "late_200": 0 if bound is None else sum(1 for r in ok if r[1] > bound),
+        "on_time": sum(1 for a in ok if a.ms <= bound),
+        "late_200": sum(1 for a in ok if a.ms > bound),
         "503": statuses.get(503, 0),
-        "503_with_retry_after": sum(1 for r in records if r[0] == 503 and r[2]),
+        "503_with_retry_after": sum(1 for a in answers if a.status == 503 and a.retry_after),
         "504": statuses.get(504, 0),
         "other": {str(k): v for k, v in statuses.items() if k not in (200, 503, 504)},
-        "200_over_deadline_server_time": 0 if deadline is None else sum(1 for r in ok if r[3] is not None and r[3] > deadline),
-        "median_200_ms": round(float(np.median([r[1] for r in ok])), 1) if ok else None,
-        "refusals": dict(Counter(f"{r[0]} {r[4]}" for r in records if r[0] != 200).most_common(4)),
+        "200_over_deadline_server_time": sum(1 for a in ok if deadline and a.server_ms is not None and a.server_ms > deadline),
+        "median_200_ms": round(statistics.median(a.ms for a in ok), 1) if ok else None,
+        "refusals": dict(Counter(a.reason for a in answers if a.status != 200).most_common(4)),
     }
 
 
@@ -116,33 +62,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkout", type=Path, default=ROOT, help="the checkout to serve (default: this one)")
     args = parser.parse_args(argv)
     data = body()
-    server = Server("deadlines", cwd=args.checkout)
-    try:
+    with Server("deadlines", cwd=args.checkout) as server:
         server.wait_ready(in_a_row=4)
-        phase(server.url, data, args.clients, WARMUP_S, None)  # the cost model learns the load; not reported
+        closed_loops(server.url, data, args.clients, WARMUP_S)  # the cost model learns the load; not reported
         rows = []
         for name in args.phases:
             deadline = None if name == "none" else float(name)
-            rows.append(summary(phase(server.url, data, args.clients, args.seconds, deadline), deadline))
+            rows.append(summary(closed_loops(server.url, data, args.clients, args.seconds, [deadline] if deadline else []), deadline))
             print(json.dumps(rows[-1]), flush=True)
         base = [r["answers"] for r in rows if r["deadline_ms"] is None]
         mean = sum(base) / len(base) if base else float("nan")
-        print(f"\n{args.clients} clients, {args.seconds:g} s a phase, body {len(data) / 1e6:.1f} MB; no-deadline answers: {base}")
-        print(
-            "| X-Deadline-Ms | answers | on time (<= 1.25x) | on time / no-deadline mean | late 200 | 503 (with Retry-After) | 504 | 200 over deadline (server time) |"
-        )
-        print("|---|---|---|---|---|---|---|---|")
-        for r in rows:
-            ratio = f"{r['on_time'] / mean:.2f}" if mean else "-"
-            print(
-                f"| {r['deadline_ms'] or 'none'} | {r['answers']} | {r['on_time']} | {ratio} | {r['late_200']} | "
-                f"{r['503']} ({r['503_with_retry_after']}) | {r['504']} | {r['200_over_deadline_server_time']} |"
-            )
+        print(f"\n{args.clients} clients, {args.seconds:g} s a phase, body {len(data) / 1e6:.1f} MB; no-deadline answers: {base}\n")
+        cells = [
+            (r["deadline_ms"] or "none", r["answers"], r["on_time"], f"{r['on_time'] / mean:.2f}" if mean else "-", r["late_200"])
+            + (f"{r['503']} ({r['503_with_retry_after']})", r["504"], r["200_over_deadline_server_time"])
+            for r in rows
+        ]
+        print(table(HEADER, cells))
         limits = requests.get(f"{server.url}/limits", timeout=10).json()
         print(f"\nserver: answers whose last byte left after their deadline: {server_late(server.url):g}")
         print(f"server: prediction spread (one worker's): {json.dumps(limits['cost_model'].get('prediction_spread'))}")
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

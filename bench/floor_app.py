@@ -1,14 +1,7 @@
-"""The service with nothing behind POST /attention: the stack's floor for a small request.
-
-    python -m gunicorn --config deploy/gunicorn.conf.py "bench.floor_app:create_app()"
-
-The same app as `python -m service` serves (create_app(): hooks, metrics, access log, admission
-gauges, the worker and its event loop), except that the /attention view reads the body and answers
-a fixed T=64 response (B=1, H=8, d=64, float32 b64: 175 KB) without decoding, validating, admitting,
-computing or encoding anything. bench/small_requests.py --floor serves it beside the real one: its
-ratio to /healthz is the most any T=64 b64 request can reach on this machine with this stack,
-whatever the attention path costs. A benchmark only: never deployed.
-"""
+"""The service with nothing behind POST /attention, the stack's floor for a small request
+(`python -m bench small_requests --floor`): the app `python -m service` serves, every hook and the
+worker, whose /attention view reads the body and answers a fixed T=64 b64 answer (175 KB) without
+decoding, validating, admitting, computing or encoding. A benchmark only: never deployed."""
 
 from __future__ import annotations
 

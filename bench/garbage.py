@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from bench.common import status_kb
+
 MB = 2**20
 # The allocator settings deploy/gunicorn.conf.py gives a worker (its _tune_malloc), as environment
 # variables for a child process measured as a worker would run.
@@ -82,11 +84,6 @@ def run_one(name: str, size: int, body: bytes | None = None) -> tuple[float, str
     return time.perf_counter() - t0, answer
 
 
-def _status_kb(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key))
-
-
 def _child(name: str, size: int) -> None:
     """In a fresh process: peak RSS growth (MB) of one case over its body (built and held first,
     as the server holds it; the peak mark is reset after, through /proc/self/clear_refs)."""
@@ -94,11 +91,11 @@ def _child(name: str, size: int) -> None:
     import service.web.http  # noqa: F401
 
     body = CATALOGUE[name](size)
-    base = _status_kb("VmRSS:")
+    base = status_kb("self", "VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     took, answer = run_one(name, size, body)
-    print(json.dumps({"took": took, "answer": answer, "peak_mb": (_status_kb("VmHWM:") - base) / 1024}))
+    print(json.dumps({"took": took, "answer": answer, "peak_mb": (status_kb("self", "VmHWM") - base) / 1024}))
 
 
 def main() -> None:
@@ -113,22 +110,17 @@ def main() -> None:
         return
     names = a.only or list(CATALOGUE)
     worst = (0.0, "")
-    print(
-        f"{'body':24} "
-        + " ".join(f"{s:>7g}MB" for s in a.sizes)
-        + "   (ms per MB; answer)"
-        + ("   peak RSS growth over the body, MB" if a.rss else "")
-    )
+    peak = "   peak RSS growth over the body, MB" if a.rss else ""
+    print(f"{'body':24} " + " ".join(f"{s:>7g}MB" for s in a.sizes) + "   (ms per MB; answer)" + peak)
     for name in names:
         cells, answer, peaks = [], "", []
         for s in a.sizes:
             size = int(s * MB)
             if a.rss:
-                env = {**os.environ, **WORKER_MALLOC_ENV}
-                out = subprocess.run(
-                    [sys.executable, "-m", "bench.garbage", "--child", name, str(size)], capture_output=True, text=True, check=True, env=env
+                child = [sys.executable, "-m", "bench.garbage", "--child", name, str(size)]
+                r = json.loads(
+                    subprocess.run(child, capture_output=True, text=True, check=True, env={**os.environ, **WORKER_MALLOC_ENV}).stdout
                 )
-                r = json.loads(out.stdout)
                 took, answer = r["took"], r["answer"]
                 peaks.append(f"{r['peak_mb']:.0f}")
             else:

@@ -1,28 +1,17 @@
-"""Triton's own latency tool, perf_analyzer, against this service over the Open Inference Protocol.
+"""`make bench-perf-analyzer` (`python -m bench perf_analyzer`): Triton's own latency tool against
+this service over the Open Inference Protocol.
 
-    make bench-perf-analyzer                          # = python -m bench perf_analyzer (a few minutes)
-    python -m bench perf_analyzer --window-ms 500     # shorter windows, noisier
     python -m bench perf_analyzer --lengths 64,1024 --concurrency 1,4 --shared-memory none,system
 
-perf_analyzer is the C++ binary that the tritonclient 2.40.0 wheel (the last to ship it) puts in
-its venv's bin/. It links the CUDA runtime even over HTTP on a machine without a GPU (the
-nvidia-cuda-runtime-cu12 wheel's libcudart, put on LD_LIBRARY_PATH) and Debian's libb64-0d
-(installed with apt-get when it is missing and this runs as root). The venv lives in
-$BENCH_PERF_ANALYZER_DIR, by default .perf-analyzer/ at the repository root (gitignored), built
-once and rebuilt when REQUIREMENTS change.
-
-The service starts as `make run` starts it (python -m service, the default settings) on a free
-loopback port, but with ATTN_ALLOW_CLIENT_SHM=true. perf_analyzer reads the model's metadata and
-configuration (/v2/models/attention and .../config), then sends q, k, v (1, 8, T, 64) float32
-(seeded normal values, from an --input-data file: the optional inputs are left out), synchronous
-requests; it asks for every output the metadata lists, so each answer carries the weights. The
-tensors go as binary data both ways (--shared-memory none), or through system shared-memory
-regions perf_analyzer registers (--shared-memory system; each output's region sized to the
-weights, --output-shared-memory-size). The server's side comes from its statistics extension
-(/v2/models/attention/stats): per request, the time waiting for a compute slot (queue), decoding
-and validating (compute input), computing (compute infer) and encoding (compute output). One run
-of perf_analyzer per (T, concurrency, tensors), so that one that does not stabilise within its
-windows costs only its own row. The table goes to bench/out/perf_analyzer.md and is printed.
+perf_analyzer is the C++ binary of the tritonclient 2.40.0 wheel (the last to ship it), in a venv
+of its own in $BENCH_PERF_ANALYZER_DIR (default .perf-analyzer/), with the CUDA runtime wheel's
+libcudart on LD_LIBRARY_PATH (linked even over HTTP) and Debian's libb64-0d (apt-get, as root).
+Against the service as `make run` starts it, with ATTN_ALLOW_CLIENT_SHM=true: q, k, v (1, 8, T, 64)
+float32 from an --input-data file, synchronous, every output asked for, the tensors binary both
+ways or in system shared-memory regions perf_analyzer registers; the server's side from its
+statistics extension (queue, compute input, infer, output per request). One perf_analyzer run per
+(T, concurrency, tensors), so that one that does not stabilise costs only its row. The table also
+goes to bench/out/perf_analyzer.md.
 """
 
 from __future__ import annotations
@@ -30,12 +19,10 @@ from __future__ import annotations
 import argparse
 import base64
 import csv
-import datetime
 import glob
 import hashlib
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -43,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import ROOT, Server
+from bench.common import ROOT, Server, table, venv
 
 OUT = ROOT / "bench" / "out" / "perf_analyzer.md"
 REQUIREMENTS = ("tritonclient[all]==2.40.0", "nvidia-cuda-runtime-cu12==12.9.79")
@@ -57,16 +44,9 @@ def tool_dir() -> Path:
 
 def ensure_venv() -> Path:
     """The venv holding perf_analyzer, (re)built when REQUIREMENTS changed since its stamp."""
-    venv = tool_dir() / "venv"
-    python, stamp = venv / "bin" / "python", venv / ".requirements-sha256"
-    digest = hashlib.sha256("\n".join(REQUIREMENTS).encode()).hexdigest()
-    if not (python.exists() and stamp.exists() and stamp.read_text().strip() == digest):
-        print(f"building perf_analyzer's venv in {venv} (a few minutes, once)", file=sys.stderr, flush=True)
-        if not python.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
-        stamp.write_text(digest + "\n")
-    return venv
+    path = tool_dir() / "venv"
+    venv(path, REQUIREMENTS, hashlib.sha256("\n".join(REQUIREMENTS).encode()).hexdigest())
+    return path
 
 
 def tool_env(venv: Path) -> dict[str, str]:
@@ -164,21 +144,18 @@ def measure(
     }
 
 
-def table(results: dict[tuple[int, int, str], dict | str], lengths, concurrencies, memories) -> str:
-    lines = [
-        "| T | concurrency | tensors | infer/s | p50 ms | p99 ms | server queue ms | compute input ms | compute infer ms | compute output ms |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+def report(results: dict[tuple[int, int, str], dict | str], lengths, concurrencies, memories) -> str:
+    rows = []
     for length in lengths:
         for c in concurrencies:
             for memory in memories:
                 r, tensors = results[length, c, memory], "binary" if memory == "none" else f"{memory} shared memory"
-                if isinstance(r, str):
-                    lines.append(f"| {length} | {c} | {tensors} | {r} | | | | | | |")
-                else:
-                    server = " | ".join(f"{r[f'{name}_ms']:.2f}" for name in SERVER_COLUMNS)
-                    lines.append(f"| {length} | {c} | {tensors} | {r['infer_s']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | {server} |")
-    return "\n".join(lines)
+                cells = [r, "", "", "", "", "", ""] if isinstance(r, str) else [f"{r['infer_s']:.0f}", r["p50_ms"], r["p99_ms"]]
+                rows.append([length, c, tensors, *cells, *([] if isinstance(r, str) else (r[f"{name}_ms"] for name in SERVER_COLUMNS))])
+    header = (
+        "T | concurrency | tensors | infer/s | p50 ms | p99 ms | server queue ms | compute input ms | compute infer ms | compute output ms"
+    )
+    return table(header, rows)
 
 
 def main() -> None:
@@ -201,49 +178,24 @@ def main() -> None:
     ensure_libb64(binary, env)
     inputs = {length: input_file(length, optional=memories != ["none"]) for length in lengths}
 
-    load_start = os.getloadavg()
-    server = Server("perf-analyzer", env={"ATTN_ALLOW_CLIENT_SHM": "true"}, inherit_settings=False)  # as `make run`, with shared memory
-    try:
+    load = os.getloadavg()[0]
+    results = {}
+    with Server(
+        "perf-analyzer", env={"ATTN_ALLOW_CLIENT_SHM": "true"}, inherit_settings=False
+    ) as server:  # as `make run`, with shared memory
         server.wait_ready(in_a_row=4, path="/v2/health/ready")
-        results = {}
         for length in lengths:
             for c in concurrencies:
                 for memory in memories:
                     results[length, c, memory] = measure(binary, env, server.url, inputs[length], c, args, memory, length)
                     print(f"T={length} concurrency={c} shared memory {memory}: {results[length, c, memory]}", file=sys.stderr, flush=True)
-    finally:
-        server.stop()
-
-    load = " ".join(f"{x:.2f}" for x in load_start), " ".join(f"{x:.2f}" for x in os.getloadavg())
-    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    command = " ".join(["python -m bench perf_analyzer", *sys.argv[1:]])
-    report = "\n".join(
-        [
-            "# perf_analyzer against this service (`make bench-perf-analyzer`)",
-            "",
-            f"`{command}`: perf_analyzer (tritonclient 2.40.0) -m {MODEL} -i http, synchronous, --concurrency-range c:c,",
-            f"--measurement-interval {args.window_ms} ms, --stability-percentage {args.stability}, --max-trials {args.max_trials};",
-            f"q, k, v ({B}, {H}, T, {D}) float32"
-            + (
-                ", and mask, key_lengths, bias, alibi_slopes that change nothing (all keys, nothing added: perf_analyzer's shared memory"
-                " sends every input)"
-                if memories != ["none"]
-                else ""
-            )
-            + "; both outputs (out, weights, lse), as binary data or through system shared memory;"
-            " the server as `make run` starts it, with ATTN_ALLOW_CLIENT_SHM=true. The server's columns: its statistics"
-            " extension's averages per request (queue: waiting for a compute slot; compute input: decoding and validating;"
-            " compute infer: the core; compute output: encoding, and writing outputs to shared memory).",
-            f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; {when},"
-            f" load average at start {load[0]}, at end {load[1]}.",
-            "",
-            table(results, lengths, concurrencies, memories),
-            "",
-        ]
-    )
+    text = f"`python -m bench perf_analyzer {' '.join(sys.argv[1:])}`: perf_analyzer (tritonclient 2.40.0), synchronous,"
+    text += f" --measurement-interval {args.window_ms} ms, --stability-percentage {args.stability}, --max-trials {args.max_trials};"
+    text += f" load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end\n\n"
+    text += report(results, lengths, concurrencies, memories) + "\n"
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(report)
-    print(report)
+    OUT.write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

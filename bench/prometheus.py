@@ -21,7 +21,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from bench.common import free_port, terminate
+from bench.common import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "attention.json"
@@ -61,50 +61,23 @@ def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     return subprocess.run([str(PROMTOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-class LocalPrometheus:
+class LocalPrometheus(Server):
     """`prometheus` on a free loopback port scraping `targets` (host:port) every scrape_interval,
     with rule_files evaluated as often; storage in a temporary directory, removed at stop()."""
 
     def __init__(self, targets: list[str], scrape_interval: str = "1s", rule_files: list[Path] = ()):
         self.dir = Path(tempfile.mkdtemp(prefix="attention-prometheus-"))
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval, "scrape_timeout": scrape_interval},
             "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [{"job_name": "attention", "static_configs": [{"targets": targets}]}],
         }
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.log = open(self.dir / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            [
-                str(PROMETHEUS),
-                f"--config.file={self.dir / 'prometheus.yml'}",
-                f"--storage.tsdb.path={self.dir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--log.level=warn",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        argv = [str(PROMETHEUS), f"--config.file={self.dir / 'prometheus.yml'}", f"--storage.tsdb.path={self.dir / 'data'}"]
+        super().__init__("prometheus", [*argv, "--web.listen-address=127.0.0.1:{port}", "--log.level=warn"])
 
-    def log_text(self) -> str:
-        return (self.dir / "prometheus.log").read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        """Wait for /-/ready (the timeout only stops a hang)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.proc.returncode}: {self.log_text()[-2000:]}")
-            try:
-                if requests.get(f"{self.url}/-/ready", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"prometheus not ready in {timeout} s: {self.log_text()[-2000:]}")
+    def wait_ready(self, timeout: float = 60, in_a_row: int = 1, path: str = "/-/ready") -> None:
+        super().wait_ready(timeout, in_a_row, path)
 
     def api(self, path: str, **params) -> dict | list:
         """GET /api/v1/<path>; the "data" of a success, else RuntimeError with Prometheus's error."""
@@ -133,8 +106,7 @@ class LocalPrometheus:
         raise AssertionError(f"no successful scrape after {t} within {timeout} s: {json.dumps(self.api('targets'))[:2000]}")
 
     def stop(self) -> None:
-        terminate(self.proc, 30)
-        self.log.close()
+        super().stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -1,29 +1,18 @@
-"""A decode step through a session against the same step in-process, and against resending the cache.
+"""`python -m bench sessions [--url URL] [--runs 30]`: a decode step through a session against the
+same step in-process, against resending the cache, and batched (starts its own server, 2 workers).
 
-    .venv/bin/python -m bench sessions                      # starts its own server (2 workers) on a free port
-    .venv/bin/python -m bench sessions --url http://127.0.0.1:8000 --runs 40
-
-A decode step: t = 1 new token, H = 8 heads, d = 64, float32, its k and v appended and its q
-attending to all S keys (POST /sessions/{id}/attention, b64, one keep-alive connection, as a decode
-loop keeps one). A step's time is the client's whole part: its body encoded, sent, answered, its
-out decoded. Measured, interleaved (client step, in-process steps, requests step, ...), medians:
-- at S = 1024, 4096, 16384: the step through the client (AttentionClient.session(...).attention:
-  b64 spliced into the JSON, one gathered send) and through `requests` (orjson, base64; its
-  answer's Server-Timing total and its bytes on the wire), against the same step in-process:
-  numpy's q kᵀ, softmax, weights v over the same contiguous arrays (np.concatenate'd a token a
-  step, as an in-process loop grows its cache) on one BLAS thread, as a worker has; and
-  core.paged_attention (what a worker runs) over the same keys in pages written a token at a time,
-  in a sessions pool in this process (shared memory, as the workers map it) and in an ordinary
-  array (private memory: huge pages where the host gives them);
-- at S = 4096: a stateless POST /attention resending the whole cache (q, k, v in b64, through the
-  client's transport) for the same step, and its bytes on the wire;
-- a batched step of 16 sessions at S = 4096 (api.attention_sessions: POST /sessions/attention):
-  tokens per second against one session's steps per second through the client."""
+A step: t = 1, H = 8, d = 64, float32, its k and v appended and its q attending to all S keys
+(POST /sessions/{id}/attention, b64, one keep-alive connection); its time, the client's whole
+part. Interleaved, at S = 1024, 4096, 16384: through the project's client and through `requests`
+(with its Server-Timing total and bytes), against numpy over the same contiguous arrays and
+core.paged_attention over the same keys in pages written a token at a time, in a sessions pool of
+shared memory ("paged pool") and in an ordinary array ("paged array"), one BLAS thread. At
+S = 4096 a stateless POST /attention resending the cache, and a batched step of 16 sessions
+(api.attention_sessions)."""
 
 from __future__ import annotations
 
 import argparse
-import base64
 import math
 import statistics
 import sys
@@ -31,11 +20,13 @@ import time
 
 import numpy as np
 import orjson
+import pybase64
 import requests
 from threadpoolctl import threadpool_limits
 
 from attention_client import AttentionClient, _http, _wire
-from bench.common import Server
+from attention_client.loadtest.transport import parse_server_timing
+from bench.common import b64, served
 from service import core, sessions
 
 H, D = 8, 64
@@ -44,13 +35,8 @@ APPEND_CHUNK = 2048  # tokens a prefill request carries (8 heads x 64 x 4 bytes 
 JSON = {"Content-Type": "application/json"}
 
 
-def enc(a: np.ndarray) -> dict:
-    a = np.ascontiguousarray(a, np.float32)
-    return {"shape": list(a.shape), "dtype": "float32", "b64": base64.b64encode(a.tobytes()).decode("ascii")}
-
-
 def dec(t: dict) -> np.ndarray:
-    return np.frombuffer(base64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
+    return np.frombuffer(pybase64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
 
 
 class Sequence:
@@ -113,14 +99,14 @@ class Sequence:
         """The same step through `requests`: (seconds, out, bytes on the wire, the server's own ms:
         Server-Timing's total)."""
         t0 = time.perf_counter()
-        body = orjson.dumps({"q": enc(q), "k": enc(k), "v": enc(v), "at": self.length, "response_encoding": "b64"})
+        body = orjson.dumps({"q": b64(q), "k": b64(k), "v": b64(v), "at": self.length, "response_encoding": "b64"})
         r = http.post(f"{url}/sessions/{self.session.id}/attention", data=body, headers=JSON, timeout=60)
         r.raise_for_status()
         out = dec(orjson.loads(r.content)["out"])
         elapsed = time.perf_counter() - t0
         self.took(k, v)
         self.session.refresh()  # the client learns the length this step made
-        return elapsed, out, len(body) + len(r.content), server_ms(r.headers.get("Server-Timing", ""))
+        return elapsed, out, len(body) + len(r.content), parse_server_timing(r.headers.get("Server-Timing")).get("total", math.nan)
 
     def took(self, k, v) -> None:
         """The server took the token: here too."""
@@ -128,15 +114,6 @@ class Sequence:
         self.k, self.v = np.concatenate([self.k, k], 1), np.concatenate([self.v, v], 1)
         if self.local is not None:
             self.append_locally(k, v)
-
-
-def server_ms(timing: str) -> float:
-    """Server-Timing's total: the server's own time for the request, in ms."""
-    for part in timing.split(","):
-        name, _, dur = part.strip().partition(";dur=")
-        if name == "total":
-            return float(dur)
-    return math.nan
 
 
 def in_process(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[float, np.ndarray]:
@@ -242,15 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     args = parser.parse_args(argv)
     with threadpool_limits(limits=1, user_api="blas"):  # as a worker computes (deploy/gunicorn.conf.py)
-        if args.url:
-            run(args.url, args.runs, args.batch)
-            return
-        server = Server("sessions")
-        try:
-            server.wait_ready(in_a_row=8)
-            run(server.url, args.runs, args.batch)
-        finally:
-            server.stop()
+        with served(args.url, "sessions", in_a_row=8) as url:
+            run(url, args.runs, args.batch)
 
 
 if __name__ == "__main__":

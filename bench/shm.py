@@ -1,29 +1,15 @@
-"""A client on the server's host: a round trip through shared memory against the same computation
-in this process, and against the binary wire.
-
-    .venv/bin/python -m bench shm                         # starts `python -m service` with ATTN_ALLOW_CLIENT_SHM=true
-    .venv/bin/python -m bench shm --lengths 1024 --runs 30
-
-One request: q, k, v (1, 8, T, 64) float32, causal, weights returned (at T=1024 the weights are
-32 MiB). Three ways, taken in a new random order within every repetition so that drift from other
-load on the machine hits them alike:
-
-- in-process: service.core.attention in this process, on one BLAS thread as a worker computes
-  (the server runs with ATTN_SPLIT_THREADS=1, so that it computes on one thread too: a lone large
-  request would otherwise be split over both cores, or not, by the load of the moment);
-- shared memory: AttentionClient(url, shared_memory=True): the tensors in a region registered
-  once, only a JSON head over HTTP, the outputs views of the region;
-- binary wire: AttentionClient(url) (the default): raw bytes both ways over loopback.
-
-Reported: each way's median (and min) in ms and its median over the in-process median. The table
-goes to bench/out/shm.md and is printed."""
+"""`python -m bench shm [--lengths 64,256,1024] [--runs N] [--url URL]`: a client on the server's
+host, numpy to numpy: AttentionClient(url, shared_memory=True) (the tensors in a region registered
+once, a JSON head over HTTP, the outputs views of the region) and AttentionClient(url) (the binary
+wire) against service.core.attention in this process on one BLAS thread; the server started here
+allows client shared memory and computes on one thread too (ATTN_SPLIT_THREADS=1). q, k, v
+(1, 8, T, 64), causal, weights returned; the three ways in a new random order every repetition.
+Medians (and min), and each over the in-process median; also written to bench/out/shm.md."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import random
 import statistics
 import sys
@@ -33,11 +19,9 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from attention_client import AttentionClient
-from bench.common import OUT as OUT_DIR
-from bench.common import Server
+from bench.common import OUT, served, table
 from service import core
 
-OUT = OUT_DIR / "shm.md"
 B, H, D = 1, 8, 64
 RUNS = {64: 200, 256: 60, 1024: 40}
 
@@ -79,60 +63,31 @@ def measure(url: str, lengths: list[int], runs: dict[int, int]) -> dict[int, dic
     return results
 
 
-def table(results: dict[int, dict[str, list[float]]]) -> str:
-    lines = [
-        "| T | in-process ms | shared memory ms | binary wire ms | shared memory / in-process | binary wire / in-process |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
+def report(results: dict[int, dict[str, list[float]]]) -> str:
+    rows = []
     for length, times in results.items():
         med = {name: statistics.median(t) for name, t in times.items()}
-        low = {name: min(t) for name, t in times.items()}
-        base = med["in-process"]
-        cells = [f"{med[n]:.2f} (min {low[n]:.2f})" for n in ("in-process", "shared memory", "binary wire")]
-        lines.append(f"| {length} | {' | '.join(cells)} | {med['shared memory'] / base:.2f} | {med['binary wire'] / base:.2f} |")
-    return "\n".join(lines)
+        cells = [f"{med[n]:.2f} (min {min(times[n]):.2f})" for n in ("in-process", "shared memory", "binary wire")]
+        rows.append([length, *cells, med["shared memory"] / med["in-process"], med["binary wire"] / med["in-process"]])
+    return table("T | in-process ms | shared memory ms | binary wire ms | shared memory / in-process | binary wire / in-process", rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="64,256,1024", help="T values, comma-separated")
     parser.add_argument("--runs", type=int, default=None, help="repetitions per T (default: 200, 60, 40 for T = 64, 256, 1024)")
-    parser.add_argument(
-        "--url", default=None, help="a running server that allows client shared memory, ATTN_SPLIT_THREADS=1 (default: start one)"
-    )
+    parser.add_argument("--url", help="a running server that allows client shared memory, ATTN_SPLIT_THREADS=1 (default: start one)")
     args = parser.parse_args()
     lengths = [int(t) for t in args.lengths.split(",")]
     runs = {length: args.runs or RUNS.get(length, 20) for length in lengths}
-
-    load_start = os.getloadavg()
-    server = None
-    if args.url is None:
-        server = Server("shm", env={"ATTN_ALLOW_CLIENT_SHM": "true", "ATTN_SPLIT_THREADS": "1"})  # the same computation
-        server.wait_ready(in_a_row=8)
-    try:
-        results = measure(args.url or server.url, lengths, runs)  # type: ignore[union-attr]  # one of the two is set
-    finally:
-        if server is not None:
-            server.stop()
-    load = " ".join(f"{x:.2f}" for x in load_start), " ".join(f"{x:.2f}" for x in os.getloadavg())
-    command = " ".join(["python -m bench shm", *sys.argv[1:]])
-    report = "\n".join(
-        [
-            "# Shared memory against the same computation in-process (`python -m bench shm`)",
-            "",
-            f"`{command}`: q, k, v ({B}, {H}, T, {D}) float32, causal, weights returned; medians of "
-            + ", ".join(f"{runs[t]} (T={t})" for t in lengths)
-            + " repetitions, the three ways in a new random order each time.",
-            f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()};"
-            f" {datetime.datetime.now():%Y-%m-%d %H:%M}, load average at start {load[0]}, at end {load[1]}.",
-            "",
-            table(results),
-            "",
-        ]
-    )
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(report)
-    print(report)
+    load = os.getloadavg()[0]
+    with served(args.url, "shm", in_a_row=8, env={"ATTN_ALLOW_CLIENT_SHM": "true", "ATTN_SPLIT_THREADS": "1"}) as url:
+        results = measure(url, lengths, runs)
+    text = f"`python -m bench shm {' '.join(sys.argv[1:])}`, medians of {', '.join(f'{runs[t]} (T={t})' for t in lengths)}; "
+    text += f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end\n\n{report(results)}\n"
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "shm.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ _tune_malloc()
 from service.config import Settings  # noqa: E402  (after the environment above)
 from service.web.app import create_app  # noqa: E402
 
-from .small_requests import body  # noqa: E402
+from .common import attention_body, table  # noqa: E402
 
 # Stage of a sample: the first stage any of whose markers is on its stack, else Flask and the rest.
 # The body's generator runs inside metrics.when_sent's wrapper, and the hooks' "sent" callbacks
@@ -107,7 +107,7 @@ def stages(raw: Path) -> dict[str, float]:
 
 
 def main() -> None:
-    attention, healthz = requests(create_app(Settings(warmup=False)).test_client(), body())
+    attention, healthz = requests(create_app(Settings(warmup=False)).test_client(), attention_body(64))
     if sys.argv[1:] == ["--loop"]:  # under py-spy
         for _ in range(3000):
             attention()
@@ -123,26 +123,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw.txt"
-        cmd = [
-            spy,
-            "record",
-            "--rate",
-            "1000",
-            "--format",
-            "raw",
-            "-o",
-            str(raw),
-            "--",
-            sys.executable,
-            "-m",
-            "bench.small_profile",
-            "--loop",
-        ]
+        cmd = [spy, *"record --rate 1000 --format raw -o".split(), str(raw), "--", sys.executable, "-m", "bench.small_profile", "--loop"]
         subprocess.run(cmd, check=True, capture_output=True)
         shares = stages(raw)
-    print("\n| stage | share | us per request |\n|---|---|---|")
-    for name, share in shares.items():
-        print(f"| {name} | {share:.0%} | {share * a:.0f} |")
+    print("\n" + table("stage | share | us per request", [(name, f"{share:.0%}", f"{share * a:.0f}") for name, share in shares.items()]))
 
 
 if __name__ == "__main__":

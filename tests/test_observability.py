@@ -25,7 +25,8 @@ import pytest
 import yaml
 
 from bench import prometheus as prom_
-from bench.dashboard import b64_body, every_kind
+from bench.common import attention_body
+from bench.dashboard import every_kind
 from tests.helpers import serving, unavailable, wait_until, worker_pids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,7 +162,7 @@ def scraped(prometheus_installed):
         try:
             prom.wait_ready()
             prom.wait_for_scrape_after(time.time())
-            big = b64_body(1024)
+            big = attention_body(1024, causal=False)
             counts = []
             for _ in range(2):
                 counts.append(every_kind(server.url, big))

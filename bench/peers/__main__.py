@@ -1,42 +1,18 @@
-"""This service against the servers a user would pick instead, serving the same attention.
+"""`make bench-peers` (`python -m bench peers`): this service against the servers a user would pick
+instead, serving the same attention (bench/peers/: each peer's model and pinned requirements).
 
-    make bench-peers                                   # = python -m bench peers (about 5 minutes)
     python -m bench peers --lengths 64,256,1024 --runs 15   # more cells, more repetitions
-    python -m bench peers --only ours,bentoml          # a subset
+    python -m bench peers --only ours,bentoml               # a subset
 
-Starts the servers on free loopback ports, each as its users would run it:
-
-- ours: `python -m service` (as `make run`: deploy/gunicorn.conf.py, 2 gthread workers), measured
-  at both doors: the native POST /attention with the b64 JSON body, and /v2 binary;
-- kserve: bench/peers/kserve_model.py, a kserve.Model on KServe's ModelServer, `--workers 2`
-  (uvicorn worker processes), gRPC off (only REST is measured);
-- mlserver: `mlserver start bench/peers/mlserver`, a custom MLModel runtime, `parallel_workers`
-  2 (one HTTP process hands each request to one of two inference processes);
-- litserve: bench/peers/litserve_model.py, a LitAPI, one API server and 2 inference workers;
-- rayserve: bench/peers/rayserve_model.py, a Serve deployment of 2 replicas on a Ray of its own;
-- bentoml: `bentoml serve` of bench/peers/bentoml_service.py, 2 worker processes;
-
-all computing with this repository's service.core and one BLAS thread per worker process, and
-each process's every socket on loopback (checked with `ss` after start and at the end: a server
-with a socket elsewhere stops the run). KServe and MLServer are measured with tritonclient.http
-(the Open Inference Protocol's client): binary tensors both ways for KServe, JSON for MLServer,
-whose REST server refuses binary bodies. LitServe, Ray Serve and BentoML speak no such protocol:
-they are sent the native door's b64 JSON body at POST /attention, as ours is (b64_body.py reads
-and answers it), through a requests.Session with requests' default headers (Accept-Encoding:
-gzip, deflate), as users call a server. End to end from numpy arrays to numpy arrays, q, k, v (1, 8, T, 64) float32,
-causal:
-
-- latency at each of --lengths, with and without weights (the request names its outputs / sets
-  return_weights), one request at a time, the servers alternating within each repetition (order
-  rotated), median; --runs repetitions at T=64, fewer at 256 and 1024, and a cell stops early
-  (after 3) once it has taken --cell-budget seconds, so that a slow peer cannot stretch the run;
-- throughput at T = 64 without weights: --clients threads, each with its own client, for
-  --duration seconds per server, --rounds rounds alternating, median of the rounds' req/s, and
-  the server's CPU time per request over each round (utime + stime of all its processes, /proc),
-  and the clients' (this process's).
-
-Every server's outputs are checked against the core computed here before anything is timed.
-Writes the tables to bench/out/peers.md.
+Each server starts on a free loopback port as its users run it, two processes computing, one BLAS
+thread each, every socket checked to be on loopback (ss, after start and at the end). ours is
+measured at both doors; KServe (/v2 binary) and MLServer (/v2 JSON) through tritonclient.http;
+LitServe, Ray Serve and BentoML are sent the native door's b64 JSON body (b64_body.py), through a
+requests.Session with its default headers, as ours is. Numpy to numpy, q, k, v (1, 8, T, 64),
+causal, every answer checked against the core first. Latency: one request at a time, the servers
+in turn (order rotated), medians, a cell stopped after --cell-budget s (at least 3 runs).
+Throughput: T=64 without weights, --clients threads for --duration s, --rounds rounds alternating,
+with the server's and the clients' CPU per request (/proc). Writes bench/out/peers.md.
 """
 
 from __future__ import annotations
@@ -62,7 +38,7 @@ import pybase64
 import requests
 import tritonclient.http as triton
 
-from bench.common import ROOT, Server, free_port
+from bench.common import ROOT, Server, b64, free_port, table, triton_inputs
 from bench.peers import venvs
 from service import core
 from service.config import ONE_BLAS_THREAD
@@ -141,11 +117,7 @@ class V2Client:
         self.binary = binary
 
     def infer(self, qkv: dict, weights: bool) -> dict[str, np.ndarray]:
-        inputs = []
-        for name, a in qkv.items():
-            tensor = triton.InferInput(name, list(a.shape), "FP32")
-            tensor.set_data_from_numpy(a, binary_data=self.binary)
-            inputs.append(tensor)
+        inputs = triton_inputs(qkv, self.binary)
         names = ("out", "weights") if weights else ("out",)
         outputs = [triton.InferRequestedOutput(n, binary_data=self.binary) for n in names]
         result = self.http.infer("attention", inputs, outputs=outputs, parameters={"causal": True})
@@ -164,10 +136,7 @@ class NativeClient:
         self.url, self.session = f"http://127.0.0.1:{port}/attention", requests.Session()
 
     def infer(self, qkv: dict, weights: bool) -> dict[str, np.ndarray]:
-        tensors = {
-            name: {"shape": list(a.shape), "dtype": "float32", "b64": pybase64.b64encode(a.data).decode()} for name, a in qkv.items()
-        }
-        body = orjson.dumps({**tensors, "causal": True, "return_weights": weights})
+        body = orjson.dumps({**{name: b64(a) for name, a in qkv.items()}, "causal": True, "return_weights": weights})
         resp = self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}, timeout=600)
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.content[:300]!r}")
@@ -396,31 +365,29 @@ def report(targets: list[Target], args, lengths: list[int], sockets: int) -> str
         lines.append(f"- {t.name}: {t.versions}; {t.workers}; one BLAS thread per process; {WIRES[t.wire]}")
     over = " (x = over ours, the native door)" if base else ""
     lines += ["", f"Latency, one request at a time (ms, median{over}):", ""]
-    lines.append("| T | weights | " + " | ".join(names) + " |")
-    lines.append("|---|---|" + "---:|" * len(names))
+    rows = []
     for T in lengths:
         for weights in (False, True):
-            cells = []
-            for t in targets:
-                ms = statistics.median(t.latency[T, weights])
-                ratio = f" ({ms / statistics.median(base.latency[T, weights]):.1f}x)" if base and t is not base else ""
-                cells.append(f"{ms:,.1f}{ratio}")
-            lines.append(f"| {T} | {'yes' if weights else 'no'} | " + " | ".join(cells) + " |")
+            ms = {t.name: statistics.median(t.latency[T, weights]) for t in targets}
+            cells = [f"{ms[t.name]:,.1f}" + (f" ({ms[t.name] / ms[base.name]:.1f}x)" if base and t is not base else "") for t in targets]
+            rows.append([T, "yes" if weights else "no", *cells])
+    lines += [table(["T", "weights", *names], rows), ""]
     lines += [
-        "",
         f"Throughput, T=64 without weights, {args.clients} client threads (median of {args.rounds} passes of {args.duration:g} s):",
         "",
     ]
-    lines.append("| | " + " | ".join(names) + " |")
-    lines.append("|---|" + "---:|" * len(names))
-    lines.append("| req/s | " + " | ".join(f"{statistics.median(t.rounds):,.1f}" for t in targets) + " |")
+    rows = [["req/s", *(f"{statistics.median(t.rounds):,.1f}" for t in targets)]]
     if base:
-        lead = statistics.median(base.rounds)
-        cells = ("" if t is base else f"{lead / statistics.median(t.rounds):.2f}x" for t in targets)
-        lines.append("| the native door's lead | " + " | ".join(cells) + " |")
-    lines.append("| server CPU ms per request | " + " | ".join(f"{statistics.median(t.cpu_ms):.2f}" for t in targets) + " |")
-    lines.append("| client CPU ms per request | " + " | ".join(f"{statistics.median(t.client_cpu_ms):.2f}" for t in targets) + " |")
-    lines.append("| failed requests | " + " | ".join(str(t.errors) for t in targets) + " |")
+        rows.append(
+            [
+                "the native door's lead",
+                *("" if t is base else f"{statistics.median(base.rounds) / statistics.median(t.rounds):.2f}x" for t in targets),
+            ]
+        )
+    rows.append(["server CPU ms per request", *(f"{statistics.median(t.cpu_ms):.2f}" for t in targets)])
+    rows.append(["client CPU ms per request", *(f"{statistics.median(t.client_cpu_ms):.2f}" for t in targets)])
+    rows.append(["failed requests", *(t.errors for t in targets)])
+    lines.append(table(["", *names], rows))
     lines += [f"\nFirst failure ({t.name}): {t.first_error}" for t in targets if t.first_error]
     return "\n".join(lines) + "\n"
 

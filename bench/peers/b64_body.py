@@ -1,11 +1,7 @@
-"""The native door's b64 JSON body for the peers that do not speak the Open Inference Protocol
-(LitServe, Ray Serve, BentoML): read as their users would write it, with the standard library.
-
-Request, the fields the benchmark sends to POST /attention (docs/api.md):
-    {"q": TENSOR, "k": TENSOR, "v": TENSOR, "causal": bool, "return_weights": bool}
-    TENSOR = {"shape": [...], "dtype": "float32", "b64": base64 of the little-endian bytes}
-Response: {"out": TENSOR} and "weights": TENSOR when return_weights (default true).
-Computed by this repository's service.core (numpy only), as this service computes it."""
+"""The native door's b64 JSON body for the peers without the Open Inference Protocol (LitServe,
+Ray Serve, BentoML), read with the standard library as their users would: {"q", "k", "v":
+{"shape", "dtype", "b64"}, "causal", "return_weights"} in, {"out"[, "weights"]} out (docs/api.md),
+computed by service.core."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The attention model as a BentoML service (@bentoml.service), POST /attention with the native
-b64 body: the body's fields are the API method's parameters, so BentoML reads it as it is.
-
-Served by `python -m bench peers` in the BentoML virtual environment (requirements-bentoml.txt),
-with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
-
-    bentoml serve bentoml_service:Attention --host 127.0.0.1 --port PORT   # from bench/peers
-
-Two worker processes (workers=2) behind BentoML's process manager; BENTOML_DO_NOT_TRACK=1 in the
-environment turns its usage tracking off.
-"""
+"""The attention model as a BentoML service, POST /attention with the native b64 body (its fields
+are the API method's parameters): `bentoml serve bentoml_service:Attention --host 127.0.0.1 --port
+PORT` from bench/peers in its venv, the repository root on PYTHONPATH; two worker processes;
+BENTOML_DO_NOT_TRACK=1 turns its usage tracking off (peers/__main__.py)."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""The attention model on KServe's Python model server (a kserve.Model subclass, v2 REST).
-
-Run by `python -m bench peers` in the KServe virtual environment (requirements-kserve.txt), with
-the repository root on PYTHONPATH so that `service.core` (numpy only) is the same code this service
-runs, and KServe's own flags on the command line:
-
-    python bench/peers/kserve_model.py --http_port 8080 --workers 2 --enable_grpc false
-
-bound to 127.0.0.1 (KServe itself binds its REST server to every interface: see _on_loopback).
-
-Inputs q (B, H, T, d), k (B, H, S, d), v (B, H, S, dv), FP32, as JSON data or binary
-(KServe speaks the binary tensor extension); request parameter `causal` (bool, default false);
-outputs `out` (B, H, T, dv) and `weights` (B, H, T, S), both unless the request names its outputs
-(the weights are computed only when asked for), binary when the request asks for binary.
-"""
+"""The attention model on KServe's Python model server (a kserve.Model, v2 REST, binary tensors):
+`python bench/peers/kserve_model.py --http_port PORT --workers 2 --enable_grpc false` in its venv,
+the repository root on PYTHONPATH; bound to 127.0.0.1 (see _on_loopback). Inputs q, k, v FP32,
+parameter `causal`; outputs `out` and `weights` (computed only when asked for)."""
 
 from __future__ import annotations
 

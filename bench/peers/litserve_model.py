@@ -1,14 +1,7 @@
-"""The attention model on LitServe (a litserve.LitAPI), POST /attention with the native b64 body.
-
-Run by `python -m bench peers` in the LitServe virtual environment (requirements-litserve.txt),
-with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
-
-    python bench/peers/litserve_model.py PORT
-
-One API server process (uvicorn) hands each request to one of two inference worker processes
-(workers_per_device=2 on the CPU). LitServe sends no usage data; it is bound to 127.0.0.1 here
-(its default is 0.0.0.0), and writes no client.py (generate_client_file=False).
-"""
+"""The attention model on LitServe (a LitAPI), POST /attention with the native b64 body:
+`python bench/peers/litserve_model.py PORT` in its venv, the repository root on PYTHONPATH. One
+API server process hands each request to one of two inference workers; bound to 127.0.0.1 (its
+default is 0.0.0.0), no client.py written."""
 
 from __future__ import annotations
 

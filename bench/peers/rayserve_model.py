@@ -1,16 +1,8 @@
-"""The attention model on Ray Serve (a serve.deployment), POST /attention with the native b64 body.
-
-Run by `python -m bench peers` in the Ray Serve virtual environment (requirements-rayserve.txt),
-with the repository root on PYTHONPATH (b64_body.py and service.core, numpy only):
-
-    python bench/peers/rayserve_model.py PORT
-
-Starts a one-node Ray cluster of its own (no dashboard, 2 CPUs), Serve's HTTP proxy on
-127.0.0.1:PORT, and two replicas of the deployment (two Ray worker processes); GET /attention
-answers once they are up. The environment it is run with keeps Ray on loopback and quiet:
-RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes the node's address 127.0.0.1, which every Ray process
-binds to, and RAY_USAGE_STATS_ENABLED=0 turns its usage reporting off.
-"""
+"""The attention model on Ray Serve (a serve.deployment), POST /attention with the native b64 body:
+`python bench/peers/rayserve_model.py PORT` in its venv, the repository root on PYTHONPATH. A
+one-node Ray of its own (2 CPUs, no dashboard), Serve's proxy on 127.0.0.1:PORT, two replicas;
+GET /attention answers once they are up. RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps every Ray
+process on 127.0.0.1, RAY_USAGE_STATS_ENABLED=0 its usage reporting off (peers/__main__.py)."""
 
 from __future__ import annotations
 

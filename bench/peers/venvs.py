@@ -1,19 +1,14 @@
-"""The peers' virtual environments: one per peer, built from bench/peers/requirements-NAME.txt.
-
-    python -m bench peers.venvs            # build (or bring up to date) each; prints their Pythons
-
-They live in $BENCH_PEERS_DIR, by default .peers/ at the repository root (gitignored). A venv is
-(re)installed when its requirements file changed since the last install (a stamp holds its hash);
-otherwise it is used as it is, so a run after the first spends no time here. PyPI is the only
-network they need."""
+"""The peers' venvs, one per peer from bench/peers/requirements-NAME.txt, in $BENCH_PEERS_DIR
+(default .peers/, gitignored): `python -m bench.peers.venvs` builds them. A venv is reinstalled
+when its requirements file changed since the last install (a stamp holds its hash)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from bench.common import venv
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -27,17 +22,7 @@ def peers_dir() -> Path:
 def ensure(name: str) -> Path:
     """The Python of peer `name`'s venv, built or updated first if its requirements changed."""
     requirements = HERE / f"requirements-{name}.txt"
-    venv = peers_dir() / name
-    python, stamp = venv / "bin" / "python", venv / ".requirements-sha256"
-    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()
-    if python.exists() and stamp.exists() and stamp.read_text().strip() == digest:
-        return python
-    print(f"building the {name} venv in {venv} from {requirements.name} (a few minutes, once)", file=sys.stderr, flush=True)
-    if not python.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "-r", str(requirements)], check=True)
-    stamp.write_text(digest + "\n")
-    return python
+    return venv(peers_dir() / name, ["-r", str(requirements)], hashlib.sha256(requirements.read_bytes()).hexdigest())
 
 
 if __name__ == "__main__":

@@ -1,16 +1,7 @@
-"""The attention model as an MLServer custom runtime (an MLModel subclass, v2 REST).
-
-Loaded by `mlserver start bench/peers/mlserver` in the MLServer virtual environment
-(requirements-mlserver.txt), as model-settings.json beside this file names it, with the repository
-root on PYTHONPATH so that `service.core` (numpy only) is the same code this service runs.
-settings.json beside the model folder sets the inference worker processes (parallel_workers);
-`python -m bench peers` gives the ports through MLSERVER_HTTP_PORT, _GRPC_PORT and _METRICS_PORT.
-
-Inputs q (B, H, T, d), k (B, H, S, d), v (B, H, S, dv), FP32, as JSON data (MLServer's REST
-server does not speak the binary tensor extension); request parameter `causal` (bool, default
-false); outputs `out` (B, H, T, dv) and `weights` (B, H, T, S), both unless the request names its
-outputs (the weights are computed only when asked for).
-"""
+"""The attention model as an MLServer custom runtime (an MLModel, v2 REST, JSON tensors: its REST
+server has no binary extension): `mlserver start bench/peers/mlserver` in its venv, the repository
+root on PYTHONPATH; settings.json sets parallel_workers, peers/__main__.py the ports (MLSERVER_*).
+Inputs q, k, v FP32, parameter `causal`; outputs `out` and `weights` (computed only when asked for)."""
 
 from __future__ import annotations
 
