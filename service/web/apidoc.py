@@ -103,7 +103,7 @@ SESSION_ERROR_DESCRIPTIONS = {
     **ERROR_DESCRIPTIONS,
     404: "session_not_found: unknown, expired, deleted, or another API key's",
     409: "length_conflict: the session's length is not at (or the length asked); error.length is its length",
-    413: "too_long: past the session's max_tokens",
+    413: "too_long: past the session's max_tokens (or max_tokens over the server's); too_large: heads over ATTN_MAX_D, or a page of the session larger than the sessions' memory",
     503: "overloaded: the sessions' memory or table is full (no live session is evicted); retry after Retry-After",
 }
 # The protocol's summary of each view of kserve.bp: a /v2 route added without one fails the build.
