@@ -39,6 +39,7 @@ class _Job:
     window: tuple[int, int] | None = None  # FlashAttention's window_size, or no window
     weights_dtype: str | None = None  # the weights' precision on the wire (cast as they are sent); None: the compute dtype
     overflow_field = "q"  # the field a score overflow is blamed on
+    float64_hint = '"dtype": "float64", '  # what an overflow's message tells a float32 request to send
 
     # What a subclass gives, read off its arrays:
     @property
@@ -161,16 +162,20 @@ class _Job:
             field, terms = self._score_overflow()
             raise RequestError(
                 "non_finite",
-                f"The scores {terms} overflow {exc.dtype}; send {_float64_hint(exc.dtype)}smaller values or a smaller scale.",
+                f"The scores {terms} overflow {exc.dtype}; send {self._float64_hint(exc.dtype)}smaller values or a smaller scale.",
                 field,
             ) from None
         except core.ResultOverflow as exc:
             raise RequestError(
                 "non_finite",
-                f"The result ({exc.what}) overflows {exc.dtype}; send {_float64_hint(exc.dtype)}smaller values.",
+                f"The result ({exc.what}) overflows {exc.dtype}; send {self._float64_hint(exc.dtype)}smaller values.",
                 self.overflow_field,
             ) from None
         return result  # in the compute dtype: the front doors send the weights in weights_dtype
+
+    def _float64_hint(self, dtype) -> str:
+        """The hint to compute in float64, where the request did not already and can ask."""
+        return "" if np.dtype(dtype) == np.float64 else self.float64_hint
 
     def _score_overflow(self) -> tuple[str, str]:
         """(the field a score overflow is blamed on, the terms the scores add up)."""
@@ -178,11 +183,6 @@ class _Job:
 
     def _compute(self, threads: int, pool: Executor | None, stop: Callable[[], bool] | None) -> core.Result:
         raise NotImplementedError
-
-
-def _float64_hint(dtype) -> str:
-    """The hint to compute in float64, where the request did not already."""
-    return "" if np.dtype(dtype) == np.float64 else '"dtype": "float64", '
 
 
 @dataclass(frozen=True)
@@ -372,6 +372,8 @@ class SessionStepJob(_Job):
     """A step on a session (POST /sessions/{id}/attention): q (H, t, d) attends to the session's
     first S keys, held in pages of its pool (views, not copies)."""
 
+    float64_hint = ""  # its dtype is its session's
+
     q: np.ndarray  # (H, t, d), the session's dtype
     keys: int  # S, the keys attended to: the session's length, the new tokens included
     pages: list  # [(k (Hkv, P, d), v (Hkv, P, dv))]: views into the pool, ceil(S / P) of them
@@ -445,6 +447,7 @@ class SessionBatchJob(_Job):
     the longest S), 0 past each session's length; lse (B, H, t)."""
 
     steps: tuple[SessionStepJob, ...]
+    float64_hint = ""  # their dtype is their sessions'
 
     def __getattr__(self, name: str):  # the options every step shares: causal, window, encoding ...
         return getattr(self.steps[0], name)

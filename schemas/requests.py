@@ -125,7 +125,11 @@ class _Strict(Schema):
                     "send finite numbers.",
                     name,
                 )
-            hint = '; send "dtype": "float64" or smaller values' if dtype == np.float32 else ""
+            hint = (
+                ('; send "dtype": "float64" or smaller values' if "dtype" in self.fields else "; send smaller values")
+                if dtype == np.float32
+                else ""
+            )
             raise RequestError("non_finite", f"{self._label(name)} has values that are not finite in {dtype.name}{hint}.", name)
         return out
 

@@ -212,7 +212,11 @@ def test_a_step_that_fails_appends_nothing():
     huge = np.full((2, 1, 2), 3e19).tolist()  # scores past float32: 422 non_finite after the tokens were written
     r = c.post(f"/sessions/{sid}/attention", json={"q": huge, "k": huge, "v": [[[1, 1]]] * 2})
     assert r.status_code == 422 and r.get_json()["error"]["code"] == "non_finite"
+    assert '"dtype"' not in r.get_json()["error"]["message"]  # a step has no dtype to send: the session's is its own
     assert length(c, sid) == 2
+    r = append(c, sid, 1, value=1e300)  # past the session's float32
+    assert r.status_code == 422 and r.get_json()["error"]["code"] == "non_finite"
+    assert '"dtype"' not in r.get_json()["error"]["message"]
 
 
 def test_sessions_are_per_key():
