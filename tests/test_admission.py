@@ -559,7 +559,7 @@ def test_a_deadline_that_passes_mid_compute_stops_it_between_blocks(app, client,
 
 def test_limits_state_the_admission_policy(client, settings):
     policy = client.get("/limits").json["admission"]
-    assert policy["queue_order"] == "fifo"
+    assert "queue_order" not in policy  # one order only: nothing to state
     assert policy["max_queue_wait_ms"] == settings.max_queue_wait_ms
     assert policy["compute_slots_per_worker"] == settings.max_inflight
     assert policy["max_inflight_bytes"] == settings.max_inflight_bytes

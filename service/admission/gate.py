@@ -144,7 +144,6 @@ class Admission:
         """The policy in force, for /limits."""
         return {
             "admit_by": "predicted time until the answer starts: compute (the cost model's median) after the predicted wait, within X-Deadline-Ms, or a wait within max_queue_wait_ms",
-            "queue_order": "fifo",
             "max_queue_wait_ms": self.max_wait_ms,
             "compute_slots_per_worker": self.max_inflight,
             "server_request_cap": self.server_slots(),

@@ -339,7 +339,7 @@ LIMITS = {  # what /limits answers beyond the settings' limits
     },
     "admission": {
         "type": "object",
-        "description": "the admission policy: by predicted time until the answer starts, the queue order, the wait bound, the "
+        "description": "the admission policy: by predicted time until the answer starts, the wait bound, the "
         "slots, memory and parse charges",
     },
 }
