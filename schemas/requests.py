@@ -65,8 +65,12 @@ class _Strict(Schema):
     def _dtype(self, data) -> np.dtype:
         return np.dtype(data.get("dtype") or self.settings.default_dtype)
 
-    def _check_scores(self, score_elements: int, return_weights: bool, what: str, weights_elements: int | None = None) -> None:
-        """score_elements: the scores the core computes; weights_elements: those returned (default the same)."""
+    def check_scores(self, score_elements: int, return_weights: bool, what: str, weights_elements: int | None = None) -> None:
+        """Refuse (413 too_large) a job over the score or returned-weights limits in force.
+
+        score_elements: the scores the core computes; weights_elements: those returned (default
+        the same), checked only when return_weights; what: how the message names the request's
+        shapes. Shared by every compute request, the sessions' steps included."""
         s = self.settings
         weights_elements = score_elements if weights_elements is None else weights_elements
         if score_elements > s.max_score_elements:
@@ -114,7 +118,10 @@ class _Strict(Schema):
                 code, f"{self._label(field)} has shape {list(arr.shape)}, which does not broadcast to {what} {list(target)}{hint}.", field
             )
 
-    def _cast(self, name: str, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    def cast(self, name: str, arr: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """arr, the field name's tensor, in the compute dtype (no copy if already in it); values not
+        finite as sent, or past dtype's range once cast, are refused (422 non_finite naming the
+        field, with a hint to send float64 when this request has a dtype field)."""
         with np.errstate(over="ignore"):  # overflow becomes inf, refused just below
             out = arr.astype(dtype, copy=False)
         if not np.isfinite(out).all():
@@ -219,7 +226,7 @@ class AttentionRequest(_Request):
         B, window = math.prod(lead), data["window"]
         scores = B * T * S if window is None else core.plan(B, T, S, v.shape[-1], causal=data["causal"], window=window).scores
         weights = B * T * S // (q.shape[-3] if data["average_weights"] else 1)
-        self._check_scores(scores, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}", weights)
+        self.check_scores(scores, data["return_weights"], f"{L('q')} {list(q.shape)} against {L('k')} {list(k.shape)}", weights)
         self._check_output(B * T * v.shape[-1], f"{L('q')} {list(q.shape)} with {L('v')} {list(v.shape)}")
         self._check_broadcast(data, "bias", (*lead, T, S), "shape_mismatch", "(..., T, S) =")
         self._check_broadcast(data, "alibi_slopes", lead, "shape_mismatch", "the leading axes", " (one slope per head: (H,) or (B, H))")
@@ -270,9 +277,9 @@ class AttentionRequest(_Request):
         causal = data["causal"]
         bias, slopes = data["bias"], data["alibi_slopes"]
         return AttentionJob(
-            q=self._cast("q", data["q"], dtype),
-            k=self._cast("k", data["k"], dtype),
-            v=self._cast("v", data["v"], dtype),
+            q=self.cast("q", data["q"], dtype),
+            k=self.cast("k", data["k"], dtype),
+            v=self.cast("v", data["v"], dtype),
             mask=data["mask"],
             causal="top_left" if causal is True else causal,
             key_lengths=data["key_lengths"],
@@ -281,8 +288,8 @@ class AttentionRequest(_Request):
             encoding=self._encoding(data, original, "q"),
             enable_gqa=data["enable_gqa"],
             window=data["window"],
-            bias=None if bias is None else self._cast("bias", bias, dtype),
-            alibi_slopes=None if slopes is None else self._cast("alibi_slopes", slopes, dtype),
+            bias=None if bias is None else self.cast("bias", bias, dtype),
+            alibi_slopes=None if slopes is None else self.cast("alibi_slopes", slopes, dtype),
             average_weights=data["average_weights"],
             weights_dtype=data["weights_dtype"],
             return_lse=data["return_lse"],
@@ -351,7 +358,7 @@ class MhaRequest(_Request):
         self._check_width("x", d)
         B, window = math.prod(x.shape[:-2]) * heads, data["window"]
         scores = B * n * n if window is None else core.plan(B, n, n, dv, causal=data["causal"], window=window).scores
-        self._check_scores(scores, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads", B * n * n)
+        self.check_scores(scores, data["return_weights"], f"{L('x')} {list(x.shape)} with {heads} heads", B * n * n)
         d_out = heads * dv if wo is None else wo.shape[-1]
         self._check_output(math.prod(x.shape[:-1]) * d_out, f"{L('x')} {list(x.shape)}")  # out (..., n, d_out)
         self._check_scale(data)
@@ -360,7 +367,7 @@ class MhaRequest(_Request):
     def _job(self, data, original, **kwargs) -> MhaJob:
         dtype = self._dtype(data)
         names = ("x", "wq", "wk", "wv") if data["wo"] is None else ("x", "wq", "wk", "wv", "wo")
-        arrays = {name: self._cast(name, data[name], dtype) for name in names}
+        arrays = {name: self.cast(name, data[name], dtype) for name in names}
         return MhaJob(
             arrays["x"],
             arrays["wq"],

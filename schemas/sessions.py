@@ -179,7 +179,7 @@ def tokens(schema: _Strict, k: np.ndarray, v: np.ndarray, kv_heads: int, head_di
         raise RequestError("shape_mismatch", f"k has shape {list(k.shape)}; the session takes keys (Hkv, t, d) = {list(want_k)}.", "k")
     if v.shape != want_v:
         raise RequestError("shape_mismatch", f"v has shape {list(v.shape)}; the session takes values (Hkv, t, dv) = {list(want_v)}.", "v")
-    return schema._cast("k", k, dtype), schema._cast("v", v, dtype)
+    return schema.cast("k", k, dtype), schema.cast("v", v, dtype)
 
 
 def step_job(schema: _Strict, data: dict, q: np.ndarray, shape, S: int, encoding: str, pages=()) -> SessionStepJob:
@@ -198,14 +198,14 @@ def step_job(schema: _Strict, data: dict, q: np.ndarray, shape, S: int, encoding
     if q.shape[1] > schema.settings.max_t:
         raise RequestError("too_long", f"q has t={q.shape[1]}, over the maximum of {schema.settings.max_t} (ATTN_MAX_T).", "q")
     score_elements = heads * q.shape[1] * S
-    schema._check_scores(score_elements, data["return_weights"], f"q {list(q.shape)} against the session's {S} tokens")
+    schema.check_scores(score_elements, data["return_weights"], f"q {list(q.shape)} against the session's {S} tokens")
     with np.errstate(over="ignore"):  # a scale past the dtype's range: refused just below, not warned about in the log
         finite_scale = data["scale"] is None or np.isfinite(dtype.type(data["scale"]))
     if not finite_scale:
         raise RequestError("non_finite", f"scale={data['scale']} is not finite in {dtype.name}.", "scale")
     causal = data["causal"]
     return SessionStepJob(
-        q=schema._cast("q", q, dtype),
+        q=schema.cast("q", q, dtype),
         keys=S,
         pages=list(pages),
         kv_heads=shape.kv_heads,
@@ -215,7 +215,7 @@ def step_job(schema: _Strict, data: dict, q: np.ndarray, shape, S: int, encoding
         return_weights=data["return_weights"],
         encoding=encoding,
         window=data["window"],
-        alibi_slopes=None if slopes is None else schema._cast("alibi_slopes", slopes, dtype),
+        alibi_slopes=None if slopes is None else schema.cast("alibi_slopes", slopes, dtype),
         weights_dtype=data["weights_dtype"],
         return_lse=data["return_lse"],
     )

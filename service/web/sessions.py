@@ -139,7 +139,7 @@ def attention_many():
             jobs.append(step_job(schema, data, q[i], s.shape, S, _encoding(data, doc), s.pages(S)))
             lengths.append(S)
         batch = SessionBatchJob(tuple(jobs))
-        schema._check_scores(
+        schema.check_scores(
             batch.score_elements,
             data["return_weights"],
             f"q {list(q.shape)} against the sessions' lengths {lengths}",
