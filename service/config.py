@@ -57,6 +57,7 @@ RANGES: dict[str, tuple[str, int, int]] = {  # field: (variable, least, most)
     "session_max_tokens": ("ATTN_SESSION_MAX_TOKENS", 1, 2**24),
     "session_max_count": ("ATTN_SESSION_MAX_COUNT", 1, 2**20),
 }
+SESSION_TABLE_MAX_BYTES = 2**30  # the sessions' page tables at most: see session_table_bytes
 DEFAULT_DTYPES = ("float32", "float64")  # as schemas.COMPUTE_DTYPES (config imports nothing of the layers)
 
 
@@ -69,7 +70,25 @@ def check(settings: Settings) -> Settings:
             raise SystemExit(f"configuration error: {variable}={value} is out of range; it must be {least}..{most}")
     if settings.default_dtype not in DEFAULT_DTYPES:
         raise SystemExit(f"configuration error: ATTN_DEFAULT_DTYPE={settings.default_dtype!r} must be one of {', '.join(DEFAULT_DTYPES)}")
+    table = session_table_bytes(settings)
+    if table > SESSION_TABLE_MAX_BYTES:
+        raise SystemExit(
+            f"configuration error: the sessions' page tables would take {table} bytes, over {SESSION_TABLE_MAX_BYTES} (1 GiB): "
+            f"ATTN_SESSION_MAX_COUNT={settings.session_max_count} x ceil(ATTN_SESSION_MAX_TOKENS={settings.session_max_tokens} / "
+            f"ATTN_SESSION_PAGE_TOKENS={settings.session_page_tokens}) x 4 bytes, mapped at start whether used or not; "
+            "lower ATTN_SESSION_MAX_COUNT or ATTN_SESSION_MAX_TOKENS, or raise ATTN_SESSION_PAGE_TOKENS"
+        )
     return settings
+
+
+def session_table_bytes(settings: Settings) -> int:
+    """The bytes of the sessions' page tables (service/sessions/pool.py): an int32 entry a page of
+    ATTN_SESSION_MAX_TOKENS, for each of ATTN_SESSION_MAX_COUNT sessions, mapped at start. Each
+    variable's range alone keeps them within SESSION_TABLE_MAX_BYTES (1 GiB, the default pool's
+    size: the bookkeeping never outweighs the memory it keeps); their extremes together would map
+    64 TiB."""
+    pages = -(-settings.session_max_tokens // settings.session_page_tokens)
+    return settings.session_max_count * pages * 4
 
 
 def warnings(settings: Settings) -> list[str]:

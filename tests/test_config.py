@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from bench.common import terminate
-from service.config import RANGES, Settings, warnings, web_concurrency
+from service.config import RANGES, Settings, session_table_bytes, warnings, web_concurrency
 from tests.helpers import ROOT, free_port
 
 # Each of these started a server that then misbehaved: a worker lost to ZeroDivisionError on the
@@ -58,6 +58,18 @@ def test_the_defaults_and_the_bounds_of_each_range_are_accepted(monkeypatch):
         monkeypatch.delenv(variable)
     monkeypatch.setenv("ATTN_DEFAULT_DTYPE", "float64")
     assert Settings.from_env().default_dtype == "float64"
+
+
+def test_sessions_whose_page_tables_pass_1_gib_are_refused_naming_the_variables(monkeypatch):
+    """Each of the three in range, but together 2**20 sessions x 2**17 pages x 4 bytes = 512 GiB."""
+    monkeypatch.setenv("ATTN_SESSION_MAX_COUNT", str(2**20))
+    monkeypatch.setenv("ATTN_SESSION_MAX_TOKENS", str(2**17))
+    monkeypatch.setenv("ATTN_SESSION_PAGE_TOKENS", "1")
+    with pytest.raises(SystemExit, match="ATTN_SESSION_MAX_COUNT") as refused:
+        Settings.from_env()
+    assert all(name in str(refused.value) for name in ("ATTN_SESSION_MAX_TOKENS", "ATTN_SESSION_PAGE_TOKENS", str(2**39)))
+    monkeypatch.setenv("ATTN_SESSION_PAGE_TOKENS", "512")  # 2**20 x 256 x 4: 1 GiB exactly, accepted
+    assert session_table_bytes(Settings.from_env()) == 2**30
 
 
 def test_the_server_does_not_start_with_one():
