@@ -4,8 +4,10 @@ and mapped by all of them, whose rows name the process that holds them."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
+import threading
 
 
 def anonymous_file(name: str, size: int) -> int:
@@ -29,3 +31,29 @@ def alive(pid: int) -> bool:
     except PermissionError:  # someone else's process: alive
         return True
     return True
+
+
+class Lock:
+    """A lock over one such file, for its processes and their threads: a record lock belongs to a
+    process, so its threads take turns on a threading.Lock first; the process then holds the
+    file's record lock, which the kernel releases if the process dies holding it. fd None (a table
+    in this process's memory alone): the threads' lock only."""
+
+    def __init__(self, fd: int | None):
+        self._fd, self._threads = fd, threading.Lock()
+
+    def __enter__(self) -> None:
+        self._threads.acquire()
+        if self._fd is not None:
+            try:
+                fcntl.lockf(self._fd, fcntl.LOCK_EX)
+            except BaseException:
+                self._threads.release()
+                raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._fd is not None:
+                fcntl.lockf(self._fd, fcntl.LOCK_UN)
+        finally:
+            self._threads.release()

@@ -24,11 +24,9 @@ Errors are ShmError(message): the web layer answers them 400."""
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import mmap
 import os
 import stat
-import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -80,30 +78,24 @@ class Registry:
     def __init__(self, shared: bool = True):
         self._fd = memfd.anonymous_file("attention-shm-registry", HEAD + DOC_BYTES) if shared else None
         self._map = mmap.mmap(-1 if self._fd is None else self._fd, HEAD + DOC_BYTES)
-        self._thread_lock = threading.Lock()  # record locks belong to a process: its threads take turns here first
+        self._lock = memfd.Lock(self._fd)  # the processes' and their threads'
         self._parsed: tuple[int, dict[str, Region]] = (0, {})  # (version, regions): parsed again only when another version is found
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Region]]:
         """The registry, read under the lock; what the block leaves in the dict is written back."""
-        with self._thread_lock:
-            if self._fd is not None:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
-            try:
-                length, version = (int.from_bytes(self._map[i : i + 8], "little") for i in (0, 8))
-                if self._parsed[0] != version:
-                    doc = orjson.loads(self._map[HEAD : HEAD + length]) if length else []
-                    self._parsed = (version, {r["name"]: Region(**r) for r in doc})
-                regions = dict(self._parsed[1])
-                yield regions
-                if regions != self._parsed[1]:
-                    doc = orjson.dumps([r.status() for r in regions.values()])
-                    self._map[HEAD : HEAD + len(doc)] = doc  # fits: MAX_REGIONS of the longest, escaped, are under DOC_BYTES
-                    self._map[:8], self._map[8:16] = len(doc).to_bytes(8, "little"), (version + 1).to_bytes(8, "little")
-                    self._parsed = (version + 1, regions)
-            finally:
-                if self._fd is not None:
-                    fcntl.lockf(self._fd, fcntl.LOCK_UN)
+        with self._lock:
+            length, version = (int.from_bytes(self._map[i : i + 8], "little") for i in (0, 8))
+            if self._parsed[0] != version:
+                doc = orjson.loads(self._map[HEAD : HEAD + length]) if length else []
+                self._parsed = (version, {r["name"]: Region(**r) for r in doc})
+            regions = dict(self._parsed[1])
+            yield regions
+            if regions != self._parsed[1]:
+                doc = orjson.dumps([r.status() for r in regions.values()])
+                self._map[HEAD : HEAD + len(doc)] = doc  # fits: MAX_REGIONS of the longest, escaped, are under DOC_BYTES
+                self._map[:8], self._map[8:16] = len(doc).to_bytes(8, "little"), (version + 1).to_bytes(8, "little")
+                self._parsed = (version + 1, regions)
 
     def register(self, name: str, key, offset, byte_size) -> Region:
         """Register byte_size bytes at offset in the object key as the region name: its name unused,

@@ -17,8 +17,6 @@ reads totals() and writes the protocol's document."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import mmap
 import os
 import threading
@@ -64,27 +62,15 @@ class Table:
         self._fd = memfd.anonymous_file("attention-stats", size) if shared else None
         self._map = mmap.mmap(-1 if self._fd is None else self._fd, size)  # MAP_SHARED: the workers see our bytes
         self.cells = memoryview(self._map).cast("q")
-        self._thread_lock = threading.Lock()  # record locks belong to a process: its threads take turns here first
+        self._lock = memfd.Lock(self._fd)  # the processes' and their threads'
         self._row_lock = threading.Lock()  # this process's writes to its own row
-
-    @contextlib.contextmanager
-    def _locked(self):
-        with self._thread_lock:
-            if self._fd is None:
-                yield
-                return
-            fcntl.lockf(self._fd, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
-            try:
-                yield
-            finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN)
 
     def join(self) -> int | None:
         """This process takes a row: its own, else one never taken, else one whose process is gone
         (its counts kept: they are the server's since start). The row's index, or None if every
         row belongs to a live process."""
         pid, cells, width = os.getpid(), self.cells, self.width
-        with self._locked():
+        with self._lock:
             owners = [cells[row * width + PID] for row in range(self.rows)]
             if pid in owners:
                 return owners.index(pid)

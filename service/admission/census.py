@@ -26,8 +26,6 @@ private one-row table: the bound is then its own."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import mmap
 import os
 import threading
@@ -52,30 +50,18 @@ class Table:
         self._fd = memfd.anonymous_file("attention-census", size) if shared else None
         self._map = mmap.mmap(-1 if self._fd is None else self._fd, size)  # MAP_SHARED: the workers see our bytes
         self.cells = memoryview(self._map).cast("q")
-        self._thread_lock = threading.Lock()  # record locks belong to a process: its threads take turns here first
+        self._lock = memfd.Lock(self._fd)  # the processes' and their threads'
         self._row_lock = threading.Lock()  # this process's writes to its own row (never held across the record lock's wait)
 
     @property
     def shared(self) -> bool:
         return self._fd is not None
 
-    @contextlib.contextmanager
-    def _locked(self):
-        with self._thread_lock:
-            if self._fd is None:
-                yield
-                return
-            fcntl.lockf(self._fd, fcntl.LOCK_EX)  # released by the kernel if this process dies holding it
-            try:
-                yield
-            finally:
-                fcntl.lockf(self._fd, fcntl.LOCK_UN)
-
     def join(self, capacity: int) -> int | None:
         """This process takes a row bringing capacity to the server's bound; its index, or None if
         every row is taken (by live workers). Rows of processes that are gone are freed first."""
         pid, cells = os.getpid(), self.cells
-        with self._locked():
+        with self._lock:
             if self.shared:
                 for row in range(self.rows):
                     owner = cells[row * FIELDS + PID]
@@ -92,7 +78,7 @@ class Table:
 
     def forget(self, pid: int) -> None:
         """The process pid is gone (the arbiter's child_exit): its row and its counts are freed."""
-        with self._locked():
+        with self._lock:
             for row in range(self.rows):
                 if self.cells[row * FIELDS + PID] == pid:
                     self._zero(row)
@@ -106,7 +92,7 @@ class Table:
         """One more request admitted by row's worker if the server holds fewer than its bound:
         (admitted, requests held by the server before this one, the server's bound)."""
         cells = self.cells
-        with self._locked():
+        with self._lock:
             held, bound = sum(cells[ADMITTED::FIELDS]), sum(cells[CAPACITY::FIELDS])
             if held >= bound:
                 return False, held, bound
