@@ -254,37 +254,6 @@ def test_output_over_the_limit_is_413(settings, path, body):
     assert job.output_elements == 8192
 
 
-_SHORTCUT_DOCS = [
-    ("/attention", WORKED),
-    ("/attention", {**WORKED, "return_weights": False, "scale": 0.5, "window": [1, 0], "dtype": "float64"}),
-    ("/attention", {"q": b64(Q), "k": b64(Q), "v": b64(V), "mask": [[True, False, True]] * 3, "response_encoding": "flat"}),
-    ("/attention", {**WORKED, "causal": "sideways"}),  # a present field's error
-    ("/attention", {**WORKED, "q": "text", "scale": -1}),  # two bad fields: the first in declaration order
-    ("/attention", {"q": Q, "v": V}),  # a required field absent: marshmallow's own path
-    ("/attention", {**WORKED, "k": None}),
-    ("/mha", {"x": [[1.0, 2.0]] * 3, "wq": [[1.0, 0.0]] * 2, "wk": [[1.0, 0.0]] * 2, "wv": [[1.0, 0.0]] * 2, "heads": 2}),
-    ("/mha", {"x": [[1.0, 2.0]] * 3, "wq": [[1.0, 0.0]] * 2, "wk": [[1.0, 0.0]] * 2, "wv": [[1.0, 0.0]] * 2, "heads": True}),
-]
-
-
-@pytest.mark.parametrize(("path", "body"), _SHORTCUT_DOCS)
-def test_the_schemas_shortcut_loads_as_marshmallow_does(settings, path, body):
-    """_Request._deserialize skips Field.deserialize for absent fields: the job, or the error, is
-    what marshmallow's own loop gives (the shortcut switched off by _plain)."""
-    cls = AttentionRequest if path == "/attention" else MhaRequest
-    fast, plain = cls(settings), cls(settings)
-    plain._plain = False
-
-    def outcome(schema):
-        try:
-            job = schema.load(body)
-        except RequestError as exc:
-            return ("error", exc.code, exc.message, exc.field)
-        return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in vars(job).items() if not k.startswith("_")}
-
-    assert outcome(fast) == outcome(plain)
-
-
 def test_health_and_ready(client):
     assert client.get("/healthz").json == {"status": "ok"}
     assert client.get("/readyz").status_code == 200
