@@ -344,7 +344,7 @@ LIMITS = {  # what /limits answers beyond the settings' limits
     },
 }
 # Each /v2 view's answer (infer's is drawn with its headers), its error statuses, and those 401
-# too when API keys are in force (auth.COMPUTE_PATH's).
+# too when API keys are in force (auth.GUARDED_POST's).
 V2_BODIES = {
     "server_metadata": "metadata_server_response",
     "live": "server_live_response",

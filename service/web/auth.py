@@ -14,14 +14,14 @@ from flask import Flask, request
 from .context import services
 from .errors import ApiError
 
-COMPUTE_PATH = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer|/v2/(system|cuda)sharedmemory(/region/[^/]+)?/\w+")
+GUARDED_POST = re.compile(r"/(attention|mha)|/v2/models/[^/]+(/versions/[^/]+)?/infer|/v2/(system|cuda)sharedmemory(/region/[^/]+)?/\w+")
 SESSIONS_PATH = re.compile(r"/sessions(/.*)?")  # every method: a session is its key's alone
 
 
 def guarded(method: str, path: str) -> bool:
     """Whether a request needs a key (when keys are set): a compute POST (or a shared-memory
     register or unregister), or any request under /sessions."""
-    return (method == "POST" and COMPUTE_PATH.fullmatch(path) is not None) or SESSIONS_PATH.fullmatch(path) is not None
+    return (method == "POST" and GUARDED_POST.fullmatch(path) is not None) or SESSIONS_PATH.fullmatch(path) is not None
 
 
 def key_ok(authorization: str | None, keys: tuple[str, ...]) -> bool:
