@@ -27,7 +27,7 @@ import yaml
 from bench import prometheus as prom_
 from bench.common import attention_body
 from bench.dashboard import every_kind
-from tests.helpers import serving, unavailable, wait_until, worker_pids
+from tests.helpers import serving, unavailable, wait_for_workers, wait_until, worker_pids
 
 ROOT = Path(__file__).resolve().parent.parent
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -242,15 +242,24 @@ def test_a_lost_worker_drops_the_ready_workers(scraped):
     has warmed up: Prometheus sees the drop that AttentionReadinessFlapping counts. Last in this
     module: it replaces a worker."""
     prom, _, server = scraped
-    victim = min(worker_pids(server.proc))
+    survivors = worker_pids(server.proc)
+    victim = min(survivors)
+    survivors.discard(victim)
     os.kill(victim, signal.SIGKILL)
+    # The replacement is paused before its warm-up can end, so that the drop lasts until Prometheus
+    # has scraped it, however slowly a busy machine scrapes; it goes on once it has.
+    [replacement] = wait_for_workers(server.proc, 2, gone=victim) - survivors
+    os.kill(replacement, signal.SIGSTOP)
 
     def dropped():
         """Prometheus has seen the ready workers drop"""
         result = prom.query("resets(attention_workers_ready[5m])")
         return result and float(result[0]["value"][1]) >= 1
 
-    wait_until(dropped, timeout=60)
+    try:
+        wait_until(dropped, timeout=60)
+    finally:
+        os.kill(replacement, signal.SIGCONT)
 
     def back():
         """the replacement is ready and scraped: 2 ready workers again"""
