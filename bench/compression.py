@@ -17,14 +17,14 @@ import argparse
 import socket
 import time
 import zlib
-from pathlib import Path
+from statistics import median
 
 import numpy as np
 import orjson
 import pybase64
 import requests
 
-from bench.common import GIGABIT, Server, alternate, attention_body, median, status_kb, table
+from bench.common import GIGABIT, Server, alternate, attention_body, reset_peak, status_kb, table
 
 BOMB = 2**30
 HEADER = "request | defaults ms | identity ms | accepted ms | defaults / identity | accepted / identity | gigabit: defaults / identity | gigabit: accepted / identity | answer bytes identity/gzip"
@@ -110,8 +110,7 @@ def bomb() -> bytes:
 
 def send_bomb(port: int, body: bytes, pid: int) -> tuple[int, float, float]:
     """(status, ms from the last byte sent to the status line, the worker's peak RSS growth in MiB)."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    before = status_kb(pid, "VmRSS")
+    before = reset_peak(pid)
     head = (
         "POST /attention HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"

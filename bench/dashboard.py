@@ -9,7 +9,6 @@ gridPos puts them. About 2 minutes."""
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import math
 import re
 import subprocess
@@ -23,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from bench.common import Server, attention_body
+from bench.common import ROOT, Server, attention_body, burst
 from bench.prometheus import ALERTS, LocalPrometheus, dashboard, ensure_prometheus, grafana_expr, panels, rate_interval
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": True}
 
 
@@ -44,16 +42,6 @@ V2_BODY = {
     "parameters": {"causal": True},
 }
 JSON = {"Content-Type": "application/json"}
-
-
-def burst(url: str, body: bytes, n: int) -> list[int]:
-    """n concurrent POST /attention of body; their statuses (503 once a worker's slots and queue are full)."""
-
-    def one(_):
-        return requests.post(f"{url}/attention", data=body, headers=JSON, timeout=60).status_code
-
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
 
 
 def every_kind(url: str, big: bytes, burst_size: int = 8, bursts: int = 5) -> dict[int, int]:
@@ -78,7 +66,7 @@ def every_kind(url: str, big: bytes, burst_size: int = 8, bursts: int = 5) -> di
     note(s.get(f"{url}/no-such-page", timeout=30).status_code)
     note(s.post(f"{url}/attention", data=big, headers={**JSON, "X-Deadline-Ms": "1"}, timeout=60).status_code)
     for _ in range(bursts):
-        statuses = burst(url, big, burst_size)
+        statuses = [status for status, _ in burst(url, big, burst_size)]
         for status in statuses:
             note(status)
         if 503 in statuses:

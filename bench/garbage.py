@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import status_kb
+from bench.common import reset_peak, status_kb
 
 MB = 2**20
 # The allocator settings deploy/gunicorn.conf.py gives a worker (its _tune_malloc), as environment
@@ -91,9 +91,7 @@ def _child(name: str, size: int) -> None:
     import service.web.http  # noqa: F401
 
     body = CATALOGUE[name](size)
-    base = status_kb("self", "VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    base = reset_peak("self")
     took, answer = run_one(name, size, body)
     print(json.dumps({"took": took, "answer": answer, "peak_mb": (status_kb("self", "VmHWM") - base) / 1024}))
 
