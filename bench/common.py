@@ -172,6 +172,13 @@ def venv(path: Path, pip_args: Sequence[str], digest: str) -> Path:
     return python
 
 
+def publish(name: str, text: str) -> None:
+    """Print a scenario's report, and keep it in bench/out/name (not in git)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / name).write_text(text)
+    print(f"\n{text}\nwritten to bench/out/{name}", flush=True)
+
+
 # --- requests ----------------------------------------------------------------------------------
 
 

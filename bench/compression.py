@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import socket
 import time
 import zlib
@@ -66,27 +67,21 @@ def clients(base_url: str, accepted_url: str, body: bytes):
     """(calls, bytes): a timed call for each side (requests' defaults, identity, requests' defaults
     against the server at accepted_url) and each side's bytes on the wire: the request's, and the
     answer's as sent (read undecoded)."""
-    default, identity = requests.Session(), requests.Session()
+    identity = requests.Session()
     identity.headers["Accept-Encoding"] = "identity"
-    accepted = requests.Session()
+    sides = ((requests.Session(), base_url), (identity, base_url), (requests.Session(), accepted_url))
+    json = {"Content-Type": "application/json"}
 
-    def call(session: requests.Session, url: str):
-        def one() -> None:
-            resp = session.post(url + "/attention", data=body, headers={"Content-Type": "application/json"})
-            resp.raise_for_status()
-            resp.json()
+    def call(session: requests.Session, url: str) -> None:
+        resp = session.post(url + "/attention", data=body, headers=json)
+        resp.raise_for_status()
+        resp.json()
 
-        return one
+    def wire(session: requests.Session, url: str) -> int:
+        with session.post(url + "/attention", data=body, headers=json, stream=True) as resp:
+            return len(body) + len(resp.raw.read(decode_content=False))
 
-    def wire(session: requests.Session, url: str):
-        def one() -> int:
-            with session.post(url + "/attention", data=body, headers={"Content-Type": "application/json"}, stream=True) as resp:
-                return len(body) + len(resp.raw.read(decode_content=False))
-
-        return one
-
-    sides = ((default, base_url), (identity, base_url), (accepted, accepted_url))
-    return [call(*side) for side in sides], [wire(*side)() for side in sides]
+    return [functools.partial(call, *side) for side in sides], [wire(*side) for side in sides]
 
 
 def defaults_against_identity(server: Server, accepted: Server, reps: int) -> str:

@@ -60,7 +60,7 @@ def closed(url: str, body: bytes, clients: int, seconds: float, deadlines: list[
 
 
 def learned(url: str) -> dict:
-    """What one worker's cost model learned (the respond rate, the slowdown by requests busy)."""
+    """What one worker's cost model learned: its prediction spread, the slowdown by requests busy."""
     model = requests.get(f"{url}/limits", timeout=10).json()["cost_model"]
     return {k: model.get(k) for k in ("prediction_spread", "slowdown_by_busy")}
 

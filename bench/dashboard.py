@@ -128,17 +128,11 @@ def render(prom: LocalPrometheus, start: float, end: float, out: Path, scrape_s:
     grid = [p for p in panels(dash) if p.get("type") == "timeseries"]
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in grid)
     fig = plt.figure(figsize=(WIDTH_IN, HEADER_IN + rows * ROW_IN), facecolor=BG)
-    fig.suptitle(
-        f"{dash['title']}   ·   {datetime.fromtimestamp(start, UTC):%Y-%m-%d %H:%M:%S} to {datetime.fromtimestamp(end, UTC):%H:%M:%S} UTC   ·   {note}",
-        color=TEXT,
-        fontsize=12,
-        x=0.01,
-        ha="left",
-    )
+    title = f"{dash['title']}   ·   {_dt(start):%Y-%m-%d %H:%M:%S} to {_dt(end):%H:%M:%S} UTC   ·   {note}"
+    fig.suptitle(title, color=TEXT, fontsize=12, x=0.01, ha="left")
     summary = []
     for panel in grid:
-        g = panel["gridPos"]
-        ax = fig.add_axes(_box(g, fig.get_size_inches()))
+        ax = fig.add_axes(_box(panel["gridPos"], fig.get_size_inches()))
         ax.set_facecolor(PANEL)
         for side in ax.spines.values():
             side.set_color(GRID)
@@ -152,21 +146,17 @@ def render(prom: LocalPrometheus, start: float, end: float, out: Path, scrape_s:
         series = []
         for target in panel["targets"]:
             for result in prom.query_range(grafana_expr(target["expr"], ri, f"{step:g}s", f"{end - start:.0f}s"), start, end, step):
-                t = np.array([float(v[0]) for v in result["values"]])
-                y = np.array([float(v[1]) for v in result["values"]])
+                t, y = np.array(result["values"], dtype=float).T
                 series.append((legend(target.get("legendFormat", ""), result["metric"]), t, y))
         series.sort(key=lambda s: s[0])
-        base = None
-        if stacked and series:  # stacked lines share one time axis: the range's steps
-            axis = np.arange(start, end + step / 2, step)
-            base = np.zeros_like(axis)
+        axis = np.arange(start, end + step / 2, step)  # stacked lines share one time axis: the range's steps
+        base = np.zeros_like(axis)
         for i, (name, t, y) in enumerate(series):
             color = PALETTE[i % len(PALETTE)]
             if stacked:
                 full = np.full_like(axis, np.nan)
                 full[np.searchsorted(axis, t).clip(0, len(axis) - 1)] = y
-                filled = np.nan_to_num(full)
-                top = base + filled
+                top = base + np.nan_to_num(full)
                 ax.fill_between([_dt(x) for x in axis], base, top, color=color, alpha=0.45, linewidth=0)
                 ax.plot([_dt(x) for x in axis], np.where(np.isnan(full), np.nan, top), color=color, linewidth=1, label=name)
                 base = top

@@ -33,13 +33,8 @@ def _fill(head: bytes, unit: bytes, tail: bytes, size: int, sep: bytes = b",") -
     return head + sep.join([unit] * n) + tail
 
 
-def _unknown_fields(size: int) -> bytes:
-    n = size // 12
-    return b"{" + b",".join(b'"f%d":0' % i for i in range(n)) + b"}"
-
-
 CATALOGUE = {
-    "unknown_fields": _unknown_fields,
+    "unknown_fields": lambda n: b"{" + b",".join(b'"f%d":0' % i for i in range(n // 12)) + b"}",
     "b64_not_json": lambda n: b'"b64":""' * (n // 8),
     "b64_empty_objects": lambda n: _fill(b'{"q":[', b'{"b64":""}', b"]}", n),
     "b64_many_fields": lambda n: (

@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import ROOT, Server, table, venv
+from bench.common import ROOT, Server, publish, table, venv
 
-OUT = ROOT / "bench" / "out" / "perf_analyzer.md"
 REQUIREMENTS = ("tritonclient[all]==2.40.0", "nvidia-cuda-runtime-cu12==12.9.79")
 B, H, D = 1, 8, 64
 MODEL = "attention"
@@ -183,9 +182,7 @@ def main() -> None:
     text += f" --measurement-interval {args.window_ms} ms, --stability-percentage {args.stability}, --max-trials {args.max_trials};"
     text += f" load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end\n\n"
     text += report(results, lengths, concurrencies, memories) + "\n"
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(text)
+    publish("perf_analyzer.md", text)
 
 
 if __name__ == "__main__":

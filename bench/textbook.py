@@ -33,7 +33,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from attention_client.loadtest.transport import parse_server_timing
 from bench.baseline_service import textbook_attention
-from bench.common import OUT, ROOT, D, H, Server, attention_body, reset_peak, status_kb, table, tensors, unb64
+from bench.common import ROOT, D, H, Server, attention_body, publish, reset_peak, status_kb, table, tensors, unb64
 from service.core import attention
 
 T_ALL = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -339,10 +339,8 @@ def main() -> None:
             b.run_memory("this", "b64", w, T)
     if 1024 in args.sizes:
         b.run_memory("textbook", "b64", True, 1024)
-    text = report(b, notes)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.md").write_text(text)
-    print(f"\n{text}\nwritten to {OUT / 'results.md'} in {time.monotonic() - b.t_start:.0f} s")
+    publish("results.md", report(b, notes))
+    print(f"in {time.monotonic() - b.t_start:.0f} s")
 
 
 if __name__ == "__main__":

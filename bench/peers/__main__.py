@@ -38,7 +38,7 @@ import orjson
 import requests
 import tritonclient.http as triton
 
-from bench.common import OUT, ROOT, Server, b64, free_port, table, triton_inputs, unb64, venv
+from bench.common import ROOT, Server, b64, free_port, publish, table, triton_inputs, unb64, venv
 from service import core
 from service.config import ONE_BLAS_THREAD
 
@@ -443,10 +443,7 @@ def main() -> None:
             s.stop()
     for s in servers(targets):  # a clean run keeps no server logs
         Path(s.log.name).unlink(missing_ok=True)
-    text = report(targets, args, lengths, sockets)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "peers.md").write_text(text)
-    print(f"\n{text}\nwritten to {(OUT / 'peers.md').relative_to(ROOT)}")
+    publish("peers.md", report(targets, args, lengths, sockets))
 
 
 if __name__ == "__main__":
