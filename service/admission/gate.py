@@ -95,15 +95,15 @@ class Admission:
                     f"the predicted wait for a compute slot ({wait:.3g} ms) would make this request miss X-Deadline-Ms={deadline.ms:g}",
                     wait,
                 )
+        bound = PARSE_FACTOR * nbytes
         count = charge if callable(charge) else None
-        if count is not None:
-            charge = PARSE_FACTOR * nbytes if self.bytes + nbytes + PARSE_FACTOR * nbytes <= self.max_bytes else count()
+        parse = (bound if self.bytes + nbytes + bound <= self.max_bytes else charge()) if callable(charge) else charge
         with self._lock:
-            if count is not None and charge == PARSE_FACTOR * nbytes and self.bytes + nbytes + charge > self.max_bytes:
-                charge = count()  # another request took the room since: counted after all
-            if self.bytes and self.bytes + nbytes + charge > self.max_bytes:
+            if count is not None and parse == bound and self.bytes + nbytes + parse > self.max_bytes:
+                parse = count()  # another request took the room since: counted after all
+            if self.bytes and self.bytes + nbytes + parse > self.max_bytes:
                 raise self._overloaded(
-                    f"a body of {nbytes} bytes and its parse ({charge} bytes) would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)"
+                    f"a body of {nbytes} bytes and its parse ({parse} bytes) would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)"
                 )
             admitted, held, bound = self.table.admit(self.row)
             if not admitted:
@@ -111,8 +111,8 @@ class Admission:
                     f"the server already holds {held} compute requests, its bound: (ATTN_MAX_INFLIGHT={self.max_inflight} + ATTN_MAX_QUEUE={self.max_queue}) x {bound // (self.max_inflight + self.max_queue)} workers"
                 )
             self.admitted += 1
-            self._add_bytes(nbytes + charge)
-        return Ticket(self, nbytes + charge, charge, deadline)
+            self._add_bytes(nbytes + parse)
+        return Ticket(self, nbytes + parse, parse, deadline)
 
     # --- what it knows -------------------------------------------------------------------------
 
