@@ -36,7 +36,19 @@ from functools import lru_cache
 
 import numpy as np
 
-from .reference import ALIGNMENTS, Result, ScoreOverflow, Stopped, bounds, causal_offset, check_finite, groups, log_sum_exp, reference
+from .reference import (
+    ALIGNMENTS,
+    UNDERFLOW_MARGIN,
+    Result,
+    ScoreOverflow,
+    Stopped,
+    bounds,
+    causal_offset,
+    check_finite,
+    groups,
+    log_sum_exp,
+    reference,
+)
 
 # Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache on the machines
 # this serves; larger blocks run their matmuls nearer BLAS's peak, smaller ones pay for Python
@@ -53,9 +65,6 @@ LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
-# A bounded row's products exp(s) v must stay above the dtype's smallest normal times this, or
-# they underflow before the division (values of 1e-25 under scores of -50: out 0).
-UNDERFLOW_MARGIN = 2.0**40
 
 Block = tuple[int, int, int, int]  # (b0, b1, t0, t1): key/value items b0:b1, query rows t0:t1
 
