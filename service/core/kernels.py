@@ -47,6 +47,7 @@ from .reference import (
     check_finite,
     groups,
     log_sum_exp,
+    ones,
     reference,
 )
 
@@ -205,15 +206,6 @@ def _band(rows: int, cols: int, shift: int, below: bool = False, key_major: bool
         band = np.ascontiguousarray(band.T).T  # (rows, cols), a view of (cols, rows)
     band.flags.writeable = False
     return band
-
-
-@lru_cache(maxsize=8)
-def _ones(n: int, dtype: np.dtype) -> np.ndarray:
-    """(n,) ones, read-only: ones @ x, x (..., n, m), is x summed over axis -2, (..., m). Cached
-    per request size (slice it for fewer)."""
-    ones = np.ones(n, dtype)
-    ones.flags.writeable = False
-    return ones
 
 
 @lru_cache(maxsize=64)
@@ -401,9 +393,7 @@ def _block(ops: _Operands, scratch: np.ndarray | None, block: Block) -> None:
         assert scratch is not None and st is not None  # without weights the scores are in the scratch
         nb, g, tn = b1 - b0, ops.q.shape[1], t1 - t0
         total = scratch[-nb * g * tn :].reshape(nb, g, tn, 1)
-        np.matmul(
-            _ones(ops.kt.shape[-1], s.dtype)[: hi - lo], st, out=total[..., 0]
-        )  # (nb, g, tn) row sums of the key-major scores, a GEMV
+        np.matmul(ones(ops.kt.shape[-1], s.dtype)[: hi - lo], st, out=total[..., 0])  # (nb, g, tn) row sums of the key-major scores, a GEMV
     if ops.lse is not None:  # the row's shift (natural units: a bounded row's is 0) and its sum are all it takes
         ops.lse[b0:b1, :, t0:t1] = log_sum_exp(np.zeros((), s.dtype) if shift is None else shift, total)[..., 0]
     if ops.weights is not None:

@@ -118,7 +118,7 @@ def reference(
         if return_weights:
             total = weights.sum(axis=-1, keepdims=True)  # (..., T, 1)
         else:
-            total = (weights @ np.ones(S, dtype))[..., None]
+            total = (weights @ ones(S, dtype))[..., None]
         weights_first = return_weights or S <= v.shape[-1]
         shift = _shift(weights, total, allowed, hidden_scores)  # (..., T, 1) or None: every row unshifted
         lse = log_sum_exp(np.zeros((), dtype) if shift is None else shift, total)[..., 0] if return_lse else None  # (..., T)
@@ -167,6 +167,16 @@ def _shift(e: np.ndarray, total: np.ndarray, allowed: np.ndarray, hidden_scores:
     shift = np.zeros_like(total)
     shift[rows] = row_max
     return shift
+
+
+@lru_cache(maxsize=8)
+def ones(n: int, dtype: np.dtype) -> np.ndarray:
+    """(n,) ones, read-only: ones @ x, x (..., n, m), is x summed over axis -2, (..., m), and
+    y @ ones, y (..., m, n), y summed over its last axis, (..., m): one GEMV. Cached per request
+    size (slice it for fewer)."""
+    x = np.ones(n, dtype)
+    x.flags.writeable = False
+    return x
 
 
 def _v_then_normalise(e: np.ndarray, total: np.ndarray, v: np.ndarray) -> np.ndarray:
