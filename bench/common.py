@@ -5,6 +5,7 @@ project's client; only the hostile ones write raw bytes on purpose."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import socket
@@ -14,7 +15,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -137,6 +140,12 @@ def status_kb(pid: int | str, field: str) -> int:
     raise KeyError(field)
 
 
+def reset_peak(pid: int | str) -> int:
+    """Reset the process's peak RSS (VmHWM) to its RSS now (/proc/PID/clear_refs): that RSS, kB."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    return status_kb(pid, "VmRSS")
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """CPU seconds (user + system) the processes have used so far."""
     total = 0
@@ -163,6 +172,13 @@ def venv(path: Path, pip_args: Sequence[str], digest: str) -> Path:
     return python
 
 
+def publish(name: str, text: str) -> None:
+    """Print a scenario's report, and keep it in bench/out/name (not in git)."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / name).write_text(text)
+    print(f"\n{text}\nwritten to bench/out/{name}", flush=True)
+
+
 # --- requests ----------------------------------------------------------------------------------
 
 
@@ -176,10 +192,15 @@ def b64(a: np.ndarray) -> dict:
     return {"shape": list(a.shape), "dtype": str(a.dtype), "b64": pybase64.b64encode(np.ascontiguousarray(a).data).decode()}
 
 
-def attention_body(T: int, encoding: str = "b64", weights: bool = False, seed: int = 0, **options) -> bytes:
-    """A POST /attention body, causal: q, k, v of (1, H, T, D) in encoding (b64 or nested; the
+def unb64(t: dict) -> np.ndarray:
+    """A b64 tensor of an answer ({"shape", "dtype", "b64"}) -> its array (a view of the bytes)."""
+    return np.frombuffer(pybase64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
+
+
+def attention_body(T: int, encoding: str = "b64", weights: bool = False, seed: int = 0, h: int = H, d: int = D, **options) -> bytes:
+    """A POST /attention body, causal: q, k, v of (1, h, T, d) in encoding (b64 or nested; the
     answer comes in the same), with or without weights, and any other options."""
-    q, k, v = tensors(T, seed)
+    q, k, v = tensors(T, seed, h=h, d=d)
     doc: dict = {"causal": True, "return_weights": weights, **options}
     if encoding == "b64":
         doc.update(q=b64(q), k=b64(k), v=b64(v))
@@ -207,6 +228,21 @@ def refusal(r: requests.Response) -> str:
         return f"{r.status_code} (not JSON)"
     code, message = (error.get("code"), error.get("message", "")) if isinstance(error, dict) else (r.headers.get("X-Error-Code"), error)
     return f"{r.status_code} {code}: {re.sub(r'[0-9][0-9.e+]*', '#', message)[:160]}"
+
+
+def burst(url: str, body: bytes, n: int) -> list[tuple[int | str, str | None]]:
+    """n POST /attention of body at once, each on its own connection: (status, refusal or None)
+    each, the exception's name for a status where there was no answer."""
+
+    def one(_) -> tuple[int | str, str | None]:
+        try:
+            r = requests.post(f"{url}/attention", data=body, headers={"Content-Type": "application/json"}, timeout=120)
+        except requests.RequestException as exc:
+            return type(exc).__name__, None
+        return r.status_code, None if r.status_code == 200 else refusal(r)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
 
 
 def closed_loops(url: str, body: bytes, clients: int, seconds: float, deadlines: Sequence[float] = ()) -> list[Answer]:
@@ -239,6 +275,33 @@ def closed_loops(url: str, body: bytes, clients: int, seconds: float, deadlines:
     return answers
 
 
+def summary(answers: Sequence[Answer], deadline: float | None = None) -> dict:
+    """Closed loops' answers: statuses; the 200s, on time (read whole within 1.25x the deadline),
+    late, their p50 and p99 ms, the client's time past the server's (the answer's sending), and
+    those whose Server-Timing total is over the deadline; the 503s with Retry-After; the refusals
+    (numbers blanked), their p50 ms as the client and the server saw them."""
+    ok = sorted(a.ms for a in answers if a.status == 200)
+    bound = 1.25 * deadline if deadline else math.inf
+    sent = [a.ms - a.server_ms for a in answers if a.status == 200 and a.server_ms is not None]
+    refused = [a for a in answers if a.status != 200 and a.reason is not None]
+    served_ms = [a.server_ms for a in refused if a.server_ms is not None]
+    return {
+        "deadline_ms": deadline,
+        "statuses": {str(k): n for k, n in Counter(a.status for a in answers).items()},
+        "answers": len(ok),
+        "on_time": sum(ms <= bound for ms in ok),
+        "late_200": sum(ms > bound for ms in ok),
+        "p50_ms": round(statistics.median(ok), 1) if ok else None,
+        "p99_ms": round(ok[min(len(ok) - 1, int(0.99 * len(ok)))], 1) if ok else None,
+        "client_past_server_p50_ms": round(statistics.median(sent), 1) if sent else None,
+        "200_over_deadline_server_time": sum(1 for a in answers if a.status == 200 and deadline and (a.server_ms or 0) > deadline),
+        "503_with_retry_after": sum(a.status == 503 and a.retry_after for a in answers),
+        "refusals": dict(Counter(a.reason for a in refused)),
+        "refusal_p50_ms": round(statistics.median(a.ms for a in refused)) if refused else None,
+        "refusal_server_p50_ms": round(statistics.median(served_ms)) if served_ms else None,
+    }
+
+
 def triton_inputs(arrays: dict[str, np.ndarray], binary: bool = True) -> list:
     """tritonclient.http's InferInputs of FP32 arrays by name, as a Triton user sets them."""
     import tritonclient.http as triton
@@ -262,10 +325,6 @@ def alternate(calls: Sequence[Callable[[], object]], reps: int) -> list[list[flo
             calls[i]()
             times[i].append((time.perf_counter() - t0) * 1000)
     return times
-
-
-def median(xs) -> float:
-    return statistics.median(xs)
 
 
 def table(header: str | Sequence[str], rows: Sequence[Sequence[object]]) -> str:

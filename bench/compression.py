@@ -14,17 +14,18 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import socket
 import time
 import zlib
-from pathlib import Path
+from statistics import median
 
 import numpy as np
 import orjson
 import pybase64
 import requests
 
-from bench.common import GIGABIT, Server, alternate, attention_body, median, status_kb, table
+from bench.common import GIGABIT, Server, alternate, attention_body, reset_peak, status_kb, table
 
 BOMB = 2**30
 HEADER = "request | defaults ms | identity ms | accepted ms | defaults / identity | accepted / identity | gigabit: defaults / identity | gigabit: accepted / identity | answer bytes identity/gzip"
@@ -66,27 +67,21 @@ def clients(base_url: str, accepted_url: str, body: bytes):
     """(calls, bytes): a timed call for each side (requests' defaults, identity, requests' defaults
     against the server at accepted_url) and each side's bytes on the wire: the request's, and the
     answer's as sent (read undecoded)."""
-    default, identity = requests.Session(), requests.Session()
+    identity = requests.Session()
     identity.headers["Accept-Encoding"] = "identity"
-    accepted = requests.Session()
+    sides = ((requests.Session(), base_url), (identity, base_url), (requests.Session(), accepted_url))
+    json = {"Content-Type": "application/json"}
 
-    def call(session: requests.Session, url: str):
-        def one() -> None:
-            resp = session.post(url + "/attention", data=body, headers={"Content-Type": "application/json"})
-            resp.raise_for_status()
-            resp.json()
+    def call(session: requests.Session, url: str) -> None:
+        resp = session.post(url + "/attention", data=body, headers=json)
+        resp.raise_for_status()
+        resp.json()
 
-        return one
+    def wire(session: requests.Session, url: str) -> int:
+        with session.post(url + "/attention", data=body, headers=json, stream=True) as resp:
+            return len(body) + len(resp.raw.read(decode_content=False))
 
-    def wire(session: requests.Session, url: str):
-        def one() -> int:
-            with session.post(url + "/attention", data=body, headers={"Content-Type": "application/json"}, stream=True) as resp:
-                return len(body) + len(resp.raw.read(decode_content=False))
-
-        return one
-
-    sides = ((default, base_url), (identity, base_url), (accepted, accepted_url))
-    return [call(*side) for side in sides], [wire(*side)() for side in sides]
+    return [functools.partial(call, *side) for side in sides], [wire(*side) for side in sides]
 
 
 def defaults_against_identity(server: Server, accepted: Server, reps: int) -> str:
@@ -110,8 +105,7 @@ def bomb() -> bytes:
 
 def send_bomb(port: int, body: bytes, pid: int) -> tuple[int, float, float]:
     """(status, ms from the last byte sent to the status line, the worker's peak RSS growth in MiB)."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-    before = status_kb(pid, "VmRSS")
+    before = reset_peak(pid)
     head = (
         "POST /attention HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Encoding: gzip\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"

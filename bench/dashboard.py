@@ -9,7 +9,6 @@ gridPos puts them. About 2 minutes."""
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import math
 import re
 import subprocess
@@ -23,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import requests
 
-from bench.common import Server, attention_body
+from bench.common import ROOT, Server, attention_body, burst
 from bench.prometheus import ALERTS, LocalPrometheus, dashboard, ensure_prometheus, grafana_expr, panels, rate_interval
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"q": [[1, 0], [0, 1], [1, 1]], "k": [[1, 0], [0, 1], [1, 1]], "v": [[1, 0], [0, 10], [5, 5]], "causal": True}
 
 
@@ -44,16 +42,6 @@ V2_BODY = {
     "parameters": {"causal": True},
 }
 JSON = {"Content-Type": "application/json"}
-
-
-def burst(url: str, body: bytes, n: int) -> list[int]:
-    """n concurrent POST /attention of body; their statuses (503 once a worker's slots and queue are full)."""
-
-    def one(_):
-        return requests.post(f"{url}/attention", data=body, headers=JSON, timeout=60).status_code
-
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
 
 
 def every_kind(url: str, big: bytes, burst_size: int = 8, bursts: int = 5) -> dict[int, int]:
@@ -78,7 +66,7 @@ def every_kind(url: str, big: bytes, burst_size: int = 8, bursts: int = 5) -> di
     note(s.get(f"{url}/no-such-page", timeout=30).status_code)
     note(s.post(f"{url}/attention", data=big, headers={**JSON, "X-Deadline-Ms": "1"}, timeout=60).status_code)
     for _ in range(bursts):
-        statuses = burst(url, big, burst_size)
+        statuses = [status for status, _ in burst(url, big, burst_size)]
         for status in statuses:
             note(status)
         if 503 in statuses:
@@ -140,17 +128,11 @@ def render(prom: LocalPrometheus, start: float, end: float, out: Path, scrape_s:
     grid = [p for p in panels(dash) if p.get("type") == "timeseries"]
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in grid)
     fig = plt.figure(figsize=(WIDTH_IN, HEADER_IN + rows * ROW_IN), facecolor=BG)
-    fig.suptitle(
-        f"{dash['title']}   ·   {datetime.fromtimestamp(start, UTC):%Y-%m-%d %H:%M:%S} to {datetime.fromtimestamp(end, UTC):%H:%M:%S} UTC   ·   {note}",
-        color=TEXT,
-        fontsize=12,
-        x=0.01,
-        ha="left",
-    )
+    title = f"{dash['title']}   ·   {_dt(start):%Y-%m-%d %H:%M:%S} to {_dt(end):%H:%M:%S} UTC   ·   {note}"
+    fig.suptitle(title, color=TEXT, fontsize=12, x=0.01, ha="left")
     summary = []
     for panel in grid:
-        g = panel["gridPos"]
-        ax = fig.add_axes(_box(g, fig.get_size_inches()))
+        ax = fig.add_axes(_box(panel["gridPos"], fig.get_size_inches()))
         ax.set_facecolor(PANEL)
         for side in ax.spines.values():
             side.set_color(GRID)
@@ -164,21 +146,17 @@ def render(prom: LocalPrometheus, start: float, end: float, out: Path, scrape_s:
         series = []
         for target in panel["targets"]:
             for result in prom.query_range(grafana_expr(target["expr"], ri, f"{step:g}s", f"{end - start:.0f}s"), start, end, step):
-                t = np.array([float(v[0]) for v in result["values"]])
-                y = np.array([float(v[1]) for v in result["values"]])
+                t, y = np.array(result["values"], dtype=float).T
                 series.append((legend(target.get("legendFormat", ""), result["metric"]), t, y))
         series.sort(key=lambda s: s[0])
-        base = None
-        if stacked and series:  # stacked lines share one time axis: the range's steps
-            axis = np.arange(start, end + step / 2, step)
-            base = np.zeros_like(axis)
+        axis = np.arange(start, end + step / 2, step)  # stacked lines share one time axis: the range's steps
+        base = np.zeros_like(axis)
         for i, (name, t, y) in enumerate(series):
             color = PALETTE[i % len(PALETTE)]
             if stacked:
                 full = np.full_like(axis, np.nan)
                 full[np.searchsorted(axis, t).clip(0, len(axis) - 1)] = y
-                filled = np.nan_to_num(full)
-                top = base + filled
+                top = base + np.nan_to_num(full)
                 ax.fill_between([_dt(x) for x in axis], base, top, color=color, alpha=0.45, linewidth=0)
                 ax.plot([_dt(x) for x in axis], np.where(np.isnan(full), np.nan, top), color=color, linewidth=1, label=name)
                 base = top

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import status_kb
+from bench.common import reset_peak, status_kb
 
 MB = 2**20
 # The allocator settings deploy/gunicorn.conf.py gives a worker (its _tune_malloc), as environment
@@ -33,13 +33,8 @@ def _fill(head: bytes, unit: bytes, tail: bytes, size: int, sep: bytes = b",") -
     return head + sep.join([unit] * n) + tail
 
 
-def _unknown_fields(size: int) -> bytes:
-    n = size // 12
-    return b"{" + b",".join(b'"f%d":0' % i for i in range(n)) + b"}"
-
-
 CATALOGUE = {
-    "unknown_fields": _unknown_fields,
+    "unknown_fields": lambda n: b"{" + b",".join(b'"f%d":0' % i for i in range(n // 12)) + b"}",
     "b64_not_json": lambda n: b'"b64":""' * (n // 8),
     "b64_empty_objects": lambda n: _fill(b'{"q":[', b'{"b64":""}', b"]}", n),
     "b64_many_fields": lambda n: (
@@ -91,9 +86,7 @@ def _child(name: str, size: int) -> None:
     import service.web.http  # noqa: F401
 
     body = CATALOGUE[name](size)
-    base = status_kb("self", "VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    base = reset_peak("self")
     took, answer = run_one(name, size, body)
     print(json.dumps({"took": took, "answer": answer, "peak_mb": (status_kb("self", "VmHWM") - base) / 1024}))
 

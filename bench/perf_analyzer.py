@@ -30,9 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import ROOT, Server, table, venv
+from bench.common import ROOT, Server, publish, table, venv
 
-OUT = ROOT / "bench" / "out" / "perf_analyzer.md"
 REQUIREMENTS = ("tritonclient[all]==2.40.0", "nvidia-cuda-runtime-cu12==12.9.79")
 B, H, D = 1, 8, 64
 MODEL = "attention"
@@ -42,20 +41,16 @@ def tool_dir() -> Path:
     return Path(os.environ.get("BENCH_PERF_ANALYZER_DIR") or ROOT / ".perf-analyzer")
 
 
-def ensure_venv() -> Path:
-    """The venv holding perf_analyzer, (re)built when REQUIREMENTS changed since its stamp."""
+def ensure_tool() -> tuple[Path, dict[str, str]]:
+    """perf_analyzer, in a venv (re)built when REQUIREMENTS changed since its stamp, and the
+    environment it runs in: the CUDA runtime wheel's lib/ on LD_LIBRARY_PATH."""
     path = tool_dir() / "venv"
     venv(path, REQUIREMENTS, hashlib.sha256("\n".join(REQUIREMENTS).encode()).hexdigest())
-    return path
-
-
-def tool_env(venv: Path) -> dict[str, str]:
-    """The environment perf_analyzer runs in: the CUDA runtime wheel's lib/ on LD_LIBRARY_PATH."""
-    libs = glob.glob(str(venv / "lib" / "python*" / "site-packages" / "nvidia" / "cuda_runtime" / "lib"))
+    libs = glob.glob(str(path / "lib" / "python*" / "site-packages" / "nvidia" / "cuda_runtime" / "lib"))
     if not libs:
-        raise SystemExit(f"no nvidia/cuda_runtime/lib in {venv}: the nvidia-cuda-runtime-cu12 wheel is missing")
-    path = os.pathsep.join([libs[0], *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
-    return {**os.environ, "LD_LIBRARY_PATH": path}
+        raise SystemExit(f"no nvidia/cuda_runtime/lib in {path}: the nvidia-cuda-runtime-cu12 wheel is missing")
+    ld_path = os.pathsep.join([libs[0], *filter(None, [os.environ.get("LD_LIBRARY_PATH")])])
+    return path / "bin" / "perf_analyzer", {**os.environ, "LD_LIBRARY_PATH": ld_path}
 
 
 def missing_libraries(binary: Path, env: dict[str, str]) -> list[str]:
@@ -111,9 +106,7 @@ SERVER_COLUMNS = {
 }
 
 
-def measure(
-    binary: Path, env: dict, url: str, data: Path, concurrency: int, args, shared_memory: str = "none", length: int = 0
-) -> dict | str:
+def measure(binary: Path, env: dict, url: str, data: Path, concurrency: int, args, shared_memory: str, length: int) -> dict | str:
     """One perf_analyzer run at one concurrency: {infer_s, p50_ms, p99_ms, and the server's
     queue_ms, input_ms, infer_ms, output_ms}, or its last error line."""
     csv_path = tool_dir() / "result.csv"
@@ -161,8 +154,7 @@ def report(results: dict[tuple[int, int, str], dict | str], lengths, concurrenci
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="64,256,1024", help="T values, comma-separated")
-    parser.add_argument("--max-concurrency", type=int, default=4)
-    parser.add_argument("--concurrency", default=None, help="concurrencies, comma-separated (default: 1 to --max-concurrency)")
+    parser.add_argument("--concurrency", default="1,2,3,4", help="concurrencies, comma-separated")
     parser.add_argument("--shared-memory", default="none,system", help="perf_analyzer's --shared-memory values, comma-separated")
     parser.add_argument("--window-ms", type=int, default=2000, help="perf_analyzer's --measurement-interval")
     parser.add_argument("--max-trials", type=int, default=8, help="windows before a concurrency gives up stabilising")
@@ -170,19 +162,16 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120, help="seconds for one perf_analyzer run before it is stopped")
     args = parser.parse_args()
     lengths = [int(t) for t in args.lengths.split(",")]
-    concurrencies = [int(c) for c in args.concurrency.split(",")] if args.concurrency else list(range(1, args.max_concurrency + 1))
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
     memories = args.shared_memory.split(",")
 
-    venv = ensure_venv()
-    binary, env = venv / "bin" / "perf_analyzer", tool_env(venv)
+    binary, env = ensure_tool()
     ensure_libb64(binary, env)
     inputs = {length: input_file(length, optional=memories != ["none"]) for length in lengths}
 
     load = os.getloadavg()[0]
     results = {}
-    with Server(
-        "perf-analyzer", env={"ATTN_ALLOW_CLIENT_SHM": "true"}, inherit_settings=False
-    ) as server:  # as `make run`, with shared memory
+    with Server("perf-analyzer", env={"ATTN_ALLOW_CLIENT_SHM": "true"}, inherit_settings=False) as server:  # `make run`'s, with shm
         server.wait_ready(in_a_row=4, path="/v2/health/ready")
         for length in lengths:
             for c in concurrencies:
@@ -193,9 +182,7 @@ def main() -> None:
     text += f" --measurement-interval {args.window_ms} ms, --stability-percentage {args.stability}, --max-trials {args.max_trials};"
     text += f" load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end\n\n"
     text += report(results, lengths, concurrencies, memories) + "\n"
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print(text)
+    publish("perf_analyzer.md", text)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,8 @@ from pathlib import Path
 import requests
 import yaml
 
-from bench.common import Server
+from bench.common import ROOT, Server
 
-ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "attention.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yaml"
 PROMETHEUS = Path(os.environ.get("PROMETHEUS", "/usr/bin/prometheus"))

@@ -20,23 +20,18 @@ import time
 
 import numpy as np
 import orjson
-import pybase64
 import requests
 from threadpoolctl import threadpool_limits
 
 from attention_client import AttentionClient, _http, _wire
 from attention_client.loadtest.transport import parse_server_timing
-from bench.common import b64, served
+from bench.common import b64, served, unb64
 from service import core, sessions
 
 H, D = 8, 64
 PAGE = 256  # the server's ATTN_SESSION_PAGE_TOKENS by default
 APPEND_CHUNK = 2048  # tokens a prefill request carries (8 heads x 64 x 4 bytes x 2: 8 MiB raw)
 JSON = {"Content-Type": "application/json"}
-
-
-def dec(t: dict) -> np.ndarray:
-    return np.frombuffer(pybase64.b64decode(t["b64"]), dtype=t["dtype"]).reshape(t["shape"])
 
 
 class Sequence:
@@ -72,10 +67,8 @@ class Sequence:
         end = s0 + k.shape[1]
         for p in range(s0 // PAGE, min(self.kp.shape[0], -(-end // PAGE))):
             a, b = max(s0, p * PAGE), min(end, (p + 1) * PAGE)
-            self.kp[p, :, a - p * PAGE : b - p * PAGE], self.vp[p, :, a - p * PAGE : b - p * PAGE] = (
-                k[:, a - s0 : b - s0],
-                v[:, a - s0 : b - s0],
-            )
+            self.kp[p, :, a - p * PAGE : b - p * PAGE] = k[:, a - s0 : b - s0]
+            self.vp[p, :, a - p * PAGE : b - p * PAGE] = v[:, a - s0 : b - s0]
 
     def array_pages(self) -> list:
         """The keys in pages of PAGE tokens of one ordinary array (one run)."""
@@ -102,7 +95,7 @@ class Sequence:
         body = orjson.dumps({"q": b64(q), "k": b64(k), "v": b64(v), "at": self.length, "response_encoding": "b64"})
         r = http.post(f"{url}/sessions/{self.session.id}/attention", data=body, headers=JSON, timeout=60)
         r.raise_for_status()
-        out = dec(orjson.loads(r.content)["out"])
+        out = unb64(orjson.loads(r.content)["out"])
         elapsed = time.perf_counter() - t0
         self.took(k, v)
         self.session.refresh()  # the client learns the length this step made

@@ -19,7 +19,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from attention_client import AttentionClient
-from bench.common import OUT, served, table
+from bench.common import publish, served, table
 from service import core
 
 B, H, D = 1, 8, 64
@@ -85,9 +85,7 @@ def main() -> None:
         results = measure(url, lengths, runs)
     text = f"`python -m bench shm {' '.join(sys.argv[1:])}`, medians of {', '.join(f'{runs[t]} (T={t})' for t in lengths)}; "
     text += f"load average {load:.2f} at the start, {os.getloadavg()[0]:.2f} at the end\n\n{report(results)}\n"
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "shm.md").write_text(text)
-    print(text)
+    publish("shm.md", text)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ Markdown tables of medians and the goals, also written to bench/out/results.md. 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -24,17 +25,15 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 import orjson
-import pybase64
 import requests
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from attention_client.loadtest.transport import parse_server_timing
 from bench.baseline_service import textbook_attention
-from bench.common import OUT, ROOT, D, H, Server, attention_body, status_kb, table, tensors
+from bench.common import ROOT, D, H, Server, attention_body, publish, reset_peak, status_kb, table, tensors, unb64
 from service.core import attention
 
 T_ALL = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -153,8 +152,7 @@ class Bench:
         with Server(name, ARGV[name], env={**ENV[name], "WEB_CONCURRENCY": "1"}) as server:
             post(session, server, attention_body(64, encoding, weights))
             (pid,) = server.workers()
-            Path(f"/proc/{pid}/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-            before = status_kb(pid, "VmRSS")
+            before = reset_peak(pid)
             _, resp = post(session, server, body)
             peak, after = status_kb(pid, "VmHWM") - before, status_kb(pid, "VmRSS")
         if resp.status_code != 200:
@@ -169,9 +167,7 @@ class Bench:
 def check(data: bytes, encoding: str, weights: bool, T: int) -> None:
     """The answer is the core's: a benchmark of wrong answers measures nothing."""
     doc = orjson.loads(data)
-    out = doc["out"]
-    b64 = encoding == "b64"
-    got = np.frombuffer(pybase64.b64decode(out["b64"]), np.float32).reshape(out["shape"]) if b64 else np.array(out, np.float32)
+    got = unb64(doc["out"]) if encoding == "b64" else np.array(doc["out"], np.float32)
     q, k, v = tensors(T)
     np.testing.assert_allclose(got, attention(q, k, v, causal=True, return_weights=False)[0], atol=1e-5)
     assert ("weights" in doc) == weights
@@ -238,22 +234,13 @@ def report(b: Bench, notes: list[str]) -> str:
     header = ["encoding", "weights", "T", "textbook", "this", "textbook / this", *phases[:-1], "total (server)"]
     header += ["in-process compute, beside", "this / in-process", "response bytes", "n"]
     rows = []
-    for encoding in ("b64", "nested"):
-        for weights in (True, False):
-            for T in sizes:
-                this, base = b.e2e.get(("this", encoding, weights, T), {}), b.e2e.get(("textbook", encoding, weights, T), {})
-                if this or base:
-                    ph, beside = this.get("phases", {}), this.get("beside")
-                    row = [
-                        encoding,
-                        "yes" if weights else "no",
-                        T,
-                        base.get("ms", "–"),
-                        this.get("ms", "–"),
-                        ratio(base.get("ms"), this.get("ms")),
-                    ]
-                    row += [ph.get(p, "–") for p in phases] + [beside or "–", ratio(this.get("ms"), beside, 2, "")]
-                    rows.append(row + [this.get("bytes", "–"), this.get("n", "–")])
+    for encoding, weights, T in itertools.product(("b64", "nested"), (True, False), sizes):
+        this, base = (b.e2e.get((name, encoding, weights, T), {}) for name in ("this", "textbook"))
+        if this or base:
+            ph, beside = this.get("phases", {}), this.get("beside")
+            row = [encoding, "yes" if weights else "no", T, base.get("ms", "–"), this.get("ms", "–"), ratio(base.get("ms"), this.get("ms"))]
+            row += [ph.get(p, "–") for p in phases] + [beside or "–", ratio(this.get("ms"), beside, 2, "")]
+            rows.append(row + [this.get("bytes", "–"), this.get("n", "–")])
     lines += [table(header, rows), ""]
     if b.memory:
         lines += ["Peak worker memory for one request (a fresh one-worker server, after a T=64 warm-up):", ""]
@@ -276,14 +263,10 @@ def goals(b: Bench) -> list[tuple[str, str, str, bool | None]]:
     """(figure, measured, goal, met: None where not measured)."""
 
     def row(name: str, value: float | None, goal: float, at_least: bool, unit: str = "x", digits: int = 1):
+        bound = f"{'>=' if at_least else '<='} {goal:g}{unit}"
         if value is None:
-            return name, "–", f"{'>=' if at_least else '<='} {goal:g}{unit}", None
-        return (
-            name,
-            f"{value:.{digits}f}{unit}",
-            f"{'>=' if at_least else '<='} {goal:g}{unit}",
-            value >= goal if at_least else value <= goal,
-        )
+            return name, "–", bound, None
+        return name, f"{value:.{digits}f}{unit}", bound, value >= goal if at_least else value <= goal
 
     def ms(svc, enc, w, T):
         return b.e2e.get((svc, enc, w, T), {}).get("ms")
@@ -291,35 +274,26 @@ def goals(b: Bench) -> list[tuple[str, str, str, bool | None]]:
     def over(a, c):
         return a / c if a and c else None
 
-    rows = [
-        row(
-            f"nested JSON, T={T} with weights: textbook / this",
-            over(ms("textbook", "nested", True, T), ms("this", "nested", True, T)),
-            20,
-            True,
-        )
+    nested = [
+        (f"nested JSON, T={T} with weights: textbook / this", ms("textbook", "nested", True, T), ms("this", "nested", True, T))
         for T in (256, 1024)
     ]
+    rows = [row(name, over(a, c), 20, True) for name, a, c in nested]
     for w, goal in ((False, 1.5), (True, 3.0)):
         cell = b.e2e.get(("this", "b64", w, 1024), {})
         name = f"b64, T=1024, {'with' if w else 'no'} weights: end to end / in-process compute"
         rows.append(row(name, over(cell.get("ms"), cell.get("beside")), goal, False, "", 2))
-    tb = b.compute.get(("textbook numpy", 1024))
-    rows.append(
-        row("compute, T=1024, textbook numpy / this (both returning weights)", over(tb, b.compute.get(("this, weights", 1024))), 3.5, True)
-    )
-    torch = [
-        b.compute["this beside torch", T] / b.compute["torch SDPA", T] for T in b.args.sizes if T >= 256 and ("torch SDPA", T) in b.compute
-    ]
+    compute = over(b.compute.get(("textbook numpy", 1024)), b.compute.get(("this, weights", 1024)))
+    rows.append(row("compute, T=1024, textbook numpy / this (both returning weights)", compute, 3.5, True))
+    c = b.compute
+    torch = [c["this beside torch", T] / c["torch SDPA", T] for T in b.args.sizes if T >= 256 and ("torch SDPA", T) in c]
     rows.append(row("compute, no weights, causal, T=256..4096: this / torch SDPA (worst T)", max(torch, default=None), 1.5, False, "", 2))
     for w, goal in ((True, 2048), (False, 4096)):
         within = [T for T in b.args.sizes if (ms("this", "b64", w, T) or math.inf) <= 1000]
         name = f"largest T within 1 s (b64, concurrency 1), {'with' if w else 'without'} weights"
         rows.append(row(name, max(within, default=None), goal, True, "", 0))
-    mem = [m["peak"] / m["raw"] for m in b.memory if m["service"] == "this"]
-    rows.append(
-        row("peak worker memory for one request / raw bytes of its tensors (b64, worst measured)", max(mem, default=None), 2, False, "", 2)
-    )
+    mem = max((m["peak"] / m["raw"] for m in b.memory if m["service"] == "this"), default=None)
+    rows.append(row("peak worker memory for one request / raw bytes of its tensors (b64, worst measured)", mem, 2, False, "", 2))
     return rows
 
 
@@ -327,7 +301,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget", type=float, default=540, help="seconds for the whole run (default 540)")
     parser.add_argument("--max-t", type=int, default=4096, help="largest T (default 4096)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the textbook service")
     parser.add_argument("--reps", type=int, default=7, help="requests per cell at most (default 7)")
     args = parser.parse_args()
     args.sizes = [T for T in T_ALL if T <= args.max_t]
@@ -335,8 +308,7 @@ def main() -> None:
     b = Bench(args)
     blas = "; ".join(f"{i['internal_api']} {i.get('version')} {i.get('architecture')}" for i in threadpool_info())
     notes = [f"{os.cpu_count()} cores, numpy {np.__version__}, {blas}; load average at start {os.getloadavg()[0]:.2f}"]
-    names = ("this",) if args.no_baseline else ("this", "textbook")
-    servers = {name: Server(name, ARGV[name], ENV[name]) for name in names}
+    servers = {name: Server(name, ARGV[name], ENV[name]) for name in ARGV}
     try:
         for s in servers.values():
             s.wait_ready()
@@ -346,22 +318,18 @@ def main() -> None:
         b.run_compute(torch_times)
         print("this service ...", flush=True)
         session = requests.Session()
-        for encoding in ("b64", "nested"):
-            for weights in (False, True):
-                for T in [T for T in args.sizes if not weights or T <= MAX_WEIGHTS_T]:
-                    slow = encoding == "nested" and T >= 2048
-                    b.run_cell(servers["this"], session, encoding, weights, T, 3 if slow else args.reps, 8 if slow else 6)
-        if "textbook" in servers:
-            print("textbook service ...", flush=True)
-            session = requests.Session()
-            for T in (256, 1024):  # the goal cells first, then the rest of the sweep
-                if T in args.sizes:
-                    b.run_cell(servers["textbook"], session, "nested", True, T, 3, 60)
-            for encoding in ("b64", "nested"):
-                for weights in (False, True):
-                    for T in [T for T in args.sizes if T <= T_BASELINE_MAX]:
-                        if ("textbook", encoding, weights, T) not in b.e2e:
-                            b.run_cell(servers["textbook"], session, encoding, weights, T, 3 if T >= 512 else 5, 30)
+        for encoding, weights, T in itertools.product(("b64", "nested"), (False, True), args.sizes):
+            if not weights or T <= MAX_WEIGHTS_T:
+                slow = encoding == "nested" and T >= 2048
+                b.run_cell(servers["this"], session, encoding, weights, T, 3 if slow else args.reps, 8 if slow else 6)
+        print("textbook service ...", flush=True)
+        session = requests.Session()
+        for T in (256, 1024):  # the goal cells first, then the rest of the sweep
+            if T in args.sizes:
+                b.run_cell(servers["textbook"], session, "nested", True, T, 3, 60)
+        for encoding, weights, T in itertools.product(("b64", "nested"), (False, True), args.sizes):
+            if T <= T_BASELINE_MAX and ("textbook", encoding, weights, T) not in b.e2e:
+                b.run_cell(servers["textbook"], session, encoding, weights, T, 3 if T >= 512 else 5, 30)
     finally:
         for s in servers.values():
             s.stop()
@@ -369,12 +337,10 @@ def main() -> None:
     for T, w in ((1024, False), (1024, True), (2048, True), (4096, False)):
         if T in args.sizes:
             b.run_memory("this", "b64", w, T)
-    if not args.no_baseline and 1024 in args.sizes:
+    if 1024 in args.sizes:
         b.run_memory("textbook", "b64", True, 1024)
-    text = report(b, notes)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "results.md").write_text(text)
-    print(f"\n{text}\nwritten to {OUT / 'results.md'} in {time.monotonic() - b.t_start:.0f} s")
+    publish("results.md", report(b, notes))
+    print(f"in {time.monotonic() - b.t_start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ import argparse
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import orjson
 import requests
 
-from bench.common import Server, b64, status_kb
+from bench.common import Server, b64, reset_peak, status_kb
 from bench.garbage import CATALOGUE
 
 MiB = 2**20
@@ -37,7 +36,7 @@ def concurrent(n: int) -> None:
         workers = server.workers()
         for name, headers in (("without the header", {}), ("with Inference-Header-Content-Length: 0", BINARY)):
             for w in workers:
-                Path(f"/proc/{w}/clear_refs").write_text("5")
+                reset_peak(w)
             with ThreadPoolExecutor(n) as pool:
                 statuses = Counter(pool.map(lambda _, h=headers: post(server, body, h), range(n)))
             peaks = sum(status_kb(w, "VmHWM") for w in workers) / 1024
@@ -58,8 +57,7 @@ def main() -> None:
         (worker,) = server.workers()
         print(f"worker idle RSS {status_kb(worker, 'VmRSS') / 1024:.0f} MiB")
         for name, body, headers in bodies:
-            before = status_kb(worker, "VmRSS")
-            Path(f"/proc/{worker}/clear_refs").write_text("5")
+            before = reset_peak(worker)
             t0 = time.perf_counter()
             status = post(server, body, headers)
             took, peak, after = time.perf_counter() - t0, status_kb(worker, "VmHWM"), status_kb(worker, "VmRSS")

@@ -245,6 +245,27 @@ def test_a_lone_request_is_always_admitted():
     assert (gate.admitted, gate.bytes) == (0, 0)
 
 
+def test_a_body_is_counted_only_where_its_bound_does_not_fit():
+    """The door's count of a body's parse (a pass over the body) is called only where the bound,
+    PARSE_FACTOR x the body, would not fit: a body with room for its bound is charged the bound
+    uncounted; one without is charged its count, and admitted where that fits."""
+    counted = []
+
+    def count(n):
+        return lambda: counted.append(n) or 2 * n
+
+    gate = gate_of(max_bytes=1_000)
+    roomy = gate.enter(10, count(10))  # 10 + 33 x 10 fits in 1,000
+    assert counted == [] and gate.bytes == 10 + charge.PARSE_FACTOR * 10
+    tight = gate.enter(100, count(100))  # 100 + 3,300 does not; 100 + 200 does
+    assert counted == [100] and gate.bytes == 10 + charge.PARSE_FACTOR * 10 + 300
+    with pytest.raises(Refused):
+        gate.enter(300, count(300))  # counted, and still past the bound beside the others
+    assert counted == [100, 300]
+    roomy.release(), tight.release()
+    assert (gate.admitted, gate.bytes) == (0, 0)
+
+
 def test_the_parse_is_charged_before_the_body_is_read(settings, rng):
     """A body not yet in memory (here the test client's stream; a chunked one) is charged
     Content-Length x PARSE_FACTOR at the gate: parsing a JSON body can take up to that much

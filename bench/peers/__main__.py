@@ -18,6 +18,7 @@ with the server's and the clients' CPU per request (/proc). Writes bench/out/pee
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import ipaddress
 import os
@@ -34,17 +35,14 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-import pybase64
 import requests
 import tritonclient.http as triton
 
-from bench.common import ROOT, Server, b64, free_port, table, triton_inputs
-from bench.peers import venvs
+from bench.common import ROOT, Server, b64, free_port, publish, table, triton_inputs, unb64, venv
 from service import core
 from service.config import ONE_BLAS_THREAD
 
 HERE = Path(__file__).resolve().parent
-OUT = ROOT / "bench" / "out" / "peers.md"
 B, H, D = 1, 8, 64
 LENGTHS = (64, 1024)
 SERVERS = ("ours", "kserve", "mlserver", "litserve", "rayserve", "bentoml")
@@ -54,6 +52,18 @@ WIRES = {
     V2_BINARY: "/v2 binary tensors both ways",
     V2_JSON: "/v2 JSON both ways (no binary extension on its REST server)",
 }
+
+
+def peers_dir() -> Path:
+    """Where the peers' venvs and working directories are: $BENCH_PEERS_DIR, else .peers/ (gitignored)."""
+    return Path(os.environ.get("BENCH_PEERS_DIR") or ROOT / ".peers")
+
+
+def ensure(name: str) -> Path:
+    """The Python of peer name's venv (bench/peers/requirements-NAME.txt), built, or rebuilt when
+    the requirements changed since its last install (a stamp holds their hash)."""
+    requirements = HERE / f"requirements-{name}.txt"
+    return venv(peers_dir() / name, ["-r", str(requirements)], hashlib.sha256(requirements.read_bytes()).hexdigest())
 
 
 def process_table() -> dict[int, tuple[int, int, int, int]]:
@@ -142,7 +152,7 @@ class NativeClient:
             raise RuntimeError(f"HTTP {resp.status_code}: {resp.content[:300]!r}")
         doc = orjson.loads(resp.content)
         names = ("out", "weights") if weights else ("out",)
-        return {n: np.frombuffer(pybase64.b64decode(doc[n]["b64"]), "<f4").reshape(doc[n]["shape"]) for n in names}
+        return {n: unb64(doc[n]) for n in names}
 
     def close(self) -> None:
         self.session.close()
@@ -173,7 +183,7 @@ def versions(python: Path, *packages: str) -> str:
 
 def run_dir(name: str) -> Path:
     """A working directory of the peer's own, for what it writes there (MLServer's .metrics/, BentoML's home)."""
-    path = venvs.peers_dir() / f"{name}-run"
+    path = peers_dir() / f"{name}-run"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -188,26 +198,26 @@ def start(only: list[str], targets: list[Target]) -> None:
         targets.append(Target("ours", ours, NATIVE, "2 gunicorn gthread workers", mine))
         targets.append(Target("ours /v2", ours, V2_BINARY, "the same server", mine))
     if "kserve" in only:
-        python = venvs.ensure("kserve")
+        python = ensure("kserve")
         argv = [str(python), str(HERE / "kserve_model.py"), "--http_port", "{port}", "--workers", "2", "--enable_grpc", "false"]
         server = Peer("kserve", argv, env=peer_env)
         targets.append(Target("kserve", server, V2_BINARY, "2 uvicorn worker processes (--workers 2)", versions(python, "kserve", "numpy")))
     if "mlserver" in only:
-        python = venvs.ensure("mlserver")
+        python = ensure("mlserver")
         ports = {f"MLSERVER_{kind}_PORT": str(free_port()) for kind in ("GRPC", "METRICS")}
         argv = ["env", "MLSERVER_HTTP_PORT={port}", str(python.parent / "mlserver"), "start", str(HERE / "mlserver")]
         server = Peer("mlserver", argv, env={**peer_env, **ports}, cwd=run_dir("mlserver"))
         workers = "1 HTTP process + 2 inference processes (parallel_workers 2)"
         targets.append(Target("mlserver", server, V2_JSON, workers, versions(python, "mlserver", "numpy")))
     if "litserve" in only:
-        python = venvs.ensure("litserve")
+        python = ensure("litserve")
         server = Peer(
             "litserve", [str(python), str(HERE / "litserve_model.py"), "{port}"], "/health", env=peer_env, cwd=run_dir("litserve")
         )
         workers = "1 API server process + 2 inference workers (workers_per_device 2)"
         targets.append(Target("litserve", server, NATIVE, workers, versions(python, "litserve", "numpy")))
     if "rayserve" in only:
-        python = venvs.ensure("rayserve")
+        python = ensure("rayserve")
         # The node's address as 127.0.0.1 (Ray's agents bind to it) and no usage reporting.
         ray_env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
         argv = [str(python), str(HERE / "rayserve_model.py"), "{port}"]
@@ -215,7 +225,7 @@ def start(only: list[str], targets: list[Target]) -> None:
         workers = "Serve's HTTP proxy + 2 replicas (num_replicas 2)"
         targets.append(Target("rayserve", server, NATIVE, workers, versions(python, "ray", "numpy")))
     if "bentoml" in only:
-        python = venvs.ensure("bentoml")
+        python = ensure("bentoml")
         home = run_dir("bentoml")
         argv = [str(python.parent / "bentoml"), "serve", "bentoml_service:Attention", "--working-dir", str(HERE)]
         argv += ["--host", "127.0.0.1", "--port", "{port}"]
@@ -378,12 +388,8 @@ def report(targets: list[Target], args, lengths: list[int], sockets: int) -> str
     ]
     rows = [["req/s", *(f"{statistics.median(t.rounds):,.1f}" for t in targets)]]
     if base:
-        rows.append(
-            [
-                "the native door's lead",
-                *("" if t is base else f"{statistics.median(base.rounds) / statistics.median(t.rounds):.2f}x" for t in targets),
-            ]
-        )
+        lead = [f"{statistics.median(base.rounds) / statistics.median(t.rounds):.2f}x" for t in targets[1:]]
+        rows.append(["the native door's lead", "", *lead])
     rows.append(["server CPU ms per request", *(f"{statistics.median(t.cpu_ms):.2f}" for t in targets)])
     rows.append(["client CPU ms per request", *(f"{statistics.median(t.client_cpu_ms):.2f}" for t in targets)])
     rows.append(["failed requests", *(t.errors for t in targets)])
@@ -437,12 +443,7 @@ def main() -> None:
             s.stop()
     for s in servers(targets):  # a clean run keeps no server logs
         Path(s.log.name).unlink(missing_ok=True)
-    text = report(targets, args, lengths, sockets)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
-    print()
-    print(text)
-    print(f"written to {OUT.relative_to(ROOT)}")
+    publish("peers.md", report(targets, args, lengths, sockets))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ PARSE_FACTOR x the body, the worst measured: the charge is an upper bound.
 Which bytes are JSON is the front door's to say, since it is the door that parses them: the native
 door parses the whole body as JSON; the /v2 door only the JSON header the binary extension's
 Inference-Header-Content-Length names, its binary tensors being charged their own size (the arrays
-they become). A body not yet in memory cannot be looked at: it is charged PARSE_FACTOR x."""
+they become). A body not yet in memory cannot be looked at: it is charged PARSE_FACTOR x. Nor is
+a body the gate has room for at PARSE_FACTOR x (Admission.enter): counting is a pass over it,
+the largest cost of admitting a small request, and buys nothing while the bound fits."""
 
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ POLICY = {
     "per_value": VALUE_BYTES,
     "per_object": OBJECT_BYTES,
     "at_most_per_body_byte": PARSE_FACTOR,
+    "counted": "only where at_most_per_body_byte x the body would not fit; else that bound is charged",
     "binary_per_byte": 1,
     "binary_at": "/v2 only, the bytes after Inference-Header-Content-Length's JSON header",
 }

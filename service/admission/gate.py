@@ -74,12 +74,17 @@ class Admission:
 
     # --- the one entry -------------------------------------------------------------------------
 
-    def enter(self, nbytes: int, charge: int = 0, deadline: Deadline | None = None) -> Ticket:
+    def enter(self, nbytes: int, charge: int | Callable[[], int] = 0, deadline: Deadline | None = None) -> Ticket:
         """Take one more request of nbytes of body whose parse the front door charges at charge
         bytes, before the body is parsed: its ticket, or Refused. 504 if its deadline has passed
         already; 503 if the predicted wait for a compute slot would make it miss it, if its bytes
         would take this worker past max_inflight_bytes (a lone request always fits), or if the
-        server already holds its cap of requests."""
+        server already holds its cap of requests.
+
+        charge may be a function that counts it (charge.parse_charge, a pass over the body): it is
+        called only where the body's upper bound, PARSE_FACTOR x nbytes, would not fit, and the
+        bound is charged where it does. Counting costs more than the rest of admission for a small
+        body, and buys nothing while the bound fits."""
         if deadline is not None:
             left_ms = (deadline.at - self.clock()) * 1000
             if left_ms <= 0:
@@ -90,7 +95,12 @@ class Admission:
                     f"the predicted wait for a compute slot ({wait:.3g} ms) would make this request miss X-Deadline-Ms={deadline.ms:g}",
                     wait,
                 )
+        count = charge if callable(charge) else None
+        if count is not None:
+            charge = PARSE_FACTOR * nbytes if self.bytes + nbytes + PARSE_FACTOR * nbytes <= self.max_bytes else count()
         with self._lock:
+            if count is not None and charge == PARSE_FACTOR * nbytes and self.bytes + nbytes + charge > self.max_bytes:
+                charge = count()  # another request took the room since: counted after all
             if self.bytes and self.bytes + nbytes + charge > self.max_bytes:
                 raise self._overloaded(
                     f"a body of {nbytes} bytes and its parse ({charge} bytes) would take this worker past {self.max_bytes} bytes in flight (ATTN_MAX_INFLIGHT_BYTES)"

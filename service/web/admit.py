@@ -13,6 +13,7 @@ import math
 import re
 import time
 from collections.abc import Callable
+from functools import partial
 
 from flask import Blueprint, Flask, Response, request
 
@@ -71,11 +72,13 @@ def install(app: Flask, charges: dict[Blueprint, Charge] | None = None) -> None:
     held = services(app)
     by_door = {bp.name: charge for bp, charge in (charges or {}).items()}
 
-    def body_charge(nbytes: int) -> int:
+    def body_charge(nbytes: int) -> int | Callable[[], int]:
+        """The body's parse charge: its bound if it is not in memory yet (it cannot be looked at
+        first), else the door's count of it, for the gate to call if the bound does not fit."""
         body = request.environ.get(BODY_KEY)
-        if body is None or len(body) != nbytes:  # not in memory yet: it cannot be looked at first
+        if body is None or len(body) != nbytes:
             return unseen_charge(nbytes)
-        return by_door.get(request.blueprint or "", parse_charge)(body)
+        return partial(by_door.get(request.blueprint or "", parse_charge), body)
 
     @app.before_request
     def _gate():
