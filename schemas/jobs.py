@@ -149,7 +149,9 @@ class _Job:
             if self.weights_itemsize != itemsize and self.encoding != "b64":
                 total += self.weights_elements * self.weights_itemsize  # cast whole (b64 casts chunk by chunk as it is sent)
         total += min(RESPONSE_CHUNK_BYTES, answered * 24)  # a chunk of text: up to ~24 bytes a number
-        return total + min(SCRATCH_BYTES, self.score_elements * itemsize)
+        # The scratch: a block's scores per thread, or on the reference path its (B, T, S) scores
+        # and, where a row's sum leaves the dtype's range, their copy (core.reference's _shift).
+        return total + min(SCRATCH_BYTES, 2 * self.score_elements * itemsize)
 
     def compute(self, threads: int = 1, pool: Executor | None = None, stop: Callable[[], bool] | None = None) -> core.Result:
         """(out, weights or None), and lse when the job asks for it, from the numeric core, on

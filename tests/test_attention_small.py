@@ -209,3 +209,33 @@ def test_the_api_answers_the_small_paths_edges_or_refuses_them(client, name, wei
         return
     expect = oracle.reference(body["q"], body["k"], body["v"], causal=body.get("causal", False), scale=body.get("scale"))[0]
     np.testing.assert_allclose(tensor(r.json["out"]), expect, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_without_weights_out_is_divided_by_its_row_sum_where_that_is_as_exact(rng, dtype):
+    """No weights and S > dv: the reference path divides out, not the weights. A row whose
+    unshifted scores sum below 1 over values near the smallest normal, and a row whose values are
+    so large that e v overflows before the division, give what the oracle gives as the ordinary
+    rows do, and change no bit of them."""
+    T, S, dv = 6, 8, 2
+    q = rng.standard_normal((2, T, 1)).astype(dtype)
+    k = np.ones((2, S, 1), dtype)
+    v = rng.standard_normal((2, S, dv)).astype(dtype)
+    tiny = np.finfo(dtype).tiny
+    q[0, 1], q[0, 2] = -30, 40  # row 1 sums to ~e**-30 (< 1); row 2's exp(s) ~e**40 times values near the max overflows
+    v[1] *= 1e8 * tiny  # the other item's values near the smallest normal: its rows sum ~e**-30 too
+    q[1] = -30
+    v_big = v.copy()
+    v_big[0, :, 0] = np.finfo(dtype).max / 2 * np.sign(v[0, :, 0])
+    for values in (v, v_big):
+        assert core.plan(2, T, S, dv, return_weights=False, itemsize=q.dtype.itemsize).reference
+        out, _ = attention(q, k, values, scale=1.0, return_weights=False)
+        expect, _ = reference(q, k, values, scale=1.0)
+        np.testing.assert_allclose(out, expect, rtol=1e-5 if dtype == np.float32 else 1e-12, atol=0)
+    ordinary = [0, 3, 4, 5]
+    plain = q.copy()
+    plain[0, 1:3] = 0.5
+    np.testing.assert_array_equal(
+        attention(plain, k, v, scale=1.0, return_weights=False)[0][0, ordinary],
+        attention(q, k, v, scale=1.0, return_weights=False)[0][0, ordinary],
+    )

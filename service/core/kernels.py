@@ -36,7 +36,20 @@ from functools import lru_cache
 
 import numpy as np
 
-from .reference import ALIGNMENTS, Result, ScoreOverflow, Stopped, bounds, causal_offset, check_finite, groups, log_sum_exp, reference
+from .reference import (
+    ALIGNMENTS,
+    UNDERFLOW_MARGIN,
+    Result,
+    ScoreOverflow,
+    Stopped,
+    bounds,
+    causal_offset,
+    check_finite,
+    groups,
+    log_sum_exp,
+    ones,
+    reference,
+)
 
 # Score elements per block: 2**19 float32 scores are 2 MiB, one core's L2 cache on the machines
 # this serves; larger blocks run their matmuls nearer BLAS's peak, smaller ones pay for Python
@@ -53,9 +66,6 @@ LOG2_E = 1 / math.log(2)  # exp(x) = exp2(x * LOG2_E)
 # Scores within +-EXP_SAFE need no max subtracted: exp stays normal and finite, and a row of up to
 # 2**20 keys sums below the dtype's maximum (float32: e**64 * 2**20 < 3.4e38 and e**-64 > 1.2e-38).
 EXP_SAFE = {np.float16: 0.0, np.float32: 64.0, np.float64: 640.0}
-# A bounded row's products exp(s) v must stay above the dtype's smallest normal times this, or
-# they underflow before the division (values of 1e-25 under scores of -50: out 0).
-UNDERFLOW_MARGIN = 2.0**40
 
 Block = tuple[int, int, int, int]  # (b0, b1, t0, t1): key/value items b0:b1, query rows t0:t1
 
@@ -196,15 +206,6 @@ def _band(rows: int, cols: int, shift: int, below: bool = False, key_major: bool
         band = np.ascontiguousarray(band.T).T  # (rows, cols), a view of (cols, rows)
     band.flags.writeable = False
     return band
-
-
-@lru_cache(maxsize=8)
-def _ones(n: int, dtype: np.dtype) -> np.ndarray:
-    """(n,) ones, read-only: ones @ x, x (..., n, m), is x summed over axis -2, (..., m). Cached
-    per request size (slice it for fewer)."""
-    ones = np.ones(n, dtype)
-    ones.flags.writeable = False
-    return ones
 
 
 @lru_cache(maxsize=64)
@@ -392,9 +393,7 @@ def _block(ops: _Operands, scratch: np.ndarray | None, block: Block) -> None:
         assert scratch is not None and st is not None  # without weights the scores are in the scratch
         nb, g, tn = b1 - b0, ops.q.shape[1], t1 - t0
         total = scratch[-nb * g * tn :].reshape(nb, g, tn, 1)
-        np.matmul(
-            _ones(ops.kt.shape[-1], s.dtype)[: hi - lo], st, out=total[..., 0]
-        )  # (nb, g, tn) row sums of the key-major scores, a GEMV
+        np.matmul(ones(ops.kt.shape[-1], s.dtype)[: hi - lo], st, out=total[..., 0])  # (nb, g, tn) row sums of the key-major scores, a GEMV
     if ops.lse is not None:  # the row's shift (natural units: a bounded row's is 0) and its sum are all it takes
         ops.lse[b0:b1, :, t0:t1] = log_sum_exp(np.zeros((), s.dtype) if shift is None else shift, total)[..., 0]
     if ops.weights is not None:

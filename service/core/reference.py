@@ -2,9 +2,12 @@
 
     scores  = q kᵀ · scale + bias - slope · |t + S - T - s|      (..., T, S)
     scores  = -inf where a key is hidden (mask, causal, window, key_lengths)
-    weights = exp(scores - the row's maximum) / its sum         a row with no key: all 0
+    weights = exp(scores - shift) / its sum                     a row with no key: all 0
     out     = weights v                                         (..., T, dv)
-    lse     = the row's maximum + log(its sum)                  (..., T); a row with no key: the lowest finite
+    lse     = shift + log(its sum)                              (..., T); a row with no key: the lowest finite
+
+shift is 0 for a row whose sum of exp(scores) lies comfortably in the dtype's range (the same
+softmax, two passes fewer), else the row's maximum, as the textbook subtracts (_shift).
 
 reference() is what attention() computes; attention() computes it in blocks (kernels.py) where
 a problem is large, and calls reference() where it is small. It also owns the rules both paths
@@ -18,12 +21,16 @@ width; H query heads and Hkv key/value heads on axis -3 under enable_gqa, g = H 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from concurrent.futures import Executor
 from functools import lru_cache
 
 import numpy as np
 
 ALIGNMENTS = ("top_left", "bottom_right")
+# A product or an exp that stays above the dtype's smallest normal times this keeps its precision
+# where it counts: what underflows below it weighs less than 2**-40 of the sum it is part of.
+UNDERFLOW_MARGIN = 2.0**40
 
 # What attention() and reference() return: (out, weights or None), and lse with return_lse.
 Result = tuple[np.ndarray, np.ndarray | None] | tuple[np.ndarray, np.ndarray | None, np.ndarray]
@@ -92,30 +99,103 @@ def reference(
     if key_lengths is not None:
         allowed = allowed & (s < np.asarray(key_lengths)[..., None, None])  # (..., T, S)
 
-    with np.errstate(over="ignore", invalid="ignore"):  # what overflows is found below, by row
-        scores = (q * dtype.type(scale)) @ np.swapaxes(k, -1, -2)  # (..., T, S)
+    def hidden_scores() -> np.ndarray:  # (..., T, S): scaled, biased, -inf where a key is hidden
+        scores = (q * dtype.type(scale)) @ np.swapaxes(k, -1, -2)
         if bias is not None:
             scores += np.asarray(bias)
         if alibi_slopes is not None:
             distance = np.abs(np.arange(T)[:, None] + S - T - s).astype(dtype)  # (T, S)
             scores -= np.asarray(alibi_slopes, dtype)[..., None, None] * distance
-        np.copyto(scores, -np.inf, where=~allowed)  # hidden keys
-        row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)  # (..., T, 1); -inf: no key
-        if not np.isfinite(row_max).all():
-            _check_overflow(row_max, allowed)
-            row_max[np.isneginf(row_max)] = 0  # a row with no key: exp(-inf) = 0 for all of it
-        scores -= row_max
-        weights = np.exp(scores, out=scores)  # (..., T, S); hidden keys exactly 0
-        total = weights.sum(axis=-1, keepdims=True)  # (..., T, 1)
-        lse = log_sum_exp(row_max, total)[..., 0] if return_lse else None  # (..., T)
+        np.copyto(scores, -np.inf, where=~allowed)
+        return scores
+
+    with np.errstate(over="ignore", invalid="ignore"):  # what overflows is found below, by row
+        weights = hidden_scores()
+        np.exp(weights, out=weights)  # (..., T, S) unshifted (_shift: the rows it does not suit again); hidden keys exactly 0
+        # The row sums pairwise where the weights are returned (each row then sums to 1 within an
+        # ulp or two), else one GEMV. Normalised before v where the weights are returned or are no
+        # more numbers than out (S <= dv), else out is (e v) / total.
+        if return_weights:
+            total = weights.sum(axis=-1, keepdims=True)  # (..., T, 1)
+        else:
+            total = (weights @ ones(S, dtype))[..., None]
+        weights_first = return_weights or S <= v.shape[-1]
+        shift = _shift(weights, total, allowed, hidden_scores)  # (..., T, 1) or None: every row unshifted
+        lse = log_sum_exp(np.zeros((), dtype) if shift is None else shift, total)[..., 0] if return_lse else None  # (..., T)
         total[total == 0] = 1  # a row with no key keeps weights and output exactly 0
-        weights /= total  # normalised before v: sum_s w_s v_s <= max |v| stays finite
-        out = weights @ v  # (..., T, dv)
-    check_finite("out", out)  # the weights are finite: each is exp(<= 0) over a sum of at least 1
+        if weights_first:
+            weights /= total  # normalised before v: sum_s w_s v_s <= max |v| stays finite
+            out = weights @ v  # (..., T, dv)
+        else:
+            out = _v_then_normalise(weights, total, v)
+    check_finite("out", out)  # the weights are finite: each is exp(s) over a sum that holds it
     if return_weights and average_weights:
         weights = weights.mean(axis=-3)  # (..., T, S) without axis -3
     result = (out, weights if return_weights else None)
     return (*result, lse) if lse is not None else result
+
+
+def _shift(e: np.ndarray, total: np.ndarray, allowed: np.ndarray, hidden_scores: Callable[[], np.ndarray]) -> np.ndarray | None:
+    """Each row's shift, (..., T, 1), or None where every row's is 0.
+
+    e (..., T, S) is exp(scores) and total (..., T, 1) its row sums. A row whose total lies in
+    [the dtype's smallest normal times UNDERFLOW_MARGIN, its maximum] keeps them, shift 0: that is
+    the softmax exp(scores - the row's maximum) gives, to rounding (no exp overflowed, and any that
+    underflowed weighs below 2**-40 of the total); so does a row with no key (e and total 0). Any
+    other row (scores too large or too small to exponentiate as they are, or overflowed) is
+    exponentiated again from hidden_scores(), shifted by its maximum as the textbook does, in e and
+    total, in place; a maximum that is not finite there is an overflow (ScoreOverflow). float16 has
+    no room for this and shifts every row. A row's choice reads its own total only, so no row
+    depends on another."""
+    info = np.finfo(e.dtype)
+    floor = float(info.tiny) * UNDERFLOW_MARGIN if info.bits > 16 else np.inf
+    unshifted = (total >= floor) & (total <= info.max)  # (..., T, 1); False for NaN
+    if unshifted.all():
+        return None
+    rows = np.nonzero(~unshifted[..., 0])  # an index into (..., T)
+    has_key = np.broadcast_to(allowed, e.shape)[rows].any(axis=-1)  # (n,)
+    rows = tuple(r[has_key] for r in rows)
+    if not rows[0].size:
+        return None
+    s = hidden_scores()[rows]  # (n, S), a copy
+    row_max = s.max(axis=-1, keepdims=True)  # (n, 1); each row has a key
+    if not np.isfinite(row_max).all():  # +inf or NaN, or -inf in a row that may see a key
+        raise ScoreOverflow(row_max.dtype)
+    s -= row_max
+    e[rows] = np.exp(s, out=s)
+    total[rows] = s.sum(axis=-1, keepdims=True)
+    shift = np.zeros_like(total)
+    shift[rows] = row_max
+    return shift
+
+
+@lru_cache(maxsize=8)
+def ones(n: int, dtype: np.dtype) -> np.ndarray:
+    """(n,) ones, read-only: ones @ x, x (..., n, m), is x summed over axis -2, (..., m), and
+    y @ ones, y (..., m, n), y summed over its last axis, (..., m): one GEMV. Cached per request
+    size (slice it for fewer)."""
+    x = np.ones(n, dtype)
+    x.flags.writeable = False
+    return x
+
+
+def _v_then_normalise(e: np.ndarray, total: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """(e v) / total, e (..., T, S) exp'd scores, total (..., T, 1) their row sums (0 replaced by
+    1): T * dv divisions, not T * S. A row whose total is below 1 (unshifted scores all below 0) is
+    normalised first, else its products e_s v_s could underflow where w_s v_s would not; a row
+    whose e v overflows is computed again normalised first (the textbook's order). Normalising a
+    row sets its total to 1, so each row is divided once either way."""
+    rows = np.nonzero(total[..., 0] < 1)
+    while True:
+        e[rows] /= total[rows]
+        total[rows] = 1
+        out = e @ v  # (..., T, dv)
+        out /= total
+        if np.isfinite(out).all():
+            return out
+        rows = np.nonzero(~np.isfinite(out).all(axis=-1) & (total[..., 0] != 1))
+        if not rows[0].size:
+            return out  # normalised first and still not finite: check_finite raises
 
 
 def log_sum_exp(shift: np.ndarray, total: np.ndarray) -> np.ndarray:
@@ -125,13 +205,6 @@ def log_sum_exp(shift: np.ndarray, total: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore"):
         lse = shift + np.log(total)
     return np.where(total > 0, lse, np.finfo(total.dtype).min).astype(total.dtype, copy=False)
-
-
-def _check_overflow(row_max: np.ndarray, allowed: np.ndarray) -> None:
-    """A row maximum of +inf or NaN, or -inf in a row that may see a key, means q kᵀ · scale
-    (plus bias) overflowed."""
-    if (np.isnan(row_max) | np.isposinf(row_max) | (np.isneginf(row_max) & allowed.any(axis=-1, keepdims=True))).any():
-        raise ScoreOverflow(row_max.dtype)
 
 
 def check_finite(what: str, arr: np.ndarray | None) -> None:
