@@ -1,6 +1,7 @@
 """Where a small request's CPU goes: T=64 b64 POST /attention without weights (B=1, H=8, d=64,
-causal) against GET /healthz, in-process through the Flask test client (one thread: no event
-loop, no gunicorn, no access log; bench/small_requests.py measures those in a real worker).
+causal) against GET /healthz, in-process through the Flask test client, the body handed in memory
+as the worker hands it (one thread: no event loop, no gunicorn, no access log;
+bench/small_requests.py measures those in a real worker).
 
     python -m bench small_profile            # CPU per request (min of repetitions) and, with
                                              # py-spy installed, the table of where it goes
@@ -48,6 +49,7 @@ def _tune_malloc() -> None:
 _tune_malloc()
 
 from service.config import Settings  # noqa: E402  (after the environment above)
+from service.transport import BODY_KEY  # noqa: E402
 from service.web.app import create_app  # noqa: E402
 
 from .common import attention_body, table  # noqa: E402
@@ -61,7 +63,7 @@ STAGES = [
     ("compute (numeric core)", ["AttentionJob._compute"]),
     ("cost model (work, predict, observe)", ["CostModel.", "_Job.work"]),
     ("metrics (prometheus_client)", ["service/web/metrics.py", "prometheus_client"]),
-    ("admission (service/admission, admit.py)", ["service/admission/", "service/web/admit.py"]),
+    ("admission (service/admission, admit.py; the parse charge)", ["service/admission/", "service/web/admit.py"]),
     ("read + decode body (JSON, b64)", ["read_json"]),
     ("validate (marshmallow schema, cast)", ["Schema.load"]),
     ("access log, tracing (accesslog.py, tracing.py)", ["service/web/accesslog.py", "service/web/tracing.py"]),
@@ -71,8 +73,10 @@ STAGES = [
 
 
 def requests(client, payload: bytes):
+    in_memory = {BODY_KEY: bytearray(payload)}  # as the worker hands the app a body it has read (service.transport)
+
     def attention():
-        r = client.post("/attention", data=payload, content_type="application/json")
+        r = client.post("/attention", data=payload, content_type="application/json", environ_overrides=in_memory)
         r.get_data()
         assert r.status_code == 200, r.get_data()[:200]
 
