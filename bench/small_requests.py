@@ -1,7 +1,8 @@
 """`python -m bench small_requests`: the fixed cost of a small request. wrk (1 thread, 8 connections)
 against GET /healthz and POST /attention with a T=64 b64 body without weights (530 KB in, 175 KB
 out), servers and endpoints alternating in rounds, medians of req/s, their ratio (attention /
-healthz), each server's CPU per request (/proc) and its non-2xx answers.
+healthz), each server's CPU per request (/proc) and its non-2xx answers; then the latency of a
+T=64 request sent alone through `requests`, as `make bench-peers` sends it.
 
     python -m bench small_requests --workers 2 --duration 5 --rounds 3 --floor
     python -m bench small_requests --baseline ../main            # another checkout beside this one
@@ -22,12 +23,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
+import orjson
+import requests
+
 from service import __main__ as service_main
 
-from .common import ROOT, Server, attention_body, cpu_seconds, table
+from .common import ROOT, D, H, Server, attention_body, b64, cpu_seconds, table, unb64
 
 LUA = """wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -35,7 +41,29 @@ local f = io.open("{body}", "rb")
 wrk.body = f:read("*a")
 f:close()
 """
-HEADER = "server | workers | /healthz req/s | T=64 b64 /attention req/s | ratio | server CPU ms per request: /healthz, /attention, beyond | non-2xx /attention (of requests)"
+HEADER = (
+    "server | workers | /healthz req/s | T=64 b64 /attention req/s | ratio | server CPU ms per request: /healthz, /attention, beyond "
+    "| non-2xx /attention (of requests) | one at a time, ms"
+)
+
+
+def one_at_a_time(servers: dict, reps: int) -> dict[str, float]:
+    """Median ms of a T=64 request sent alone, as `make bench-peers` calls the native door (a
+    requests.Session with its default headers; the body encoded, the answer decoded, each time),
+    the servers in turns."""
+    rng = np.random.default_rng(0)
+    qkv = {name: rng.standard_normal((1, H, 64, D)).astype(np.float32) for name in "qkv"}
+    sessions = {key: requests.Session() for key in servers}
+    times: dict = defaultdict(list)
+    for i in range(reps + 10):  # the first 10 rounds warm up
+        for key, server in servers.items() if i % 2 else reversed(servers.items()):
+            t0 = time.perf_counter()
+            body = orjson.dumps({**{name: b64(a) for name, a in qkv.items()}, "causal": True, "return_weights": False})
+            r = sessions[key].post(server.url + "/attention", data=body, headers={"Content-Type": "application/json"}, timeout=60)
+            unb64(orjson.loads(r.content)["out"])
+            if i >= 10:
+                times[key].append((time.perf_counter() - t0) * 1000)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def wrk(url: str, seconds: int, connections: int, script: str | None = None) -> tuple[float, int, int]:
@@ -56,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--connections", type=int, default=8)
+    p.add_argument("--latency-reps", type=int, default=200, help="requests to each server sent one at a time (after 10 to warm up)")
     p.add_argument(
         "--floor", action="store_true", help="also serve bench/floor_app.py: /attention reads the body and answers a fixed response"
     )
@@ -101,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"round {r + 1} {key:12s} {endpoint:10s} {per_s:8.0f} req/s  {cpu[key, endpoint][-1]:.3f} ms CPU/request  non-2xx {failed}",
                         flush=True,
                     )
+        latency = one_at_a_time(servers, args.latency_reps)
         load = os.getloadavg()[0]
         print(f"\nwrk -t1 -c{args.connections} -d{args.duration}s, {args.rounds} rounds, medians; load average {load:.2f}\n")
         rows = []
@@ -108,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             h, a = statistics.median(rate[key, "/healthz"]), statistics.median(rate[key, "/attention"])
             ch, ca = statistics.median(cpu[key, "/healthz"]), statistics.median(cpu[key, "/attention"])
             failed = f"{bad[key, '/attention']} (of {bad[key, 'n']:,})"
-            rows.append([*key.split(), f"{h:,.0f}", f"{a:,.0f}", a / h, f"{ch:.2f}, {ca:.2f}, {ca - ch:.2f}", failed])
+            rows.append([*key.split(), f"{h:,.0f}", f"{a:,.0f}", a / h, f"{ch:.2f}, {ca:.2f}, {ca - ch:.2f}", failed, latency[key]])
         print(table(HEADER, rows))
     finally:
         for server in servers.values():
