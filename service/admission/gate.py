@@ -95,11 +95,11 @@ class Admission:
                     f"the predicted wait for a compute slot ({wait:.3g} ms) would make this request miss X-Deadline-Ms={deadline.ms:g}",
                     wait,
                 )
-        bound = PARSE_FACTOR * nbytes
-        count = charge if callable(charge) else None
-        parse = (bound if self.bytes + nbytes + bound <= self.max_bytes else charge()) if callable(charge) else charge
+        most = PARSE_FACTOR * nbytes  # the most parsing the body can take
+        count = None if isinstance(charge, int) else charge
+        parse = charge if isinstance(charge, int) else most if self.bytes + nbytes + most <= self.max_bytes else charge()
         with self._lock:
-            if count is not None and parse == bound and self.bytes + nbytes + parse > self.max_bytes:
+            if count is not None and parse == most and self.bytes + nbytes + parse > self.max_bytes:
                 parse = count()  # another request took the room since: counted after all
             if self.bytes and self.bytes + nbytes + parse > self.max_bytes:
                 raise self._overloaded(
