@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -17,7 +18,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
 
-from service.sessions import UNIT, Conflict, NotFound, Pool, PoolFull, Shape, TooLong, owner_hash
+from service.sessions import UNIT, Busy, Conflict, NotFound, Pool, PoolFull, Shape, TooLong, owner_hash
 
 OWNER = owner_hash(None)
 SHAPE = Shape(heads=2, kv_heads=1, head_dim=3, value_dim=2, dtype=np.dtype(np.float64))
@@ -264,3 +265,45 @@ def test_a_process_killed_holding_a_lock_leaves_sessions_as_they_were(pool_lock)
         np.testing.assert_array_equal(got_k, k)
         np.testing.assert_array_equal(got_v, v)
     assert pool.stats() == before
+
+
+def test_a_session_held_longer_than_a_wait_is_busy():
+    """A request that may wait wait_s for a session another holds (a thread of this process, or
+    another process) gets Busy once it has waited that long, and the session once it is free."""
+    pool = small_pool()
+    sid = pool.create(SHAPE, 64, OWNER)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_in_a_thread():
+        with pool.session(sid, OWNER):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold_in_a_thread)
+    holder.start()
+    assert held.wait(10)
+    with pytest.raises(Busy), pool.session(sid, OWNER, wait_s=0.05):
+        pass
+    release.set()
+    holder.join(10)
+    with pool.session(sid, OWNER, wait_s=10):  # free: taken at once
+        pass
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # another process holds the session's record lock until it is killed
+        try:
+            with pool.session(sid, OWNER):
+                os.write(w, b"x")
+                time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        os.read(r, 1)
+        with pytest.raises(Busy), pool.session(sid, OWNER, wait_s=0.05):
+            pass
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    with pool.session(sid, OWNER, wait_s=10):  # the kernel released the dead holder's lock
+        pass

@@ -532,6 +532,46 @@ def test_a_delete_during_a_step_waits_for_it_and_frees_everything(monkeypatch):
     assert (pool["sessions"], pool["pages"]) == (0, 0), pool
 
 
+def test_a_step_waiting_for_a_busy_session_keeps_its_deadline(monkeypatch):
+    """Waiting for another request's hold on a session is part of a step's X-Deadline-Ms (contract
+    1.3, "Deadlines"): past it, 504 deadline and nothing appended; a step without a deadline waits
+    and is answered once the hold ends."""
+    import service.web.sessions as web_sessions
+
+    c = client()
+    sid = make(c)
+    append(c, sid, 3, at=0)
+    computing, go_on = threading.Event(), threading.Event()
+    run = web_sessions.run
+
+    def held_run(job):
+        computing.set()
+        assert go_on.wait(60)
+        return run(job)
+
+    monkeypatch.setattr(web_sessions, "run", held_run)
+    first: list = []
+    holder = threading.Thread(target=lambda: first.append(c.post(f"/sessions/{sid}/attention", json={"q": [[[1, 1]]] * 2})))
+    holder.start()
+    assert computing.wait(60)
+    monkeypatch.setattr(web_sessions, "run", run)  # the steps below compute at once
+    step = {"q": [[[1, 0]], [[0, 1]]], "k": [[[1, 1]]] * 2, "v": [[[1, 1]]] * 2, "at": 3}
+    late = client().post(f"/sessions/{sid}/attention", json=step, headers={"X-Deadline-Ms": "200"})
+    assert late.status_code == 504, late.get_json()
+    assert late.get_json()["error"]["code"] == "deadline" and "held the session" in late.get_json()["error"]["message"]
+    waiting: list = []
+    waiter = threading.Thread(target=lambda: waiting.append(client().post(f"/sessions/{sid}/attention", json=step)))
+    waiter.start()
+    waiter.join(0.5)
+    assert not waiting  # no deadline: it waits for the hold
+    go_on.set()
+    holder.join(60)
+    waiter.join(60)
+    assert first[0].status_code == 200 and first[0].get_json()["length"] == 3
+    assert waiting[0].status_code == 200 and waiting[0].get_json()["length"] == 4  # the late step appended nothing: at=3 held
+    assert length(c, sid) == 4
+
+
 def test_limits_and_openapi_show_sessions():
     c = client()
     pool = c.get("/limits").get_json()["sessions"]

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from service.config import Settings
 
-from .pool import UNIT, Conflict, NotFound, PageTooLarge, Pool, PoolFull, Session, SessionError, Shape, TooLong, name_hash, owner_hash
+from .pool import UNIT, Busy, Conflict, NotFound, PageTooLarge, Pool, PoolFull, Session, SessionError, Shape, TooLong, name_hash, owner_hash
 
 __all__ = [
     "UNIT",
+    "Busy",
     "Conflict",
     "NotFound",
     "Pool",

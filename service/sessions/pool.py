@@ -58,6 +58,7 @@ DTYPES: dict[int, np.dtype] = {4: np.dtype(np.float32), 8: np.dtype(np.float64)}
 ID_SLOT_HEX, ID_TOKEN_BYTES = 6, 16  # an id: the slot in 6 hex digits, then 16 random bytes in hex
 OWNER_BYTES = 32  # sha256 of the API key that made a session
 SWEEP_EVERY_S = 5.0
+LOCK_POLL_S = 0.002  # how often a request with a deadline tries a session another process holds
 START_ATTEMPTS = 64  # Pool.start: starts of one name that may overtake another before it gives up
 
 
@@ -99,6 +100,10 @@ class NameTaken(SessionError):
 
 class PoolFull(SessionError):
     """No room: pages or session slots (no live session is evicted)."""
+
+
+class Busy(SessionError):
+    """Another request held the session for longer than this one could wait (its deadline)."""
 
 
 @dataclass(frozen=True)
@@ -174,17 +179,22 @@ class Pool:
     # --- locks --------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _record_lock(self, index: int, wait: bool = True) -> Iterator[bool]:
+    def _record_lock(self, index: int, wait: bool = True, timeout: float | None = None) -> Iterator[bool]:
         """Lock index (0: the pool, 1 + slot: a session) for this thread; yields False when wait is
-        False and another holds it."""
+        False, or another holds it past timeout seconds (None: as long as it takes)."""
         thread_lock = self._threads[index]
-        if not thread_lock.acquire(blocking=wait):
+        until = None if timeout is None else time.monotonic() + max(timeout, 0.0)
+        took = thread_lock.acquire(blocking=wait) if until is None else thread_lock.acquire(timeout=max(until - time.monotonic(), 0.0))
+        if not took:
             yield False
             return
         try:
             try:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB), 1, index)
-            except OSError:  # LOCK_NB: another process holds it
+                if until is None:
+                    fcntl.lockf(self._fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB), 1, index)
+                else:
+                    _lock_before(self._fd, index, until)
+            except OSError:  # LOCK_NB: another process holds it (past until)
                 yield False
                 return
             try:
@@ -294,15 +304,18 @@ class Pool:
         self.header[SESSIONS] += 1
 
     @contextlib.contextmanager
-    def session(self, sid: str, owner: bytes) -> Iterator[Session]:
+    def session(self, sid: str, owner: bytes, wait_s: float | None = None) -> Iterator[Session]:
         """The session sid, locked for this request; NotFound if it is unknown, expired, deleted or
-        owner's is not the key that made it. Pages it reserves and does not commit are given back
-        when the block ends, however it ends."""
+        owner's is not the key that made it; Busy if another request holds it for longer than
+        wait_s seconds (None: as long as it takes). Pages it reserves and does not commit are given
+        back when the block ends, however it ends."""
         slot, token = _parse(sid, self.max_sessions)
         held = self._mine.__dict__.setdefault("slots", set())
         if slot in held:  # this thread holds the slot already (a batch naming it twice): at most one id of a slot is live
             raise NotFound(sid)
-        with self._record_lock(1 + slot):
+        with self._record_lock(1 + slot, timeout=wait_s) as locked:
+            if not locked:
+                raise Busy(sid)
             rec = self.table[slot : slot + 1]
             if rec["holder"][0]:  # its last holder died during a request: what it reserved goes back
                 self._settle(slot)
@@ -592,6 +605,20 @@ def _parse(sid: str, slots: int) -> tuple[int, bytes]:
 
 
 _HEX = "0123456789abcdef"
+
+
+def _lock_before(fd: int, index: int, until: float) -> None:
+    """The record lock index of fd, taken before until (time.monotonic()); OSError if another
+    process holds it until then. fcntl has no timed wait: the lock is tried every LOCK_POLL_S."""
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, index)
+            return
+        except OSError:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise
+            time.sleep(min(LOCK_POLL_S, left))
 
 
 def _advise_huge_pages(mapping: mmap.mmap) -> None:

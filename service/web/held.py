@@ -5,6 +5,7 @@ a session locked for a request, and new tokens written into it."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -15,7 +16,7 @@ from schemas.sessions import tokens
 from service import sessions
 from service.sessions import Pool, Session
 
-from .context import services
+from .context import context, services
 from .errors import ApiError
 
 
@@ -57,6 +58,12 @@ def refusals() -> Iterator[None]:
             f"more than all the sessions' memory, {exc.memory_bytes} bytes (ATTN_SESSION_MEMORY_BYTES): it could never hold a token.",
             "head_dim",
         ) from None
+    except sessions.Busy:  # only a request with a deadline stops waiting
+        deadline = context().deadline
+        ms = f"={deadline.ms:g}" if deadline is not None else ""
+        raise RequestError(
+            "deadline", f"Another request held the session until X-Deadline-Ms{ms} passed; nothing was changed. Allow more time.", "id"
+        ) from None
     except sessions.PoolFull as exc:
         retry = pool().retry_after()
         raise ApiError(
@@ -68,8 +75,11 @@ def refusals() -> Iterator[None]:
 
 @contextlib.contextmanager
 def session(sid: str) -> Iterator[Session]:
-    """The session sid of this request's key, locked for the block (404 if there is none)."""
-    with refusals(), pool().session(sid, owner()) as s:
+    """The session sid of this request's key, locked for the block (404 if there is none). Waiting
+    for another request's hold on it is part of this one's X-Deadline-Ms: past it, 504."""
+    deadline = context().deadline
+    wait_s = None if deadline is None else deadline.at - time.perf_counter()  # the clock X-Deadline-Ms runs on (context.arrived)
+    with refusals(), pool().session(sid, owner(), wait_s) as s:
         yield s
 
 
