@@ -23,8 +23,8 @@ from .errors import RequestError
 Messages = dict[str, str | list | dict]  # marshmallow's type of a field's error_messages
 
 
-class _Coded(fields.Field):
-    """Put before a marshmallow field class (class Bool(_Coded, fields.Boolean)): its
+class Coded(fields.Field):
+    """Put before a marshmallow field class (class Bool(Coded, fields.Boolean)): its
     ValidationErrors become RequestErrors with a code and the field's name (or `error_field`, when
     a front door names another)."""
 
@@ -79,7 +79,7 @@ def _text(exc: ValidationError) -> str:
     return " ".join(str(m) for m in msgs)
 
 
-class Bool(_Coded, fields.Boolean):
+class Bool(Coded, fields.Boolean):
     """Strictly true or false: no "yes", no 1."""
 
     def __init__(self, **kwargs):
@@ -91,7 +91,7 @@ class Bool(_Coded, fields.Boolean):
         return value
 
 
-class Choice(_Coded, fields.Raw):
+class Choice(Coded, fields.Raw):
     """One of a fixed set of JSON values (compared by type and value, so 1 is not true)."""
 
     def __init__(self, choices, **kwargs):
@@ -109,7 +109,7 @@ def _choices(choices) -> str:
     return ", ".join(repr(c).replace("True", "true").replace("False", "false").replace("'", '"') for c in choices)
 
 
-class PositiveFloat(_Coded, fields.Float):
+class PositiveFloat(Coded, fields.Float):
     """A finite number > 0 (booleans are not numbers here)."""
 
     def __init__(self, **kwargs):
@@ -123,7 +123,7 @@ class PositiveFloat(_Coded, fields.Float):
         return float(value)
 
 
-class Int(_Coded, fields.Integer):
+class Int(Coded, fields.Integer):
     """An integer >= minimum (booleans are not integers here)."""
 
     def __init__(self, minimum: int = 0, **kwargs):
@@ -149,7 +149,7 @@ class NonNegativeInt(Int):
         super().__init__(minimum=0, **kwargs)
 
 
-class Tensor(_Coded, fields.Field):
+class Tensor(Coded, fields.Field):
     """A tensor in any wire encoding -> a checked np.ndarray.
 
     kind: "float" (numbers; booleans refused), "mask" (booleans or 0/1 numbers -> bool), or
@@ -189,7 +189,7 @@ class Tensor(_Coded, fields.Field):
         return arr
 
 
-class Window(_Coded, fields.Field):
+class Window(Coded, fields.Field):
     """[left, right], integers >= -1 (FlashAttention's window_size; -1 leaves that side open) -> a tuple."""
 
     def __init__(self, **kwargs):

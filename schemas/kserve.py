@@ -22,7 +22,7 @@ from marshmallow import EXCLUDE, INCLUDE, RAISE, Schema, fields, missing, post_l
 from service import wire
 
 from .errors import RequestError
-from .fields import Bool, Int, Messages, _Coded, show
+from .fields import Bool, Coded, Int, Messages, show
 from .requests import AttentionRequest, MhaRequest
 from .responses import Cost
 from .sessions import SequenceStepRequest
@@ -193,7 +193,7 @@ class Envelope:
 # --- the envelope's fields ---------------------------------------------------------------------
 
 
-class Text(_Coded, fields.String):
+class Text(Coded, fields.String):
     """A string; anything else is bad_type, "{label} must be a string."."""
 
     def _deserialize(self, value, attr, data, **kwargs):
@@ -202,7 +202,7 @@ class Text(_Coded, fields.String):
         return value
 
 
-class Datatype(_Coded, fields.String):
+class Datatype(Coded, fields.String):
     """One of the protocol's datatypes this tensor accepts (a server-wide enum in the document)."""
 
     default_error_messages: Messages = {"required": "{label} needs a datatype."}
@@ -217,7 +217,7 @@ class Datatype(_Coded, fields.String):
         return value
 
 
-class Shape(_Coded, fields.List):
+class Shape(Coded, fields.List):
     """The tensor's shape, passed on as sent: wire.decode checks it (a list of positive integers)."""
 
     default_error_messages: Messages = {"required": "{label} needs a shape."}
@@ -229,7 +229,7 @@ class Shape(_Coded, fields.List):
         return value
 
 
-class TensorData(_Coded, fields.Raw):
+class TensorData(Coded, fields.Raw):
     """An input's values, flat or nested as its shape (a list, or the array wire.loads made of a
     long one): the native Tensor field decodes and checks them."""
 
@@ -237,7 +237,7 @@ class TensorData(_Coded, fields.Raw):
         super().__init__(allow_none=True, **kwargs)  # null: the native field's to refuse
 
 
-class ByteCount(_Coded, fields.Integer):
+class ByteCount(Coded, fields.Integer):
     """binary_data_size (or a shared-memory parameter, its code bad_shared_memory): a byte count."""
 
     def __init__(self, code: str = "bad_type", **kwargs):
@@ -250,7 +250,7 @@ class ByteCount(_Coded, fields.Integer):
         return value
 
 
-class RegionName(_Coded, fields.String):
+class RegionName(Coded, fields.String):
     """shared_memory_region: a registered region's name (whether it is one is the web layer's)."""
 
     def _deserialize(self, value, attr, data, **kwargs):
@@ -259,7 +259,7 @@ class RegionName(_Coded, fields.String):
         return value
 
 
-class Object(_Coded, fields.Nested):
+class Object(Coded, fields.Nested):
     """A JSON object loaded by its schema; anything else is bad_type, "{label} must be a JSON object"."""
 
     def _deserialize(self, value, attr, data, partial=None, **kwargs):
@@ -268,7 +268,7 @@ class Object(_Coded, fields.Nested):
         return self.schema.read(value)
 
 
-class Tensors(_Coded, fields.List):
+class Tensors(Coded, fields.List):
     """inputs or outputs: a non-empty list of objects, each loaded by the schema of the tensor it
     names (by_name: its model's), none twice -> {name: loaded, in the order sent}."""
 
@@ -305,7 +305,7 @@ class Tensors(_Coded, fields.List):
         return out
 
 
-class Option(_Coded, fields.Raw):
+class Option(Coded, fields.Raw):
     """A model's option as a request parameter, passed on to the native request, whose field checks
     it under its label ("parameter causal"); the document shows it as those fields (`native`: one
     per model that has it)."""
@@ -343,7 +343,7 @@ class _Envelope(Schema):
         self.required = {name for name, field in self.fields.items() if field.required}
 
     def on_bind_field(self, field_name: str, field_obj) -> None:
-        if isinstance(field_obj, _Coded):
+        if isinstance(field_obj, Coded):
             field_obj.typed_null = True  # "must be a string, not None", as for any other value
             if self.what:
                 field_obj.label = self._label(field_name)
@@ -500,7 +500,7 @@ class RequestParameters(_Envelope):
         super().__init__("parameters", None, **kwargs)
 
     def on_bind_field(self, field_name: str, field_obj) -> None:
-        if isinstance(field_obj, _Coded):
+        if isinstance(field_obj, Coded):
             field_obj.label, field_obj.typed_null = f"parameter {field_name}", True
 
     def _unknown(self, keys):

@@ -20,7 +20,7 @@ from .jobs import COMPUTE_DTYPES, WEIGHTS_DTYPES, AttentionJob, MhaJob
 CAUSAL = (False, True, "top_left", "bottom_right")
 
 
-class _Strict(Schema):
+class StrictSchema(Schema):
     """What every request body shares: unknown fields refused, fields named by their labels, one
     error per request, the limits in force."""
 
@@ -144,7 +144,7 @@ class _Strict(Schema):
         return data.get("response_encoding") or wire.wire_encoding(original.get(field))
 
 
-class _Request(_Strict):
+class ComputeRequest(StrictSchema):
     """Options every compute request shares."""
 
     return_weights = Bool(load_default=True, metadata={"description": "return the attention weights"})
@@ -159,7 +159,7 @@ class _Request(_Strict):
     )
 
 
-class AttentionRequest(_Request):
+class AttentionRequest(ComputeRequest):
     q = Tensor(required=True, metadata={"description": "queries (..., T, d)"})
     k = Tensor(required=True, metadata={"description": "keys (..., S, d): the same leading axes as q"})
     v = Tensor(required=True, metadata={"description": "values (..., S, dv): the same leading axes and S as k"})
@@ -296,7 +296,7 @@ class AttentionRequest(_Request):
         )
 
 
-class MhaRequest(_Request):
+class MhaRequest(ComputeRequest):
     x = Tensor(ranks=(2, 3), required=True, metadata={"description": "input (n, d) or (B, n, d)"})
     wq = Tensor(ranks=(2, 2), required=True, metadata={"description": "query projection (d, heads*dk); the GPT block's (d, d)"})
     wk = Tensor(ranks=(2, 2), required=True, metadata={"description": "key projection (d, kv_heads*dk); the GPT block's (d, d)"})

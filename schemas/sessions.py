@@ -11,12 +11,12 @@ from marshmallow import fields, validates_schema
 from service import wire
 
 from .errors import RequestError
-from .fields import Bool, Choice, NonNegativeInt, PositiveFloat, PositiveInt, Tensor, Window, _Coded
+from .fields import Bool, Choice, Coded, NonNegativeInt, PositiveFloat, PositiveInt, Tensor, Window
 from .jobs import COMPUTE_DTYPES, SessionStepJob
-from .requests import CAUSAL, _Request, _Strict
+from .requests import CAUSAL, ComputeRequest, StrictSchema
 
 
-class SessionCreateRequest(_Strict):
+class SessionCreateRequest(StrictSchema):
     heads = PositiveInt(required=True, metadata={"description": "query heads H"})
     kv_heads = PositiveInt(load_default=None, metadata={"description": "key/value heads Hkv, dividing H (default H)"})
     head_dim = PositiveInt(required=True, metadata={"description": "d, the width of a query and a key"})
@@ -49,22 +49,22 @@ class SessionCreateRequest(_Strict):
         return data
 
 
-class SessionAppendRequest(_Strict):
+class SessionAppendRequest(StrictSchema):
     k = Tensor(ranks=(3, 3), required=True, metadata={"description": "the new tokens' keys (Hkv, t, d)"})
     v = Tensor(ranks=(3, 3), required=True, metadata={"description": "their values (Hkv, t, dv)"})
     at = NonNegativeInt(load_default=None, metadata={"description": "append only if the session's length is this (else 409)"})
 
 
-class SessionLengthRequest(_Strict):
+class SessionLengthRequest(StrictSchema):
     """fork's and truncate's body: a length (fork's default: all)."""
 
     length = NonNegativeInt(load_default=None, metadata={"description": "tokens kept (default: all)"})
 
 
-class _Step(_Request):
+class _Step(ComputeRequest):
     """The options of a step (POST /attention's that make sense on one; dtype is the session's)."""
 
-    class Meta(_Request.Meta):
+    class Meta(ComputeRequest.Meta):
         exclude: tuple[str, ...] = ("dtype",)
 
     return_weights = Bool(load_default=False, metadata={"description": "return the weights (H, t, S)"})
@@ -88,7 +88,7 @@ class SessionStepRequest(_Step):
         _paired(data)
 
 
-class SequenceId(_Coded, fields.Field):
+class SequenceId(Coded, fields.Field):
     """Triton's sequence_id: a number > 0 or a non-empty string, the client's -> its text."""
 
     def __init__(self, **kwargs):
@@ -123,7 +123,7 @@ class SequenceStepRequest(_Step):
         return data
 
 
-class SessionIds(_Coded, fields.Field):
+class SessionIds(Coded, fields.Field):
     """A non-empty list of distinct session ids."""
 
     def _deserialize(self, value, attr, data, **kwargs) -> list[str]:
@@ -134,7 +134,7 @@ class SessionIds(_Coded, fields.Field):
         return value
 
 
-class Lengths(_Coded, fields.Field):
+class Lengths(Coded, fields.Field):
     """A list of lengths, integers >= 0."""
 
     def _deserialize(self, value, attr, data, **kwargs) -> list[int]:
@@ -171,7 +171,7 @@ def _paired(data: dict) -> None:
         raise RequestError("missing_field", f"{missing} is required with {'k' if missing == 'v' else 'v'}: new tokens need both.", missing)
 
 
-def tokens(schema: _Strict, k: np.ndarray, v: np.ndarray, kv_heads: int, head_dim: int, value_dim: int, dtype: np.dtype) -> tuple:
+def tokens(schema: StrictSchema, k: np.ndarray, v: np.ndarray, kv_heads: int, head_dim: int, value_dim: int, dtype: np.dtype) -> tuple:
     """k (Hkv, t, d) and v (Hkv, t, dv) checked against a session's shapes (422 shape_mismatch
     naming the field and both shapes) and cast to its dtype."""
     want_k, want_v = (kv_heads, k.shape[1], head_dim), (kv_heads, k.shape[1], value_dim)
@@ -182,7 +182,7 @@ def tokens(schema: _Strict, k: np.ndarray, v: np.ndarray, kv_heads: int, head_di
     return schema.cast("k", k, dtype), schema.cast("v", v, dtype)
 
 
-def step_job(schema: _Strict, data: dict, q: np.ndarray, shape, S: int, encoding: str, pages=()) -> SessionStepJob:
+def step_job(schema: StrictSchema, data: dict, q: np.ndarray, shape, S: int, encoding: str, pages=()) -> SessionStepJob:
     """A step's job: q (H, t, d) checked against the session (heads, width; 422 naming both
     shapes), the options against it, the limits; S the keys it attends to (the new tokens
     included); shape the session's (service.sessions.Shape: heads, kv_heads, head_dim, value_dim, dtype)."""
