@@ -81,6 +81,12 @@ def v2(**changes) -> dict:
     return {k: v for k, v in body.items() if v is not DROP}
 
 
+def v2_key_lengths(datatype: str, value: int) -> dict:
+    """The /v2 seed with one leading item (q, k, v (1, 3, 2)) and key_lengths [value] of datatype."""
+    inputs = [{**spec, "shape": [1, *spec["shape"]]} for spec in copy.deepcopy(V2_SEED["inputs"])]
+    return v2(inputs=[*inputs, {"name": "key_lengths", "datatype": datatype, "shape": [1], "data": [value]}])
+
+
 def v2_input(which: str, **changes) -> dict:
     """The /v2 seed with one input's fields replaced (DROP removes one)."""
     body = copy.deepcopy(V2_SEED)
@@ -1069,25 +1075,13 @@ PROTOCOL = [
     Case("v2-content-length-over-the-limit", lambda: (b"{" + b" " * (BODY_LIMIT + 1) + b"}", {}), 413, path=V2),
     Case(
         "v2-key-lengths-int32-wraps",
-        v2(
-            inputs=[
-                {"name": n, "datatype": "FP32", "shape": [1, 3, 2], "data": d["data"]}
-                for n, d in zip("qkv", V2_SEED["inputs"], strict=True)
-            ]
-            + [{"name": "key_lengths", "datatype": "INT32", "shape": [1], "data": [4294967297]}]
-        ),
+        v2_key_lengths("INT32", 4294967297),
         400,
         path=V2,
     ),
     Case(
         "v2-key-lengths-negative",
-        v2(
-            inputs=[
-                {"name": n, "datatype": "FP32", "shape": [1, 3, 2], "data": d["data"]}
-                for n, d in zip("qkv", V2_SEED["inputs"], strict=True)
-            ]
-            + [{"name": "key_lengths", "datatype": "INT64", "shape": [1], "data": [-1]}]
-        ),
+        v2_key_lengths("INT64", -1),
         400,
         path=V2,
         message_has="key_lengths",
