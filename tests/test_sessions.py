@@ -498,12 +498,12 @@ def test_appends_truncates_forks_steps_and_deletes_racing_lose_no_page():
     assert (pool["sessions"], pool["pages"], pool["used_bytes"]) == (0, 0, 0), pool
 
 
-def test_a_delete_during_a_step_waits_for_it_and_frees_everything(monkeypatch):
+def a_step_held_computing(monkeypatch, c, sid: str):
+    """A step on sid (2 heads, d=2), started on a thread and held in its computation, so holding
+    the session, until release() is called: (the thread, the list its answer goes to, release).
+    Steps made after it compute at once."""
     import service.web.sessions as web_sessions
 
-    c = client(session_page_tokens=2)
-    sid = make(c)
-    append(c, sid, 3)
     computing, go_on = threading.Event(), threading.Event()
     run = web_sessions.run
 
@@ -513,16 +513,25 @@ def test_a_delete_during_a_step_waits_for_it_and_frees_everything(monkeypatch):
         return run(job)
 
     monkeypatch.setattr(web_sessions, "run", held_run)
-    step: list = []
-    stepper = threading.Thread(target=lambda: step.append(c.post(f"/sessions/{sid}/attention", json={"q": [[[1, 1]]] * 2})))
+    answers: list = []
+    stepper = threading.Thread(target=lambda: answers.append(c.post(f"/sessions/{sid}/attention", json={"q": [[[1, 1]]] * 2})))
     stepper.start()
     assert computing.wait(60)
+    monkeypatch.setattr(web_sessions, "run", run)
+    return stepper, answers, go_on.set
+
+
+def test_a_delete_during_a_step_waits_for_it_and_frees_everything(monkeypatch):
+    c = client(session_page_tokens=2)
+    sid = make(c)
+    append(c, sid, 3)
+    stepper, step, release = a_step_held_computing(monkeypatch, c, sid)
     deleted: list = []
     deleter = threading.Thread(target=lambda: deleted.append(client(session_page_tokens=2).delete(f"/sessions/{sid}")))
     deleter.start()
     deleter.join(0.5)
     assert not deleted  # the step holds the session
-    go_on.set()
+    release()
     stepper.join(60)
     deleter.join(60)
     assert step[0].status_code == 200 and step[0].get_json()["length"] == 3
@@ -536,25 +545,10 @@ def test_a_step_waiting_for_a_busy_session_keeps_its_deadline(monkeypatch):
     """Waiting for another request's hold on a session is part of a step's X-Deadline-Ms (contract
     1.3, "Deadlines"): past it, 504 deadline and nothing appended; a step without a deadline waits
     and is answered once the hold ends."""
-    import service.web.sessions as web_sessions
-
     c = client()
     sid = make(c)
     append(c, sid, 3, at=0)
-    computing, go_on = threading.Event(), threading.Event()
-    run = web_sessions.run
-
-    def held_run(job):
-        computing.set()
-        assert go_on.wait(60)
-        return run(job)
-
-    monkeypatch.setattr(web_sessions, "run", held_run)
-    first: list = []
-    holder = threading.Thread(target=lambda: first.append(c.post(f"/sessions/{sid}/attention", json={"q": [[[1, 1]]] * 2})))
-    holder.start()
-    assert computing.wait(60)
-    monkeypatch.setattr(web_sessions, "run", run)  # the steps below compute at once
+    holder, first, release = a_step_held_computing(monkeypatch, c, sid)
     step = {"q": [[[1, 0]], [[0, 1]]], "k": [[[1, 1]]] * 2, "v": [[[1, 1]]] * 2, "at": 3}
     late = client().post(f"/sessions/{sid}/attention", json=step, headers={"X-Deadline-Ms": "200"})
     assert late.status_code == 504, late.get_json()
@@ -564,7 +558,7 @@ def test_a_step_waiting_for_a_busy_session_keeps_its_deadline(monkeypatch):
     waiter.start()
     waiter.join(0.5)
     assert not waiting  # no deadline: it waits for the hold
-    go_on.set()
+    release()
     holder.join(60)
     waiter.join(60)
     assert first[0].status_code == 200 and first[0].get_json()["length"] == 3
