@@ -209,6 +209,27 @@ def attention_body(T: int, encoding: str = "b64", weights: bool = False, seed: i
     return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+class NativeClient:
+    """POST /attention with the native door's b64 JSON body (pybase64, orjson), through a
+    requests.Session as it comes: its default headers (Accept-Encoding: gzip, deflate), as users
+    call a server with requests."""
+
+    def __init__(self, port: int):
+        self.url, self.session = f"http://127.0.0.1:{port}/attention", requests.Session()
+
+    def infer(self, qkv: dict, weights: bool) -> dict[str, np.ndarray]:
+        body = orjson.dumps({**{name: b64(a) for name, a in qkv.items()}, "causal": True, "return_weights": weights})
+        resp = self.session.post(self.url, data=body, headers={"Content-Type": "application/json"}, timeout=600)
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.content[:300]!r}")
+        doc = orjson.loads(resp.content)
+        names = ("out", "weights") if weights else ("out",)
+        return {n: unb64(doc[n]) for n in names}
+
+    def close(self) -> None:
+        self.session.close()
+
+
 class Answer(NamedTuple):
     """One answer a closed-loop client got."""
 

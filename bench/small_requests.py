@@ -28,12 +28,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import orjson
-import requests
 
 from service import __main__ as service_main
 
-from .common import ROOT, D, H, Server, attention_body, b64, cpu_seconds, table, unb64
+from .common import ROOT, D, H, NativeClient, Server, attention_body, cpu_seconds, table
 
 LUA = """wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
@@ -48,21 +46,20 @@ HEADER = (
 
 
 def one_at_a_time(servers: dict, reps: int) -> dict[str, float]:
-    """Median ms of a T=64 request sent alone, as `make bench-peers` calls the native door (a
-    requests.Session with its default headers; the body encoded, the answer decoded, each time),
-    the servers in turns."""
+    """Median ms of a T=64 request sent alone by `make bench-peers`'s client (NativeClient: the
+    body encoded and the answer decoded each time), the servers in turns."""
     rng = np.random.default_rng(0)
     qkv = {name: rng.standard_normal((1, H, 64, D)).astype(np.float32) for name in "qkv"}
-    sessions = {key: requests.Session() for key in servers}
+    clients = {key: NativeClient(server.port) for key, server in servers.items()}
     times: dict = defaultdict(list)
     for i in range(reps + 10):  # the first 10 rounds warm up
-        for key, server in servers.items() if i % 2 else reversed(servers.items()):
+        for key in servers if i % 2 else reversed(servers):
             t0 = time.perf_counter()
-            body = orjson.dumps({**{name: b64(a) for name, a in qkv.items()}, "causal": True, "return_weights": False})
-            r = sessions[key].post(server.url + "/attention", data=body, headers={"Content-Type": "application/json"}, timeout=60)
-            unb64(orjson.loads(r.content)["out"])
+            clients[key].infer(qkv, weights=False)
             if i >= 10:
                 times[key].append((time.perf_counter() - t0) * 1000)
+    for client in clients.values():
+        client.close()
     return {key: statistics.median(t) for key, t in times.items()}
 
 
