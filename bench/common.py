@@ -337,11 +337,15 @@ def triton_inputs(arrays: dict[str, np.ndarray], binary: bool = True) -> list:
 
 
 def alternate(calls: Sequence[Callable[[], object]], reps: int) -> list[list[float]]:
-    """Each call reps times, in turns (the order rotated every round, so that none always follows
-    the same one): ms per call, one list per call. Sides measured this way see the same load."""
+    """Each call reps times, in turns: ms per call, one list per call. Sides measured this way see
+    the same load. The order is rotated every round and reversed every other round, so that no call
+    always follows the same one (rotation alone keeps each call's predecessor: with three, the first
+    followed the third in every round, and what the third left behind was counted to the first)."""
     times: list[list[float]] = [[] for _ in calls]
+    n = len(calls)
     for r in range(reps):
-        for i in (list(range(len(calls))) * 2)[r % len(calls) : r % len(calls) + len(calls)]:
+        order = list(range(n)) if r % 2 == 0 else list(range(n))[::-1]
+        for i in (order * 2)[r % n : r % n + n]:
             t0 = time.perf_counter()
             calls[i]()
             times[i].append((time.perf_counter() - t0) * 1000)
